@@ -1,0 +1,54 @@
+"""The `gattn` command: a thin table of subcommands over library functions.
+
+Each entry names a module that defines `configure(parser)` (adds the options, each with help text) and
+`run(args) -> int`. Modules are imported only when their subcommand runs, so `gattn --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Adding a subcommand = one row here + configure/run in the module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "gates": ("gated_attention.gates_cli", "List every gate variant and baseline with the parameters it adds."),
+    "demo": ("gated_attention.demo", "Build a tiny gated model and generate a few tokens (smoke demo)."),
+    "convert": ("gated_attention.convert", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gattn",
+        description="Gated attention for LMs (Qiu et al. 2025): models, training, analysis, long context.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(f"gattn: unknown command {argv[0]!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        parser.print_help()
+        return 0
+    name = argv[0]
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=f"gattn {name}", description=COMMANDS[name][1])
+    module.configure(sub)
+    args = sub.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except (ValueError, FileNotFoundError, KeyError) as exc:  # user errors: one clear line, no traceback
+        print(f"gattn {name}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
