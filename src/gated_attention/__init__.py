@@ -1,2 +1,18 @@
-"""gated-attention: gated softmax attention for LMs (Qiu et al. 2025)."""
+"""gated-attention: gated softmax attention for LMs (Qiu et al. 2025, arXiv 2505.06708).
+
+Importing the package registers `GatedQwen3Config` / `GatedQwen3ForCausalLM` (model_type "gated_qwen3") with the
+transformers Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)` works on our checkpoints.
+"""
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .configuration import GatedQwen3Config
+from .gates import GATES, GateSpec, get_gate
+from .modeling import GatedQwen3ForCausalLM, GatedQwen3Model
+
 __version__ = "0.1.0"
+
+AutoConfig.register(GatedQwen3Config.model_type, GatedQwen3Config, exist_ok=True)
+AutoModel.register(GatedQwen3Config, GatedQwen3Model, exist_ok=True)
+AutoModelForCausalLM.register(GatedQwen3Config, GatedQwen3ForCausalLM, exist_ok=True)
+
+__all__ = ["GatedQwen3Config", "GatedQwen3Model", "GatedQwen3ForCausalLM", "GATES", "GateSpec", "get_gate"]

@@ -1,0 +1,168 @@
+"""The attention layer: GQA with optional QK-norm and RoPE, and the gate applied outside the kernel.
+
+Order of operations (official code, SPEC §1.3): q/k/v projections of the pre-normed input X -> [G4/G3/G2 gates on the
+raw projections] -> QK-norm -> RoPE -> KV cache -> kernel (eager or sdpa) -> (B, T, H, D) -> [G1 gate] -> o_proj ->
+[G5 gate]. Because the gate never enters the kernel, every backend (ours or transformers' registered ones) works.
+The eager kernel is the plain reference that materialises probabilities; sdpa is the fast path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .gates import Position, build_gate
+from .rope import apply_rotary_pos_emb
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: fp32 compute, cast back to the input dtype, then * weight (ones-init, not 1 + w)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, KV, S, D) -> (B, KV*n_rep, S, D); query head h reads KV head h // n_rep."""
+    if n_rep == 1:
+        return x
+    b, kv, s, d = x.shape
+    return x[:, :, None].expand(b, kv, n_rep, s, d).reshape(b, kv * n_rep, s, d)
+
+
+def eager_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
+    """Reference kernel. q (B, H, T, D), k/v (B, KV, S, D), mask additive float (B, 1, T, S) or None.
+    Returns ((B, T, H, D), probs (B, H, T, S)). Softmax in fp32, as HF and the official code do."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+    logits = torch.matmul(q, k.transpose(2, 3)) * scaling  # (B, H, T, S)
+    if mask is None and getattr(module, "is_causal", True) and q.shape[2] > 1:
+        t, s = q.shape[2], k.shape[2]  # the sdpa path may skip the mask for pure causal input: rebuild it
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        else:
+            logits = logits + mask
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs_used = F.dropout(probs, p=dropout, training=module.training) if dropout else probs
+    out = torch.matmul(probs_used, v)  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), probs
+
+
+def sdpa_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
+    """torch SDPA. Same contract as `eager_attention`, probabilities not returned."""
+    is_causal = mask is None and q.shape[2] > 1 and q.shape[2] == k.shape[2]
+    if mask is None and q.shape[2] > 1 and not is_causal:
+        raise ValueError("sdpa_attention: a causal mask is needed when query and key lengths differ")
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, is_causal=is_causal,
+        scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
+    )  # (B, H, T, D)
+    return out.transpose(1, 2).contiguous(), None
+
+
+KERNELS = {"eager": eager_attention, "sdpa": sdpa_attention}
+
+
+def get_kernel(name: str | None):
+    if name is None or name in KERNELS:
+        return KERNELS[name or "sdpa"]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # flash / flex / kernels from the hub registry
+
+    if name in ALL_ATTENTION_FUNCTIONS:
+        hf = ALL_ATTENTION_FUNCTIONS[name]
+
+        def kernel(module, q, k, v, mask, scaling, dropout=0.0, **kw):
+            return hf(module, q, k, v, mask, scaling=scaling, dropout=dropout, **kw)
+
+        return kernel
+    raise ValueError(f"unknown attention implementation {name!r}; valid: eager, sdpa, {', '.join(ALL_ATTENTION_FUNCTIONS)}")
+
+
+class GatedAttention(nn.Module):
+    """Qwen3 attention with a gate from the registry. Parameter names are stock Qwen3's; the gate (if any) lives in
+    the `gate` submodule so an ungated layer has exactly stock keys."""
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scaling = self.head_dim ** -0.5
+        self.attention_dropout = config.attention_dropout
+        self.is_causal = True
+        d, hd, bias = config.hidden_size, self.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
+        if config.use_qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.gate = build_gate(config.gate, config)
+        self.gate_position = self.gate.spec.position if self.gate is not None else None
+        self.capture = None  # a Recorder (capture.py) while analysing; None costs nothing
+
+    def _emit(self, name, value):
+        if self.capture is not None:
+            self.capture(self.layer_idx, name, value)
+
+    def _maybe_gate(self, position: Position, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_position is not position:
+            return y
+        if position is Position.SDPA:
+            self._emit("y_pre_gate", y)
+        y, score = self.gate(y, x)
+        if score is not None:
+            self._emit("gate", score)
+        if position is Position.SDPA:
+            self._emit("y_post_gate", y)
+        return y
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        x = hidden_states
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        if self.gate_position is not None:
+            q = self._maybe_gate(Position.QUERY, q, x)
+            k = self._maybe_gate(Position.KEY, k, x)
+            v = self._maybe_gate(Position.VALUE, v, x)
+        if self.config.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)  # (B, KV, S, D) including the past
+        if self.capture is not None:
+            self._emit("q", q)
+            self._emit("k", k)
+            self._emit("scale", self.scaling)
+        impl = self.config._attn_implementation or "sdpa"
+        if self.capture is not None and getattr(self.capture, "wants_probs", False):
+            impl = "eager"
+        y, probs = get_kernel(impl)(self, q, k, v, attention_mask, self.scaling,
+                                    dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
+        if probs is not None:
+            self._emit("attn_probs", probs)
+        if self.gate_position is Position.SDPA:
+            y = self._maybe_gate(Position.SDPA, y, x)
+        out = self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim))  # (B, T, d)
+        if self.gate_position is Position.DENSE:
+            out = self._maybe_gate(Position.DENSE, out, x)
+        return out, probs

@@ -1,0 +1,190 @@
+"""The gated Qwen3-style causal LM (dense or MoE), HF-native: `GatedQwen3Model` and `GatedQwen3ForCausalLM`.
+
+Single-device code with stock Qwen3 parameter names. Training, parallelism, analysis and long-context tools are
+functions applied to a built model; nothing here imports them. Masks and the KV cache are transformers' own
+(`create_causal_mask`, `DynamicCache`/`StaticCache`), so `generate()` works as for any HF model.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import capture_outputs
+
+from .attention import GatedAttention, RMSNorm
+from .configuration import GatedQwen3Config
+from .gates import Gate, Source
+from .rope import RotaryEmbedding, compute_rope_parameters
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: GatedQwen3Config, intermediate_size: int | None = None):
+        super().__init__()
+        width = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, config.hidden_size, bias=False)
+        from transformers.activations import ACT2FN
+
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_ffn(config: GatedQwen3Config, layer_idx: int) -> nn.Module:
+    if config.is_moe_layer(layer_idx):
+        from .moe import SparseMoeBlock
+
+        return SparseMoeBlock(config)
+    return MLP(config)
+
+
+class GatedQwen3DecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: x + attn(norm(x)), then x + ffn(norm(x))."""
+
+    def __init__(self, config: GatedQwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = GatedAttention(config, layer_idx)
+        self.mlp = build_ffn(config, layer_idx)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.capture = None
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
+        h, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, **kwargs)
+        hidden_states = hidden_states + h
+        if self.capture is not None:
+            self.capture(self.layer_idx, "attn_output", h)
+            self.capture(self.layer_idx, "attn_residual", hidden_states)
+        h = self.mlp(self.post_attention_layernorm(hidden_states))
+        hidden_states = hidden_states + h
+        if self.capture is not None:
+            self.capture(self.layer_idx, "ffn_output", h)
+            self.capture(self.layer_idx, "ffn_residual", hidden_states)
+        return hidden_states
+
+
+class GatedQwen3PreTrainedModel(PreTrainedModel):
+    config_class = GatedQwen3Config
+    config: GatedQwen3Config
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["GatedQwen3DecoderLayer"]
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _can_compile_fullgraph = True
+    _supports_attention_backend = True
+    _can_record_outputs = {"hidden_states": GatedQwen3DecoderLayer, "attentions": GatedAttention}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        if isinstance(module, RotaryEmbedding):  # non-persistent buffers: recompute (from_pretrained builds on meta)
+            inv_freq, _ = compute_rope_parameters(module.config)
+            init.copy_(module.inv_freq, inv_freq)
+            init.copy_(module.original_inv_freq, inv_freq)
+        elif isinstance(module, Gate):
+            if module.spec.source is Source.CONSTANT:
+                init.zeros_(module.theta)  # the paper's input-independent gate starts at theta = 0
+            elif module.spec.source is Source.INPUT and module.init == "identity":
+                init.zeros_(module.proj.weight)
+                if module.proj.bias is not None:
+                    init.zeros_(module.proj.bias)
+        elif isinstance(module, nn.Linear) and self._is_identity_gate_proj(module):
+            return  # handled by its Gate
+        else:
+            super()._init_weights(module)
+
+    def _is_identity_gate_proj(self, linear: nn.Linear) -> bool:
+        return self.config.gate_init == "identity" and getattr(linear, "_is_gate_proj", False)
+
+
+class GatedQwen3Model(GatedQwen3PreTrainedModel):
+    def __init__(self, config: GatedQwen3Config):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(GatedQwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        for layer in self.layers:  # tag gate projections so the generic Linear init leaves identity gates alone
+            gate = layer.self_attn.gate
+            if gate is not None and hasattr(gate, "proj"):
+                gate.proj._is_gate_proj = True
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, use_cache=None, **kwargs) -> BaseModelOutputWithPast:
+        if "past_key_values" in kwargs:  # the pre-5.x name, still sent by some callers
+            cache = kwargs.pop("past_key_values") if cache is None else cache
+        if (input_ids is None) ^ (inputs_embeds is not None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)  # (B, T, d)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past).unsqueeze(0)
+        mask = attention_mask
+        if isinstance(mask, dict):
+            mask = mask["full_attention"]
+        else:
+            mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                                      cache=cache, position_ids=position_ids)
+        hidden_states = inputs_embeds
+        position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        for layer in self.layers[: self.config.num_hidden_layers]:
+            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
+                                  cache=cache, position_ids=position_ids, **kwargs)
+        hidden_states = self.norm(hidden_states)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
+
+
+class GatedQwen3ForCausalLM(GatedQwen3PreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: GatedQwen3Config):
+        super().__init__(config)
+        self.model = GatedQwen3Model(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
+                **kwargs) -> MoeCausalLMOutputWithPast:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
+        logits = self.lm_head(hidden)  # (B, T', V)
+        loss = aux_loss = None
+        if self.config.num_experts > 0:
+            from .moe import collect_aux_loss
+
+            aux_loss = collect_aux_loss(self)
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            if aux_loss is not None:
+                loss = loss + aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
+                                         cache=out.cache, hidden_states=out.hidden_states,
+                                         attentions=out.attentions)
+
+
+__all__ = ["GatedQwen3Model", "GatedQwen3ForCausalLM", "GatedQwen3PreTrainedModel"]
