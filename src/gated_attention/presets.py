@@ -1,0 +1,107 @@
+"""Model shape presets (the paper's Table 7 shapes and tiny CPU shapes) and the analytic parameter count.
+
+`model_config(name, gate=...)` returns a `GatedQwen3Config`. For dense shapes, gated variants shrink the FFN width so
+the total parameter count matches the ungated model within 0.1 % (as the paper's dense runs do, SPEC §4); the MoE
+shape keeps its FFN and reports the gate as added parameters (as the paper's MoE tables do).
+"""
+from __future__ import annotations
+
+from .configuration import GatedQwen3Config
+from .gates import get_gate
+
+
+def _tiny() -> dict:  # unit tests: ~30k parameters, GQA so the per-KV-group layouts are exercised
+    return dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
+
+
+def _small() -> dict:  # CPU experiments (gattn compare): ~5M parameters with an 8k vocabulary
+    return dict(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=True)
+
+
+def _dense_28l() -> dict:  # paper Table 7: 1.7B, 28 layers (= the public Qwen3-1.7B shape)
+    return dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+def _dense_48l() -> dict:  # paper Table 7: 1.7B, 48 layers, d=1536 with H*D=2048 != d
+    return {**_dense_28l(), "hidden_size": 1536, "intermediate_size": 4608, "num_hidden_layers": 48}
+
+
+def _moe_15a2b() -> dict:  # paper Table 7: 15A2B MoE, 128 fine-grained experts top-8, untied
+    return dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=4096,
+                tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                norm_topk_prob=True)
+
+
+def _tiny_moe() -> dict:
+    return {**_tiny(), "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def _small_moe() -> dict:
+    return {**_small(), "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 192}
+
+
+PRESETS = {"tiny": _tiny, "small": _small, "1.7b-28l": _dense_28l, "1.7b-48l": _dense_48l, "15a2b": _moe_15a2b,
+           "tiny-moe": _tiny_moe, "small-moe": _small_moe}
+
+
+def gate_params_per_layer(config: GatedQwen3Config) -> int:
+    spec = get_gate(config.gate)
+    if spec is None:
+        return 0
+    return spec.added_params(config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                             config.head_dim, bias=config.attention_bias)
+
+
+def param_report(config: GatedQwen3Config) -> dict:
+    """Analytic parameter counts: total, activated per token (MoE), and the parts. Equals sum(p.numel())."""
+    d, H, KV, D, L = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                      config.num_hidden_layers)
+    b = int(config.attention_bias)
+    attn = d * H * D + 2 * d * KV * D + H * D * d + b * (H * D + 2 * KV * D + d) + (2 * D if config.use_qk_norm else 0)
+    gate = gate_params_per_layer(config)
+    dense_ffn = 3 * d * config.intermediate_size
+    moe_total = moe_active = 0
+    n_moe = sum(config.is_moe_layer(i) for i in range(L))
+    if n_moe:
+        expert = 3 * d * config.moe_intermediate_size
+        shared = 3 * d * config.shared_expert_intermediate_size + (d if config.shared_expert_intermediate_size else 0)
+        router = d * config.num_experts
+        moe_total = router + config.num_experts * expert + shared
+        moe_active = router + config.num_experts_per_tok * expert + shared
+    norms = 2 * d
+    embed = config.vocab_size * d
+    head = 0 if config.tie_word_embeddings else config.vocab_size * d
+    per_layer_common = attn + gate + norms
+    total = embed + head + d + L * per_layer_common + (L - n_moe) * dense_ffn + n_moe * moe_total
+    active = embed + head + d + L * per_layer_common + (L - n_moe) * dense_ffn + n_moe * moe_active
+    return {"total": total, "activated": active, "embedding": embed, "lm_head": head, "attention_per_layer": attn,
+            "gate_per_layer": gate, "gate_total": L * gate, "dense_ffn_per_layer": dense_ffn,
+            "moe_layers": n_moe, "moe_total_per_layer": moe_total, "moe_activated_per_layer": moe_active,
+            "non_embedding": total - embed - head}
+
+
+def model_config(name: str, gate: str = "baseline", match_params: bool | None = None, **overrides) -> GatedQwen3Config:
+    """A preset shape with a gate. match_params (default: True for dense, False for MoE) shrinks the dense FFN so the
+    total parameter count equals the ungated model's within 0.1 %."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(PRESETS)}")
+    kw = {**PRESETS[name](), **overrides}
+    base = GatedQwen3Config(**kw)
+    cfg = GatedQwen3Config(**{**kw, "gate": gate})
+    if match_params is None:
+        match_params = base.num_experts == 0
+    if match_params and cfg.gate != "baseline":
+        n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        if n_dense == 0:
+            raise ValueError("match_params=True needs dense FFN layers to shrink; this model is all-MoE")
+        extra = param_report(cfg)["total"] - param_report(base)["total"]
+        per_unit = 3 * cfg.hidden_size * n_dense  # params per unit of FFN width over all dense layers
+        cfg.intermediate_size = base.intermediate_size - round(extra / per_unit)
+        if cfg.intermediate_size <= 0:
+            raise ValueError(f"gate {gate!r} adds more parameters than the FFN of preset {name!r} can give back")
+    return cfg
