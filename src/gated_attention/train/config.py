@@ -1,0 +1,228 @@
+"""TrainConfig (every knob of a training run), training presets, and typed `--set key=value` overrides.
+
+A training preset is a small function returning a TrainConfig; presets derive from each other with
+`dataclasses.replace`, and each names a model preset from gated_attention.presets. Model-config fields are
+overridden with a `model.` prefix (`model.num_hidden_layers=4`) and stored in `model_overrides`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field, replace
+
+
+@dataclass
+class TrainConfig:
+    # --- what to train
+    model: str = "small"  # model preset name (gated_attention.presets.model_config)
+    gate: str = "baseline"  # gate registry name; the baseline is ungated
+    model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
+    # --- data
+    data: str = "corpus"  # "corpus" (gattn data prepare output) or "synthetic" (built-in Markov tokens, for tests)
+    data_dir: str | None = None  # corpus directory; None = the data module's default
+    domains: list[str] | None = None  # train on these domains only; None = all
+    seq_len: int = 256  # tokens per sequence (inputs); each sample holds seq_len+1 tokens
+    batch_size: int = 16  # GLOBAL sequences per optimizer step, split over ranks then micro-batches
+    grad_accum: int = 1  # micro-batches per rank per step (memory knob; does not change the math)
+    steps: int = 2000  # optimizer steps in the whole run
+    # --- optimizer (AdamW; the paper gives no betas/eps/wd, so these are common LLM defaults)
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-5  # floor reached at the end of the decay (paper MoE runs: 2e-3 -> 3e-5)
+    warmup_steps: int = 100  # linear warm-up from 0
+    schedule: str = "cosine"  # "cosine" (warmup + cosine) or "wsd" (warmup, stable, decay)
+    wsd_decay_frac: float = 0.2  # WSD: fraction of the run spent decaying at the end
+    wsd_decay_shape: str = "linear"  # WSD decay: "linear" or "sqrt" (1 - sqrt(progress))
+    weight_decay: float = 0.1  # applied to matrices only (see wd_on_embeddings)
+    wd_on_embeddings: bool = False  # decaying embeddings hurts rare tokens; off by default
+    beta1: float = 0.9
+    beta2: float = 0.95  # 0.95 rather than 0.999: the usual LLM choice, less prone to late spikes
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
+    # --- numerics and speed
+    precision: str = "bf16"  # "bf16" autocast or "fp32"; fp16 is refused (needs loss scaling, not supported)
+    compile: bool = False  # torch.compile the model (slow first steps, faster after)
+    device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
+    dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
+    seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
+    # --- monitoring
+    eval_every: int = 0  # per-domain validation every N steps (0 = only at the end)
+    eval_batches: int = 4  # validation batches per domain
+    eval_batch_size: int = 8  # sequences per validation batch
+    stats_every: int = 50  # update/weight ratio and max |activation| per layer every N steps (0 = never)
+    spike_window: int = 50  # loss-spike detector: trailing median over this many steps ...
+    spike_delta: float = 0.1  # ... exceeded by more than this many nats (SPEC 1.8: 125 baseline / 0 gated spikes)
+    max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
+    ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
+    keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
+    progress: bool = True  # tqdm bar on rank 0
+    tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
+    inject_nan_steps: list[int] = field(default_factory=list)  # fault injection for tests: make these steps' loss NaN
+
+    def validate(self) -> "TrainConfig":
+        def bad(msg: str):
+            raise ValueError(f"invalid training config: {msg}")
+
+        if self.schedule not in ("cosine", "wsd"):
+            bad(f"schedule={self.schedule!r}; use 'cosine' or 'wsd'")
+        if self.wsd_decay_shape not in ("linear", "sqrt"):
+            bad(f"wsd_decay_shape={self.wsd_decay_shape!r}; use 'linear' or 'sqrt'")
+        if self.precision == "fp16":
+            bad("precision='fp16' is not supported (no loss scaling); use 'bf16' or 'fp32'")
+        if self.precision not in ("bf16", "fp32"):
+            bad(f"precision={self.precision!r}; use 'bf16' or 'fp32'")
+        if self.data not in ("corpus", "synthetic"):
+            bad(f"data={self.data!r}; use 'corpus' or 'synthetic'")
+        if self.dist not in ("ddp", "fsdp"):
+            bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
+        if self.device not in ("auto", "cpu", "cuda"):
+            bad(f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'")
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
+                     "keep_checkpoints", "eval_batches", "eval_batch_size"):
+            if getattr(self, name) < 1:
+                bad(f"{name}={getattr(self, name)} must be >= 1")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            bad(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
+        if not 0.0 <= self.wsd_decay_frac <= 1.0:
+            bad(f"wsd_decay_frac={self.wsd_decay_frac} must be in [0, 1]")
+        if self.min_lr > self.lr:
+            bad(f"min_lr={self.min_lr} exceeds lr={self.lr}")
+        return self
+
+    def check_world(self, world_size: int) -> None:
+        """The global batch must split evenly over ranks and micro-batches (same math for any world size)."""
+        if self.batch_size % (world_size * self.grad_accum):
+            raise ValueError(
+                f"batch_size={self.batch_size} is not divisible by world_size*grad_accum={world_size}*{self.grad_accum}; "
+                f"pick a batch_size that is a multiple of {world_size * self.grad_accum}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown TrainConfig keys {unknown}; valid: {sorted(names)}")
+        return cls(**d)
+
+
+# ---------------------------------------------------------------- presets (each derives from another)
+
+def tiny() -> TrainConfig:
+    """Seconds on a CPU: tests and smoke runs (synthetic data so nothing needs preparing)."""
+    return TrainConfig(model="tiny", data="synthetic", seq_len=32, batch_size=8, steps=40, lr=3e-3, min_lr=3e-4,
+                       warmup_steps=4, eval_batches=2, eval_batch_size=4, stats_every=10, spike_window=10,
+                       ckpt_every=20, progress=False, tensorboard=False)
+
+
+def small() -> TrainConfig:
+    """The CPU default: the `small` model on the prepared corpus, minutes to an hour."""
+    return replace(tiny(), model="small", data="corpus", seq_len=256, batch_size=16, steps=2000, lr=3e-3,
+                   min_lr=3e-5, warmup_steps=100, eval_every=250, eval_batches=8, eval_batch_size=8, stats_every=50,
+                   spike_window=50, ckpt_every=250, progress=True, tensorboard=True)
+
+
+def small_stress() -> TrainConfig:
+    """The Table-2 stress test in small: high LR, short warm-up, for `gattn sweep` over gates x LRs."""
+    return replace(small(), lr=1e-2, min_lr=1e-4, warmup_steps=20, steps=500, eval_every=0, ckpt_every=100)
+
+
+def tiny_stress() -> TrainConfig:
+    return replace(tiny(), lr=3e-2, warmup_steps=2)
+
+
+TRAIN_PRESETS = {"tiny": tiny, "small": small, "small-stress": small_stress, "tiny-stress": tiny_stress}
+
+
+def train_preset(name: str) -> TrainConfig:
+    if name not in TRAIN_PRESETS:
+        raise ValueError(f"unknown training preset {name!r}; valid: {', '.join(TRAIN_PRESETS)}")
+    return TRAIN_PRESETS[name]()
+
+
+# ---------------------------------------------------------------- --set key=value
+
+def _parse_bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
+def _convert(text: str, tp, key: str):
+    """Convert `text` to the annotated type `tp` (str | None, list[int], ...)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(text, inner[0], key)
+    if origin is list:
+        if text.strip().startswith("["):
+            items = json.loads(text)
+        else:
+            items = [t for t in text.split(",") if t.strip()]
+        return [_convert(str(i), args[0] if args else str, key) for i in items]
+    if origin is dict or tp is dict:
+        val = json.loads(text)
+        if not isinstance(val, dict):
+            raise ValueError(f"{key}: expected a JSON object")
+        return val
+    if tp is bool:
+        return _parse_bool(text)
+    if tp is int:
+        return int(float(text)) if ("e" in text.lower() and float(text).is_integer()) else int(text)
+    if tp is float:
+        return float(text)
+    return text
+
+
+def _convert_like(text: str, current, key: str):
+    """Model-config values: convert to the type of the current value; JSON for anything structured."""
+    if isinstance(current, bool):
+        return _parse_bool(text)
+    if isinstance(current, int):
+        return int(text)
+    if isinstance(current, float):
+        return float(text)
+    if isinstance(current, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_overrides(cfg: TrainConfig, sets: list[str], model_fields: dict | None = None) -> TrainConfig:
+    """Apply `key=value` strings. `model.KEY=V` goes to model_overrides, checked against `model_fields`
+    (name -> current value of the model config) when given."""
+    hints = typing.get_type_hints(TrainConfig)
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    changes: dict = {}
+    model_over = dict(cfg.model_overrides)
+    for item in sets:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: expected key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if key.startswith("model."):
+            mkey = key[len("model."):]
+            if model_fields is not None and mkey not in model_fields:
+                raise ValueError(f"--set {key}: unknown model-config field {mkey!r}; valid: "
+                                 f"{', '.join(sorted(k for k in model_fields if not k.startswith('_')))}")
+            model_over[mkey] = _convert_like(text, (model_fields or {}).get(mkey), key)
+            continue
+        if key not in names or key == "model_overrides":
+            raise ValueError(f"--set {key}: unknown training setting; valid: {', '.join(n for n in names if n != 'model_overrides')}"
+                             " (model-config fields take a 'model.' prefix)")
+        try:
+            changes[key] = _convert(text, hints[key], key)
+        except (ValueError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--set {key}={text!r}: {exc}") from None
+    return replace(cfg, model_overrides=model_over, **changes).validate()

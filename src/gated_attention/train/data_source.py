@@ -1,0 +1,70 @@
+"""Where training batches come from: the prepared corpus (gated_attention.data) or built-in synthetic tokens.
+
+Both give the batch at a step as a pure function of (seed, step), so data order needs no state beyond the step and
+resuming, or changing the number of ranks, sees exactly the same global batches.
+
+Synthetic data is a fixed random first-order Markov chain (each token has 4 successors, one of them likely), so a
+model can learn it quickly; tests and smoke runs use it so they need no prepared corpus.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SyntheticSource:
+    domains = ["synthetic"]
+    tokenizer = None
+    _SPLIT_SALT = {"train": 0, "val": 1_000_003}
+
+    def __init__(self, vocab_size: int, chain_seed: int = 1234):
+        g = torch.Generator().manual_seed(chain_seed)
+        self.vocab_size = vocab_size
+        self.successors = torch.randint(0, vocab_size, (vocab_size, 4), generator=g)  # (V, 4)
+        self.probs = torch.tensor([0.7, 0.1, 0.1, 0.1])
+
+    def _sample(self, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        out = torch.empty(batch_size, seq_len + 1, dtype=torch.long)  # (B, T+1)
+        out[:, 0] = torch.randint(0, self.vocab_size, (batch_size,), generator=g)
+        choice = torch.multinomial(self.probs.expand(batch_size, 4), seq_len, replacement=True, generator=g)  # (B, T)
+        for t in range(seq_len):
+            out[:, t + 1] = self.successors[out[:, t], choice[:, t]]
+        return out
+
+    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
+        return self._sample(batch_size, seq_len, seed * 1_000_000_007 + step)
+
+    def eval_batches(self, domain: str, seq_len: int, max_batches: int, batch_size: int):
+        for i in range(max_batches):
+            yield self._sample(batch_size, seq_len, self._SPLIT_SALT["val"] + i)
+
+
+class CorpusSource:
+    """Adapter over gated_attention.data (Corpus, sample_batch, eval_batches, get_tokenizer)."""
+
+    def __init__(self, data_dir: str | None, domains: list[str] | None):
+        from gated_attention import data
+
+        self._data = data
+        self.corpus = data.Corpus(data_dir) if data_dir is not None else data.Corpus()
+        self.tokenizer = data.get_tokenizer(data_dir) if data_dir is not None else data.get_tokenizer()
+        self.vocab_size = len(self.tokenizer)
+        available = list(self.corpus.domains)
+        if domains:
+            missing = [d for d in domains if d not in available]
+            if missing:
+                raise ValueError(f"domains {missing} are not in the corpus; available: {', '.join(available)}")
+        self.train_domains = domains
+        self.domains = list(domains) if domains else available
+
+    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
+        return self._data.sample_batch(self.corpus, "train", batch_size, seq_len, seed, step, domains=self.train_domains)
+
+    def eval_batches(self, domain: str, seq_len: int, max_batches: int, batch_size: int):
+        return self._data.eval_batches(self.corpus, domain, seq_len, max_batches, batch_size)
+
+
+def make_source(cfg, model_vocab_size: int | None = None):
+    if cfg.data == "synthetic":
+        return SyntheticSource(model_vocab_size or 256)
+    return CorpusSource(cfg.data_dir, cfg.domains)

@@ -1,0 +1,115 @@
+"""Distributed setup on PyTorch's own engine: torchrun env -> process group, DDP or FSDP2 wrapping.
+
+One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) runs unwrapped. Under
+`torchrun --nproc_per_node=N` the backend is gloo on CPU and nccl on CUDA. Every rank builds the full model from the
+same seed, so DDP needs no initial broadcast to agree and FSDP2 shards identical weights.
+
+Data: every rank draws the same GLOBAL batch (a function of (seed, step)) and keeps rows
+[rank*B/N, (rank+1)*B/N); DDP/FSDP average gradients over ranks, which for equal slices equals the mean over the
+global batch, so N ranks compute the same update as one process (up to float summation order).
+
+Checkpoints use the gathered FULL state dict (torch.distributed.checkpoint.state_dict with full_state_dict=True):
+one rank-independent file that any world size (including 1) can resume from, at the cost of gathering on rank 0,
+which is fine at the model sizes this project trains.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    mode: str = "none"  # "none", "ddp" or "fsdp"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available; use --set device=cpu")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup(device: str, mode: str) -> DistInfo:
+    """Initialise the process group when launched by torchrun with more than one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = pick_device(device, local_rank)
+    if world <= 1:
+        return DistInfo(device=dev)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mode=mode)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module]) -> nn.Module:
+    """DDP, or FSDP2 with one shard group per decoder layer plus the root (embeddings, final norm, head)."""
+    if not info.distributed:
+        return model
+    if info.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    if info.mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)  # the root: tied embedding/head stay together in this group
+        return model
+    raise ValueError(f"unknown dist mode {info.mode!r}; use 'ddp' or 'fsdp'")
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.distributed:
+        value = value.clone()
+        dist.all_reduce(value)
+        value /= info.world_size
+    return value
+
+
+def reduce_max(values: list[float], info: DistInfo) -> list[float]:
+    if not info.distributed or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def broadcast_object(obj, info: DistInfo):
+    if not info.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,425 @@
+"""The training loop: AdamW + schedule, accumulation, clipping, bf16 autocast, NaN skipping, spikes, eval, checkpoints.
+
+Exact resume: everything that affects the numbers is either a pure function of the step (LR, the batch) or saved in
+the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters), so a run killed at any point
+(SIGKILL, also during a checkpoint write) and resumed logs the same losses as one that never stopped. On resume,
+log.jsonl is cut back to the checkpoint's step so it describes exactly one run.
+
+Test hook: GATTN_TEST_KILL_AT_STEP=N makes the process SIGKILL itself right after step N (0-based) is logged.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import checkpoint as ckpt_mod
+from . import dist as D
+from .config import TrainConfig
+from .data_source import make_source
+from .evaluate import autocast_for, domain_losses
+from .schedule import lr_for
+from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
+                        update_weight_ratio)
+
+# config fields that may differ between a run and its resumption (they do not change the numbers)
+_RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
+                      "grad_accum", "inject_nan_steps"}
+
+
+# ---------------------------------------------------------------- model and optimizer
+
+def build_model_config(cfg: TrainConfig, vocab_size: int | None = None):
+    from gated_attention.presets import model_config
+
+    over = dict(cfg.model_overrides)
+    if vocab_size is not None:
+        if "vocab_size" in over and over["vocab_size"] < vocab_size:
+            raise ValueError(f"model.vocab_size={over['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+        over.setdefault("vocab_size", vocab_size)
+    return model_config(cfg.model, gate=cfg.gate, **over)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    import gated_attention  # noqa: F401
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    return GatedQwen3ForCausalLM(build_model_config(cfg, vocab_size))
+
+
+def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+    """Weight decay on matrices only: norms/biases (ndim < 2) and, by default, embeddings are not decayed."""
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    seen = set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))  # tied weights appear once
+        if p.ndim < 2 or (id(p) in embed_ids and not cfg.wd_on_embeddings):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# ---------------------------------------------------------------- state helpers
+
+def _rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _full_state(model, optimizer) -> tuple[dict, dict]:
+    """Gathered full (unsharded) model and optimizer state dicts, on CPU (a collective under DDP/FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=torch.distributed.is_initialized())
+    msd, osd = get_state_dict(model, optimizer, options=opts)
+    if not torch.distributed.is_initialized():
+        msd = {k: v.detach().cpu().clone() for k, v in msd.items()}
+        osd = _to_cpu(osd)
+    return msd, osd
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def _load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _truncate_log(path: Path, next_step: int) -> None:
+    """Keep the log lines of steps before `next_step` (a killed run may have logged past its last checkpoint)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if rec.get("step", -1) < next_step:
+            keep.append(line)
+    _atomic_write_text(path, "".join(l + "\n" for l in keep))
+
+
+class _TB:
+    """TensorBoard writer if tensorboard is installed, else nothing (it is an optional extra)."""
+
+    def __init__(self, out: Path, enabled: bool):
+        self.writer = None
+        if enabled:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(out / "tb"))
+            except Exception:  # tensorboard not installed: JSONL logs remain
+                self.writer = None
+
+    def log(self, step: int, values: dict) -> None:
+        if self.writer is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.writer.add_scalar(k, v, step)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+# ---------------------------------------------------------------- the loop
+
+def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None) -> dict:
+    """Train per `cfg` into `out_dir`; returns the summary (also written to out_dir/summary.json on rank 0).
+
+    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests)."""
+    cfg.validate()
+    info = D.setup(cfg.device, cfg.dist)
+    try:
+        return _train(cfg, Path(out_dir), resume, model_factory, info)
+    finally:
+        D.teardown()
+
+
+def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo) -> dict:
+    cfg.check_world(info.world_size)
+    log_path, cfg_path = out / "log.jsonl", out / "train_config.json"
+    latest = ckpt_mod.latest_checkpoint(out)
+    if info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        ckpt_mod.clean_stale(out)
+        if latest is not None and not resume:
+            raise ValueError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
+        if resume and cfg_path.exists():
+            saved = json.loads(cfg_path.read_text())
+            diff = sorted(k for k, v in cfg.to_dict().items() if saved.get(k, v) != v and k not in _RESUMABLE_CHANGES)
+            if diff:
+                raise ValueError(f"--resume with settings that differ from the saved run: {diff}; "
+                                 f"use the original settings or a new --out")
+        _atomic_write_text(cfg_path, json.dumps(cfg.to_dict(), indent=1))
+    D.barrier(info)
+
+    # model: same seed on every rank, so replicas start identical
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    source_vocab = None
+    if cfg.data == "corpus":
+        source = make_source(cfg)
+        source_vocab = source.vocab_size
+    factory = model_factory or build_model
+    model = factory(cfg, source_vocab).to(info.device)
+    if cfg.data == "synthetic":
+        source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
+    model.train()
+    layers = decoder_layers(model)
+    model = D.wrap(model, info, layers)
+    raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
+    fwd = torch.compile(model) if cfg.compile else model
+    optimizer = torch.optim.AdamW(param_groups(raw, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+    spikes = SpikeDetector(cfg.spike_window, cfg.spike_delta)
+    st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
+          "stop_reason": None, "val": {}, "last_loss": None}
+    if resume and latest is not None:
+        shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
+        _load_full_state(raw, optimizer, shared["model"], shared["optimizer"])
+        st.update(meta["state"])
+        spikes.load_state_dict(meta["spikes"])
+        if rng is not None:
+            _set_rng_state(rng)
+        if info.is_main:
+            _truncate_log(log_path, st["step"])
+    elif info.is_main and log_path.exists():
+        log_path.unlink()  # a fresh run (no checkpoint yet) starts a fresh log
+    D.barrier(info)
+
+    tb = _TB(out, cfg.tensorboard and info.is_main)
+    bar = None
+    if cfg.progress and info.is_main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=st["step"], unit="step", dynamic_ncols=True)
+    per_rank = cfg.batch_size // info.world_size
+    micro = per_rank // cfg.grad_accum
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    kill_at = int(os.environ.get("GATTN_TEST_KILL_AT_STEP", "-1"))
+    log_fh = open(log_path, "a") if info.is_main else None
+    last_ckpt_step = -1
+
+    def evaluate() -> dict:
+        res = domain_losses(raw, source, seq_len=cfg.seq_len, max_batches=cfg.eval_batches,
+                            batch_size=cfg.eval_batch_size, device=info.device, precision=cfg.precision)
+        return res["losses"]
+
+    def save_checkpoint(next_step: int) -> None:
+        msd, osd = _full_state(raw, optimizer)  # collective
+        tmp = ckpt_mod.tmp_dir_for(out, next_step)
+        if info.is_main:
+            meta = {"state": dict(st), "spikes": spikes.state_dict(), "world_size": info.world_size,
+                    "config": cfg.to_dict()}
+            ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta})
+        D.barrier(info)
+        ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})
+        D.barrier(info)
+        if info.is_main:
+            ckpt_mod.commit(out, next_step, cfg.keep_checkpoints)
+        D.barrier(info)
+
+    t_start = time.perf_counter() - st["wall_time"]
+    while st["step"] < cfg.steps:
+        step = st["step"]
+        t0 = time.perf_counter()
+        lr = lr_for(cfg, step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        batch = source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step)  # (B, T+1), same on every rank
+        mine = batch[info.rank * per_rank:(info.rank + 1) * per_rank].to(info.device)  # (B/N, T+1)
+        stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
+        before = snapshot_params(raw) if stats_step else None
+        loss_sum = torch.zeros((), device=info.device)
+        aux_sum = torch.zeros((), device=info.device)
+        for i in range(cfg.grad_accum):
+            chunk = mine[i * micro:(i + 1) * micro]  # (b, T+1)
+            x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T) each
+            last = i == cfg.grad_accum - 1
+            sync = nullcontext()
+            if info.distributed and info.mode == "ddp" and not last:
+                sync = model.no_sync()  # all-reduce only on the last micro-batch
+            elif info.distributed and info.mode == "fsdp":
+                model.set_requires_gradient_sync(last)
+            with sync:
+                with autocast_for(info.device, cfg.precision):
+                    out_ = fwd(input_ids=x)
+                logits = out_.logits  # (b, T, V)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                aux = getattr(out_, "aux_loss", None)
+                total = loss + (aux.float() if aux is not None else 0.0)
+                if step in cfg.inject_nan_steps:
+                    total = total * float("nan")
+                (total / cfg.grad_accum).backward()
+            loss_sum += loss.detach() / cfg.grad_accum
+            if aux is not None:
+                aux_sum += aux.detach().float() / cfg.grad_accum
+            if step in cfg.inject_nan_steps:
+                loss_sum = loss_sum * float("nan")
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        loss_val = float(D.reduce_mean(loss_sum, info))
+        bad = not (math.isfinite(loss_val) and math.isfinite(grad_norm))
+        if bad:
+            optimizer.zero_grad(set_to_none=True)  # skip: no update from a non-finite step
+            st["skipped_steps"] += 1
+            st["bad_in_a_row"] += 1
+        else:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            st["bad_in_a_row"] = 0
+        spike = spikes.update(step, loss_val)
+        rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
+        if aux is not None:
+            rec["aux_loss"] = float(D.reduce_mean(aux_sum, info))
+        if stats_step:
+            rec["update_ratio"] = update_weight_ratio(raw, before, sharded=info.mode == "fsdp" and info.distributed)
+            if layers:
+                x0 = mine[:micro, :-1]
+                with autocast_for(info.device, cfg.precision):
+                    acts = max_activation_per_layer(raw, layers, lambda: raw(input_ids=x0))
+                rec["max_act"] = D.reduce_max(acts, info)
+        st["step"] = step + 1
+        st["tokens"] += tokens_per_step
+        st["last_loss"] = loss_val
+        if cfg.eval_every and st["step"] % cfg.eval_every == 0 and st["step"] < cfg.steps:
+            st["val"] = evaluate()
+            rec["val"] = st["val"]
+        dt = time.perf_counter() - t0
+        st["wall_time"] = time.perf_counter() - t_start
+        rec["tokens"] = st["tokens"]
+        rec["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
+        if info.is_main:
+            log_fh.write(json.dumps(rec) + "\n")
+            log_fh.flush()
+            tb.log(step, {k: v for k, v in rec.items() if k not in ("step", "max_act", "val")})
+            if bar is not None:
+                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+                bar.update(1)
+        if st["bad_in_a_row"] >= cfg.max_bad_steps:
+            st["diverged"] = True
+            st["stop_reason"] = (f"stopped: {st['bad_in_a_row']} non-finite steps in a row at step {step} "
+                                 f"(max_bad_steps={cfg.max_bad_steps}); lower the LR or check the data")
+            if info.is_main:
+                print(f"gattn train: {st['stop_reason']}", flush=True)
+            break
+        if cfg.ckpt_every and st["step"] % cfg.ckpt_every == 0 and st["step"] < cfg.steps:
+            save_checkpoint(st["step"])
+            last_ckpt_step = st["step"]
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if bar is not None:
+        bar.close()
+    if log_fh is not None:
+        log_fh.close()
+    tb.close()
+    st["val"] = evaluate()
+    st["wall_time"] = time.perf_counter() - t_start
+    if last_ckpt_step != st["step"]:
+        save_checkpoint(st["step"])
+    msd, _ = _full_state(raw, optimizer) if info.distributed else (None, None)
+    summary = None
+    if info.is_main:
+        _export_final(raw, msd, source, out / "final")
+        summary = _summary(cfg, st, spikes, log_path)
+        _atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+    D.barrier(info)
+    return summary if summary is not None else {}
+
+
+def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> None:
+    """save_pretrained (plus the tokenizer when there is one) into a temp folder, then rename into place."""
+    import shutil
+
+    if not hasattr(raw, "save_pretrained"):
+        return  # stand-in test models
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if full_sd is not None:  # sharded/replicated: rebuild a plain model from the gathered weights
+        plain = type(raw)(raw.config)
+        plain.load_state_dict(full_sd)
+        plain.save_pretrained(tmp)
+    else:
+        raw.save_pretrained(tmp)
+    if getattr(source, "tokenizer", None) is not None:
+        from gated_attention.data import save_tokenizer
+
+        save_tokenizer(source.tokenizer, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.rename(tmp, dest)
+
+
+def _summary(cfg: TrainConfig, st: dict, spikes: SpikeDetector, log_path: Path) -> dict:
+    losses = []
+    for line in log_path.read_text().splitlines():
+        rec = json.loads(line)
+        if math.isfinite(rec["loss"]):
+            losses.append(rec["loss"])
+    tail = losses[-10:]
+    return {
+        "final_loss": st["last_loss"],
+        "final_loss_avg10": sum(tail) / len(tail) if tail else None,  # the last step alone is noisy
+        "val_losses": st["val"],
+        "val_ppl": {d: math.exp(min(v, 700.0)) for d, v in st["val"].items()},
+        "avg_ppl": (sum(math.exp(min(v, 700.0)) for v in st["val"].values()) / len(st["val"])) if st["val"] else None,
+        "spikes": len(spikes.spikes),
+        "spike_list": spikes.spikes,
+        "spike_rule": {"window": cfg.spike_window, "delta": cfg.spike_delta},
+        "skipped_steps": st["skipped_steps"],
+        "diverged": st["diverged"] or (st["last_loss"] is not None and not math.isfinite(st["last_loss"])),
+        "stop_reason": st["stop_reason"],
+        "steps": st["step"],
+        "tokens": st["tokens"],
+        "wall_time_s": st["wall_time"],
+        "model": cfg.model,
+        "gate": cfg.gate,
+        "lr": cfg.lr,
+    }
