@@ -1,0 +1,320 @@
+"""Tests of the MoE feed-forward (src/gated_attention/moe.py): fast path vs loop reference, loss formulas, global-batch
+statistics across micro-batches and ranks, shared expert, top-k renormalisation, and parity with HF Qwen3-MoE."""
+from __future__ import annotations
+
+import os
+import socket
+import types
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gated_attention.moe import (
+    SparseMoeBlock, collect_aux_loss, moe_stats, reset_moe_balance,
+)
+
+
+def make_cfg(**overrides):
+    cfg = dict(hidden_size=32, hidden_act="silu", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+               norm_topk_prob=True, router_aux_loss_coef=0.01, router_z_loss_coef=0.001,
+               shared_expert_intermediate_size=0, moe_impl="grouped", initializer_range=0.2)
+    cfg.update(overrides)
+    return types.SimpleNamespace(**cfg)
+
+
+def block_pair(seed=0, **overrides):
+    """A loop block and a grouped block with identical weights."""
+    torch.manual_seed(seed)
+    ref = SparseMoeBlock(make_cfg(moe_impl="loop", **overrides))
+    fast = SparseMoeBlock(make_cfg(moe_impl="grouped", **overrides))
+    fast.load_state_dict(ref.state_dict())
+    return ref, fast
+
+
+def run_fwd_bwd(block, x):
+    x = x.clone().requires_grad_()
+    y = block(x)
+    # A non-trivial scalar so every output element gets a different upstream gradient; aux loss included.
+    weights = torch.linspace(-1, 1, y.numel()).view_as(y).to(y.dtype)
+    ((y * weights).sum() + block.aux_loss).backward()
+    grads = {n: p.grad.float().clone() for n, p in block.named_parameters()}
+    return y.detach().float(), x.grad.float(), grads
+
+
+@pytest.mark.parametrize("shared,norm", [(0, True), (24, False)])
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_grouped_matches_loop_fp32(shared, norm, use_grouped_mm, monkeypatch):
+    # Both kernels of the fast path (torch._grouped_mm and the per-segment mm fallback) against the loop.
+    import gated_attention.moe as moe
+    monkeypatch.setattr(moe, "_grouped_mm_usable", lambda x, w: use_grouped_mm)
+    ref, fast = block_pair(shared_expert_intermediate_size=shared, norm_topk_prob=norm)
+    x = torch.randn(3, 7, 32)
+    y_r, gx_r, g_r = run_fwd_bwd(ref, x)
+    y_f, gx_f, g_f = run_fwd_bwd(fast, x)
+    torch.testing.assert_close(y_f, y_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-6)
+    assert set(g_r) == set(g_f)
+    for name in g_r:
+        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert g_r["experts.gate_up_proj"].abs().sum() > 0 and g_r["gate.weight"].abs().sum() > 0
+
+
+def test_grouped_matches_loop_unaligned_and_unused_experts():
+    # d=20, I=6: row strides are not 16-byte multiples, so the segment fallback runs; 16 experts for 4 tokens
+    # leaves most experts empty.
+    ref, fast = block_pair(hidden_size=20, moe_intermediate_size=6, num_experts=16, num_experts_per_tok=3)
+    x = torch.randn(1, 4, 20)
+    y_r, gx_r, g_r = run_fwd_bwd(ref, x)
+    y_f, gx_f, g_f = run_fwd_bwd(fast, x)
+    assert int((ref.expert_load == 0).sum()) > 0
+    torch.testing.assert_close(y_f, y_r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-6)
+    for name in g_r:
+        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_grouped_matches_loop_bf16():
+    ref, fast = block_pair(shared_expert_intermediate_size=16)
+    ref.to(torch.bfloat16)
+    fast.to(torch.bfloat16)
+    x = torch.randn(2, 16, 32).to(torch.bfloat16)
+    y_r, gx_r, g_r = run_fwd_bwd(ref, x)
+    y_f, gx_f, g_f = run_fwd_bwd(fast, x)
+    # Different summation order of the k expert outputs: bf16 rounding (8 mantissa bits) differs slightly.
+    torch.testing.assert_close(y_f, y_r, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gx_f, gx_r, rtol=2e-2, atol=2e-2)
+    for name in g_r:
+        scale = g_r[name].abs().max()
+        assert (g_f[name] - g_r[name]).abs().max() <= 2e-2 * scale + 1e-3, name
+
+
+def dense_reference(block, x):
+    """Plain formula: every expert on every token, then combine the top-k with (optionally renormalised) weights."""
+    h = x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(h @ block.gate.weight.T, dim=-1)  # (N, E)
+    top_p, top_i = probs.topk(block.top_k, dim=-1)
+    if block.gate.norm_topk_prob:
+        top_p = top_p / top_p.sum(-1, keepdim=True)
+    I = block.experts.intermediate_size
+    out = torch.zeros_like(h)
+    for n in range(h.shape[0]):
+        for j in range(block.top_k):
+            e = int(top_i[n, j])
+            w_gate = block.experts.gate_up_proj[e, :I]  # (I, d)
+            w_up = block.experts.gate_up_proj[e, I:]  # (I, d)
+            hidden = F.silu(w_gate @ h[n]) * (w_up @ h[n])
+            out[n] += top_p[n, j] * (block.experts.down_proj[e] @ hidden)
+    return out.view_as(x), top_p
+
+
+@pytest.mark.parametrize("impl", ["loop", "grouped"])
+def test_norm_topk_prob_on_off(impl):
+    torch.manual_seed(1)
+    x = torch.randn(2, 5, 32)
+    outs = {}
+    for norm in (True, False):
+        torch.manual_seed(2)
+        block = SparseMoeBlock(make_cfg(norm_topk_prob=norm, moe_impl=impl, num_experts_per_tok=3))
+        with torch.no_grad():
+            expected, top_p = dense_reference(block, x)
+            outs[norm] = block(x)
+        torch.testing.assert_close(outs[norm], expected, rtol=1e-5, atol=1e-6)
+        if norm:
+            torch.testing.assert_close(top_p.sum(-1), torch.ones(10))
+        else:
+            assert bool((top_p.sum(-1) < 1).all())
+    assert not torch.allclose(outs[True], outs[False])
+
+
+def test_shared_expert_gate():
+    torch.manual_seed(3)
+    with_shared = SparseMoeBlock(make_cfg(shared_expert_intermediate_size=24))
+    without = SparseMoeBlock(make_cfg(shared_expert_intermediate_size=0))
+    missing, unexpected = without.load_state_dict(with_shared.state_dict(), strict=False)
+    assert not missing and len(unexpected) == 4
+    assert tuple(with_shared.shared_expert_gate.weight.shape) == (1, 32)
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        diff = with_shared(x) - without(x)
+        se = with_shared.shared_expert
+        # out += sigmoid(x . w_g) * down(silu(gate(x)) * up(x)), per token
+        g = torch.sigmoid(x @ with_shared.shared_expert_gate.weight.T)  # (B, T, 1)
+        shared = (F.silu(x @ se.gate_proj.weight.T) * (x @ se.up_proj.weight.T)) @ se.down_proj.weight.T
+        torch.testing.assert_close(diff, g * shared, rtol=1e-5, atol=1e-6)
+        with_shared.shared_expert_gate.weight.zero_()  # sigmoid(0) = 1/2
+        torch.testing.assert_close(with_shared(x) - without(x), 0.5 * shared, rtol=1e-5, atol=1e-6)
+
+
+def planted_block(impl="grouped"):
+    """E=4 experts, d=4, router weight = 10*I so each token's logits are 10x its input: routing is chosen by hand."""
+    cfg = make_cfg(hidden_size=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, moe_impl=impl,
+                   router_aux_loss_coef=0.5, router_z_loss_coef=0.25)
+    block = SparseMoeBlock(cfg)
+    with torch.no_grad():
+        block.gate.weight.copy_(10 * torch.eye(4))
+    return block
+
+
+# Six tokens; the two large entries of each row choose its top-2 experts.
+PLANTED_X = torch.tensor([
+    [1.0, 0.9, 0.0, 0.0],  # experts 0, 1
+    [1.0, 0.0, 0.8, 0.0],  # 0, 2
+    [0.9, 0.0, 0.0, 1.0],  # 3, 0
+    [0.0, 1.0, 0.7, 0.0],  # 1, 2
+    [0.0, 0.0, 1.0, 0.9],  # 2, 3
+    [1.0, 0.0, 0.0, 0.6],  # 0, 3
+]).view(1, 6, 4)
+PLANTED_COUNTS = [4, 2, 3, 3]  # routing slots per expert: 12 = 6 tokens * k=2
+
+
+def test_load_balancing_loss_hand_computation():
+    block = planted_block().train()
+    block(PLANTED_X)
+    assert block.expert_load.tolist() == PLANTED_COUNTS
+    probs = torch.softmax(10 * PLANTED_X[0], dim=-1)  # (6, 4)
+    N, E, k = 6, 4, 2
+    f = torch.tensor(PLANTED_COUNTS, dtype=torch.float32) / (k * N)  # fraction of routing slots per expert
+    P = probs.mean(0)  # mean router probability per expert
+    lbl = E * (f * P).sum()
+    z = (torch.log(torch.exp(10 * PLANTED_X[0]).sum(-1)) ** 2).mean()
+    torch.testing.assert_close(block.lb_loss, lbl)
+    torch.testing.assert_close(block.z_loss, z)
+    torch.testing.assert_close(block.aux_loss.detach(), 0.5 * lbl + 0.25 * z)
+    # Perfectly balanced routing with uniform probabilities gives exactly 1.
+    f_uniform, P_uniform = torch.full((4,), 0.25), torch.full((4,), 0.25)
+    assert abs(float(E * (f_uniform * P_uniform).sum()) - 1.0) < 1e-7
+    # The gradient flows only through P (f is a count): d aux / d router weight = 0.5 * E * sum_i f_i dP_i/dW + z part.
+    w = block.gate.weight.detach().clone().requires_grad_()
+    logits = PLANTED_X[0] @ w.T
+    manual = 0.5 * E * (f * torch.softmax(logits, -1).mean(0)).sum() + 0.25 * (torch.logsumexp(logits, -1) ** 2).mean()
+    (g_manual,) = torch.autograd.grad(manual, w)
+    block.zero_grad()
+    block.aux_loss.backward()
+    torch.testing.assert_close(block.gate.weight.grad, g_manual)
+
+
+def test_z_loss_formula_random():
+    torch.manual_seed(4)
+    block = SparseMoeBlock(make_cfg(initializer_range=1.0))
+    x = torch.randn(2, 9, 32)
+    block(x)
+    logits = x.reshape(-1, 32) @ block.gate.weight.T
+    expected = (torch.log(torch.exp(logits).sum(-1)) ** 2).mean()
+    torch.testing.assert_close(block.z_loss, expected.detach())
+
+
+def test_two_micro_batches_equal_one_big_batch():
+    torch.manual_seed(5)
+    block = SparseMoeBlock(make_cfg()).train()
+    x = torch.randn(4, 8, 32)
+    block(x)
+    big = {k: v for k, v in block.load_stats().items()}
+    big_counts, big_prob = block.balance.counts.clone(), block.balance.prob_sum.clone()
+    reset_moe_balance(block)
+    assert block.balance.counts is None
+    block(x[:1])
+    first_counts = block.balance.counts.clone()
+    block(x[1:])
+    assert not torch.equal(first_counts, big_counts)
+    assert torch.equal(block.balance.counts, big_counts)
+    assert block.balance.tokens == 32 and block.balance.micro_batches == 2
+    torch.testing.assert_close(block.balance.prob_sum, big_prob)
+    small = block.load_stats()
+    assert small["expert_load"] == big["expert_load"]
+    assert small["max_load_over_mean"] == pytest.approx(big["max_load_over_mean"])
+    assert small["lb_loss"] == pytest.approx(big["lb_loss"], rel=1e-6)
+    # The last micro-batch's loss uses the global f with its own (local) mean probabilities.
+    h = x[1:].reshape(-1, 32)
+    P_local = torch.softmax(h @ block.gate.weight.T, -1).mean(0)
+    f_global = big_counts.float() / (2 * 32)
+    torch.testing.assert_close(block.lb_loss, (8 * f_global * P_local).sum().detach())
+
+
+def test_eval_does_not_accumulate_and_helpers():
+    torch.manual_seed(6)
+    model = nn.Sequential(SparseMoeBlock(make_cfg()), SparseMoeBlock(make_cfg(moe_impl="loop")))
+    assert collect_aux_loss(model) is None and moe_stats(model) == {}
+    x = torch.randn(2, 5, 32)
+    model.eval()
+    model(x)
+    assert model[0].balance.counts is None  # eval forwards never enter the training step's global batch
+    model.train()
+    model(x)
+    total = collect_aux_loss(model)
+    torch.testing.assert_close(total, model[0].aux_loss + model[1].aux_loss)
+    assert total.requires_grad
+    stats = moe_stats(model)
+    assert sum(stats["0/expert_load"]) == 2 * 5 * 2
+    assert stats["1/dropped"] == 0 and stats["moe/dropped"] == 0
+    mean_ratio = (stats["0/max_load_over_mean"] + stats["1/max_load_over_mean"]) / 2
+    assert stats["moe/max_load_over_mean"] == pytest.approx(mean_ratio)
+    assert stats["0/max_load_over_mean"] >= 1.0
+
+
+def test_bad_config_fails_loudly():
+    with pytest.raises(ValueError, match="moe_impl"):
+        SparseMoeBlock(make_cfg(moe_impl="fast"))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        SparseMoeBlock(make_cfg(num_experts_per_tok=9))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_parity_with_hf_qwen3_moe_block(norm):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    hf_cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=norm, hidden_act="silu")
+    torch.manual_seed(7)
+    hf = Qwen3MoeSparseMoeBlock(hf_cfg)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    ours = SparseMoeBlock(hf_cfg)  # a stock HF config works as-is (missing keys take their defaults)
+    ours.load_state_dict(hf.state_dict(), strict=True)  # same names and shapes: no conversion
+    x = torch.randn(2, 6, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x), rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Two ranks (gloo): global counts equal the full batch's; the probability term stays local.
+# --------------------------------------------------------------------------------------------------------------
+def _rank_main(rank, world, port, x, state, result_file):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        block = SparseMoeBlock(make_cfg()).train()
+        block.load_state_dict(state)
+        half = x.shape[0] // world
+        block(x[rank * half:(rank + 1) * half])
+        block(x[rank * half:(rank + 1) * half])  # a second micro-batch: counts keep accumulating
+        torch.save({"counts": block.balance.counts, "tokens": block.balance.tokens,
+                    "lb_loss": block.lb_loss}, f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_global_counts_across_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+    torch.manual_seed(8)
+    block = SparseMoeBlock(make_cfg()).train()
+    x = torch.randn(4, 6, 32)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "r")
+    mp.spawn(_rank_main, args=(2, port, x, block.state_dict(), out), nprocs=2, join=True)
+    block(x)
+    block(x)  # single process, whole batch twice
+    for rank in range(2):
+        r = torch.load(f"{out}.{rank}")
+        assert torch.equal(r["counts"], block.balance.counts)
+        assert r["tokens"] == block.balance.tokens
+        h = x[2 * rank:2 * rank + 2].reshape(-1, 32)
+        P_local = torch.softmax(h @ block.gate.weight.T, -1).mean(0)
+        f_global = block.balance.counts.float() / (2 * block.balance.tokens)
+        torch.testing.assert_close(r["lb_loss"], (8 * f_global * P_local).sum().detach())
