@@ -215,6 +215,7 @@ class Gate(nn.Module):
                                  f"{spec.activation.value} gives {a0}: use gate_init='normal'")
         if spec.source is Source.INPUT:
             self.proj = nn.Linear(hidden_size, self.width, bias=bias)
+            self.proj._zero_init = init == "identity"  # read by the model's _init_weights
         elif spec.source is Source.CONSTANT:
             per_head = head_dim if spec.granularity is Granularity.ELEMENTWISE else 1
             self.theta = nn.Parameter(torch.zeros(self.width // per_head, per_head))  # zero-init per the paper

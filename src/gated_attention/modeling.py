@@ -94,20 +94,14 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
             inv_freq, _ = compute_rope_parameters(module.config)
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
-        elif isinstance(module, Gate):
-            if module.spec.source is Source.CONSTANT:
-                init.zeros_(module.theta)  # the paper's input-independent gate starts at theta = 0
-            elif module.spec.source is Source.INPUT and module.init == "identity":
-                init.zeros_(module.proj.weight)
-                if module.proj.bias is not None:
-                    init.zeros_(module.proj.bias)
-        elif isinstance(module, nn.Linear) and self._is_identity_gate_proj(module):
-            return  # handled by its Gate
+        elif isinstance(module, Gate) and module.spec.source is Source.CONSTANT:
+            init.zeros_(module.theta)  # the paper's input-independent gate starts at theta = 0
+        elif isinstance(module, nn.Linear) and getattr(module, "_zero_init", False):
+            init.zeros_(module.weight)  # identity-at-start gate (gate_init="identity"): score = 1 exactly
+            if module.bias is not None:
+                init.zeros_(module.bias)
         else:
             super()._init_weights(module)
-
-    def _is_identity_gate_proj(self, linear: nn.Linear) -> bool:
-        return self.config.gate_init == "identity" and getattr(linear, "_is_gate_proj", False)
 
 
 class GatedQwen3Model(GatedQwen3PreTrainedModel):
@@ -120,10 +114,6 @@ class GatedQwen3Model(GatedQwen3PreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False
-        for layer in self.layers:  # tag gate projections so the generic Linear init leaves identity gates alone
-            gate = layer.self_attn.gate
-            if gate is not None and hasattr(gate, "proj"):
-                gate.proj._is_gate_proj = True
         self.post_init()
 
     @merge_with_config_defaults
