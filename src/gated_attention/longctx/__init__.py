@@ -1,0 +1,1 @@
+"""Long-context tools: RULER-style synthetic tasks and scoring (ruler.py), checkpoint context extension (extend.py)."""
