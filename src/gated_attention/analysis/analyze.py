@@ -36,6 +36,7 @@ class AnalysisConfig:
     gate_hist_range: tuple = (-0.5, 2.0)  # covers sigmoid, 2*sigmoid (identity init) and SiLU-like gates
     gate_hist_bins: int = 125  # 0.02-wide bins
     loss_by_position: bool = True  # causal LMs only: per-position next-token loss
+    method: str = "auto"  # "auto" | "capture" (our models) | "qk-hooks" | "eager-probs" (full maps; slow, a cross-check)
 
 
 def default_map_layers(num_layers: int) -> list[int]:
@@ -280,8 +281,11 @@ def analyze_model(model, batches: Iterable, config: AnalysisConfig | None = None
     device = next(model.parameters()).device
     layers = find_layers(model)
     col = _Collector(len(layers), cfg)
-    ours = _is_ours(model)
-    method = "capture" if ours else "qk-hooks"
+    if cfg.method not in ("auto", "capture", "qk-hooks", "eager-probs"):
+        raise ValueError(f"AnalysisConfig.method must be auto, capture, qk-hooks or eager-probs, got {cfg.method!r}")
+    if cfg.method == "capture" and not _is_ours(model):
+        raise ValueError(f"method 'capture' needs a gated_attention model; {type(model).__name__} has no capture points")
+    method = cfg.method if cfg.method != "auto" else ("capture" if _is_ours(model) else "qk-hooks")
     loss_sum = loss_n = None
     n_tokens = 0
     n_batches = 0
