@@ -166,3 +166,58 @@ def test_plain_object_config_and_attribute_partial_factor():
     inv, scale = compute_rope_parameters(cfg)
     expected = 1.0 / (1e4 ** (torch.arange(0, 4, 2).float() / 4)) / 2.0
     assert torch.equal(inv, expected) and scale == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoint extension (gattn extend)
+def _tiny_qwen3_checkpoint(path):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = hf_config({"rope_type": "default", "rope_theta": 10000.0}, head_dim=16, max_pos=64)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    (path / "tokenizer.json").write_text("{}")  # stands in for tokenizer files: must be copied verbatim
+    return path
+
+
+@pytest.mark.parametrize("method, theta", [("yarn", None), ("linear", 5e5), ("dynamic", None)])
+def test_extend_checkpoint_loads_with_transformers(tmp_path, method, theta):
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gated_attention.cli import main
+    from gated_attention.longctx.extend import extend_checkpoint
+
+    src = _tiny_qwen3_checkpoint(tmp_path / "src")
+    dst = tmp_path / "ext"
+    argv = ["extend", str(src), "--method", method, "--factor", "4", "--out", str(dst)]
+    if theta:
+        argv += ["--rope-theta", str(theta)]
+    assert main(argv) == 0
+    model = AutoModelForCausalLM.from_pretrained(dst)
+    rp = model.config.rope_parameters
+    assert rp["rope_type"] == method and rp["factor"] == 4.0 and rp["rope_theta"] == (theta or 10000.0)
+    assert model.config.max_position_embeddings == (64 if method == "dynamic" else 256)
+    if method == "yarn":
+        assert rp["original_max_position_embeddings"] == 64
+    assert (dst / "tokenizer.json").read_text() == "{}"
+    src_model = AutoModelForCausalLM.from_pretrained(src)
+    for (n, a), (_, b) in zip(src_model.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n  # weights untouched
+    # our RoPE on the extended config == the loaded transformers model's rotary embedding, past the old length
+    cfg = AutoConfig.from_pretrained(dst)
+    x, pos = torch.zeros(1), torch.arange(300)[None]  # (1, T)
+    for a, b in zip(RotaryEmbedding(cfg)(x, pos), model.model.rotary_emb(x, pos)):
+        assert torch.equal(a, b)
+    on_disk = json.loads((dst / "config.json").read_text())
+    assert on_disk["rope_parameters"]["rope_type"] == method
+    # refuse to clobber, to re-extend an extended checkpoint silently, or to write over the source
+    with pytest.raises(ValueError, match="not empty"):
+        extend_checkpoint(src, dst)
+    with pytest.raises(ValueError, match="already extended"):
+        extend_checkpoint(dst, tmp_path / "twice")
+    with pytest.raises(ValueError, match="differ"):
+        extend_checkpoint(src, src)
+    assert main(["extend", str(src), "--factor", "0.5", "--out", str(tmp_path / "bad")]) == 2
+    assert not (tmp_path / "bad").exists()

@@ -161,3 +161,27 @@ def test_training_samples(tok):
     assert [s["text"] for s in samples] == [s["text"] for s in ruler.training_samples(tok, 12, max_len=400, seed=7)]
     evals = {ruler.generate_sample(s["task"], tok, s["target_length"], 7, s["index"])["prompt"] for s in samples}
     assert not evals & {s["prompt"] for s in samples}  # training prompts never equal evaluation prompts
+
+
+def test_ruler_cli_on_tiny_model(tmp_path, tok, capsys):
+    import json
+
+    from gated_attention.cli import main
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    tok.save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "hay.txt").write_text(CORPUS)
+    out = tmp_path / "out"
+    rc = main(["ruler", str(tmp_path / "ckpt"), "--lengths", "400", "600", "--tasks", "passkey", "niah_single_2",
+               "--samples", "1", "--max-new-tokens", "4", "--haystack-file", str(tmp_path / "hay.txt"),
+               "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "ruler.json").read_text())
+    assert set(res["scores"]) == {"passkey", "niah_single_2"} and set(res["scores"]["passkey"]) == {"400", "600"}
+    assert len(res["records"]) == 4 and (out / "ruler.png").stat().st_size > 1000
+    table = capsys.readouterr().out
+    assert "average" in table and "niah_single_2" in table

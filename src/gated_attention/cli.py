@@ -13,11 +13,14 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "gates": ("gated_attention.gates_cli", "List every gate variant and baseline with the parameters it adds."),
     "demo": ("gated_attention.demo", "Build a tiny gated model and generate a few tokens (smoke demo)."),
+    "data": ("gated_attention.data", "Prepare the offline corpus + BPE tokenizer (prepare), show its manifest (info)."),
     "train": ("gated_attention.train.cli", "Train a model (preset + --set overrides); also under torchrun with DDP/FSDP2."),
     "sweep": ("gated_attention.train.sweep", "Train a grid of gates x learning rates and tabulate loss, spikes, divergence."),
     "eval": ("gated_attention.train.evaluate", "Per-domain and average perplexity and loss-by-position of a trained model."),
     "convert": ("gated_attention.convert", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
     "analyze": ("gated_attention.analysis.cli", "Measure attention sinks, massive activations and gate statistics of a model."),
+    "extend": ("gated_attention.longctx.extend", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
+    "ruler": ("gated_attention.longctx.ruler_cli", "RULER-style long-context scores by length: JSON, table and plot."),
 }
 
 
