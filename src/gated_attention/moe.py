@@ -233,6 +233,9 @@ class SparseMoeBlock(nn.Module):
         self.aux_loss_coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
         self.z_loss_coef = float(getattr(config, "router_z_loss_coef", 0.0) or 0.0)
         self.moe_impl = getattr(config, "moe_impl", "grouped")
+        # Kernel of the grouped path: None = torch._grouped_mm when its layout rules hold, else per-segment mm;
+        # True/False force one (benchmarks and tests compare them).
+        self.use_grouped_mm: bool | None = None
         shared_size = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
         if self.num_experts < 1:
             raise ValueError(f"SparseMoeBlock needs num_experts >= 1, got {self.num_experts}; use the dense MLP instead")
@@ -271,7 +274,7 @@ class SparseMoeBlock(nn.Module):
         if self.moe_impl == "loop":
             out = self.experts.forward_loop(h, top_i, top_w)
         else:
-            out = self.experts.forward_grouped(h, top_i, top_w)
+            out = self.experts.forward_grouped(h, top_i, top_w, self.use_grouped_mm)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)  # gate (N, 1)
         self._update_losses(logits, probs, top_i)
