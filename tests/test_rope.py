@@ -221,3 +221,30 @@ def test_extend_checkpoint_loads_with_transformers(tmp_path, method, theta):
         extend_checkpoint(src, src)
     assert main(["extend", str(src), "--factor", "0.5", "--out", str(tmp_path / "bad")]) == 2
     assert not (tmp_path / "bad").exists()
+
+
+def test_extended_gated_baseline_matches_transformers_qwen3_logits(tmp_path):
+    """The issue's check: an extended checkpoint (our baseline model, YaRN x4) gives the same logits as transformers'
+    Qwen3 with the same rope_parameters, past the original length."""
+    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+
+    from gated_attention.longctx.extend import extend_checkpoint
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.presets import model_config
+
+    torch.manual_seed(0)
+    cfg = model_config("tiny", gate="baseline")
+    cfg.max_position_embeddings = 64
+    GatedQwen3ForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    extend_checkpoint(tmp_path / "src", tmp_path / "ext", "yarn", 4.0)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ext").eval()
+    ours.set_attn_implementation("eager")
+    keys = set(Qwen3Config().to_dict()) - {"model_type", "architectures", "transformers_version"}
+    hcfg = Qwen3Config(**{k: v for k, v in ours.config.to_dict().items() if k in keys})
+    hcfg._attn_implementation = "eager"
+    theirs = Qwen3ForCausalLM(hcfg).eval()
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.config.rope_parameters["rope_type"] == "yarn"
+    ids = torch.randint(0, cfg.vocab_size, (1, 200))  # (1, T), T > original 64
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
