@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .baselines import build_attention_baseline
 from .gates import Position, build_gate
 from .rope import apply_rotary_pos_emb
 
@@ -48,8 +49,10 @@ def eager_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     logits = torch.matmul(q, k.transpose(2, 3)) * scaling  # (B, H, T, S)
     if mask is None and getattr(module, "is_causal", True) and q.shape[2] > 1:
-        t, s = q.shape[2], k.shape[2]  # the sdpa path may skip the mask for pure causal input: rebuild it
-        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+        # transformers skips the mask (sdpa) only when upper-left causal alignment is right: T == S, or a static
+        # cache's first prefill (S = cache length, future slots empty). Rebuild exactly that mask.
+        t, s = q.shape[2], k.shape[2]
+        mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         if mask.dtype == torch.bool:
             logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
@@ -63,9 +66,9 @@ def eager_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
 
 def sdpa_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
     """torch SDPA. Same contract as `eager_attention`, probabilities not returned."""
-    is_causal = mask is None and q.shape[2] > 1 and q.shape[2] == k.shape[2]
-    if mask is None and q.shape[2] > 1 and not is_causal:
-        raise ValueError("sdpa_attention: a causal mask is needed when query and key lengths differ")
+    # transformers' convention: no mask with T > 1 means upper-left causal (T == S, or a static-cache prefill whose
+    # slots past T are empty); T == 1 means see every key
+    is_causal = mask is None and q.shape[2] > 1
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout if module.training else 0.0, is_causal=is_causal,
         scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
@@ -114,6 +117,7 @@ class GatedAttention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self.gate = build_gate(config.gate, config)
         self.gate_position = self.gate.spec.position if self.gate is not None else None
+        self.baseline = build_attention_baseline(config)  # None, or the hooks of a comparison baseline (baselines.py)
         self.capture = None  # a Recorder (capture.py) while analysing; None costs nothing
 
     def _emit(self, name, value):
@@ -136,8 +140,11 @@ class GatedAttention(nn.Module):
         x = hidden_states
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        if self.baseline is None or (kv := self.baseline.project_kv(x, self.k_proj, self.v_proj)) is None:
+            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        else:
+            k, v = kv  # (B, T, KV, D) each: expert mixtures (Switch Heads)
         if self.gate_position is not None:
             q = self._maybe_gate(Position.QUERY, q, x)
             k = self._maybe_gate(Position.KEY, k, x)
@@ -146,20 +153,26 @@ class GatedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.baseline is None or self.baseline.use_rope:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.baseline is not None:
+            k = self.baseline.extend_keys(k, x)  # FoX: (B, KV, T, D + n_rep), log f rides along in the cache
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, KV, S, D) including the past
         if self.capture is not None:
             self._emit("q", q)
-            self._emit("k", k)
+            self._emit("k", k if self.baseline is None else self.baseline.key_view(k))
             self._emit("scale", self.scaling)
         impl = self.config._attn_implementation or "sdpa"
         if self.capture is not None and getattr(self.capture, "wants_probs", False):
             impl = "eager"
-        y, probs = get_kernel(impl)(self, q, k, v, attention_mask, self.scaling,
-                                    dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
+        kernel = get_kernel(impl) if self.baseline is None else self.baseline.wrap(get_kernel(impl), impl)
+        y, probs = kernel(self, q, k, v, attention_mask, self.scaling,
+                          dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
         if probs is not None:
             self._emit("attn_probs", probs)
+        if self.baseline is not None:
+            y = self.baseline.gate_output(y, x)  # Bondarenko et al. per-head gate
         if self.gate_position is Position.SDPA:
             y = self._maybe_gate(Position.SDPA, y, x)
         out = self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim))  # (B, T, d)

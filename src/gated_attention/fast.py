@@ -1,0 +1,221 @@
+"""Fast paths for the gated attention layer, applied to a built (or loaded) model; the plain layer is the reference.
+
+- `fuse_qkv(model)`: every attention layer computes q, k, v and (for an input-dependent G1 gate) the gate logits with
+  ONE GEMM against a weight concatenated at conversion time, [W_q; W_k; W_v; W_gate] -> (H*D + 2*KV*D + width, d).
+  Checkpoints keep the separate-module names: `state_dict()` splits the fused weight back into `q_proj.weight`,
+  `k_proj.weight`, `v_proj.weight`, `gate.proj.weight`, and `load_state_dict()` accepts those keys. `unfuse_qkv(model)`
+  converts back.
+- `fused_sigmoid_mul(y, logits, scale)`: Y * scale * sigmoid(logits) as one autograd node that saves (logits, output)
+  instead of (Y, score). The output is what o_proj saves anyway, so one (B, T, H, D) activation per layer less is
+  kept for backward; the backward uses d/dlogits = g * out * (1 - s) and d/dY = g * scale * s.
+- Static KV cache: the model uses transformers' caches, so `generate(cache_implementation="static")` works unchanged
+  (tests/test_fast.py checks cached == uncached); this file adds nothing for it.
+- `torch.compile(model, fullgraph=True)` works on the plain and the fused model (no graph breaks; tested).
+
+fp32 upcasts that remain in hot paths, each because the numerics need it (same as transformers' Qwen3):
+RMSNorm / QK-norm variance (bf16 mean of squares loses the eps scale), the eager reference kernel's softmax, and the
+loss (transformers' ForCausalLMLoss upcasts the (B, T, V) logits for a stable log-softmax). Gate, RoPE and SDPA run in
+the autocast dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .attention import GatedAttention, get_kernel
+from .gates import Activation, Combine, Position, Sharing, Source, _activate
+from .rope import apply_rotary_pos_emb
+
+
+class _SigmoidMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, logits, scale: float):
+        out = y * (torch.sigmoid(logits) * scale)  # logits broadcast: (B, T, H, D) elementwise or (B, T, H, 1) headwise
+        ctx.save_for_backward(logits, out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        logits, out = ctx.saved_tensors
+        s = torch.sigmoid(logits)
+        grad_y = g * (s * ctx.scale)
+        grad_l = g * out * (1 - s)  # d(y*c*s)/dl = y*c*s*(1-s) = out*(1-s)
+        if grad_l.shape != logits.shape:  # headwise: sum over the broadcast head_dim axis
+            grad_l = grad_l.sum(dim=-1, keepdim=True)
+        return grad_y, grad_l.to(logits.dtype), None
+
+
+def fused_sigmoid_mul(y: torch.Tensor, logits: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """y * scale * sigmoid(logits); logits is y's shape or broadcasts over y's last axis (headwise)."""
+    return _SigmoidMul.apply(y, logits, scale)
+
+
+def _uses_fused_mul(gate) -> bool:
+    spec = gate.spec
+    return (spec.activation is Activation.SIGMOID and spec.combine is Combine.MULTIPLY
+            and spec.sharing is Sharing.HEAD_SPECIFIC and spec.source is Source.INPUT)
+
+
+class FusedGatedAttention(GatedAttention):
+    """GatedAttention with one q/k/v(/gate) GEMM. Built from a plain layer by `fuse_qkv`; same outputs, same captures.
+
+    The G1 input gate's projection is folded into the GEMM; gates at other positions keep their own projection.
+    """
+
+    def __init__(self, attn: GatedAttention, fused_gate_mul: bool = True):
+        if getattr(attn, "baseline", None) is not None:
+            raise ValueError(f"fuse_qkv: layer {attn.layer_idx} uses the comparison baseline "
+                             f"{type(attn.baseline).__name__}, which changes the projections; run it unfused")
+        nn.Module.__init__(self)  # the parent's __init__ would build fresh projections; we take attn's weights
+        self.baseline = None
+        for name in ("config", "layer_idx", "num_heads", "num_kv_heads", "num_key_value_groups", "head_dim",
+                     "scaling", "attention_dropout", "is_causal", "gate_position", "capture"):
+            setattr(self, name, getattr(attn, name))
+        hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.fold_gate = (attn.gate is not None and attn.gate_position is Position.SDPA
+                          and attn.gate.spec.source is Source.INPUT)
+        if self.fold_gate:
+            parts.append(attn.gate.proj)
+        self.splits = [hq, hkv, hkv] + ([attn.gate.width] if self.fold_gate else [])
+        ref = attn.q_proj.weight
+        bias = attn.q_proj.bias is not None
+        self.qkvg_proj = nn.Linear(ref.shape[1], sum(self.splits), bias=bias, device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            self.qkvg_proj.weight.copy_(torch.cat([p.weight for p in parts], dim=0))  # (sum(splits), d)
+            if bias:
+                self.qkvg_proj.bias.copy_(torch.cat([p.bias for p in parts], dim=0))
+        self.o_proj = attn.o_proj
+        if self.config.use_qk_norm:
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.gate = attn.gate
+        if self.fold_gate:
+            del self.gate.proj  # its weight lives in qkvg_proj now; state_dict still writes gate.proj.*
+        self.fused_mul = fused_gate_mul and self.fold_gate and _uses_fused_mul(self.gate)
+        self._part_names = ["q_proj", "k_proj", "v_proj"] + (["gate.proj"] if self.fold_gate else [])
+        self.register_state_dict_post_hook(_split_state_dict)
+        self.register_load_state_dict_pre_hook(_merge_state_dict)
+
+    def _score_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gate.score after its projection: activation, head sharing, identity-init scale. logits (B, T, H, D|1)."""
+        gate = self.gate
+        s = _activate(logits, gate.spec.activation)
+        if gate.spec.sharing is Sharing.HEAD_SHARED:
+            s = s.mean(dim=-2, keepdim=True)  # (B, T, 1, D)
+        return s * gate.scale if gate.scale != 1.0 else s
+
+    def _gate_sdpa(self, y: torch.Tensor, x: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        if not self.fold_gate:
+            return self._maybe_gate(Position.SDPA, y, x)
+        self._emit("y_pre_gate", y)
+        logits = logits.view(*y.shape[:-1], -1)  # (B, T, H, D) elementwise | (B, T, H, 1) headwise
+        if self.fused_mul:
+            out = fused_sigmoid_mul(y, logits, self.gate.scale)
+            score = torch.sigmoid(logits) * self.gate.scale if self.capture is not None else None
+        else:
+            score = self._score_from_logits(logits)
+            out = y * score if self.gate.spec.combine is Combine.MULTIPLY else y + score
+        if score is not None:
+            self._emit("gate", score)
+        self._emit("y_post_gate", out)
+        return out
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        x = hidden_states
+        b, t, _ = x.shape
+        parts = self.qkvg_proj(x).split(self.splits, dim=-1)  # each (B, T, width)
+        q = parts[0].view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
+        k = parts[1].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        v = parts[2].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        gate_logits = parts[3] if self.fold_gate else None  # (B, T, width)
+        if self.gate_position is not None and not self.fold_gate:
+            q = self._maybe_gate(Position.QUERY, q, x)
+            k = self._maybe_gate(Position.KEY, k, x)
+            v = self._maybe_gate(Position.VALUE, v, x)
+        if self.config.use_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        cos, sin = position_embeddings
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)  # (B, KV, S, D) including the past
+        if self.capture is not None:
+            self._emit("q", q)
+            self._emit("k", k)
+            self._emit("scale", self.scaling)
+        impl = self.config._attn_implementation or "sdpa"
+        if self.capture is not None and getattr(self.capture, "wants_probs", False):
+            impl = "eager"
+        y, probs = get_kernel(impl)(self, q, k, v, attention_mask, self.scaling,
+                                    dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
+        if probs is not None:
+            self._emit("attn_probs", probs)
+        if self.gate_position is Position.SDPA:
+            y = self._gate_sdpa(y, x, gate_logits)
+        out = self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim))  # (B, T, d)
+        if self.gate_position is Position.DENSE:
+            out = self._maybe_gate(Position.DENSE, out, x)
+        return out, probs
+
+    def split_weights(self) -> dict[str, torch.Tensor]:
+        """The fused parameters as the separate modules' tensors: {'q_proj.weight': ..., 'gate.proj.bias': ...}."""
+        out = {}
+        for kind in ("weight", "bias"):
+            p = getattr(self.qkvg_proj, kind)
+            if p is None:
+                continue
+            for name, chunk in zip(self._part_names, p.detach().split(self.splits, dim=0)):
+                out[f"{name}.{kind}"] = chunk
+        return out
+
+
+def _split_state_dict(module: FusedGatedAttention, state_dict, prefix, local_metadata):
+    for kind in ("weight", "bias"):
+        key = f"{prefix}qkvg_proj.{kind}"
+        if key not in state_dict:
+            continue
+        fused = state_dict.pop(key)
+        for name, chunk in zip(module._part_names, fused.split(module.splits, dim=0)):
+            state_dict[f"{prefix}{name}.{kind}"] = chunk.clone()  # clone: a view would save the whole fused tensor
+
+
+def _merge_state_dict(module: FusedGatedAttention, state_dict, prefix, local_metadata, strict, missing_keys,
+                      unexpected_keys, error_msgs):
+    for kind in ("weight", "bias"):
+        keys = [f"{prefix}{name}.{kind}" for name in module._part_names]
+        if all(k in state_dict for k in keys):
+            state_dict[f"{prefix}qkvg_proj.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
+
+
+def fuse_qkv(model: nn.Module, fused_gate_mul: bool = True) -> nn.Module:
+    """Convert every plain GatedAttention in `model` (in place) to FusedGatedAttention; returns the model.
+
+    Do it after loading weights and before building the optimizer (the fused weight is a new Parameter)."""
+    n = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is GatedAttention:
+                setattr(parent, name, FusedGatedAttention(child, fused_gate_mul))
+                n += 1
+    if n == 0:
+        raise ValueError("fuse_qkv: no plain GatedAttention layer found (already fused, or not a gated_attention model)")
+    return model
+
+
+def unfuse_qkv(model: nn.Module) -> nn.Module:
+    """Inverse of fuse_qkv (in place): plain layers with separate q/k/v/gate projections; returns the model."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FusedGatedAttention):
+                plain = GatedAttention(child.config, child.layer_idx).to(child.qkvg_proj.weight.device,
+                                                                         child.qkvg_proj.weight.dtype)
+                plain.load_state_dict(child.state_dict())
+                if plain.gate is not None and hasattr(plain.gate, "proj"):
+                    plain.gate.proj._is_gate_proj = True  # as GatedQwen3Model tags it (identity-init bookkeeping)
+                plain.capture = child.capture
+                setattr(parent, name, plain)
+    return model
+
+
+__all__ = ["fuse_qkv", "unfuse_qkv", "fused_sigmoid_mul", "FusedGatedAttention"]

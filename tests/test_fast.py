@@ -1,0 +1,155 @@
+"""Fast paths (gated_attention/fast.py) against their plain references: forward AND gradients, checkpoint names,
+static KV cache generation and whole-model torch.compile without graph breaks. Tiny models only."""
+import copy
+
+import pytest
+import torch
+
+import gated_attention  # noqa: F401  (registers the Auto classes)
+from gated_attention import GatedQwen3ForCausalLM
+from gated_attention.fast import FusedGatedAttention, fuse_qkv, fused_sigmoid_mul, unfuse_qkv
+from gated_attention.presets import model_config
+
+# G1 gates (folded into the GEMM; sigmoid ones take the fused multiply), a non-G1 gate (keeps its own projection),
+# a parameter-free transform and the baseline.
+GATES = ["baseline", "sdpa_elementwise", "sdpa_headwise", "sdpa_headshared", "sdpa_additive_silu", "value_elementwise",
+         "sdpa_rmsnorm", "sdpa_input_independent"]
+
+
+def tiny(gate, seed=0, **kw):
+    torch.manual_seed(seed)
+    model = GatedQwen3ForCausalLM(model_config("tiny", gate, match_params=False, **kw))
+    with torch.no_grad():  # non-trivial norms so the state-dict mapping of every tensor is exercised
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def grads_by_plain_name(model):
+    """Parameter gradients keyed by the plain model's names (fused q/k/v/gate gradient split back)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = p.grad
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, FusedGatedAttention):
+            for kind in ("weight", "bias"):
+                key = f"{mod_name}.qkvg_proj.{kind}"
+                if key in out:
+                    g = out.pop(key)
+                    for part, chunk in zip(mod._part_names, g.split(mod.splits, dim=0)):
+                        out[f"{mod_name}.{part}.{kind}"] = chunk
+    return out
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fuse_qkv_matches_plain_forward_and_grads(gate, bias):
+    ref = tiny(gate, attention_bias=bias).train()
+    fast = fuse_qkv(copy.deepcopy(ref))
+    assert any(isinstance(m, FusedGatedAttention) for m in fast.modules())
+    x = torch.randint(0, 128, (2, 11))
+    out_r, out_f = ref(x, labels=x), fast(x, labels=x)
+    torch.testing.assert_close(out_f.logits, out_r.logits, rtol=1e-5, atol=1e-6)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    gr, gf = grads_by_plain_name(ref), grads_by_plain_name(fast)
+    assert set(gr) == set(gf)
+    for name in gr:
+        torch.testing.assert_close(gf[name], gr[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("gate", ["sdpa_elementwise", "sdpa_headwise", "value_elementwise"])
+def test_fused_state_dict_keeps_separate_names_and_round_trips(gate, tmp_path):
+    ref = tiny(gate)
+    fast = fuse_qkv(copy.deepcopy(ref))
+    sd_r, sd_f = ref.state_dict(), fast.state_dict()
+    assert set(sd_f) == set(sd_r), set(sd_f) ^ set(sd_r)
+    for k in sd_r:
+        torch.testing.assert_close(sd_f[k], sd_r[k], rtol=0, atol=0)
+    other = fuse_qkv(tiny(gate, seed=1))  # different weights, fused: loading the plain names must fill qkvg_proj
+    other.load_state_dict(sd_r)
+    x = torch.randint(0, 128, (1, 7))
+    torch.testing.assert_close(other.eval()(x).logits, ref.eval()(x).logits)
+    fast.save_pretrained(tmp_path)  # the HF checkpoint path too
+    loaded = GatedQwen3ForCausalLM.from_pretrained(tmp_path).eval()
+    assert not any(isinstance(m, FusedGatedAttention) for m in loaded.modules())
+    torch.testing.assert_close(loaded(x).logits, ref(x).logits)
+    back = unfuse_qkv(fast).eval()
+    assert not any(isinstance(m, FusedGatedAttention) for m in back.modules())
+    torch.testing.assert_close(back(x).logits, ref(x).logits)
+
+
+def test_fuse_qkv_fails_loudly_when_nothing_to_fuse():
+    model = fuse_qkv(tiny("sdpa_elementwise"))
+    with pytest.raises(ValueError, match="no plain GatedAttention"):
+        fuse_qkv(model)
+
+
+@pytest.mark.parametrize("headwise", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_fused_sigmoid_mul_matches_reference(headwise, scale):
+    torch.manual_seed(0)
+    y = torch.randn(2, 5, 3, 4, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(2, 5, 3, 1 if headwise else 4, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(2, 5, 3, 4, dtype=torch.float64)
+    ref = y * (torch.sigmoid(logits) * scale)
+    gy_r, gl_r = torch.autograd.grad(ref, (y, logits), g)
+    out = fused_sigmoid_mul(y, logits, scale)
+    gy_f, gl_f = torch.autograd.grad(out, (y, logits), g)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(gy_f, gy_r)
+    torch.testing.assert_close(gl_f, gl_r)
+    assert torch.autograd.gradcheck(lambda a, b: fused_sigmoid_mul(a, b, scale), (y, logits))
+
+
+def test_fused_sigmoid_mul_bf16_close_to_fp32():
+    torch.manual_seed(0)
+    y = torch.randn(4, 8, 2, 16)
+    logits = torch.randn(4, 8, 2, 16)
+    g = torch.randn_like(y)
+    yb, lb = y.bfloat16().requires_grad_(), logits.bfloat16().requires_grad_()
+    out = fused_sigmoid_mul(yb, lb)
+    gy, gl = torch.autograd.grad(out, (yb, lb), g.bfloat16())
+    yr, lr = y.clone().requires_grad_(), logits.clone().requires_grad_()
+    ref = yr * torch.sigmoid(lr)
+    gyr, glr = torch.autograd.grad(ref, (yr, lr), g)
+    assert out.dtype == gy.dtype == gl.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gy.float(), gyr, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(gl.float(), glr, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("gate", ["baseline", "sdpa_elementwise"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_static_cache_generate_matches_uncached(gate, fused):
+    model = tiny(gate).eval()
+    if fused:
+        fuse_qkv(model)
+    x = torch.randint(0, 128, (2, 6))
+    ref = model.generate(x, max_new_tokens=8, do_sample=False, use_cache=False)
+    static = model.generate(x, max_new_tokens=8, do_sample=False, cache_implementation="static")
+    dynamic = model.generate(x, max_new_tokens=8, do_sample=False)
+    assert static.tolist() == ref.tolist()
+    assert dynamic.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_whole_model_compiles_without_graph_breaks(fused):
+    model = tiny("sdpa_elementwise").train()
+    if fused:
+        fuse_qkv(model)
+    x = torch.randint(0, 128, (2, 9))
+    explanation = torch._dynamo.explain(model)(x, labels=x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    # fullgraph + aot_eager traces forward AND backward (incl. the custom autograd node) without inductor's cost
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out_c = compiled(x, labels=x)
+    grads_c = torch.autograd.grad(out_c.loss, list(model.parameters()))
+    out_e = model(x, labels=x)
+    grads_e = torch.autograd.grad(out_e.loss, list(model.parameters()))
+    torch.testing.assert_close(out_c.loss, out_e.loss)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
