@@ -82,8 +82,8 @@ class TrainConfig:
                      "keep_checkpoints", "eval_batches", "eval_batch_size"):
             if getattr(self, name) < 1:
                 bad(f"{name}={getattr(self, name)} must be >= 1")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            bad(f"warmup_steps={self.warmup_steps} must be in [0, steps={self.steps}]")
+        if self.warmup_steps < 0:
+            bad(f"warmup_steps={self.warmup_steps} must be >= 0")
         if not 0.0 <= self.wsd_decay_frac <= 1.0:
             bad(f"wsd_decay_frac={self.wsd_decay_frac} must be in [0, 1]")
         if self.min_lr > self.lr:

@@ -1,0 +1,197 @@
+"""Training harness: schedules, --set overrides, loss falls, NaN skipping, spikes, exact SIGKILL resume, eval, sweep."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gated_attention.train.checkpoint import list_checkpoints
+from gated_attention.train.config import TrainConfig, apply_overrides, tiny
+from gated_attention.train.schedule import lr_at
+from gated_attention.train.stability import SpikeDetector
+from gated_attention.train.trainer import param_groups, train
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(l)["loss"] for l in (run / "log.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- schedules
+
+def test_cosine_schedule_known_steps():
+    kw = dict(lr=1.0, min_lr=0.1, warmup_steps=10, steps=111, schedule="cosine")
+    assert lr_at(0, **kw) == pytest.approx(0.1)
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(10, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
+    assert lr_at(110, **kw) == pytest.approx(0.1)
+
+
+def test_wsd_schedule_known_steps():
+    kw = dict(lr=1.0, min_lr=0.0, warmup_steps=4, steps=100, schedule="wsd", wsd_decay_frac=0.2)
+    assert lr_at(1, **kw) == pytest.approx(0.5)
+    assert lr_at(50, **kw) == pytest.approx(1.0)
+    assert lr_at(79, **kw) == pytest.approx(1.0)
+    assert lr_at(80, **kw) == pytest.approx(1 - 1 / 20)
+    assert lr_at(89, **kw) == pytest.approx(0.5)
+    assert lr_at(99, **kw) == pytest.approx(0.0)
+    assert lr_at(89, **{**kw, "wsd_decay_shape": "sqrt"}) == pytest.approx(1 - math.sqrt(0.5))
+
+
+# ---------------------------------------------------------------- config
+
+def test_set_overrides_typed_and_checked():
+    cfg = apply_overrides(tiny(), ["lr=1e-2", "steps=7", "compile=false", "inject_nan_steps=1,3", "domains=none",
+                                   "model.num_hidden_layers=3"], model_fields={"num_hidden_layers": 2})
+    assert cfg.lr == 1e-2 and cfg.steps == 7 and cfg.compile is False and cfg.inject_nan_steps == [1, 3]
+    assert cfg.domains is None and cfg.model_overrides == {"num_hidden_layers": 3}
+    with pytest.raises(ValueError, match="unknown training setting.*valid:.*warmup_steps"):
+        apply_overrides(tiny(), ["lrr=1"])
+    with pytest.raises(ValueError, match="unknown model-config field 'n_layers'.*num_hidden_layers"):
+        apply_overrides(tiny(), ["model.n_layers=2"], model_fields={"num_hidden_layers": 2})
+    with pytest.raises(ValueError, match="fp16"):
+        apply_overrides(tiny(), ["precision=fp16"])
+    with pytest.raises(ValueError, match="steps"):
+        apply_overrides(tiny(), ["steps=abc"])
+
+
+def test_param_groups_no_decay_on_norms_biases_embeddings():
+    from gated_attention.train.trainer import build_model
+
+    cfg = tiny()
+    model = build_model(cfg)
+    decay, no_decay = param_groups(model, cfg)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim == 2 and "embed" not in names[id(p)] for p in decay["params"])
+    assert any("norm" in names[id(p)] for p in no_decay["params"])
+    assert any("embed_tokens" in names[id(p)] for p in no_decay["params"])
+    n_unique = len({id(p) for p in model.parameters()})
+    assert len(decay["params"]) + len(no_decay["params"]) == n_unique
+
+
+# ---------------------------------------------------------------- training
+
+def test_loss_falls_and_outputs(tmp_path):
+    cfg = apply_overrides(tiny(), ["steps=30", "lr=1e-2"])
+    s = train(cfg, tmp_path)
+    ls = losses(tmp_path)
+    assert len(ls) == 30
+    assert sum(ls[-5:]) / 5 < ls[0] - 0.5, ls
+    rec = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "update_ratio", "max_act"):
+        assert key in rec
+    assert len(rec["max_act"]) == 2 and rec["update_ratio"] > 0
+    for key in ("final_loss", "val_losses", "spikes", "skipped_steps", "diverged", "tokens", "wall_time_s"):
+        assert key in s
+    assert s["tokens"] == 30 * cfg.batch_size * cfg.seq_len and not s["diverged"]
+    assert (tmp_path / "final" / "config.json").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())["final_loss"] == ls[-1]
+
+
+def test_nan_steps_skipped_and_counted(tmp_path):
+    cfg = apply_overrides(tiny(), ["steps=10", "inject_nan_steps=3,4", "stats_every=1"])
+    s = train(cfg, tmp_path)
+    recs = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert s["skipped_steps"] == 2 and not s["diverged"]
+    assert [r["skipped"] for r in recs] == [i in (3, 4) for i in range(10)]
+    assert recs[3]["update_ratio"] == 0.0  # no update on a skipped step
+    assert all(math.isfinite(r["loss"]) for i, r in enumerate(recs) if i not in (3, 4))
+
+
+def test_nan_run_stops_after_k_in_a_row(tmp_path):
+    cfg = apply_overrides(tiny(), ["steps=20", "inject_nan_steps=2,3,4,5,6,7", "max_bad_steps=3"])
+    s = train(cfg, tmp_path)
+    assert s["diverged"] and s["skipped_steps"] == 3 and s["steps"] == 5
+    assert "3 non-finite steps in a row" in s["stop_reason"]
+
+
+def test_spike_detector():
+    det = SpikeDetector(window=5, delta=0.1)
+    seq = [3.0, 2.9, 2.95, 2.9, 2.92, 3.05, 2.9, 3.5, float("nan"), 2.9]
+    flags = [det.update(i, v) for i, v in enumerate(seq)]
+    assert flags == [False] * 5 + [True, False, True, False, False]
+    assert [s["step"] for s in det.spikes] == [5, 7]
+    det2 = SpikeDetector()
+    det2.load_state_dict(det.state_dict())
+    assert det2.update(10, 5.0) and len(det2.spikes) == 3
+
+
+# ---------------------------------------------------------------- exact resume after SIGKILL
+
+def _gattn_train(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False):
+    cmd = [sys.executable, "-m", "gated_attention.cli", "train", "--preset", "tiny", "--out", str(out)]
+    for s in sets:
+        cmd += ["--set", s]
+    if resume:
+        cmd.append("--resume")
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+RESUME_SETS = ["steps=12", "ckpt_every=4", "keep_checkpoints=2", "stats_every=5"]
+
+
+def test_sigkill_resume_is_exact(tmp_path):
+    ref = tmp_path / "ref"
+    train(apply_overrides(tiny(), RESUME_SETS), ref)
+    # killed after step 9 (checkpoint at 8 exists), then resumed
+    run = tmp_path / "killed"
+    p = _gattn_train(run, RESUME_SETS, {"GATTN_TEST_KILL_AT_STEP": "9"})
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert len(losses(run)) == 10
+    p = _gattn_train(run, RESUME_SETS, resume=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert losses(run) == losses(ref)  # bitwise: same batches, same state, same order
+    assert [s for s, _ in list_checkpoints(run)] == [8, 12]  # rotation kept the last 2
+    # killed inside the 2nd checkpoint write (step 8): the partial write is invisible, resume from step 4
+    run2 = tmp_path / "killed_in_write"
+    p = _gattn_train(run2, RESUME_SETS, {"GATTN_TEST_KILL_IN_CKPT_WRITE": "2"})
+    assert p.returncode == -9, p.stderr[-2000:]
+    assert [s for s, _ in list_checkpoints(run2)] == [4]
+    assert any(x.name.startswith(".tmp-") for x in (run2 / "checkpoints").iterdir())
+    p = _gattn_train(run2, RESUME_SETS, resume=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert losses(run2) == losses(ref)
+    assert not any(x.name.startswith(".tmp-") for x in (run2 / "checkpoints").iterdir())
+
+
+def test_fresh_run_refuses_existing_checkpoints(tmp_path):
+    cfg = apply_overrides(tiny(), ["steps=2"])
+    train(cfg, tmp_path)
+    with pytest.raises(ValueError, match="--resume"):
+        train(cfg, tmp_path)
+    with pytest.raises(ValueError, match=r"differ.*\['lr'\]"):
+        train(apply_overrides(cfg, ["lr=5e-3"]), tmp_path, resume=True)
+
+
+# ---------------------------------------------------------------- eval and sweep CLIs
+
+def test_eval_cli(tmp_path, capsys):
+    from gated_attention.cli import main
+
+    train(apply_overrides(tiny(), ["steps=3"]), tmp_path)
+    assert main(["eval", str(tmp_path), "--batches", "2", "--batch-size", "2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert set(res["losses"]) == {"synthetic"} and len(res["pos_loss"]) == tiny().seq_len
+    assert res["avg_ppl"] == pytest.approx(sum(res["ppl"].values()) / len(res["ppl"]))
+    assert res["ppl"]["synthetic"] == pytest.approx(math.exp(res["losses"]["synthetic"]))
+    assert main(["eval", str(tmp_path), "--batches", "1", "--batch-size", "2"]) == 0
+    assert "Avg PPL" in capsys.readouterr().out
+
+
+def test_sweep_tabulates_and_reuses(tmp_path):
+    from gated_attention.train.sweep import sweep
+
+    rows = sweep("tiny", ["baseline", "sdpa_headwise"], [3e-3], tmp_path, sets=["steps=4"])
+    assert [(r["gate"], r["lr"]) for r in rows] == [("baseline", 3e-3), ("sdpa_headwise", 3e-3)]
+    assert "| sdpa_headwise | 0.003 |" in (tmp_path / "results.md").read_text()
+    summary = tmp_path / "baseline_lr0.003" / "summary.json"
+    mtime = summary.stat().st_mtime_ns
+    rows2 = sweep("tiny", ["baseline"], [3e-3], tmp_path, sets=["steps=4"])
+    assert summary.stat().st_mtime_ns == mtime and rows2[0]["final_loss"] == rows[0]["final_loss"]
