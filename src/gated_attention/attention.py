@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .baselines import build_attention_baseline
 from .gates import Position, build_gate
 from .rope import apply_rotary_pos_emb
 
@@ -116,6 +117,7 @@ class GatedAttention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self.gate = build_gate(config.gate, config)
         self.gate_position = self.gate.spec.position if self.gate is not None else None
+        self.baseline = build_attention_baseline(config)  # None, or the hooks of a comparison baseline (baselines.py)
         self.capture = None  # a Recorder (capture.py) while analysing; None costs nothing
 
     def _emit(self, name, value):
@@ -138,8 +140,11 @@ class GatedAttention(nn.Module):
         x = hidden_states
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        if self.baseline is None or (kv := self.baseline.project_kv(x, self.k_proj, self.v_proj)) is None:
+            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        else:
+            k, v = kv  # (B, T, KV, D) each: expert mixtures (Switch Heads)
         if self.gate_position is not None:
             q = self._maybe_gate(Position.QUERY, q, x)
             k = self._maybe_gate(Position.KEY, k, x)
@@ -148,20 +153,26 @@ class GatedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.baseline is None or self.baseline.use_rope:
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if self.baseline is not None:
+            k = self.baseline.extend_keys(k, x)  # FoX: (B, KV, T, D + n_rep), log f rides along in the cache
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, KV, S, D) including the past
         if self.capture is not None:
             self._emit("q", q)
-            self._emit("k", k)
+            self._emit("k", k if self.baseline is None else self.baseline.key_view(k))
             self._emit("scale", self.scaling)
         impl = self.config._attn_implementation or "sdpa"
         if self.capture is not None and getattr(self.capture, "wants_probs", False):
             impl = "eager"
-        y, probs = get_kernel(impl)(self, q, k, v, attention_mask, self.scaling,
-                                    dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
+        kernel = get_kernel(impl) if self.baseline is None else self.baseline.wrap(get_kernel(impl), impl)
+        y, probs = kernel(self, q, k, v, attention_mask, self.scaling,
+                          dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
         if probs is not None:
             self._emit("attn_probs", probs)
+        if self.baseline is not None:
+            y = self.baseline.gate_output(y, x)  # Bondarenko et al. per-head gate
         if self.gate_position is Position.SDPA:
             y = self._maybe_gate(Position.SDPA, y, x)
         out = self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim))  # (B, T, d)

@@ -67,6 +67,10 @@ class GatedQwen3Config(PreTrainedConfig):
     mlp_only_layers: list[int] | None = None  # layers forced dense
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert
     moe_impl: str = "grouped"  # "loop" (reference) | "grouped" (fast path)
+    # --- the paper's comparison baselines (gated_attention.baselines) ---
+    baseline: str = "none"  # a runtime mechanism from baselines.BASELINES (Switch Heads, sinks, FoX, ...), or "none"
+    softmax_zeta: float = 1.0  # clipped_softmax stretch (>= 1): above 1 lets probabilities reach exactly 1
+    softmax_gamma: float = -0.03  # clipped_softmax shift (<= 0): lets probabilities reach exactly 0
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -89,6 +93,9 @@ class GatedQwen3Config(PreTrainedConfig):
             raise ValueError("use_sliding_window=True is not supported (the paper's models use full attention)")
         if self.moe_impl not in ("loop", "grouped"):
             raise ValueError(f"unknown moe_impl {self.moe_impl!r}; valid: loop, grouped")
+        from .baselines import validate_config
+
+        validate_config(self)
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         super().__post_init__(**kwargs)

@@ -19,6 +19,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .attention import GatedAttention, RMSNorm
+from .baselines import AttentionBaseline, build_branch_transforms
 from .configuration import GatedQwen3Config
 from .gates import Gate, Source
 from .rope import RotaryEmbedding, compute_rope_parameters
@@ -59,15 +60,18 @@ class GatedQwen3DecoderLayer(GradientCheckpointingLayer):
         self.mlp = build_ffn(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # identity, or a baseline on each branch output before its residual add (sandwich norm / clipping to +-c)
+        self.attn_output_transform, self.ffn_output_transform = build_branch_transforms(config)
         self.capture = None
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, cache=None, **kwargs):
         h, _ = self.self_attn(self.input_layernorm(hidden_states), position_embeddings, attention_mask, cache, **kwargs)
+        h = self.attn_output_transform(h)
         hidden_states = hidden_states + h
         if self.capture is not None:
             self.capture(self.layer_idx, "attn_output", h)
             self.capture(self.layer_idx, "attn_residual", hidden_states)
-        h = self.mlp(self.post_attention_layernorm(hidden_states))
+        h = self.ffn_output_transform(self.mlp(self.post_attention_layernorm(hidden_states)))
         hidden_states = hidden_states + h
         if self.capture is not None:
             self.capture(self.layer_idx, "ffn_output", h)
@@ -94,6 +98,8 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
             inv_freq, _ = compute_rope_parameters(module.config)
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
+        elif isinstance(module, AttentionBaseline):
+            module.init_parameters(self.config.initializer_range)  # its own Parameters (sinks, per-head gate)
         elif isinstance(module, Gate) and module.spec.source is Source.CONSTANT:
             init.zeros_(module.theta)  # the paper's input-independent gate starts at theta = 0
         elif isinstance(module, nn.Linear) and getattr(module, "_zero_init", False):
