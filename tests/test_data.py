@@ -2,11 +2,13 @@
 manifest checksums, skipped sources, and (where the Debian packages are installed) real sources."""
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import shutil
+import struct
 import subprocess
-import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +278,62 @@ def _contains(stream: list[int], window: list[int]) -> bool:
     n = len(window)
     first = window[0]
     return any(stream[i:i + n] == window for i, t in enumerate(stream[: len(stream) - n + 1]) if t == first)
+
+
+# A hand-written R serialization stream (XDR, version 3), so the reader is tested even where R packages are absent.
+def _i(v: int) -> bytes:
+    return struct.pack(">i", v)
+
+
+def _chars(s: str | None) -> bytes:
+    if s is None:
+        return _i(9) + _i(-1)  # NA_character_
+    b = s.encode("utf-8")
+    return _i(9 | ((1 << 3) << 12)) + _i(len(b)) + b  # CHARSXP flagged UTF-8
+
+
+def _strsxp(items) -> bytes:
+    return _i(16) + _i(len(items)) + b"".join(_chars(s) for s in items)
+
+
+def _names_attr(names, first_use: bool) -> bytes:
+    # pairlist cell with a tag: the symbol `names` (a reference to it after its first use), then the value, then NIL
+    sym = _i(1) + _chars("names") if first_use else _i((1 << 8) | 255)
+    return _i(2 | (1 << 10)) + sym + _strsxp(names) + _i(254)
+
+
+def _stream(body: bytes) -> bytes:
+    return b"X\n" + _i(3) + _i(0x040201) + _i(0x030500) + _i(5) + b"UTF-8" + body
+
+
+def test_r_reader_synthetic(tmp_path):
+    novel = ["Chapter 1", "", "It is a truth — universally acknowledged 😀", None]
+    ints = _i(13) + _i(3) + _i(1) + _i(-7) + _i(42)
+    # list(text = <character>, n = <integer>) as saveRDS writes it (gzip)
+    data = _stream(_i(19 | (1 << 9)) + _i(2) + _strsxp(novel) + ints + _names_attr(["text", "n"], first_use=True))
+    (tmp_path / "x.rds").write_bytes(gzip.compress(data))
+    got = D.read_rds(tmp_path / "x.rds").named()
+    assert got["text"].value == novel and got["n"].value == [1, -7, 42]
+
+    # a lazy-load db: .rdb records (4-byte length + zlib) and an .rdx index, saveRDS of
+    # list(variables = list(v = c(off, len), w = c(off, len)), compressed = TRUE)
+    named_strs = _i(16 | (1 << 9)) + _i(3) + b"".join(_chars(x) for x in novel[:3]) + _names_attr(["x", "y", "z"], True)
+    named_ints = _i(13 | (1 << 9)) + _i(3) + _i(1) + _i(-7) + _i(42) + _names_attr(["a", "b", "c"], True)
+    rdb, locs = b"", []
+    for rec in (_stream(named_strs), _stream(named_ints)):
+        z = struct.pack(">I", len(rec)) + zlib.compress(rec)
+        locs.append((len(rdb), len(z)))
+        rdb += z
+
+    def real(pair):
+        return _i(14) + _i(2) + b"".join(struct.pack(">d", v) for v in pair)
+
+    variables = _i(19 | (1 << 9)) + _i(2) + real(locs[0]) + real(locs[1]) + _names_attr(["v", "w"], first_use=True)
+    # the outer names attribute refers back to the symbol `names` registered above (a REFSXP)
+    index = _stream(_i(19 | (1 << 9)) + _i(2) + variables + _i(10) + _i(1) + _i(1)
+                    + _names_attr(["variables", "compressed"], first_use=False))
+    (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(index))
+    (tmp_path / "Rdata.rdb").write_bytes(rdb)
+    db = D.read_lazyload_db(tmp_path / "Rdata.rdx")
+    assert db["v"].value == novel[:3] and db["v"].named() == dict(zip("xyz", novel[:3]))
+    assert db["w"].value == [1, -7, 42] and db["w"].named() == {"a": 1, "b": -7, "c": 42}

@@ -388,7 +388,8 @@ def _dpkg_files(package: str) -> list[str]:
         raise SourceUnavailable(f"needs the Debian package {package} (no dpkg here: not a Debian-based system)")
     res = subprocess.run(["dpkg", "-L", package], capture_output=True, text=True)
     if res.returncode != 0:
-        raise SourceUnavailable(f"Debian package {package} is not installed; run scripts/install_debian_deps.sh as root")
+        raise SourceUnavailable(f"Debian package {package} is not installed; "
+                                f"run scripts/install_debian_deps.sh as root")
     return res.stdout.splitlines()
 
 
@@ -1030,7 +1031,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
     p = sub.add_parser("prepare", help="Build (or reuse) the corpus, tokenizer and token files in a data dir.")
     d = PrepareConfig()
-    p.add_argument("--data-dir", default=d.data_dir, help=f"where everything is written and cached (default {d.data_dir})")
+    p.add_argument("--data-dir", default=d.data_dir,
+                   help=f"where everything is written and cached (default {d.data_dir})")
     p.add_argument("--vocab-size", type=int, default=d.vocab_size, help=f"BPE vocabulary size (default {d.vocab_size})")
     p.add_argument("--sources", nargs="*", default=list(d.sources), choices=list(SOURCES), metavar="SOURCE",
                    help=f"built-in sources to include (default all: {' '.join(SOURCES)}); give none for --extra only")
