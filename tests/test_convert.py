@@ -82,6 +82,17 @@ def test_round_trip_is_bit_exact(fmt, gate, bias):
         assert not any(".gate." in k for k in ostate)
 
 
+def test_bf16_round_trip_through_zero_centred_norms():
+    cfg, model = _native("sdpa_elementwise")
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    ncfg = {**cfg.to_dict(), "dtype": "bfloat16"}
+    ocfg, ostate = convert_state_dict(ncfg, state, "native", "qwen3-next")
+    assert ostate["model.norm.weight"].dtype == torch.bfloat16
+    assert torch.equal(ostate["model.norm.weight"].float(), state["model.norm.weight"].float() - 1)
+    _, back = convert_state_dict(ocfg, ostate, "qwen3-next", "native")
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
 def test_official_config_rules(tmp_path):
     cfg, model = _native("sdpa_elementwise", attention_bias=True)
     ocfg, ostate = convert_state_dict(cfg.to_dict(), model.state_dict(), "native", "official")
@@ -110,6 +121,10 @@ def test_gated_to_qwen3_and_unsupported_gates_fail_clearly():
         convert_state_dict(cfg.to_dict(), model.state_dict(), "native", "official")
     cfg, model = _native("sdpa_elementwise", gate_init="identity")
     with pytest.raises(ConversionError, match="gate_init='identity'"):
+        convert_state_dict(cfg.to_dict(), model.state_dict(), "native", "official")
+    cfg, model = _native("sdpa_elementwise", rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                              "partial_rotary_factor": 0.5})
+    with pytest.raises(ConversionError, match="partial_rotary_factor=0.5 has no official counterpart"):
         convert_state_dict(cfg.to_dict(), model.state_dict(), "native", "official")
     cfg, model = _native("baseline", use_qk_norm=False)
     with pytest.raises(ConversionError, match="use_qk_norm=False has no qwen3 counterpart"):

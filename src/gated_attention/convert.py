@@ -19,7 +19,8 @@ Choices (documented here because the official code leaves them open):
     4.46, the official code's version, used as the pre-scaling length).
   - official dirs are written without `auto_map` (the remote-code files are not ours to ship); one is accepted on read.
   - pickles (.bin/.pt/.pth/.ckpt) are never loaded: a directory with only pickled weights is an error.
-  - bf16 norms converted to/from qwen3-next round through the `w - 1` shift in fp32; fp32 weights near 1 are exact.
+  - the qwen3-next `w - 1` norm shift is done in fp32 and cast back; it round-trips bit-exactly for weights in
+    [0.5, 2] (Sterbenz: w - 1 is exact there, in fp32 and bf16 alike), and rounds in the last bit outside it.
 MoE models are not convertible (none of the external formats here has our MoE layout) and fail clearly.
 """
 from __future__ import annotations
@@ -55,13 +56,14 @@ class Layout:
     zero_centred_norms: bool  # RMSNorm weights stored as w - 1 (applied as 1 + w)
     needs_qk_norm: bool  # the format has no switch to turn QK-norm off
     architecture: str  # architectures[0] written to config.json
+    partial_rope: bool  # can rotate only part of head_dim (partial_rotary_factor < 1)
 
 
 LAYOUTS: dict[str, Layout] = {
     "official": Layout("qwen3", "per_kv_group", ("baseline", "sdpa_elementwise", "sdpa_headwise"), False, False,
-                       "Qwen3ForCausalLM"),
-    "qwen3": Layout("qwen3", None, ("baseline",), False, True, "Qwen3ForCausalLM"),
-    "qwen3-next": Layout("qwen3_next", "per_head", ("sdpa_elementwise",), True, True, "Qwen3NextForCausalLM"),
+                       "Qwen3ForCausalLM", False),
+    "qwen3": Layout("qwen3", None, ("baseline",), False, True, "Qwen3ForCausalLM", False),
+    "qwen3-next": Layout("qwen3_next", "per_head", ("sdpa_elementwise",), True, True, "Qwen3NextForCausalLM", True),
 }
 
 # Every RMSNorm weight (Qwen3-Next stores them all zero-centred).
@@ -273,6 +275,9 @@ def _check_native_for(ncfg: dict, fmt: str) -> None:
                               "sigmoid, so the logits would change")
     if ncfg.get("num_experts", 0):
         raise ConversionError(f"MoE models (num_experts={ncfg['num_experts']}) have no {fmt} counterpart")
+    prf = (ncfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    if prf != 1.0 and not layout.partial_rope:
+        raise ConversionError(f"partial_rotary_factor={prf} has no {fmt} counterpart (it rotates the full head_dim)")
     if layout.needs_qk_norm and not ncfg.get("use_qk_norm", True):
         raise ConversionError(f"use_qk_norm=False has no {fmt} counterpart (it always applies QK-norm)")
 
