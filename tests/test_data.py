@@ -133,7 +133,12 @@ def test_tokenizer_loads_with_auto_and_special_tokens(small, tmp_path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     cfg, _, _ = small
-    out = D.save_tokenizer(D.get_tokenizer(cfg.data_dir), tmp_path / "ckpt" / "tok")  # e.g. beside a checkpoint
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"weights")
+    out = D.save_tokenizer(D.get_tokenizer(cfg.data_dir), ckpt)  # into a checkpoint dir, beside the weights
+    assert (ckpt / "model.safetensors").read_bytes() == b"weights"  # the checkpoint's own files are untouched
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".")]  # no temp leftovers
     for tok in (AutoTokenizer.from_pretrained(str(out)), PreTrainedTokenizerFast.from_pretrained(str(out))):
         assert isinstance(tok, PreTrainedTokenizerFast)
         assert (tok.bos_token, tok.eos_token, tok.pad_token) == (D.BOS, D.EOS, D.PAD)

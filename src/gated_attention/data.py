@@ -649,27 +649,23 @@ def _wrap_fast(tok):
 
 
 def save_tokenizer(tok, directory: str | os.PathLike) -> Path:
-    """Save a tokenizer as an HF tokenizer dir (atomically: written beside, then renamed into place)."""
+    """Write the tokenizer files (tokenizer.json, tokenizer_config.json, ...) into `directory`, e.g. a checkpoint or
+    exported model dir, so it loads with AutoTokenizer. Other files there are left alone; each tokenizer file is
+    written beside and renamed into place, so a crash never leaves a half-written one."""
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory, prefix=".tokenizer.", suffix=".tmp"))
     try:
         tok.save_pretrained(str(tmp))
-        os.chmod(tmp, 0o777 & ~_UMASK)  # mkdtemp makes 0700 dirs
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
-    except BaseException:
+        for f in sorted(tmp.iterdir()):
+            os.chmod(f, 0o666 & ~_UMASK)  # match the user's umask like any other file they keep
+            os.replace(f, directory / f.name)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return directory
 
 
-def get_tokenizer(data_dir: str | os.PathLike):
+def get_tokenizer(data_dir: str | os.PathLike = "data"):
     """The corpus tokenizer (PreTrainedTokenizerFast) of a prepared data dir (or a tokenizer dir itself)."""
     from transformers import PreTrainedTokenizerFast
 
@@ -886,7 +882,7 @@ SPLITS = ("train", "val")
 class Corpus:
     """A prepared data dir: `.domains`, `.tokens(domain, split)` (read-only np.memmap), `.vocab_size`, `.tokenizer`."""
 
-    def __init__(self, data_dir: str | os.PathLike):
+    def __init__(self, data_dir: str | os.PathLike = "data"):
         self.data_dir = Path(data_dir)
         path = self.data_dir / "manifest.json"
         if not path.exists():
