@@ -297,6 +297,36 @@ def _rank_main(rank, world, port, x, state, result_file):
         dist.destroy_process_group()
 
 
+def test_all_reduce_is_applied_to_counts_not_probabilities(monkeypatch):
+    # In-process stand-in for a second rank: all_reduce adds that rank's packed (counts, prob sums, tokens).
+    import gated_attention.moe as moe
+    torch.manual_seed(12)
+    block = SparseMoeBlock(make_cfg()).train()
+    x = torch.randn(4, 6, 32)
+    other = SparseMoeBlock(make_cfg()).train()
+    other.load_state_dict(block.state_dict())
+    other(x[2:])
+    packed_other = torch.cat([other.balance.counts, other.balance.prob_sum, torch.tensor([other.balance.tokens])])
+    calls = []
+
+    def fake_all_reduce(t, op=None, group=None):
+        calls.append(op)
+        t += packed_other.to(t.dtype)
+
+    monkeypatch.setattr(moe.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(moe.dist, "all_reduce", fake_all_reduce)
+    block(x[:2])
+    assert calls == [moe.dist.ReduceOp.SUM]
+    full = SparseMoeBlock(make_cfg()).train()
+    full.load_state_dict(block.state_dict())
+    monkeypatch.undo()
+    full(x)
+    assert torch.equal(block.balance.counts, full.balance.counts) and block.balance.tokens == 24
+    P_local = torch.softmax(x[:2].reshape(-1, 32) @ block.gate.weight.T, -1).mean(0)
+    torch.testing.assert_close(block.lb_loss, (8 * full.balance.counts.float() / (2 * 24) * P_local).sum().detach())
+
+
+@pytest.mark.slow  # spawns two interpreters (about 10-30 s on a shared CPU)
 def test_global_counts_across_two_ranks(tmp_path):
     import torch.multiprocessing as mp
     torch.manual_seed(8)
@@ -317,3 +347,70 @@ def test_global_counts_across_two_ranks(tmp_path):
         P_local = torch.softmax(h @ block.gate.weight.T, -1).mean(0)
         f_global = block.balance.counts.float() / (2 * block.balance.tokens)
         torch.testing.assert_close(r["lb_loss"], (8 * f_global * P_local).sum().detach())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The block inside the LM (modeling.py builds SparseMoeBlock for MoE layers and adds collect_aux_loss to the loss)
+# --------------------------------------------------------------------------------------------------------------
+def tiny_moe_lm(**overrides):
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.presets import model_config
+    cfg = model_config("tiny-moe", **overrides)
+    return GatedQwen3ForCausalLM(cfg)
+
+
+def test_tiny_moe_lm_equals_hf_qwen3_moe_by_plain_state_dict_load():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    torch.manual_seed(9)
+    ours = tiny_moe_lm(norm_topk_prob=False).eval()
+    c = ours.config
+    hf_cfg = Qwen3MoeConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings, rope_parameters=c.rope_parameters,
+        max_position_embeddings=c.max_position_embeddings, num_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
+        norm_topk_prob=c.norm_topk_prob)
+    hf = Qwen3MoeForCausalLM(hf_cfg).eval()
+    ours.load_state_dict(hf.state_dict(), strict=True)  # MoE names/shapes are HF's: nothing to rename
+    ids = torch.randint(0, c.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_tiny_moe_lm_loop_vs_grouped_loss_and_grads():
+    torch.manual_seed(10)
+    fast = tiny_moe_lm(moe_impl="grouped", router_z_loss_coef=1e-3).train()
+    ref = tiny_moe_lm(moe_impl="loop", router_z_loss_coef=1e-3).train()
+    ref.load_state_dict(fast.state_dict())
+    ids = torch.randint(0, fast.config.vocab_size, (2, 10))
+    results = []
+    for model in (ref, fast):
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, model.config.vocab_size), ids[:, 1:].reshape(-1))
+        torch.testing.assert_close(out.loss.detach(), (ce + out.aux_loss).detach())
+        assert 0 < out.aux_loss.item() < 1  # 2 layers * (1e-3 * LBL ~ 1 + 1e-3 * z)
+        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss_r, g_r), (loss_f, g_f) = results
+    torch.testing.assert_close(loss_f, loss_r, rtol=1e-5, atol=1e-6)
+    for name in g_r:
+        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_tiny_moe_lm_global_batch_stats_over_micro_batches():
+    torch.manual_seed(11)
+    model = tiny_moe_lm().train()
+    ids = torch.randint(0, model.config.vocab_size, (4, 8))
+    model(ids)
+    big = moe_stats(model)
+    reset_moe_balance(model)
+    model(ids[:2])
+    model(ids[2:])
+    split = moe_stats(model)
+    for layer in range(model.config.num_hidden_layers):
+        key = f"model.layers.{layer}.mlp"
+        assert split[f"{key}/expert_load"] == big[f"{key}/expert_load"]
+        assert sum(split[f"{key}/expert_load"]) == 4 * 8 * model.config.num_experts_per_tok
+        assert split[f"{key}/lb_loss"] == pytest.approx(big[f"{key}/lb_loss"], rel=1e-5)
