@@ -46,9 +46,9 @@ class CorpusSource:
         from gated_attention import data
 
         self._data = data
-        self.corpus = data.Corpus(data_dir) if data_dir is not None else data.Corpus()
-        self.tokenizer = data.get_tokenizer(data_dir) if data_dir is not None else data.get_tokenizer()
-        self.vocab_size = len(self.tokenizer)
+        self.corpus = data.Corpus(data_dir) if data_dir is not None else data.Corpus()  # default: ./data
+        self.tokenizer = self.corpus.tokenizer
+        self.vocab_size = self.corpus.vocab_size
         available = list(self.corpus.domains)
         if domains:
             missing = [d for d in domains if d not in available]
