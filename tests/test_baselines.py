@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
-from gated_attention import GatedQwen3Config, GatedQwen3ForCausalLM
-from gated_attention.baselines import (BASELINES, Kind, added_params, baseline_config, expanded_config, get_baseline,
+from gated_attention import GatedQwen3ForCausalLM
+from gated_attention.baselines import (BASELINES, added_params, baseline_config, expanded_config, get_baseline,
                                        paper_report)
 from gated_attention.presets import model_config
 
@@ -304,3 +304,38 @@ def test_baselines_combine_with_a_gate():
     model = tiny_model("sink_logits", gate="sdpa_elementwise")
     assert model.model.layers[0].self_attn.gate is not None and model.model.layers[0].self_attn.baseline is not None
     assert torch.isfinite(model(torch.randint(0, 128, (1, 5))).logits).all()
+
+
+def test_forget_decay_is_exact_when_queries_are_not_the_last_keys():
+    """A static cache's prefill: 3 queries at key slots 2..4 of 8, slots 5..7 empty (masked)."""
+    fox = tiny_model("forgetting").model.layers[0].self_attn.baseline
+    H, KV, D, S = 4, 2, 8, 8
+    logf = -torch.rand(1, H, S)  # (1, H, S)
+    k_ext = torch.cat([torch.randn(1, KV, S, D), logf.view(1, KV, 2, S).transpose(2, 3)], -1)  # (1, KV, S, D + 2)
+    rows = torch.tensor([2, 3, 4])
+    mask = torch.where(torch.arange(S)[None] <= rows[:, None], 0.0, torch.finfo(torch.float32).min)[None, None]
+    bias = fox.decay_bias(k_ext, mask)  # (1, H, 3, S)
+    for r, i in enumerate(rows.tolist()):
+        for j in range(i + 1):
+            torch.testing.assert_close(bias[0, :, r, j], logf[0, :, j + 1: i + 1].sum(-1))
+
+
+@pytest.mark.parametrize("name", ["forgetting", "sink_logits", "clipped_softmax", "switch_v_8top2"])
+def test_static_cache_generation_equals_uncached(name):
+    model = _perturb(tiny_model(name, "sdpa"))
+    prompt = torch.randint(0, 128, (1, 5))
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         pad_token_id=0, cache_implementation="static")
+    full = model(out.sequences).logits
+    for i, step_logits in enumerate(out.logits):
+        torch.testing.assert_close(step_logits[0], full[0, 4 + i], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sandwich_norm", "switch_kv_4top4", "forgetting"])
+def test_baselines_on_the_tiny_moe(name):
+    torch.manual_seed(0)
+    model = GatedQwen3ForCausalLM(baseline_config("tiny-moe", name)).train()
+    x = torch.randint(0, 128, (2, 9))
+    out = model(x, labels=x)
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and out.aux_loss is not None

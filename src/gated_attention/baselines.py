@@ -450,17 +450,23 @@ class ForgetGate(AttentionBaseline):
     def key_view(self, k):
         return k[..., : self.head_dim]
 
-    def decay_bias(self, k_ext: torch.Tensor, t: int) -> torch.Tensor:
-        """(B, KV, S, D + n_rep) -> D (B, H, T, S) for the last t keys as queries, computed in fp32."""
+    def decay_bias(self, k_ext: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, KV, S, D + n_rep) keys and the additive mask (B or 1, 1, T, S) -> D (B, H, T, S), fp32.
+        D_ij = C_i - C_j with C = cumsum(log f) over the keys. C_i is taken as the smallest C_j the row may see
+        (C never increases and a query sees itself), so no assumption on where the queries sit in the cache holds it
+        (dynamic cache: the last T keys; static cache: anywhere). Fully masked rows get C_i = 0."""
         b, kv, s, _ = k_ext.shape
         logf = k_ext[..., self.head_dim:].float().permute(0, 1, 3, 2).reshape(b, kv * self.n_rep, s)  # (B, H, S)
-        c = logf.cumsum(-1)  # (B, H, S)
-        return c[..., s - t:, None] - c[..., None, :]  # (B, H, T, S)
+        c = logf.cumsum(-1)[:, :, None, :]  # (B, H, 1, S)
+        visible = mask > torch.finfo(mask.dtype).min / 2  # (B or 1, 1, T, S)
+        c_row = torch.where(visible, c, torch.inf).amin(-1, keepdim=True)  # (B, H, T, 1)
+        c_row = torch.where(torch.isinf(c_row), 0.0, c_row)
+        return c_row - c  # (B, H, T, S)
 
     def attend(self, kernel, module, q, k, v, mask, scaling, **kw):
-        bias = self.decay_bias(k, q.shape[2]).to(q.dtype)
-        k = self.key_view(k)
-        return kernel(module, q, k, v, additive_mask(mask, q, k) + bias, scaling, **kw)
+        k_ext, k = k, self.key_view(k)
+        m = additive_mask(mask, q, k)
+        return kernel(module, q, k, v, m + self.decay_bias(k_ext, m).to(q.dtype), scaling, **kw)
 
 
 _ATTENTION_MODULES = {Kind.SWITCH: SwitchHeads, Kind.HEAD_SLICE_GATE: HeadSliceGate, Kind.CLIPPED_SOFTMAX: ClippedSoftmax,
