@@ -28,7 +28,8 @@ def rows(shape: str) -> list[dict]:
     except ImportError:
         BASELINES = {}
     for name, spec in BASELINES.items():
-        out.append({"name": name, "kind": "baseline", "axes": getattr(spec, "kind", ""),
+        kind = getattr(spec, "kind", "")
+        out.append({"name": name, "kind": "baseline", "axes": getattr(kind, "value", str(kind)),
                     "added_params": added_params(spec, base), "added_per_layer": None,
                     "paper": getattr(spec, "paper", "")})
     return out
