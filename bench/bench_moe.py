@@ -4,7 +4,9 @@ All variants run in one process on identical weights and inputs, interleaved rou
 them alike; the median step time of each is reported. Variants:
   loop          plain loop over experts (the reference)
   grouped       the fast path as configured by default (torch._grouped_mm where usable, else per-segment mm)
-  grouped-seg   the fast path forced to its per-segment mm kernel (one mm per expert on sorted tokens)
+  grouped-seg   the fast path forced to its per-segment mm kernel (one mm per expert on sorted tokens; the fallback
+                for shapes torch._grouped_mm rejects)
+On a loaded, shared CPU use --threads 1: oversubscribed threads make the medians swing by 10x.
 
 Usage:  python bench/bench_moe.py [--tokens 2048 --d 256 --experts 16 --top-k 4 --ffn 128 --layers 2] [--out FILE]
 """

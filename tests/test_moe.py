@@ -2,7 +2,6 @@
 statistics across micro-batches and ranks, shared expert, top-k renormalisation, and parity with HF Qwen3-MoE."""
 from __future__ import annotations
 
-import os
 import socket
 import types
 
@@ -414,3 +413,23 @@ def test_tiny_moe_lm_global_batch_stats_over_micro_batches():
         assert split[f"{key}/expert_load"] == big[f"{key}/expert_load"]
         assert sum(split[f"{key}/expert_load"]) == 4 * 8 * model.config.num_experts_per_tok
         assert split[f"{key}/lb_loss"] == pytest.approx(big[f"{key}/lb_loss"], rel=1e-5)
+
+
+def test_tiny_moe_lm_activation_checkpointing_counts_once_and_same_grads():
+    # Recompute runs the block's forward again inside backward: it must not count the micro-batch twice, and the
+    # recomputed loss graph must use the same global f as the original forward.
+    torch.manual_seed(13)
+    plain = tiny_moe_lm(router_z_loss_coef=1e-3).train()
+    ckpt = tiny_moe_lm(router_z_loss_coef=1e-3).train()
+    ckpt.load_state_dict(plain.state_dict())
+    ckpt.activation_checkpointing_enable()
+    ids = torch.randint(0, plain.config.vocab_size, (2, 8))
+    for model in (plain, ckpt):
+        for micro in (ids[:1], ids[1:]):
+            model(micro, labels=micro, use_cache=False).loss.backward()
+    for layer in range(plain.config.num_hidden_layers):
+        key = f"model.layers.{layer}.mlp/expert_load"
+        assert moe_stats(ckpt)[key] == moe_stats(plain)[key]
+        assert sum(moe_stats(ckpt)[key]) == 2 * 8 * plain.config.num_experts_per_tok
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)

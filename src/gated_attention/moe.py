@@ -18,7 +18,8 @@ Losses (stored on the block after each forward, collected by `collect_aux_loss(m
     accumulated across the micro-batches of one optimizer step in `MoEBalanceState`; P_i stays local and carries the
     gradient. The micro-batch m of M therefore uses the counts of micro-batches 1..m (the last one sees the full global
     batch), which is what Megatron's global aux loss does too: the exact global f is unknown before all micro-batches
-    have run. The trainer calls `reset_moe_balance(model)` after each optimizer step.
+    have run. The trainer calls `reset_moe_balance(model)` after each optimizer step. Activation-checkpoint recompute
+    (a forward run inside backward) neither counts a micro-batch twice nor overwrites the stored loss.
   * router z-loss = mean over tokens of logsumexp(router logits)^2 (ST-MoE), local.
   aux_loss = router_aux_loss_coef * LBL + router_z_loss_coef * z_loss.
 
@@ -83,6 +84,12 @@ class MoEBalanceState:
         f = self.counts / (top_k * self.tokens)  # (E,)
         p = self.prob_sum / self.tokens  # (E,)
         return float(self.num_experts * (f * p).sum())
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass, i.e. during activation-checkpoint recomputation of a forward."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 def load_balancing_loss(counts: torch.Tensor, tokens: float, top_k: int, mean_probs: torch.Tensor) -> torch.Tensor:
@@ -260,6 +267,7 @@ class SparseMoeBlock(nn.Module):
         self.lb_loss: torch.Tensor | None = None  # unweighted, detached, for logging
         self.z_loss: torch.Tensor | None = None
         self.expert_load: torch.Tensor | None = None  # (E,) routing slots per expert in the last forward
+        self._last_global: tuple[torch.Tensor, float] | None = None  # (counts, tokens) the last training forward used
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -284,14 +292,23 @@ class SparseMoeBlock(nn.Module):
         N = probs.shape[0]
         counts = torch.bincount(top_i.reshape(-1), minlength=self.num_experts)  # (E,)
         prob_sum = probs.sum(dim=0)  # (E,) fp32, with grad
-        if self.training:
+        recomputing = _in_backward()
+        if self.training and not recomputing:
             # Eval forwards must not leak into the training step's global batch, so only training accumulates.
             g_counts, g_tokens = self.balance.update(counts, N, prob_sum)
+            self._last_global = (g_counts.clone(), g_tokens)
+        elif self.training and self._last_global is not None:
+            # Activation-checkpoint recompute (inside backward): this micro-batch is already counted; reuse the
+            # f its original forward used so the recomputed graph equals the original one.
+            g_counts, g_tokens = self._last_global
         else:
             g_counts, g_tokens = counts, N
         lbl = load_balancing_loss(g_counts, g_tokens, self.top_k, prob_sum / N)
         zl = router_z_loss(logits)
-        self.aux_loss = self.aux_loss_coef * lbl + self.z_loss_coef * zl
+        aux = self.aux_loss_coef * lbl + self.z_loss_coef * zl
+        if recomputing:
+            return  # the trainer already collected the original forward's loss and statistics
+        self.aux_loss = aux
         self.lb_loss, self.z_loss = lbl.detach(), zl.detach()
         self.expert_load = counts.detach()
 
