@@ -1,0 +1,309 @@
+"""`gattn compare`: the main job. Train the ungated baseline and gated variants on the same data, seed and parameter
+budget, evaluate per-domain perplexity, measure attention sinks / massive activations / gate statistics, and write a
+report in the form of the paper's Table 4 (report.md, a self-contained report.html, compare.json, PNG plots).
+
+Layout of OUT (default runs/compare):
+
+  OUT/runs/<variant>/    one trainer run per variant (log.jsonl, checkpoints/, final/, summary.json) + analysis.json
+  OUT/plots/*.png        loss curves, per-layer F-Attn/M-Act, attention maps, gate histograms
+  OUT/compare.json       every number in the report
+  OUT/report.md, OUT/report.html
+
+Re-running reuses work: a variant whose summary.json exists (with the same settings) is not retrained, a run that was
+interrupted resumes from its last checkpoint (the trainer's exact resume), and analysis.json is reused when its
+settings match. Changing a setting for an existing OUT fails loudly instead of silently mixing runs.
+
+Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `--set` overrides them further.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
+DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
+
+
+@dataclass
+class Budget:
+    """A named training budget: changes over the `small` training preset, plus analysis size."""
+
+    help: str
+    train: dict  # TrainConfig fields (model_overrides = model-config fields)
+    analysis_batches: int = 4  # val batches (of eval_batch_size windows) per domain fed to the analysis
+    map_len: int = 64  # tokens shown in the attention-map plots
+
+
+# Chosen by the experiments recorded in the README ("what small scale shows"): a shallow, narrow model so many tokens
+# fit the time budget, the fixed <|bos|> first token (the data sampler's default) so a sink has something to form
+# on, a high peak LR with weight decay 0.1 (both make sinks appear sooner, Gu et al. 2024).
+BUDGETS: dict[str, Budget] = {
+    "small": Budget(
+        help="CI smoke run: a ~0.6M-parameter 2-layer model, 60 steps per variant (a minute or two on 2 cores)",
+        train=dict(seq_len=64, batch_size=8, steps=60, lr=3e-3, min_lr=3e-4, warmup_steps=6, eval_every=0,
+                   eval_batches=2, eval_batch_size=4, stats_every=20, spike_window=20, ckpt_every=30,
+                   model_overrides=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
+        analysis_batches=1, map_len=32),
+    "default": Budget(
+        help="about 15 minutes for three variants on 2 quiet CPU cores",
+        train=dict(seq_len=128, batch_size=16, steps=1500, lr=6e-3, min_lr=6e-5, warmup_steps=60, weight_decay=0.1,
+                   eval_every=0, eval_batches=4, eval_batch_size=8, stats_every=100, spike_window=50,
+                   ckpt_every=250,
+                   model_overrides=dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32))),
+    "long": Budget(
+        help="several times the default's tokens on a wider model (an hour or more on 2 CPU cores)",
+        train=dict(seq_len=256, batch_size=16, steps=6000, lr=6e-3, min_lr=6e-5, warmup_steps=200, weight_decay=0.1,
+                   eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200, spike_window=50,
+                   ckpt_every=500,
+                   model_overrides=dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64))),
+}
+
+
+# ---------------------------------------------------------------- configuration
+
+def budget_config(budget: str, data_dir: str, sets: list[str] | None = None):
+    """The TrainConfig shared by every variant (gate = baseline) for a budget, with `--set` overrides applied."""
+    from gated_attention.presets import model_config
+    from gated_attention.train.config import apply_overrides, train_preset
+
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
+    b = BUDGETS[budget]
+    # compare prints one line per variant; a tqdm bar per run and TensorBoard files are noise here
+    cfg = replace(train_preset("small"), **b.train, data="corpus", data_dir=str(data_dir), gate="baseline",
+                  progress=False, tensorboard=False)
+    fields = model_config(cfg.model, gate="baseline").to_dict()
+    cfg = apply_overrides(cfg, list(sets or []), fields)
+    if cfg.gate != "baseline":
+        raise ValueError("--set gate=... is not allowed in compare; choose gates with --variants")
+    return cfg
+
+
+def check_variants(variants: list[str]) -> list[str]:
+    from gated_attention.gates import GATES
+
+    bad = [v for v in variants if v not in GATES]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)} (see `gattn gates`)")
+    if len(set(variants)) != len(variants):
+        raise ValueError(f"--variants lists a variant twice: {variants}")
+    return list(variants)
+
+
+def ensure_data(data_dir: str | Path, log=print) -> Path:
+    """Prepare the default corpus in `data_dir` if it has no manifest yet (the data module caches everything)."""
+    from gated_attention import data
+
+    data_dir = Path(data_dir)
+    if not (data_dir / "manifest.json").exists():
+        log(f"[compare] {data_dir} is not prepared: running `gattn data prepare --data-dir {data_dir}` first")
+        data.prepare(data.PrepareConfig(data_dir=str(data_dir)))
+    return data_dir
+
+
+# ---------------------------------------------------------------- one variant: train (or reuse), then analyse
+
+def _same_config(saved: dict, want: dict) -> list[str]:
+    from gated_attention.train.trainer import _RESUMABLE_CHANGES
+
+    keys = set(saved) | set(want)
+    return sorted(k for k in keys if k not in _RESUMABLE_CHANGES and saved.get(k) != want.get(k))
+
+
+def train_variant(cfg, run_dir: Path, log=print) -> dict:
+    """Train into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's content."""
+    from gated_attention.train import checkpoint as ckpt_mod
+    from gated_attention.train.trainer import train
+
+    summary_path, cfg_path = run_dir / "summary.json", run_dir / "train_config.json"
+    if cfg_path.exists():
+        diff = _same_config(json.loads(cfg_path.read_text()), cfg.to_dict())
+        if diff:
+            raise ValueError(f"{run_dir} was trained with different settings ({', '.join(diff)}); "
+                             f"use a new --out or delete that folder")
+    if summary_path.exists() and (run_dir / "final" / "config.json").exists():
+        log(f"[compare] {cfg.gate}: reusing finished run {run_dir}")
+        return json.loads(summary_path.read_text())
+    resume = ckpt_mod.latest_checkpoint(run_dir) is not None
+    log(f"[compare] {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps -> {run_dir}")
+    return train(cfg, run_dir, resume=resume)
+
+
+def analysis_batches(cfg, budget: Budget):
+    """Val windows of every domain, each starting with <|bos|> as in training: a list of (b, T) LongTensors."""
+    from gated_attention import data
+
+    corpus = data.Corpus(cfg.data_dir)
+    batches = []
+    for domain in corpus.domains:
+        for b in data.eval_batches(corpus, domain, cfg.seq_len, budget.analysis_batches, cfg.eval_batch_size):
+            batches.append(b[:, :-1])  # (b, T): inputs only
+    if not batches:
+        raise ValueError(f"no validation windows of {cfg.seq_len} tokens in {cfg.data_dir}; lower seq_len")
+    return batches
+
+
+def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
+    """analysis.json of the variant's final model (reused when the analysis settings match)."""
+    from gated_attention.analysis import AnalysisConfig, analyze_model, load_model
+
+    path = run_dir / "analysis.json"
+    key = {"seq_len": cfg.seq_len, "batches": len(batches), "batch_size": int(batches[0].shape[0]),
+           "map_len": budget.map_len, "final_mtime": (run_dir / "final" / "model.safetensors").stat().st_mtime
+           if (run_dir / "final" / "model.safetensors").exists() else None}
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("compare_key") == key:
+            return old
+    model, kind = load_model(run_dir / "final")
+    res = analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
+    res["compare_key"] = key
+    _atomic_write(path, json.dumps(res))
+    return res
+
+
+def count_params(run_dir: Path) -> int:
+    from gated_attention.presets import param_report
+    from gated_attention.configuration import GatedQwen3Config
+
+    conf = GatedQwen3Config.from_pretrained(run_dir / "final")
+    return int(param_report(conf)["total"])
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    path = run_dir / "log.jsonl"
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+# ---------------------------------------------------------------- the whole job
+
+def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
+    """The numbers compare.json keeps per variant (Table 4 columns first)."""
+    a = analysis
+    return {
+        "variant": name,
+        "params": params,
+        "avg_ppl": summary.get("avg_ppl"),
+        "gate_mean": a.get("gate_mean"),
+        "m_act": a.get("max_abs_hidden"),
+        "f_attn": a.get("first_token_attention"),
+        "spikes": summary.get("spikes"),
+        "uniform_f_attn": a.get("uniform_first_token_attention"),
+        "sink_rate": a.get("sink_rate"),
+        "val_ppl": summary.get("val_ppl"),
+        "val_losses": summary.get("val_losses"),
+        "final_loss_avg10": summary.get("final_loss_avg10"),
+        "skipped_steps": summary.get("skipped_steps"),
+        "diverged": summary.get("diverged"),
+        "tokens": summary.get("tokens"),
+        "train_wall_time_s": summary.get("wall_time_s"),
+        "analysis_loss": a.get("loss"),
+        "max_abs_attn_output": a.get("max_abs_attn_output"),
+        "max_abs_ffn_output": a.get("max_abs_ffn_output"),
+        "mean_abs_y_pre_gate": a.get("mean_abs_y_pre_gate"),
+        "mean_abs_y_post_gate": a.get("mean_abs_y_post_gate"),
+        **{k: a.get(k) for k in ("sparsity_pre_gate_0.01", "sparsity_post_gate_0.01",
+                                 "sparsity_pre_gate_x_mean_gate_0.01")},
+        "per_layer": {
+            "f_attn": [e.get("first_token_attention") for e in a.get("layers", [])],
+            "m_act": [e.get("max_abs_hidden") for e in a.get("layers", [])],
+            "gate_mean": [e.get("gate_mean") for e in a.get("layers", [])],
+        },
+    }
+
+
+def run_compare(out: str | Path, data_dir: str | Path = DEFAULT_DATA_DIR, budget: str = "default",
+                variants: list[str] | None = None, sets: list[str] | None = None, log=print) -> dict:
+    """Train/reuse every variant, analyse, and write compare.json, report.md, report.html and plots into `out`."""
+    from . import report
+
+    t0 = time.perf_counter()
+    variants = check_variants(list(variants or DEFAULT_VARIANTS))
+    data_dir = ensure_data(data_dir, log)
+    base = budget_config(budget, str(data_dir), sets)
+    b = BUDGETS[budget]
+    out = Path(out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    batches = analysis_batches(base, b)
+    rows, analyses, logs = {}, {}, {}
+    for v in variants:
+        cfg = replace(base, gate=v).validate()
+        run_dir = out / "runs" / v
+        summary = train_variant(cfg, run_dir, log)
+        analysis = analyze_variant(run_dir, cfg, b, batches)
+        rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
+        analyses[v], logs[v] = analysis, read_log(run_dir)
+        r = rows[v]
+        log(f"[compare] {v}: Avg PPL {report.fmt(r['avg_ppl'], 3)}  F-Attn {report.fmt(r['f_attn'], 3)}  "
+            f"M-Act {report.fmt(r['m_act'], 1)}  gate {report.fmt(r['gate_mean'], 3)}  spikes {r['spikes']}")
+    result = {
+        "budget": budget,
+        "variants": variants,
+        "data_dir": str(data_dir),
+        "train_config": base.to_dict(),
+        "analysis": {"batches": len(batches), "batch_size": int(batches[0].shape[0]), "seq_len": base.seq_len,
+                     "tokens": int(sum(x.numel() for x in batches)), "first_token": "<|bos|>"},
+        "rows": rows,
+        "wall_time_s": None,
+    }
+    plots = report.make_plots(out / "plots", analyses, logs)
+    result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
+    result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)
+    _atomic_write(out / "compare.json", json.dumps(result, indent=1))
+    _atomic_write(out / "report.md", report.render_markdown(result))
+    _atomic_write(out / "report.html", report.render_html(result, out))
+    return result
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- CLI
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR,
+                        help=f"prepared corpus folder; prepared automatically if missing (default {DEFAULT_DATA_DIR})")
+    parser.add_argument("--out", default="runs/compare",
+                        help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
+                             "(default runs/compare; a re-run reuses finished runs)")
+    parser.add_argument("--budget", default="default", choices=list(BUDGETS),
+                        help="; ".join(f"{k}: {v.help}" for k, v in BUDGETS.items()))
+    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
+                        help=f"gate variants to train, first one is the reference (default: {' '.join(DEFAULT_VARIANTS)}; "
+                             "names from `gattn gates`)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a training setting for every variant (e.g. steps=3000, lr=1e-2, "
+                             "model.num_hidden_layers=6); repeatable")
+
+
+def run(args) -> int:
+    from . import report
+
+    res = run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
+                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(report.render_table(res))
+    print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
+    return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0
