@@ -1,0 +1,137 @@
+"""Training-step throughput (forward + backward + AdamW, bf16 autocast): ungated vs G1 gates, ours vs transformers.
+
+Every variant (config x implementation x eager/compile) and a bf16 GEMM (the machine's measured peak) are timed
+round-robin in one process; the JSON holds medians, tokens/s, gate overhead (gated / ungated step time, same
+implementation and mode), speed-up over transformers (same config and mode) and MFU (model FLOP/s over the best
+GEMM FLOP/s seen in the same run).
+Run: python bench/bench_train.py [--batch 16 --seq 256 --reps 5 --modes eager,compile]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import common  # noqa: F401  (puts src/ on the path)
+import torch
+
+from gated_attention import GatedQwen3ForCausalLM
+from gated_attention.fast import fuse_qkv
+from gated_attention.gates import get_gate
+from gated_attention.presets import model_config
+from hf_reference import hf_from_ours
+
+CONFIGS = {  # label -> (gate, match_params)
+    "ungated": ("baseline", True),
+    "G1-elem-parity": ("sdpa_elementwise", True),
+    "G1-head-parity": ("sdpa_headwise", True),
+    "G1-elem-noparity": ("sdpa_elementwise", False),
+    "G1-head-noparity": ("sdpa_headwise", False),
+}
+IMPLS = ("ours", "ours_fast", "hf")
+
+
+def train_flops(cfg, batch: int, seq: int) -> float:
+    """Model FLOPs of one train step (3x forward): every matmul incl. lm_head, causal attention (avg (T+1)/2 keys)."""
+    d, H, KV, D, L, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.num_hidden_layers, cfg.vocab_size)
+    spec = get_gate(cfg.gate)
+    gate_w = spec.score_width(d, H, KV, D) if spec is not None and spec.source.value == "input" else 0
+    per_layer = d * H * D + 2 * d * KV * D + H * D * d + d * gate_w + 3 * d * cfg.intermediate_size
+    fwd_per_token = 2 * (L * per_layer + d * V) + L * 2 * 2 * H * D * (seq + 1) / 2
+    return 3.0 * fwd_per_token * batch * seq
+
+
+def make_step(model, ids):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small", help="model preset (presets.py)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    ap.add_argument("--reps", type=int, default=5, help="timed round-robin rounds (median taken)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (compiles happen here)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {list(CONFIGS)}")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma list: ours (plain reference layers), "
+                    "ours_fast (fuse_qkv + fused sigmoid-mul), hf (transformers Qwen3 / official gate layout)")
+    ap.add_argument("--modes", default="eager,compile", help="comma list: eager, compile")
+    ap.add_argument("--compile-impls", default="ours_fast,hf", help="impls also run under torch.compile")
+    ap.add_argument("--out", default="train", help="results/<out>.json")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default; 1 on a busy machine)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs, impls, modes = args.configs.split(","), args.impls.split(","), args.modes.split(",")
+    for c in configs:
+        if c not in CONFIGS:
+            raise SystemExit(f"unknown config {c!r}; valid: {', '.join(CONFIGS)}")
+    for i in impls:
+        if i not in IMPLS:
+            raise SystemExit(f"unknown impl {i!r}; valid: {', '.join(IMPLS)}")
+    torch.manual_seed(0)
+    ids = torch.randint(0, model_config(args.preset).vocab_size, (args.batch, args.seq))
+    fns, meta = {}, {}
+    for label in configs:
+        gate, parity = CONFIGS[label]
+        torch.manual_seed(0)
+        cfg = model_config(args.preset, gate, match_params=parity)
+        ours = GatedQwen3ForCausalLM(cfg).train()
+        models = {}
+        for impl in impls:
+            if impl == "ours":
+                models[impl] = ours
+            elif impl == "ours_fast":
+                models[impl] = fuse_qkv(copy.deepcopy(ours))
+            else:
+                models[impl] = hf_from_ours(ours).train()
+        for impl, m in models.items():
+            for mode in modes:
+                if mode == "compile" and impl not in args.compile_impls.split(","):
+                    continue
+                run = torch.compile(m) if mode == "compile" else m
+                name = f"{label}|{impl}|{mode}"
+                fns[name] = make_step(run, ids)
+                meta[name] = {"config": label, "gate": gate, "match_params": parity, "impl": impl, "mode": mode,
+                              "params": sum(p.numel() for p in m.parameters()),
+                              "intermediate_size": cfg.intermediate_size,
+                              "flops": train_flops(cfg, args.batch, args.seq)}
+    peak_fn, peak_flops = common.matmul_peak_fn()
+    fns["peak_gemm"] = peak_fn
+    times = common.interleaved(fns, args.reps, args.warmup)
+    peak = max(peak_flops / t for t in times.pop("peak_gemm"))
+    tokens = args.batch * args.seq
+    rows = []
+    for name, ts in times.items():
+        m = meta[name]
+        med = common.median(ts)
+        rows.append({**m, "name": name, "median_s": med, "times_s": ts, "tokens_per_s": tokens / med,
+                     "mfu": m["flops"] / med / peak})
+    by = {r["name"]: r for r in rows}
+    for r in rows:
+        base = by.get(f"ungated|{r['impl']}|{r['mode']}")
+        r["step_time_vs_ungated"] = r["median_s"] / base["median_s"] if base else None
+        base_fast = by.get(f"ungated|ours_fast|{r['mode']}")  # the ratio the targets use: fast gated vs fast ungated
+        r["step_time_vs_ungated_fast"] = r["median_s"] / base_fast["median_s"] if base_fast else None
+        hf = by.get(f"{r['config']}|hf|{r['mode']}")
+        r["speedup_vs_hf"] = hf["median_s"] / r["median_s"] if hf else None
+    result = {"bench": "train", "machine": common.machine(), "preset": args.preset, "batch": args.batch,
+              "seq": args.seq, "reps": args.reps, "peak_bf16_flops": peak, "rows": rows}
+    path = common.write_json(args.out, result)
+    print(common.md_table(rows, ["config", "impl", "mode", "median_s", "tokens_per_s", "step_time_vs_ungated",
+                                 "step_time_vs_ungated_fast", "speedup_vs_hf", "mfu"]))
+    print(f"peak bf16 GEMM: {peak / 1e9:.1f} GFLOP/s; wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

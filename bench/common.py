@@ -1,0 +1,110 @@
+"""Shared helpers of the benchmark scripts: interleaved timing with medians, machine facts, atomic JSON/markdown.
+
+Absolute times on a shared CPU are noise; every script times the things it compares round-robin in ONE process
+(rep 1 of A, B, C, then rep 2 of A, B, C, ...) and reports medians and their ratios, so a slow spell hits all alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+sys.path.insert(0, str(ROOT.parent / "src"))  # run from a checkout without installing
+
+
+def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
+                log: Callable[[str], None] | None = print) -> dict[str, list[float]]:
+    """Seconds per call of each fn, `reps` round-robin rounds after `warmup` rounds (warmup also triggers compiles)."""
+    for w in range(warmup):
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            if log:
+                log(f"  warmup {w + 1}/{warmup} {name}: {time.perf_counter() - t:.2f}s")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(reps):
+        order = list(fns) if r % 2 == 0 else list(reversed(fns))  # alternate order: no fixed neighbour bias
+        for name in order:
+            t = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t)
+        if log:
+            log(f"  rep {r + 1}/{reps}: " + ", ".join(f"{n}={times[n][-1]:.3f}s" for n in fns))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def matmul_peak_fn(n: int = 2048, dtype=torch.bfloat16) -> tuple[Callable[[], None], float]:
+    """A bf16 GEMM to time next to the workload; returns (fn, flops per call). Peak = best FLOP/s observed."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    iters = 4
+
+    def fn():
+        for _ in range(iters):
+            torch.mm(a, b)
+
+    return fn, 2.0 * n ** 3 * iters
+
+
+def machine() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+            f.seek(0)
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {x}" in flags]
+    import transformers
+
+    return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "load_avg": os.getloadavg()}
+
+
+def write_json(name: str, obj) -> Path:
+    """Atomic write of bench/results/<name>.json (a crash never leaves a half-written result)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def md_table(rows: list[dict], cols: list[str]) -> str:
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)

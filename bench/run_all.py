@@ -1,0 +1,109 @@
+"""Run every benchmark (each in its own process) and write bench/results/*.json plus bench/results/SUMMARY.md, the
+table of measured ratios against the project's targets (issue 7). `--quick` shrinks every run to a smoke test.
+Run: python bench/run_all.py [--threads N] [--quick]    (or: bash bench/run_all.sh)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import common
+
+PY = sys.executable
+
+
+def run(script: str, *args: str) -> bool:
+    cmd = [PY, str(common.ROOT / script), *args]
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode == 0
+
+
+def load(name: str):
+    p = common.RESULTS / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def summary() -> str:
+    lines = ["# Benchmark summary (ratios measured side by side in one process; medians)", ""]
+    targets = []
+    tr = load("train")
+    if tr:
+        by = {r["name"]: r for r in tr["rows"]}
+        m = tr["machine"]
+        lines += [f"Machine: {m['cpu']} ({', '.join(m['isa'])}), {m['cores']} cores, torch threads "
+                  f"{m['torch_threads']}, torch {m['torch']}, transformers {m['transformers']}, load {m['load_avg']}",
+                  f"Train shape: preset {tr['preset']}, batch {tr['batch']} x seq {tr['seq']}, bf16 autocast; "
+                  f"measured bf16 GEMM peak {tr['peak_bf16_flops'] / 1e9:.0f} GFLOP/s", ""]
+        for mode in ("eager", "compile"):
+            for label, target in (("G1-elem-parity", 1.03), ("G1-head-parity", 1.01)):
+                r = by.get(f"{label}|ours_fast|{mode}")
+                if r and r["step_time_vs_ungated_fast"] is not None:
+                    targets.append((f"{label} step time / ungated ({mode}, fast path)", r["step_time_vs_ungated_fast"],
+                                    f"<= {target}", r["step_time_vs_ungated_fast"] <= target))
+            for label in ("ungated", "G1-elem-parity", "G1-head-parity"):
+                r = by.get(f"{label}|ours_fast|{mode}")
+                if r and r["speedup_vs_hf"] is not None:
+                    targets.append((f"{label} train tokens/s / transformers ({mode})", r["speedup_vs_hf"], ">= 1.3",
+                                    r["speedup_vs_hf"] >= 1.3))
+        best = max(tr["rows"], key=lambda r: r["mfu"])
+        targets.append((f"MFU, best variant ({best['name']})", best["mfu"], ">= 0.50", best["mfu"] >= 0.5))
+        lines += ["## Train step", "", common.md_table(tr["rows"], [
+            "config", "impl", "mode", "median_s", "tokens_per_s", "step_time_vs_ungated", "step_time_vs_ungated_fast",
+            "speedup_vs_hf", "mfu"]), ""]
+    de = load("decode")
+    if de:
+        for r in de["rows"]:
+            if r["impl"] != "hf":
+                targets.append((f"decode {r['config']} b{r['batch']} {r['impl']} / transformers generate",
+                                r["speedup_vs_hf_generate"], ">= 1.5", r["speedup_vs_hf_generate"] >= 1.5))
+        lines += [f"## Decode (prompt {de['prompt']}, {de['new_tokens']} new tokens, {de['dtype']})", "",
+                  common.md_table(de["rows"], ["config", "batch", "impl", "median_s", "tokens_per_s",
+                                               "speedup_vs_hf_generate"]), ""]
+    an = load("analysis")
+    if an:
+        for r in an["rows"]:
+            if r.get("method") == "capture" and r.get("T") == max(x["T"] for x in an["rows"]) and "peak_extra_gib" in r:
+                targets.append((f"analysis peak memory at T={r['T']} (GiB)", r["peak_extra_gib"], "<= 2",
+                                r["peak_extra_gib"] <= 2))
+        lines += ["## Analysis", "", common.md_table(an["rows"], ["T", "method", "seconds", "peak_extra_gib",
+                                                                  "error"]), ""]
+    moe = load("moe")
+    if moe:
+        lines += ["## MoE fast path vs loop reference (bench_moe.py)", "",
+                  common.md_table(moe.get("results", []), ["variant", "median_ms", "speedup_vs_loop"]), ""]
+    head = ["## Targets", "", "| measure | value | target | met |", "|---|---|---|---|"]
+    head += [f"| {n} | {v:.3g} | {t} | {'yes' if ok else 'NO'} |" for n, v, t, ok in targets]
+    return "\n".join(lines[:4] + head + [""] + lines[4:])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for every bench (0 = torch default)")
+    ap.add_argument("--quick", action="store_true", help="tiny smoke-test sizes (checks the scripts, not speed)")
+    ap.add_argument("--skip", default="", help="comma list of benches to skip: train, decode, analysis, moe")
+    args = ap.parse_args(argv)
+    skip = set(filter(None, args.skip.split(",")))
+    th = ["--threads", str(args.threads)] if args.threads else []
+    ok = True
+    if "train" not in skip:
+        q = ["--batch", "2", "--seq", "32", "--reps", "1", "--warmup", "1", "--modes", "eager"] if args.quick else []
+        ok &= run("bench_train.py", *th, *q)
+    if "decode" not in skip:
+        q = ["--prompt", "8", "--new", "8", "--reps", "1", "--batches", "1"] if args.quick else []
+        ok &= run("bench_decode.py", *th, *q)
+    if "analysis" not in skip:
+        q = ["--lengths", "512,1024", "--eager-max", "512"] if args.quick else []
+        ok &= run("bench_analysis.py", *q, *(th or ["--threads", "1"]))
+    if "moe" not in skip and (common.ROOT / "bench_moe.py").exists():
+        q = ["--steps", "2", "--warmup", "1", "--tokens", "256"] if args.quick else []
+        ok &= run("bench_moe.py", *th, *q, "--out", str(common.RESULTS / "moe.json"))
+    text = summary()
+    common.write_text(common.RESULTS / "SUMMARY.md", text + "\n")
+    print(text)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
