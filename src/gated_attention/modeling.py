@@ -100,6 +100,9 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
             init.copy_(module.original_inv_freq, inv_freq)
         elif isinstance(module, AttentionBaseline):
             module.init_parameters(self.config.initializer_range)  # its own Parameters (sinks, per-head gate)
+        elif type(module).__name__ in ("MoeRouter", "MoeExperts"):  # 3-D expert weights / router: N(0, std)
+            for p in module.parameters(recurse=False):
+                init.normal_(p, mean=0.0, std=self.config.initializer_range)
         elif isinstance(module, Gate) and module.spec.source is Source.CONSTANT:
             init.zeros_(module.theta)  # the paper's input-independent gate starts at theta = 0
         elif isinstance(module, nn.Linear) and getattr(module, "_zero_init", False):
