@@ -1,12 +1,17 @@
-"""Checkpoint interop: official gated-attention dirs, stock HF Qwen3, the Qwen3-Next attention layout <-> native.
+"""Checkpoint interop: official gated-attention dirs, stock HF Qwen3 / Qwen3-MoE, the Qwen3-Next attention layout <-> native.
 
 Every conversion goes through the native layout (hub and spokes): SRC -> native (config kwargs + state dict) -> DST.
-All four formats use stock Qwen3 parameter names; they differ only in what `LAYOUTS` declares:
+All five formats use stock Qwen3 parameter names; they differ only in what `LAYOUTS` declares:
   native      the gate in its own module: `self_attn.gate.proj.weight` (H*D or H rows, head-major), plain RMSNorm weights
   official    (qiuzh20/gated_attention, SPEC §1.3) gate rows fused into `q_proj` per KV group g:
               [query rows of heads gG..gG+G-1 | gate rows of the same heads]; flags `elementwise_attn_output_gate` /
               `headwise_attn_output_gate` (headwise wins if both), `use_qk_norm`, `qkv_bias` (also the o_proj bias)
   qwen3       stock transformers `Qwen3ForCausalLM`: no gate, QK-norm always on
+  qwen3-moe   stock transformers `Qwen3MoeForCausalLM`: as qwen3, plus MoE layers. Native MoE blocks already use its
+              5.x fused names (mlp.gate.weight (E,d), mlp.experts.gate_up_proj (E,2I,d), mlp.experts.down_proj
+              (E,d,I)); what transformers 5.24's save_pretrained writes (and every older checkpoint holds) is one key per
+              expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, stacked on read as gate_up_proj[e] = cat([gate_e,
+              up_e]) and split again on write. Both key layouts are accepted on read.
   qwen3-next  transformers `Qwen3NextForCausalLM` restricted to full-attention layers and dense MLPs: gate rows fused
               per head [q_h | g_h], and every RMSNorm zero-centred (weight_next = weight - 1, applied as 1 + w)
 The fused layouts are row permutations (index tensors) applied at the boundary only; the model never sees them.
@@ -21,7 +26,12 @@ Choices (documented here because the official code leaves them open):
   - pickles (.bin/.pt/.pth/.ckpt) are never loaded: a directory with only pickled weights is an error.
   - the qwen3-next `w - 1` norm shift is done in fp32 and cast back; it round-trips bit-exactly for weights in
     [0.5, 2] (Sterbenz: w - 1 is exact there, in fp32 and bf16 alike), and rounds in the last bit outside it.
-MoE models are not convertible (none of the external formats here has our MoE layout) and fail clearly.
+  - qwen3-moe configs name the expert count `num_local_experts` (5.x save_pretrained) or `num_experts` (older and hub
+    configs); missing MoE keys take transformers' Qwen3MoeConfig defaults (e.g. norm_topk_prob=False, unlike native).
+    Written configs carry what 5.24's save_pretrained writes. `router_z_loss_coef` and `moe_impl` are training/kernel
+    settings with no effect on the logits and no Qwen3-MoE key: they are dropped on write (native defaults on read).
+  - a shared expert (Qwen2-MoE style) and runtime baseline mechanisms (`baseline` != "none") have no external
+    counterpart and fail clearly; MoE models convert only to native and qwen3-moe.
 """
 from __future__ import annotations
 
@@ -35,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-FORMATS = ("native", "official", "qwen3", "qwen3-next")
+FORMATS = ("native", "official", "qwen3", "qwen3-moe", "qwen3-next")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files copied verbatim from SRC to DST (tokenizer and generation settings); weights and config are rewritten.
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -57,12 +67,14 @@ class Layout:
     needs_qk_norm: bool  # the format has no switch to turn QK-norm off
     architecture: str  # architectures[0] written to config.json
     partial_rope: bool  # can rotate only part of head_dim (partial_rotary_factor < 1)
+    moe: bool = False  # holds Qwen3-MoE layers (per-expert keys on write, per-expert or fused on read)
 
 
 LAYOUTS: dict[str, Layout] = {
     "official": Layout("qwen3", "per_kv_group", ("baseline", "sdpa_elementwise", "sdpa_headwise"), False, False,
                        "Qwen3ForCausalLM", False),
     "qwen3": Layout("qwen3", None, ("baseline",), False, True, "Qwen3ForCausalLM", False),
+    "qwen3-moe": Layout("qwen3_moe", None, ("baseline",), False, True, "Qwen3MoeForCausalLM", False, moe=True),
     "qwen3-next": Layout("qwen3_next", "per_head", ("sdpa_elementwise",), True, True, "Qwen3NextForCausalLM", True),
 }
 
@@ -70,6 +82,11 @@ LAYOUTS: dict[str, Layout] = {
 NORM_KEY = re.compile(r"(^model\.norm|\.input_layernorm|\.post_attention_layernorm|\.q_norm|\.k_norm)\.weight$")
 Q_KEY = re.compile(r"^model\.layers\.(\d+)\.self_attn\.q_proj\.(weight|bias)$")
 GATE_KEY = "model.layers.{i}.self_attn.gate.proj.{p}"
+# One expert's projection in the per-expert (pre-5.x / save_pretrained) Qwen3-MoE layout.
+EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Qwen3-MoE config keys carried 1:1 (the expert count separately: it has two spellings).
+MOE_KEYS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
+            "decoder_sparse_step", "mlp_only_layers")
 
 # Official config defaults (Qwen3Config.__init__ of the official code, SPEC §1.2) for keys a saved config may omit.
 OFFICIAL_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
@@ -192,6 +209,10 @@ def config_to_native(cfg: dict, fmt: str, state: dict | None = None) -> dict:
     if fmt == "qwen3":
         out["gate"] = "baseline"
         return out
+    if fmt == "qwen3-moe":
+        out["gate"] = "baseline"
+        out.update(_moe_config_to_native(cfg))
+        return out
     # qwen3-next: only full-attention layers with dense MLPs have a native counterpart
     n = cfg.get("num_hidden_layers", 0)
     types = cfg.get("layer_types") or []
@@ -212,6 +233,20 @@ def config_to_native(cfg: dict, fmt: str, state: dict | None = None) -> dict:
         rp["partial_rotary_factor"] = prf
     out["gate"] = "sdpa_elementwise"
     out["use_qk_norm"] = True
+    return out
+
+
+def _moe_config_to_native(cfg: dict) -> dict:
+    """MoE kwargs from a Qwen3-MoE config.json, missing keys at transformers' Qwen3MoeConfig defaults."""
+    from transformers import Qwen3MoeConfig
+
+    hf_defaults = {f: Qwen3MoeConfig.__dataclass_fields__[f].default for f in (*MOE_KEYS, "num_experts")}
+    spellings = {k: cfg[k] for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None}
+    if len(set(spellings.values())) > 1:
+        raise ConversionError(f"qwen3-moe config gives two expert counts {spellings}; keep one of them")
+    out = {k: cfg.get(k, hf_defaults[k]) for k in MOE_KEYS}
+    out["num_experts"] = next(iter(spellings.values()), hf_defaults["num_experts"])
+    out["mlp_only_layers"] = list(out["mlp_only_layers"] or [])
     return out
 
 
@@ -242,6 +277,11 @@ def config_from_native(ncfg: dict, fmt: str) -> dict:
 
         hf = Qwen3Config(**shared, rope_parameters=rp, attention_bias=full["attention_bias"], use_sliding_window=False,
                          max_window_layers=full["max_window_layers"])
+    elif fmt == "qwen3-moe":
+        from transformers import Qwen3MoeConfig
+
+        hf = Qwen3MoeConfig(**shared, rope_parameters=rp, attention_bias=full["attention_bias"], use_sliding_window=False,
+                            num_experts=full["num_experts"], **{k: full[k] for k in MOE_KEYS})
     else:
         from transformers import Qwen3NextConfig
 
@@ -273,8 +313,15 @@ def _check_native_for(ncfg: dict, fmt: str) -> None:
     if gate != "baseline" and ncfg.get("gate_init", "normal") != "normal":
         raise ConversionError(f"gate_init={ncfg['gate_init']!r} scales the gate (2*sigmoid); {fmt} applies a plain "
                               "sigmoid, so the logits would change")
-    if ncfg.get("num_experts", 0):
-        raise ConversionError(f"MoE models (num_experts={ncfg['num_experts']}) have no {fmt} counterpart")
+    if ncfg.get("num_experts", 0) and not layout.moe:
+        raise ConversionError(f"MoE models (num_experts={ncfg['num_experts']}) have no {fmt} counterpart; "
+                              "use --to qwen3-moe (ungated) or native")
+    if ncfg.get("shared_expert_intermediate_size", 0):
+        raise ConversionError(f"shared_expert_intermediate_size={ncfg['shared_expert_intermediate_size']}: a shared "
+                              f"expert has no {fmt} counterpart (Qwen3-MoE has none)")
+    if ncfg.get("baseline", "none") != "none":
+        raise ConversionError(f"baseline={ncfg['baseline']!r} is a native-only mechanism with no {fmt} counterpart; "
+                              "keep such models in the native format")
     prf = (ncfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
     if prf != 1.0 and not layout.partial_rope:
         raise ConversionError(f"partial_rotary_factor={prf} has no {fmt} counterpart (it rotates the full head_dim)")
@@ -341,9 +388,62 @@ def _shift_norms(state: dict, delta: float) -> dict:
     return out
 
 
+def _stack_experts(state: dict) -> dict:
+    """Per-expert Qwen3-MoE keys -> the fused native tensors; fused keys pass through unchanged."""
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    out = {}
+    for k, v in state.items():
+        m = EXPERT_KEY.match(k)
+        if m:
+            groups.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = v
+        else:
+            out[k] = v
+    for prefix, experts in groups.items():
+        n = max(experts) + 1
+        for e in range(n):
+            missing = [p for p in ("gate_proj", "up_proj", "down_proj") if p not in experts.get(e, {})]
+            if missing:
+                raise ConversionError(f"{prefix}: expert {e} lacks {', '.join(missing)}.weight (experts 0..{n - 1} "
+                                      "must each have gate_proj, up_proj and down_proj)")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            shapes = {tuple(experts[e][name].shape) for e in range(n)}
+            if len(shapes) > 1:
+                raise ConversionError(f"{prefix}.*.{name}.weight: experts disagree on shape {sorted(shapes)}")
+        gate, up = experts[0]["gate_proj"], experts[0]["up_proj"]
+        if gate.shape != up.shape:
+            raise ConversionError(f"{prefix}: gate_proj {list(gate.shape)} and up_proj {list(up.shape)} differ")
+        if f"{prefix}.gate_up_proj" in out or f"{prefix}.down_proj" in out:
+            raise ConversionError(f"{prefix} has both per-expert and fused expert keys; keep one layout")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], 0) for e in range(n)])  # (E, 2I, d)
+        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(n)])  # (E, d, I)
+    return out
+
+
+def _unstack_experts(state: dict) -> dict:
+    """Fused native expert tensors -> per-expert Qwen3-MoE keys (what transformers' save_pretrained writes)."""
+    out = {}
+    for k, v in state.items():
+        if k.endswith(".mlp.experts.gate_up_proj"):
+            prefix = k[: -len(".gate_up_proj")]
+            for e, w in enumerate(v):  # w (2I, d)
+                gate, up = w.chunk(2, dim=0)  # (I, d) each
+                # own storage per tensor: safetensors refuses to save views of one shared buffer
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate.clone(), up.clone()
+        elif k.endswith(".mlp.experts.down_proj"):
+            prefix = k[: -len(".down_proj")]
+            for e, w in enumerate(v):  # w (d, I)
+                out[f"{prefix}.{e}.down_proj.weight"] = w.clone()
+        else:
+            out[k] = v
+    return out
+
+
 def state_to_native(state: dict, ncfg: dict, fmt: str) -> dict:
     """A `fmt` state dict -> native state dict (validated against the shapes `ncfg` implies)."""
     tied = bool(ncfg.get("tie_word_embeddings", False))
+    if fmt != "native" and _layout(fmt).moe:
+        state = _stack_experts(state)  # validated below in the fused (native) names
     validate_state(state, format_shapes(ncfg, fmt), fmt, tied)
     state = _drop_tied_head(dict(state), tied)
     if fmt == "native":
@@ -379,6 +479,8 @@ def state_from_native(state: dict, ncfg: dict, fmt: str) -> dict:
             state[key] = _fuse(state[key], state.pop(GATE_KEY.format(i=i, p=p)), idx)
     if layout.zero_centred_norms:
         state = _shift_norms(state, -1.0)
+    if layout.moe:
+        state = _unstack_experts(state)
     return state
 
 
@@ -479,8 +581,8 @@ def configure(parser) -> None:
     parser.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
     parser.add_argument("dst", help="destination directory (written atomically; must not exist unless --overwrite)")
     parser.add_argument("--from", dest="src_format", required=True, choices=FORMATS,
-                        help="layout of SRC: official (qiuzh20/gated_attention), qwen3 (stock HF), qwen3-next "
-                             "(per-head [q|g] q_proj, zero-centred norms) or native")
+                        help="layout of SRC: official (qiuzh20/gated_attention), qwen3 / qwen3-moe (stock HF "
+                             "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms) or native")
     parser.add_argument("--to", dest="dst_format", default="native", choices=FORMATS,
                         help="layout to write (default: native, loadable with AutoModelForCausalLM after "
                              "`import gated_attention`)")
