@@ -28,6 +28,7 @@ from .config import TrainConfig
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
 from .schedule import lr_for
+from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
 
@@ -319,6 +320,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
         if aux is not None:
             rec["aux_loss"] = float(D.reduce_mean(aux_sum, info))
+        if stats_step and aux is not None:
+            rec["moe"] = _moe_record(raw)  # read before the probe forward below adds to the counts
         if stats_step:
             rec["update_ratio"] = update_weight_ratio(raw, before, sharded=info.mode == "fsdp" and info.distributed)
             if layers:
@@ -326,6 +329,9 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
                 with autocast_for(info.device, cfg.precision):
                     acts = max_activation_per_layer(raw, layers, lambda: raw(input_ids=x0))
                 rec["max_act"] = D.reduce_max(acts, info)
+        # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after the
+        # train-mode probe forward above, so it does not leak into the next step's load-balancing loss)
+        reset_moe_balance(raw)
         st["step"] = step + 1
         st["tokens"] += tokens_per_step
         st["last_loss"] = loss_val
@@ -339,7 +345,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         if info.is_main:
             log_fh.write(json.dumps(rec) + "\n")
             log_fh.flush()
-            tb.log(step, {k: v for k, v in rec.items() if k not in ("step", "max_act", "val")})
+            tb.log(step, {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
             if bar is not None:
                 bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
                 bar.update(1)
@@ -373,6 +379,20 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         _atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     D.barrier(info)
     return summary if summary is not None else {}
+
+
+def _moe_record(model: nn.Module) -> dict | None:
+    """Compact per-layer expert load of this step's global batch: layer names, max/mean load, LB loss, z-loss
+    (counts and LB loss are global over ranks and micro-batches; z-loss is this rank's last micro-batch)."""
+    stats = moe_stats(model)
+    layers = [k[: -len("/expert_load")] for k in stats if k.endswith("/expert_load")]
+    if not layers:
+        return None
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    return {"layers": layers, "max_over_mean": [stats[f"{n}/max_load_over_mean"] for n in layers],
+            "lb_loss": [stats[f"{n}/lb_loss"] for n in layers], "z_loss": [stats[f"{n}/z_loss"] for n in layers],
+            # tokens the counts describe: the step's global batch, or more if the per-step reset were missing
+            "tokens": sum(stats[f"{layers[0]}/expert_load"]) // top_k if top_k else None}
 
 
 def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> None:
