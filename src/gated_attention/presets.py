@@ -58,7 +58,18 @@ def gate_params_per_layer(config: GatedQwen3Config) -> int:
 
 
 def param_report(config: GatedQwen3Config) -> dict:
-    """Analytic parameter counts: total, activated per token (MoE), and the parts. Equals sum(p.numel())."""
+    """Analytic parameter counts: total, activated per token (MoE), and the parts. Equals sum(p.numel()).
+
+    Convention (Qwen's): everything stored counts, input embedding and untied lm_head included; "activated" counts
+    the router and the k routed experts in place of all E. With it the Qwen3-30B-A3B shape (this 15a2b shape at 48
+    layers) gives 30.53B / 3.35B, Qwen's published 30.5B / 3.3B. The paper's 15A2B shape (SPEC §4) gives 15.58B total
+    / 1.99B activated (embedding 0.31B + lm_head 0.31B + 24 x (attention 18.9M + router 0.26M + 8 experts 37.7M);
+    all 128 experts 604M per layer), consistent with its name "15A2B" but not with the 2.54B it prints. The 0.55B gap
+    (23.0M per layer = 4.9 experts' worth) is not a counting convention: tying or dropping the input embedding lowers
+    the count (1.68B); the elementwise G1 gate adds only 0.20B (2.19B). An unmentioned shared expert of width ~3.7k
+    would fit (3072: 2.44B, 4096: 2.59B) but would raise the total to ~16.1B, further from "15B". The paper's own
+    "+4 experts = +400M" is also below this formula's 453M (24 x 4 x 3 x 2048 x 768), so its parameter figures look
+    loosely rounded; the most plausible reading is a shape detail Table 7 omits (shared/wider experts) or a typo."""
     d, H, KV, D, L = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                       config.num_hidden_layers)
     b = int(config.attention_bias)
