@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("gated_attention.train.sweep", "Train a grid of gates x learning rates and tabulate loss, spikes, divergence."),
     "eval": ("gated_attention.train.evaluate", "Per-domain and average perplexity and loss-by-position of a trained model."),
     "convert": ("gated_attention.convert", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
+    "retrofit": ("gated_attention.retrofit", "Add a gate to a trained ungated checkpoint (identity or random init)."),
     "analyze": ("gated_attention.analysis.cli", "Measure attention sinks, massive activations and gate statistics of a model."),
     "extend": ("gated_attention.longctx.extend", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
     "ruler": ("gated_attention.longctx.ruler_cli", "RULER-style long-context scores by length: JSON, table and plot."),

@@ -19,6 +19,7 @@ class TrainConfig:
     model: str = "small"  # model preset name (gated_attention.presets.model_config)
     gate: str = "baseline"  # gate registry name; the baseline is ungated
     model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
+    init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
     # --- data
     data: str = "corpus"  # "corpus" (gattn data prepare output) or "synthetic" (built-in Markov tokens, for tests)
     data_dir: str | None = None  # corpus directory; None = the data module's default

@@ -54,7 +54,35 @@ def build_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
     import gated_attention  # noqa: F401
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
+    if cfg.init_from:
+        return load_init_model(cfg, vocab_size)
     return GatedQwen3ForCausalLM(build_model_config(cfg, vocab_size))
+
+
+def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    """Continued training: the weights of the checkpoint dir `cfg.init_from` (from_pretrained, fp32 master weights)
+    instead of a fresh init. Its config.json sets the model (cfg.model is unused); model.* overrides are applied on
+    top and must not change any weight's shape. The run's gate must name the checkpoint's (so logs say what ran)."""
+    from gated_attention.configuration import GatedQwen3Config
+    from gated_attention.gates import canonical_name
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    if not (Path(cfg.init_from) / "config.json").is_file():
+        raise FileNotFoundError(f"init_from={cfg.init_from}: no config.json there (pass a save_pretrained dir, "
+                                "e.g. RUN/final or a `gattn retrofit` output)")
+    config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)
+    if canonical_name(cfg.gate) != config.gate:
+        raise ValueError(f"init_from={cfg.init_from} holds gate {config.gate!r} but the run says gate={cfg.gate!r}; "
+                         f"pass --gate {config.gate}")
+    if vocab_size is not None and config.vocab_size < vocab_size:
+        raise ValueError(f"init_from={cfg.init_from} has vocab_size {config.vocab_size}, smaller than the "
+                         f"tokenizer's {vocab_size}: use the tokenizer that checkpoint was trained with")
+    model, info = GatedQwen3ForCausalLM.from_pretrained(cfg.init_from, config=config, dtype=torch.float32,
+                                                        output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:  # from_pretrained only warns; a silently re-initialised weight is not continued training
+        raise ValueError(f"init_from={cfg.init_from} does not match its model config: {bad}")
+    return model
 
 
 def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
