@@ -1,4 +1,7 @@
-"""Benchmark: train-step time (forward + backward) of a tiny stack of MoE blocks, fast path vs the loop reference.
+"""Benchmark: train-step time (forward + backward) of MoE models, fast path vs the loop reference.
+
+Two modes: a tiny stack of MoE blocks alone (default), or with --model PRESET the whole GatedQwen3ForCausalLM of a
+preset (e.g. small-moe, tiny-moe: attention, dense parts and lm_head included; step = LM loss + aux loss, backward).
 
 All variants run in one process on identical weights and inputs, interleaved round by round so machine load hits
 them alike; the median step time of each is reported. Variants:
@@ -9,6 +12,7 @@ them alike; the median step time of each is reported. Variants:
 On a loaded, shared CPU use --threads 1: oversubscribed threads make the medians swing by 10x.
 
 Usage:  python bench/bench_moe.py [--tokens 2048 --d 256 --experts 16 --top-k 4 --ffn 128 --layers 2] [--out FILE]
+        python bench/bench_moe.py --model small-moe --threads 1 [--tokens 2048 --seq 256] [--out FILE]
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ import types
 import torch
 import torch.nn as nn
 
-from gated_attention.moe import SparseMoeBlock, collect_aux_loss
+from gated_attention.moe import SparseMoeBlock, collect_aux_loss, moe_blocks, reset_moe_balance
 
 
 class MoEStack(nn.Module):
@@ -55,15 +59,34 @@ def build(args, impl: str, grouped_mm: bool | None, state=None) -> MoEStack:
     return model.to(getattr(torch, args.dtype)).train()
 
 
-def train_step(model: MoEStack, x: torch.Tensor) -> float:
+def build_lm(args, impl: str, grouped_mm: bool | None, state=None) -> nn.Module:
+    """The whole causal LM of preset --model with moe_impl=impl (same weights for every variant via `state`)."""
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.presets import model_config
+
+    model = GatedQwen3ForCausalLM(model_config(args.model, moe_impl=impl))
+    if state is not None:
+        model.load_state_dict(state)
+    for _, block in moe_blocks(model):
+        block.use_grouped_mm = grouped_mm
+    return model.to(getattr(torch, args.dtype)).train()
+
+
+def forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Stack: its output. LM: its logits (x holds token ids)."""
+    return model(x) if isinstance(model, MoEStack) else model(input_ids=x).logits
+
+
+def train_step(model: nn.Module, x: torch.Tensor) -> float:
     t0 = time.perf_counter()
-    y = model(x)
-    loss = y.float().square().mean() + collect_aux_loss(model)
+    if isinstance(model, MoEStack):
+        loss = model(x).float().square().mean() + collect_aux_loss(model)
+    else:
+        loss = model(input_ids=x, labels=x).loss  # shifted CE + the MoE aux loss
     loss.backward()
     elapsed = time.perf_counter() - t0
     model.zero_grad(set_to_none=True)
-    for block in model.blocks:
-        block.balance.reset()
+    reset_moe_balance(model)  # one global batch per step, as the trainer does
     return elapsed
 
 
@@ -81,6 +104,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter/activation dtype")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = leave torch's default)")
+    p.add_argument("--model", default=None,
+                   help="benchmark the whole GatedQwen3ForCausalLM of this MoE preset (e.g. small-moe, tiny-moe) "
+                        "instead of the MoE stack; --d/--experts/--top-k/--ffn/--shared/--layers are then ignored")
     p.add_argument("--out", default=None, help="write the results as JSON to this file (atomic write)")
     args = p.parse_args(argv)
     if args.tokens % args.seq:
@@ -89,20 +115,26 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
-    reference = build(args, "loop", None)
+    make = build if args.model is None else build_lm
+    reference = make(args, "loop", None)
     state = reference.state_dict()
     variants = {
         "loop": reference,
-        "grouped": build(args, "grouped", None, state),
-        "grouped-seg": build(args, "grouped", False, state),
+        "grouped": make(args, "grouped", None, state),
+        "grouped-seg": make(args, "grouped", False, state),
     }
-    x = torch.randn(args.tokens // args.seq, args.seq, args.d).to(getattr(torch, args.dtype))
+    if args.model is None:
+        x = torch.randn(args.tokens // args.seq, args.seq, args.d).to(getattr(torch, args.dtype))  # (B, T, d)
+    else:
+        if not moe_blocks(reference):
+            p.error(f"--model {args.model} has no MoE layers; pick an MoE preset (e.g. small-moe, tiny-moe)")
+        x = torch.randint(0, reference.config.vocab_size, (args.tokens // args.seq, args.seq))  # (B, T) token ids
 
     # The variants must compute the same thing, or the timing comparison is meaningless.
     with torch.no_grad():
-        ref_out = reference(x).float()
+        ref_out = forward(reference, x).float()
         for name, model in variants.items():
-            err = (model(x).float() - ref_out).abs().max().item()
+            err = (forward(model, x).float() - ref_out).abs().max().item()
             if err > (1e-4 if args.dtype == "float32" else 5e-2):
                 raise SystemExit(f"variant {name} differs from the loop reference by {err:.3g}; not benchmarking")
 
@@ -116,8 +148,15 @@ def main(argv=None) -> int:
 
     loop_ms = statistics.median(times["loop"]) * 1e3
     rows = []
-    print(f"MoE stack: {args.layers} layers, d={args.d}, E={args.experts} top-{args.top_k}, expert ffn {args.ffn}, "
-          f"{args.tokens} tokens, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    if args.model is None:
+        shape = f"MoE stack: {args.layers} layers, d={args.d}, E={args.experts} top-{args.top_k}, expert ffn {args.ffn}"
+    else:
+        c = reference.config
+        shape = (f"model {args.model} ({sum(p.numel() for p in reference.parameters()) / 1e6:.1f}M params): "
+                 f"{c.num_hidden_layers} layers, d={c.hidden_size}, E={c.num_experts} top-{c.num_experts_per_tok}, "
+                 f"expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
+    print(f"{shape}, {args.tokens} tokens (T={args.seq}), {args.dtype}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
     print(f"{'variant':<14}{'median ms':>11}{'min ms':>9}{'speedup vs loop':>17}")
     for name, ts in times.items():
         med, best = statistics.median(ts) * 1e3, min(ts) * 1e3
@@ -126,7 +165,8 @@ def main(argv=None) -> int:
         print(f"{name:<14}{med:>11.2f}{best:>9.2f}{loop_ms / med:>16.2f}x")
 
     if args.out:
-        result = {"benchmark": "moe_train_step", "args": vars(args), "torch": torch.__version__,
+        result = {"benchmark": "moe_train_step" if args.model is None else "moe_model_train_step",
+                  "args": vars(args), "torch": torch.__version__,
                   "threads": torch.get_num_threads(), "machine": platform.machine(),
                   "grouped_mm_available": hasattr(torch, "_grouped_mm"), "results": rows}
         out_dir = os.path.dirname(os.path.abspath(args.out))

@@ -1,4 +1,4 @@
-"""Checkpoint interop: official gated-attention dirs, stock HF Qwen3 / Qwen3-MoE, the Qwen3-Next attention layout <-> native.
+"""Checkpoint interop: official gated-attention dirs, stock HF Qwen3 / Qwen3-MoE, Qwen3-Next attention <-> native.
 
 Every conversion goes through the native layout (hub and spokes): SRC -> native (config kwargs + state dict) -> DST.
 All five formats use stock Qwen3 parameter names; they differ only in what `LAYOUTS` declares:
@@ -9,9 +9,9 @@ All five formats use stock Qwen3 parameter names; they differ only in what `LAYO
   qwen3       stock transformers `Qwen3ForCausalLM`: no gate, QK-norm always on
   qwen3-moe   stock transformers `Qwen3MoeForCausalLM`: as qwen3, plus MoE layers. Native MoE blocks already use its
               5.x fused names (mlp.gate.weight (E,d), mlp.experts.gate_up_proj (E,2I,d), mlp.experts.down_proj
-              (E,d,I)); what transformers 5.24's save_pretrained writes (and every older checkpoint holds) is one key per
-              expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, stacked on read as gate_up_proj[e] = cat([gate_e,
-              up_e]) and split again on write. Both key layouts are accepted on read.
+              (E,d,I)); what transformers 5.24's save_pretrained writes (and every older checkpoint holds) is one key
+              per expert, `mlp.experts.{e}.{gate,up,down}_proj.weight`, stacked on read as
+              gate_up_proj[e] = cat([gate_e, up_e]) and split again on write. Both key layouts are accepted on read.
   qwen3-next  transformers `Qwen3NextForCausalLM` restricted to full-attention layers and dense MLPs: gate rows fused
               per head [q_h | g_h], and every RMSNorm zero-centred (weight_next = weight - 1, applied as 1 + w)
 The fused layouts are row permutations (index tensors) applied at the boundary only; the model never sees them.
@@ -280,8 +280,8 @@ def config_from_native(ncfg: dict, fmt: str) -> dict:
     elif fmt == "qwen3-moe":
         from transformers import Qwen3MoeConfig
 
-        hf = Qwen3MoeConfig(**shared, rope_parameters=rp, attention_bias=full["attention_bias"], use_sliding_window=False,
-                            num_experts=full["num_experts"], **{k: full[k] for k in MOE_KEYS})
+        hf = Qwen3MoeConfig(**shared, rope_parameters=rp, attention_bias=full["attention_bias"],
+                            use_sliding_window=False, num_experts=full["num_experts"], **{k: full[k] for k in MOE_KEYS})
     else:
         from transformers import Qwen3NextConfig
 
