@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("gated_attention.train.evaluate", "Per-domain and average perplexity and loss-by-position of a trained model."),
     "convert": ("gated_attention.convert", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
     "retrofit": ("gated_attention.retrofit", "Add a gate to a trained ungated checkpoint (identity or random init)."),
+    "lm-eval": ("gated_attention.lm_eval_cli", "Run lm-evaluation-harness (`lm-eval run --model hf ...`) on our checkpoints."),
     "analyze": ("gated_attention.analysis.cli", "Measure attention sinks, massive activations and gate statistics of a model."),
     "extend": ("gated_attention.longctx.extend", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
     "ruler": ("gated_attention.longctx.ruler_cli", "RULER-style long-context scores by length: JSON, table and plot."),
