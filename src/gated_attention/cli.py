@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "analyze": ("gated_attention.analysis.cli", "Measure attention sinks, massive activations and gate statistics of a model."),
     "extend": ("gated_attention.longctx.extend", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
     "ruler": ("gated_attention.longctx.ruler_cli", "RULER-style long-context scores by length: JSON, table and plot."),
+    "longctx": ("gated_attention.longctx.pipeline", "Table 5 in small: train baseline/gated at L, YaRN x4, RULER + PPL to 4L."),
 }
 
 

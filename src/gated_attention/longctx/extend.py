@@ -1,13 +1,19 @@
-"""Training-free context extension of an HF checkpoint: rewrite config.json's `rope_parameters` (linear / dynamic NTK /
-YaRN), copy everything else (weights, tokenizer, generation config) unchanged.
+"""Context extension of an HF checkpoint: rewrite config.json's `rope_parameters` (linear / dynamic NTK / YaRN, or
+`default` = only a new RoPE base), copy everything else (weights, tokenizer, generation config) unchanged, and
+optionally continue training at the new length.
 
 The new `rope_parameters` follow the HF schema, so transformers' own models and ours (rope.py) read them identically.
 `max_position_embeddings` is what each method expects it to be:
-  - yarn / linear: original length x factor (HF checks yarn's factor against this ratio);
+  - yarn / linear / default: original length x factor (HF checks yarn's factor against this ratio; for `default`
+    the factor only states the new context length);
   - dynamic: left at the original length, because dynamic NTK measures growth relative to it.
 The destination is written into a temporary sibling directory and renamed into place, so an interrupted run never
-leaves a half-written checkpoint. CLI: `gattn extend DIR --method yarn --factor 4 --out DST`. (Continued training at
-the new length, `--finetune-steps/--seq-len`, belongs to the trainer and is not here yet.)
+leaves a half-written checkpoint. CLI: `gattn extend DIR --method yarn --factor 4 --out DST`.
+
+`--finetune-steps N --seq-len L` then continues training the extended model at length L through the ordinary trainer
+(the paper's long-context step is `--method default --rope-theta 1e6` plus training at the longer length, SPEC 4).
+The run lives in the sibling folder DST.finetune/ (log, checkpoints; a killed run resumes there), and only its final
+model is published to DST, so DST never holds an untrained checkpoint that looks fine-tuned.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ from types import SimpleNamespace
 
 from gated_attention.rope import compute_rope_parameters
 
-METHODS = ("linear", "dynamic", "yarn")
+METHODS = ("default", "linear", "dynamic", "yarn")
 
 
 def extended_config(config: dict, method: str = "yarn", factor: float = 4.0, rope_theta: float | None = None,
@@ -42,7 +48,9 @@ def extended_config(config: dict, method: str = "yarn", factor: float = 4.0, rop
     theta = rope_theta if rope_theta is not None else old.get("rope_theta")
     if theta is None:
         raise ValueError("rope_parameters has no rope_theta; pass --rope-theta")
-    rp = {"rope_type": method, "rope_theta": float(theta), "factor": float(factor)}
+    rp = {"rope_type": method, "rope_theta": float(theta)}
+    if method != "default":  # HF's default RoPE takes no factor
+        rp["factor"] = float(factor)
     if "partial_rotary_factor" in old:
         rp["partial_rotary_factor"] = old["partial_rotary_factor"]
     if method == "yarn":
@@ -90,6 +98,90 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
     return new
 
 
+def _base_train_config(src: Path):
+    """The training settings to continue with: the source run's (DIR/../train_config.json, as `gattn train` writes
+    beside final/), else the `small` preset."""
+    from gated_attention.train.config import TrainConfig, train_preset
+
+    for cand in (src / "train_config.json", src.parent / "train_config.json"):
+        if cand.is_file():
+            return TrainConfig.from_dict(json.loads(cand.read_text()))
+    return train_preset("small")
+
+
+def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str = "yarn", factor: float = 4.0,
+                        rope_theta: float | None = None, original_max_position_embeddings: int | None = None,
+                        data_dir: str | None = None, sets=(), overwrite: bool = False) -> dict:
+    """Extend `src_dir`, train it `steps` more steps at `seq_len` tokens, publish the result to `dst_dir`.
+
+    Training settings: the source run's train_config.json (else the `small` preset) with steps/seq_len replaced, a
+    warm-up of at most a tenth of the steps, then `sets` ("key=value", as `gattn train --set`). Returns the trainer's
+    summary plus "config" (the published config.json).
+    """
+    from dataclasses import replace
+
+    import torch
+
+    from gated_attention.train.checkpoint import latest_checkpoint
+    from gated_attention.train.config import apply_overrides
+    from gated_attention.train.trainer import train
+
+    src, dst = Path(src_dir), Path(dst_dir)
+    if steps < 1 or seq_len is None or seq_len < 1:
+        raise ValueError(f"--finetune-steps needs a positive step count and --seq-len L (got {steps}, {seq_len})")
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise ValueError(f"{dst} exists and is not empty; choose another --out or pass --overwrite")
+    run_dir = dst.with_name(dst.name + ".finetune")
+    extended = run_dir / "extended"
+    new_cfg = extend_checkpoint(src, extended, method, factor, rope_theta, original_max_position_embeddings,
+                                overwrite=True)
+    base = _base_train_config(src)
+    cfg = replace(base, data="corpus", steps=int(steps), seq_len=int(seq_len), eval_every=0, inject_nan_steps=[],
+                  warmup_steps=min(base.warmup_steps, steps // 10),
+                  ckpt_every=base.ckpt_every if base.ckpt_every < steps else 0)
+    if data_dir is not None:
+        cfg = replace(cfg, data_dir=str(data_dir))
+    cfg = apply_overrides(cfg, list(sets))
+
+    def load_extended(_cfg, vocab_size):
+        import gated_attention  # noqa: F401  (registers the model classes)
+        from gated_attention.modeling import GatedQwen3ForCausalLM
+
+        model = GatedQwen3ForCausalLM.from_pretrained(extended, dtype=torch.float32)
+        if vocab_size is not None and vocab_size > model.config.vocab_size:
+            raise ValueError(f"the corpus tokenizer has {vocab_size} tokens but the checkpoint only "
+                             f"{model.config.vocab_size}; pass the --data-dir the model was trained on")
+        return model
+
+    resume = run_dir.exists() and latest_checkpoint(run_dir) is not None
+    summary = train(cfg, run_dir, resume=resume, model_factory=load_extended)
+    if summary.get("diverged"):
+        raise ValueError(f"fine-tuning diverged ({summary.get('stop_reason')}); lower lr with --set lr=...")
+    final = run_dir / "final"
+    saved = json.loads((final / "config.json").read_text())
+    if saved.get("rope_parameters") != new_cfg["rope_parameters"]:
+        raise RuntimeError(f"the fine-tuned model saved rope_parameters={saved.get('rope_parameters')}, expected "
+                           f"{new_cfg['rope_parameters']}")
+    # publish: copy beside DST, then swap it in, so DST is either the old folder or the complete new one
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    old = None
+    try:
+        shutil.copytree(final, tmp, dirs_exist_ok=True)
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.replace(dst, old)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and not dst.exists():
+            os.replace(old, dst)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return {**summary, "config": saved, "run_dir": str(run_dir)}
+
+
 def configure(parser) -> None:
     parser.add_argument("dir", help="source HF checkpoint directory (config.json with rope_parameters)")
     parser.add_argument("--method", choices=METHODS, default="yarn", help="RoPE scaling method (default: yarn)")
@@ -100,9 +192,28 @@ def configure(parser) -> None:
                         help="trained context length; default: the checkpoint's max_position_embeddings")
     parser.add_argument("--out", required=True, help="destination directory for the extended checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it already has files")
+    parser.add_argument("--finetune-steps", type=int, default=0,
+                        help="continue training the extended model for N steps at --seq-len (0 = training-free); "
+                             "the run (log, checkpoints) goes to OUT.finetune/ and resumes there if killed")
+    parser.add_argument("--seq-len", type=int, default=None, help="training length for --finetune-steps (tokens)")
+    parser.add_argument("--data-dir", default=None,
+                        help="corpus for --finetune-steps (default: the source run's, else ./data)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="training override for --finetune-steps, as in `gattn train --set` (e.g. lr=1e-3); "
+                             "repeatable")
 
 
 def run(args) -> int:
+    if args.finetune_steps:
+        res = finetune_checkpoint(args.dir, args.out, args.finetune_steps, args.seq_len, args.method, args.factor,
+                                  args.rope_theta, args.original_max_position_embeddings, args.data_dir, args.sets,
+                                  args.overwrite)
+        print(f"wrote {args.out}: rope_parameters={json.dumps(res['config']['rope_parameters'])}, fine-tuned "
+              f"{res['steps']} steps at {args.seq_len} tokens (final loss {res['final_loss']:.4f}; run in "
+              f"{res['run_dir']})")
+        return 0
+    if args.seq_len is not None or args.sets:
+        raise ValueError("--seq-len and --set only apply with --finetune-steps N")
     new = extend_checkpoint(args.dir, args.out, args.method, args.factor, args.rope_theta,
                             args.original_max_position_embeddings, args.overwrite)
     print(f"wrote {args.out}: rope_parameters={json.dumps(new['rope_parameters'])} "

@@ -25,6 +25,8 @@ class TrainConfig:
     data_dir: str | None = None  # corpus directory; None = the data module's default
     domains: list[str] | None = None  # train on these domains only; None = all
     seq_len: int = 256  # tokens per sequence (inputs); each sample holds seq_len+1 tokens
+    retrieval_mix: float = 0.0  # share of train rows replaced by RULER retrieval samples (longctx: teaches the format)
+    retrieval_tasks: list[str] | None = None  # RULER tasks for those rows; None = longctx.pipeline.DEFAULT_MIX_TASKS
     batch_size: int = 16  # GLOBAL sequences per optimizer step, split over ranks then micro-batches
     grad_accum: int = 1  # micro-batches per rank per step (memory knob; does not change the math)
     steps: int = 2000  # optimizer steps in the whole run
@@ -89,6 +91,17 @@ class TrainConfig:
             bad(f"wsd_decay_frac={self.wsd_decay_frac} must be in [0, 1]")
         if self.min_lr > self.lr:
             bad(f"min_lr={self.min_lr} exceeds lr={self.lr}")
+        if not 0.0 <= self.retrieval_mix <= 1.0:
+            bad(f"retrieval_mix={self.retrieval_mix} must be in [0, 1]")
+        if self.retrieval_mix > 0:
+            if self.data != "corpus":
+                bad("retrieval_mix needs data='corpus' (retrieval samples are written with the corpus tokenizer)")
+            from gated_attention.longctx.pipeline import check_mix_tasks
+
+            try:
+                check_mix_tasks(self.retrieval_tasks)
+            except ValueError as exc:
+                bad(str(exc))
         return self
 
     def check_world(self, world_size: int) -> None:

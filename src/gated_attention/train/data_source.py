@@ -67,4 +67,9 @@ class CorpusSource:
 def make_source(cfg, model_vocab_size: int | None = None):
     if cfg.data == "synthetic":
         return SyntheticSource(model_vocab_size or 256)
-    return CorpusSource(cfg.data_dir, cfg.domains)
+    source = CorpusSource(cfg.data_dir, cfg.domains)
+    if getattr(cfg, "retrieval_mix", 0.0) > 0:  # longctx: some rows become synthetic retrieval samples
+        from gated_attention.longctx.pipeline import RetrievalMixSource
+
+        source = RetrievalMixSource(source, cfg.retrieval_mix, cfg.retrieval_tasks)
+    return source
