@@ -88,6 +88,7 @@ def test_native_round_trip_bit_exact_and_written_dir_loads_in_transformers(tmp_p
     state = model.state_dict()
     ocfg, ostate = convert_state_dict(cfg.to_dict(), state, "native", "qwen3-moe")
     assert ocfg["model_type"] == "qwen3_moe" and ocfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert ocfg["num_experts"] == ocfg["num_local_experts"] == 8  # both spellings, for 4.x and 5.x readers
     assert "model.layers.1.mlp.experts.7.up_proj.weight" in ostate and not any("gate_up" in k for k in ostate)
     ncfg, back = convert_state_dict(ocfg, ostate, "qwen3-moe", "native")
     assert set(back) == set(state)
@@ -144,6 +145,6 @@ def test_bad_per_expert_state_dicts_name_the_problem():
     fused_too = {**ostate, "model.layers.0.mlp.experts.down_proj": torch.zeros(8, 32, 32)}
     with pytest.raises(ConversionError, match="both per-expert and fused expert keys"):
         convert_state_dict(ocfg, fused_too, "qwen3-moe")
-    fewer = {**ocfg, "num_local_experts": 4}  # config says 4 experts, weights hold 8
+    fewer = {**ocfg, "num_local_experts": 4, "num_experts": 4}  # config says 4 experts, weights hold 8
     with pytest.raises(ConversionError, match=r"wrong shape for model.layers.0.mlp.gate.weight: expected \[4, 32\]"):
         convert_state_dict(fewer, ostate, "qwen3-moe")

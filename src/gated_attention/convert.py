@@ -290,6 +290,8 @@ def config_from_native(ncfg: dict, fmt: str) -> dict:
                              mlp_only_layers=[], layer_types=["full_attention"] * full["num_hidden_layers"])
     out = hf.to_dict()
     out["architectures"] = [layout.architecture]
+    if fmt == "qwen3-moe":  # 5.x writes num_local_experts only; transformers 4.x and hub configs read num_experts
+        out["num_experts"] = full["num_experts"]
     if dtype:
         out["dtype"] = dtype
     return out
