@@ -311,6 +311,7 @@ def build_report(results: dict, b: Budget, lengths: list[int], factor: int, gate
             r = results[(gate, variant)]
             avg = {int(k): v for k, v in r["average"].items()}
             row = dict(gate=gate, variant=variant, average=avg,
+                       drop_from_L={n: avg[n] - avg[L] for n in lengths if n > L},  # the extrapolation loss
                        tasks={t: {int(k): v for k, v in s.items()} for t, s in r["scores"].items()},
                        ppl_buckets=dict(zip([f"{a}-{c}" for a, c in zip(edges, edges[1:])],
                                             bucket_ppl(r["pos_loss"], edges))))
@@ -345,6 +346,11 @@ def format_markdown(rep: dict) -> str:
                 c += f" ({row['delta'][n]:+.1f})"
             cells.append(c)
         out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
+    longer = [n for n in lengths if n > L]
+    out += ["", f"## Degradation beyond the training length: score at n minus score at L={L}", "",
+            "| Method | " + " | ".join(str(n) for n in longer) + " |", "|---|" + "---|" * len(longer)]
+    for row in rep["rows"]:
+        out.append(f"| {name(row)} | " + " | ".join(f"{row['drop_from_L'][n]:+.1f}" for n in longer) + " |")
     out += ["", "## Per task", "", "| Method | Task | " + " | ".join(str(n) for n in lengths) + " |",
             "|---|---|" + "---|" * len(lengths)]
     for row in rep["rows"]:
@@ -416,8 +422,7 @@ def run_pipeline(out_dir, b: Budget, data_dir: str = "data", gates=("baseline", 
                                                   data_dir, seed, log)
     rep = build_report(results, b, lengths, factor, gates)
     md = format_markdown(rep)
-    _write_json({**rep, "rows": [{**r, "average": {str(k): v for k, v in r["average"].items()}} for r in rep["rows"]]},
-                out / "report.json")
+    _write_json(json.loads(json.dumps(rep)), out / "report.json")  # int length keys become strings, as JSON has them
     tmp = out / ".report.md.tmp"
     tmp.write_text(md)
     os.replace(tmp, out / "report.md")
