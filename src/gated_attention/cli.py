@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "retrofit": ("gated_attention.retrofit", "Add a gate to a trained ungated checkpoint (identity or random init)."),
     "lm-eval": ("gated_attention.lm_eval_cli", "Run lm-evaluation-harness (`lm-eval run --model hf ...`) on our checkpoints."),
     "analyze": ("gated_attention.analysis.cli", "Measure attention sinks, massive activations and gate statistics of a model."),
+    "compare": ("gated_attention.compare", "Train baseline vs gated variants, analyse them, write a Table-4 style report."),
     "extend": ("gated_attention.longctx.extend", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
     "ruler": ("gated_attention.longctx.ruler_cli", "RULER-style long-context scores by length: JSON, table and plot."),
     "longctx": ("gated_attention.longctx.pipeline", "Table 5 in small: train baseline/gated at L, YaRN x4, RULER + PPL to 4L."),

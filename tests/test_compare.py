@@ -1,0 +1,190 @@
+"""Tests of `gattn compare`: the CI-sized budget end to end on a tiny corpus built from text files in tmp, reuse of
+finished runs, resume of a half-finished one, refusal to mix settings, and automatic data preparation."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gated_attention import cli
+from gated_attention import compare as C
+
+WORDS = ("the of and to in is was that he it with as his on be at by had not are but from or have an they which one "
+         "you were her all she there would their we him been has when who will more no if out so said what up its "
+         "about into than them can only other new some could time these two may then do first any my now such like")
+
+
+def _text(rng: random.Random, n_par: int) -> str:
+    words = WORDS.split()
+    pars = []
+    for _ in range(n_par):
+        sents = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 14))).capitalize() + "."
+                 for _ in range(rng.randint(2, 5))]
+        pars.append(" ".join(sents))
+    return "\n\n".join(pars)
+
+
+def _code(rng: random.Random, n_funcs: int) -> str:
+    out = []
+    for i in range(n_funcs):
+        a, b = rng.choice("xyzab"), rng.choice("uvwcd")
+        out.append(f"def f{i}({a}, {b}):\n    if {a} > {b}:\n        return {a} - {b}\n    return {a} * {rng.randint(1, 9)}\n")
+    return "\n\n".join(out)
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """Two domains from text files written to tmp, prepared with a 300-token BPE (seconds)."""
+    from gated_attention import data
+
+    rng = random.Random(0)
+    src = tmp_path_factory.mktemp("src")
+    (src / "prose").mkdir()
+    for i in range(4):
+        (src / "prose" / f"book{i}.txt").write_text(_text(rng, 60))
+    (src / "code").mkdir()
+    for i in range(3):
+        (src / "code" / f"mod{i}.py").write_text(_code(rng, 80))
+    d = tmp_path_factory.mktemp("data")
+    data.prepare(data.PrepareConfig(data_dir=str(d), vocab_size=300, sources=(), extra=(str(src / "prose"), str(src / "code")),
+                                    val_fraction=0.2, chunk_chars=600))
+    return d
+
+
+@pytest.fixture(scope="module")
+def small_run(tiny_corpus, tmp_path_factory):
+    """`gattn compare --budget small` through the CLI, with the default three variants."""
+    out = tmp_path_factory.mktemp("cmp") / "out"
+    rc = cli.main(["compare", "--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out)])
+    assert rc == 0
+    return out
+
+
+def test_small_budget_writes_report(small_run, tiny_corpus):
+    out = small_run
+    res = json.loads((out / "compare.json").read_text())
+    assert res["variants"] == list(C.DEFAULT_VARIANTS)
+    rows = res["rows"]
+    base = rows["baseline"]["params"]
+    for v, r in rows.items():
+        # identical budget and data: same steps and tokens; parameter parity within 0.1 % (FFN shrink)
+        assert r["tokens"] == res["train_config"]["steps"] * res["train_config"]["batch_size"] * res["train_config"]["seq_len"]
+        # parity up to rounding the shrunk FFN width to whole units (3 * hidden * layers parameters per unit)
+        shape = res["train_config"]["model_overrides"]
+        assert abs(r["params"] - base) <= 3 * shape["hidden_size"] * shape["num_hidden_layers"] / 2
+        assert 0.0 < r["f_attn"] < 1.0 and r["m_act"] > 0
+        assert r["avg_ppl"] > 1.0 and set(r["val_ppl"]) == {"prose", "code"}
+        assert r["avg_ppl"] == pytest.approx(sum(r["val_ppl"].values()) / 2)
+        assert len(r["per_layer"]["f_attn"]) == 2
+    assert rows["baseline"]["gate_mean"] is None
+    for v in ("sdpa_elementwise", "sdpa_headwise"):
+        assert 0.0 < rows[v]["gate_mean"] < 1.0
+    # the trained weights differ per variant but the data order is the same: the first-step loss of every variant
+    # is near ln(vocab) and the logged batches are the same size
+    logs = {v: [json.loads(l) for l in (out / "runs" / v / "log.jsonl").read_text().splitlines()] for v in rows}
+    assert {len(l) for l in logs.values()} == {res["train_config"]["steps"]}
+
+    md = (out / "report.md").read_text()
+    assert "| Variant | Params | Avg PPL | Mean gate | M-Act | F-Attn | Loss spikes |" in md
+    for v in rows:
+        assert f"| {v} |" in md
+    html = (out / "report.html").read_text()
+    imgs = re.findall(r'<img [^>]*src="([^"]+)"', html)
+    assert len(imgs) == len(res["plots"]) >= 5  # loss, layers, gates, one map per variant
+    assert all(s.startswith("data:image/png;base64,") for s in imgs)  # self-contained
+    assert all((out / p).stat().st_size > 1000 for p in res["plots"].values())
+    assert "prose" in html and "code" in html
+
+
+def test_rerun_reuses_finished_runs(small_run, tiny_corpus, monkeypatch):
+    import gated_attention.train.trainer as T
+
+    before = json.loads((small_run / "compare.json").read_text())
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished run was retrained")
+
+    monkeypatch.setattr(T, "train", no_training)
+    res = C.run_compare(small_run, tiny_corpus, "small", log=lambda m: None)
+    for v, r in res["rows"].items():
+        for k in ("avg_ppl", "f_attn", "m_act", "gate_mean", "params", "spikes"):
+            assert r[k] == before["rows"][v][k]
+
+
+def test_half_finished_run_resumes(small_run, tiny_corpus, monkeypatch, tmp_path):
+    import gated_attention.train.trainer as T
+
+    out = tmp_path / "out"
+    shutil.copytree(small_run, out)
+    run = out / "runs" / "sdpa_headwise"
+    # pretend the process died after the step-30 checkpoint: no summary, no final model, no later checkpoint
+    (run / "summary.json").unlink()
+    shutil.rmtree(run / "final")
+    for ck in (run / "checkpoints").glob("step_*"):
+        if int(ck.name.split("_")[1]) > 30:
+            shutil.rmtree(ck)
+    calls = []
+    real = T.train
+
+    def spy(cfg, out_dir, resume=False, **k):
+        calls.append((cfg.gate, resume))
+        return real(cfg, out_dir, resume=resume, **k)
+
+    monkeypatch.setattr(T, "train", spy)
+    res = C.run_compare(out, tiny_corpus, "small", log=lambda m: None)
+    assert calls == [("sdpa_headwise", True)]
+    old = json.loads((small_run / "runs" / "sdpa_headwise" / "summary.json").read_text())
+    new = json.loads((run / "summary.json").read_text())
+    assert new["steps"] == old["steps"]
+    assert new["final_loss"] == pytest.approx(old["final_loss"], rel=1e-4)  # exact resume: the same last loss
+    assert res["rows"]["sdpa_headwise"]["avg_ppl"] == pytest.approx(old["avg_ppl"], rel=1e-3)
+
+
+def test_changed_settings_fail_loudly(small_run, tiny_corpus):
+    with pytest.raises(ValueError, match=r"different settings \(lr\)"):
+        C.run_compare(small_run, tiny_corpus, "small", variants=["baseline"], sets=["lr=1e-3"], log=lambda m: None)
+
+
+def test_bad_arguments(tiny_corpus, tmp_path, capsys):
+    with pytest.raises(ValueError, match="unknown variant"):
+        C.check_variants(["baseline", "nope"])
+    with pytest.raises(ValueError, match="unknown --budget"):
+        C.budget_config("huge", str(tiny_corpus))
+    with pytest.raises(ValueError, match="--variants"):
+        C.budget_config("small", str(tiny_corpus), ["gate=sdpa_headwise"])
+    assert cli.main(["compare", "--data-dir", str(tiny_corpus), "--out", str(tmp_path), "--variants", "nope"]) == 2
+    assert "unknown variant" in capsys.readouterr().err
+
+
+def test_missing_data_is_prepared(tmp_path, monkeypatch):
+    from gated_attention import data
+
+    seen = []
+    monkeypatch.setattr(data, "prepare", lambda cfg: seen.append(cfg.data_dir))
+    C.ensure_data(tmp_path / "fresh", log=lambda m: None)
+    assert seen == [str(tmp_path / "fresh")]
+    (tmp_path / "ready").mkdir()
+    (tmp_path / "ready" / "manifest.json").write_text("{}")
+    C.ensure_data(tmp_path / "ready", log=lambda m: None)
+    assert seen == [str(tmp_path / "fresh")]  # an already prepared dir is left alone
+
+
+def test_budgets_are_valid_configs(tiny_corpus):
+    for name in C.BUDGETS:
+        cfg = C.budget_config(name, str(tiny_corpus))
+        assert cfg.gate == "baseline" and cfg.data == "corpus" and cfg.data_dir == str(tiny_corpus)
+    assert C.budget_config("small", str(tiny_corpus), ["steps=7"]).steps == 7
+
+
+@pytest.mark.slow
+def test_small_budget_on_default_corpus(tmp_path):
+    """The CI command on the real default corpus (prepared into ./data if missing; a couple of minutes)."""
+    out = tmp_path / "out"
+    assert cli.main(["compare", "--budget", "small", "--out", str(out)]) == 0
+    res = json.loads((out / "compare.json").read_text())
+    assert set(res["rows"]) == set(C.DEFAULT_VARIANTS)
+    assert (out / "report.html").exists() and (out / "report.md").exists()
