@@ -7,7 +7,8 @@ import torch
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.fast import FusedGatedAttention, fuse_qkv, fused_sigmoid_mul, unfuse_qkv
+from gated_attention.fast import (FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul, reference_lm_loss,
+                                  unfuse_qkv)
 from gated_attention.presets import model_config
 
 # G1 gates (folded into the GEMM; sigmoid ones take the fused multiply), a non-G1 gate (keeps its own projection),
@@ -150,6 +151,106 @@ def test_whole_model_compiles_without_graph_breaks(fused):
     out_e = model(x, labels=x)
     grads_e = torch.autograd.grad(out_e.loss, list(model.parameters()))
     torch.testing.assert_close(out_c.loss, out_e.loss)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
+
+
+# ---- chunked / fused lm_head + cross-entropy (fast.chunked_lm_loss) vs the plain full-logits loss ----
+
+@pytest.mark.parametrize("chunk", [7, 1000])  # a chunk that does not divide N, and one chunk for everything
+@pytest.mark.parametrize("num_items", [None, 50])
+def test_chunked_lm_loss_matches_reference_loss_and_grads(chunk, num_items):
+    torch.manual_seed(0)
+    h = torch.randn(3, 13, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 40, (3, 13))
+    t[0, :4] = -100  # ignored positions contribute neither loss nor gradient
+    a = chunked_lm_loss(h, w, t, num_items_in_batch=num_items, chunk_tokens=chunk)
+    ga = torch.autograd.grad(3.0 * a, [h, w])  # a non-unit upstream gradient
+    b = reference_lm_loss(h, w, t, num_items_in_batch=num_items)
+    gb = torch.autograd.grad(3.0 * b, [h, w])
+    torch.testing.assert_close(a, b.to(a.dtype))
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y)
+    assert ga[0][0, :4].abs().max() == 0
+
+
+def test_chunked_lm_loss_bf16_autocast_close_to_reference():
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = (0.2 * torch.randn(300, 32)).requires_grad_()
+    t = torch.randint(0, 300, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = chunked_lm_loss(h, w, t, chunk_tokens=16)
+        b = reference_lm_loss(h, w, t)  # lm_head in bf16, fp32 cross-entropy: what the plain model does
+    ga, gb = torch.autograd.grad(a, [h, w]), torch.autograd.grad(b, [h, w])
+    assert a.dtype == torch.float32 and ga[1].dtype == torch.float32
+    torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
+
+
+def test_chunked_lm_loss_errors_and_no_grad():
+    h, w = torch.randn(2, 5, 8), torch.randn(20, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="targets"):
+        chunked_lm_loss(h, w, torch.zeros(2, 4, dtype=torch.long))
+    with torch.no_grad():
+        loss = chunked_lm_loss(h, w, torch.zeros(2, 5, dtype=torch.long))
+    assert not loss.requires_grad
+
+
+@pytest.mark.parametrize("gate,fused", [("baseline", False), ("sdpa_elementwise", True), ("sdpa_headwise", False)])
+def test_model_fused_loss_matches_plain_loss_and_grads(gate, fused):
+    model = tiny(gate).double()
+    if fused:
+        fuse_qkv(model)
+    x = torch.randint(0, 128, (2, 11))
+    labels = x.clone()
+    labels[1, :3] = -100
+    plain = model(x, labels=labels)
+    g_plain = torch.autograd.grad(plain.loss, list(model.parameters()))
+    out = model(x, labels=labels, fused_loss=True)
+    assert out.logits is None
+    g_fused = torch.autograd.grad(out.loss, list(model.parameters()))
+    torch.testing.assert_close(out.loss, plain.loss)
+    for a, b in zip(g_fused, g_plain):
+        torch.testing.assert_close(a, b)
+    # shift_labels (already aligned, T targets for T positions: the trainer's layout) == HF-shifted labels
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    torch.testing.assert_close(model(x, shift_labels=shifted, fused_loss=True).loss, plain.loss)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(x, labels=labels, fused_loss=True, logits_to_keep=1)
+
+
+def test_moe_model_fused_loss_keeps_aux_loss():
+    torch.manual_seed(0)
+    model = GatedQwen3ForCausalLM(model_config("tiny-moe", "sdpa_elementwise", match_params=False))  # fp32: grouped GEMM
+    x = torch.randint(0, 128, (2, 9))
+    plain = model(x, labels=x)
+    fused = model(x, labels=x, fused_loss=True)
+    assert plain.aux_loss is not None and float(plain.aux_loss) > 0
+    torch.testing.assert_close(fused.loss, plain.loss)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_training_step_compiles_without_graph_breaks_under_autocast(fused):
+    """The bench's train step: train mode, bf16 autocast, fused loss; forward and backward traced as one graph."""
+    model = tiny("sdpa_elementwise").train()
+    if fused:
+        fuse_qkv(model)
+    x = torch.randint(0, 128, (2, 9))
+
+    def loss_fn(ids):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(ids, labels=ids, fused_loss=True).loss
+
+    explanation = torch._dynamo.explain(loss_fn)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+    grads_c = torch.autograd.grad(compiled(x), list(model.parameters()))
+    grads_e = torch.autograd.grad(loss_fn(x), list(model.parameters()))
     for a, b in zip(grads_c, grads_e):
         torch.testing.assert_close(a, b)
     torch._dynamo.reset()

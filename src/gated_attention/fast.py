@@ -11,6 +11,12 @@
 - Static KV cache: the model uses transformers' caches, so `generate(cache_implementation="static")` works unchanged
   (tests/test_fast.py checks cached == uncached); this file adds nothing for it.
 - `torch.compile(model, fullgraph=True)` works on the plain and the fused model (no graph breaks; tested).
+- `chunked_lm_loss(hidden, weight, targets)`: lm_head + cross-entropy over chunks of tokens that never holds the
+  (N, V) logits in fp32 (or at all) for more than one chunk. The forward also computes the gradients (softmax - onehot
+  is known once the log-sum-exp is), so there is no second pass over the logits in backward; backward only scales the
+  saved d/dhidden and d/dweight by the incoming gradient. `GatedQwen3ForCausalLM.forward(..., fused_loss=True)` uses
+  it (logits are then not returned); the trainer uses it by default. Reference: `reference_lm_loss` (= transformers'
+  ForCausalLMLoss on lm_head's logits).
 
 fp32 upcasts that remain in hot paths, each because the numerics need it (same as transformers' Qwen3):
 RMSNorm / QK-norm variance (bf16 mean of squares loses the eps scale), the eager reference kernel's softmax, and the
@@ -218,4 +224,89 @@ def unfuse_qkv(model: nn.Module) -> nn.Module:
     return model
 
 
-__all__ = ["fuse_qkv", "unfuse_qkv", "fused_sigmoid_mul", "FusedGatedAttention"]
+
+def _default_chunk(vocab: int) -> int:
+    # ~2M fp32 logits (8 MiB) per chunk: big enough for an efficient GEMM, small enough to stay cache-friendly
+    return max(32, (1 << 21) // vocab)
+
+
+class _ChunkedLinearCE(torch.autograd.Function):
+    """sum over valid tokens of CE(hidden @ weight.T, targets) / denom, gradients computed in the same pass."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, denom, chunk: int, ignore_index: int, compute_dtype, want_grad: bool):
+        n = hidden.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are explicit below
+            h = hidden.to(compute_dtype)  # (N, d)
+            w = weight.to(compute_dtype)  # (V, d)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_h = torch.empty_like(h) if want_grad else None  # (N, d)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
+            for s in range(0, n, chunk):
+                hc, tc = h[s:s + chunk], targets[s:s + chunk]  # (c, d), (c,)
+                logits = (hc @ w.t()).float()  # (c, V): fp32 only for the log-sum-exp, as transformers does
+                lse = torch.logsumexp(logits, dim=-1)  # (c,)
+                valid = tc != ignore_index
+                safe = torch.where(valid, tc, torch.zeros_like(tc))
+                picked = logits.gather(1, safe[:, None]).squeeze(1)  # (c,)
+                total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+                if want_grad:
+                    p = logits.sub_(lse[:, None]).exp_()  # softmax, in place over the chunk's fp32 logits
+                    p.scatter_add_(1, safe[:, None], -valid[:, None].to(p.dtype))  # softmax - onehot
+                    p.mul_((valid.to(p.dtype) / denom)[:, None])  # ignored tokens contribute nothing
+                    g = p.to(compute_dtype)  # (c, V)
+                    grad_h[s:s + chunk] = g @ w
+                    grad_w += g.t() @ hc  # (V, d), accumulated in fp32 across chunks
+            loss = total / denom
+        if want_grad:
+            ctx.save_for_backward(grad_h, grad_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        hd, wd = ctx.dtypes
+        return ((grad_h * grad_loss).to(hd), (grad_w * grad_loss).to(wd), None, None, None, None, None, None)
+
+
+def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
+                    chunk_tokens: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of (hidden @ weight.T) against `targets` (already aligned: position t predicts targets[t]).
+
+    hidden (..., d), targets (...) with `ignore_index` for positions without a target. Divides by the number of valid
+    targets, or by `num_items_in_batch` when given (transformers' convention for gradient accumulation). The matmul runs
+    in the autocast dtype when autocast is on (as lm_head would), the log-sum-exp in fp32."""
+    d = hidden.shape[-1]
+    h = hidden.reshape(-1, d)  # (N, d)
+    t = targets.reshape(-1).to(h.device)  # (N,)
+    if t.shape[0] != h.shape[0]:
+        raise ValueError(f"chunked_lm_loss: {h.shape[0]} positions but {t.shape[0]} targets")
+    dev = h.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+    if num_items_in_batch is None:
+        denom = (t != ignore_index).sum().to(torch.float32)
+    else:
+        denom = torch.as_tensor(num_items_in_batch, device=h.device).to(torch.float32)
+    chunk = chunk_tokens or _default_chunk(weight.shape[0])
+    want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _ChunkedLinearCE.apply(h, weight, t, denom, chunk, ignore_index, dtype, want_grad)
+
+
+def shift_for_loss(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """transformers' label convention: labels are the inputs; position t is scored against labels[t + 1]."""
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]  # (B, T)
+
+
+def reference_lm_loss(hidden, weight, targets, num_items_in_batch=None, ignore_index: int = -100):
+    """The plain path chunked_lm_loss replaces: full logits through a linear, fp32 cross-entropy (transformers')."""
+    logits = torch.nn.functional.linear(hidden, weight).float()  # (..., V)
+    red = "sum" if num_items_in_batch is not None else "mean"
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                             ignore_index=ignore_index, reduction=red)
+    return loss / num_items_in_batch if num_items_in_batch is not None else loss
+
+
+__all__ = ["fuse_qkv", "unfuse_qkv", "fused_sigmoid_mul", "FusedGatedAttention", "chunked_lm_loss", "shift_for_loss",
+           "reference_lm_loss"]

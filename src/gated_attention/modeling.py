@@ -167,17 +167,30 @@ class GatedQwen3ForCausalLM(GatedQwen3PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
-                **kwargs) -> MoeCausalLMOutputWithPast:
+                fused_loss: bool = False, **kwargs) -> MoeCausalLMOutputWithPast:
+        """fused_loss=True with labels (or shift_labels=, already aligned): the loss comes from fast.chunked_lm_loss,
+        which never materialises the (B, T, V) logits; `logits` is then None."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        hidden = slice_logits_to_keep(out.last_hidden_state, logits_to_keep)
-        logits = self.lm_head(hidden)  # (B, T', V)
-        loss = aux_loss = None
+        fused = fused_loss and (labels is not None or kwargs.get("shift_labels") is not None)
+        if fused and not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+            raise ValueError("fused_loss=True scores every position; drop logits_to_keep (or set fused_loss=False)")
+        logits = None if fused else self.lm_head(slice_logits_to_keep(out.last_hidden_state, logits_to_keep))
+        loss = aux_loss = None  # logits: (B, T', V)
         if self.config.num_experts > 0:
             from .moe import collect_aux_loss
 
             aux_loss = collect_aux_loss(self)
-        if labels is not None:
+        if fused:
+            from .fast import chunked_lm_loss, shift_for_loss
+
+            targets = kwargs.get("shift_labels")
+            targets = shift_for_loss(labels) if targets is None else targets  # (B, T)
+            loss = chunked_lm_loss(out.last_hidden_state, self.lm_head.weight, targets,
+                                   num_items_in_batch=kwargs.get("num_items_in_batch"))
+            if aux_loss is not None:
+                loss = loss + aux_loss.to(loss.device)
+        elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
             if aux_loss is not None:
                 loss = loss + aux_loss.to(loss.device)

@@ -242,6 +242,10 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     model = D.wrap(model, info, layers)
     raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
     fwd = torch.compile(model) if cfg.compile else model
+    # our LM computes the loss chunk by chunk through lm_head (fast.chunked_lm_loss): no fp32 (b, T, V) logits
+    from ..modeling import GatedQwen3ForCausalLM
+
+    fused_loss = isinstance(raw, GatedQwen3ForCausalLM)
     optimizer = torch.optim.AdamW(param_groups(raw, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
     spikes = SpikeDetector(cfg.spike_window, cfg.spike_delta)
@@ -316,11 +320,15 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
                 model.set_requires_gradient_sync(last)
             with sync:
                 with autocast_for(info.device, cfg.precision):
-                    out_ = fwd(input_ids=x)
-                logits = out_.logits  # (b, T, V)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                    out_ = fwd(input_ids=x, shift_labels=y, fused_loss=True) if fused_loss else fwd(input_ids=x)
                 aux = getattr(out_, "aux_loss", None)
-                total = loss + (aux.float() if aux is not None else 0.0)
+                if fused_loss:  # out_.loss = CE + aux already; the CE alone is what gets logged
+                    total = out_.loss
+                    loss = total - aux.float() if aux is not None else total
+                else:
+                    logits = out_.logits  # (b, T, V)
+                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                    total = loss + (aux.float() if aux is not None else 0.0)
                 if step in cfg.inject_nan_steps:
                     total = total * float("nan")
                 (total / cfg.grad_accum).backward()
