@@ -50,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     name = argv[0]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown our own progress output
     module = importlib.import_module(COMMANDS[name][0])
     sub = argparse.ArgumentParser(prog=f"gattn {name}", description=COMMANDS[name][1])
     module.configure(sub)
