@@ -112,7 +112,7 @@ def test_nan_run_stops_after_k_in_a_row(tmp_path):
 
 
 def test_spike_detector():
-    det = SpikeDetector(window=5, delta=0.1)
+    det = SpikeDetector(window=5, delta=0.1, noise_k=0.0)  # the plain 0.1-nat rule
     seq = [3.0, 2.9, 2.95, 2.9, 2.92, 3.05, 2.9, 3.5, float("nan"), 2.9]
     flags = [det.update(i, v) for i, v in enumerate(seq)]
     assert flags == [False] * 5 + [True, False, True, False, False]
@@ -120,6 +120,18 @@ def test_spike_detector():
     det2 = SpikeDetector()
     det2.load_state_dict(det.state_dict())
     assert det2.update(10, 5.0) and len(det2.spikes) == 3
+
+
+def test_spike_detector_scales_with_small_batch_noise():
+    # a window whose step-to-step noise (MAD 0.2 nats) is larger than delta: +0.3 is noise, +2.0 is a spike
+    window = [3.0, 3.2, 2.8, 3.25, 2.75, 3.0, 3.2, 2.8, 3.0, 3.2]
+    plain, robust = SpikeDetector(window=10, delta=0.1, noise_k=0.0), SpikeDetector(window=10, delta=0.1)
+    for i, v in enumerate(window):
+        plain.update(i, v), robust.update(i, v)
+    median, margin = robust.threshold()
+    assert median == 3.0 and margin == pytest.approx(6 * 1.4826 * 0.2)
+    assert plain.update(10, 3.3) and not robust.update(10, 3.3)
+    assert robust.update(11, 5.0)
 
 
 # ---------------------------------------------------------------- exact resume after SIGKILL

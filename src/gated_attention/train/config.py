@@ -56,6 +56,7 @@ class TrainConfig:
     stats_every: int = 50  # update/weight ratio and max |activation| per layer every N steps (0 = never)
     spike_window: int = 50  # loss-spike detector: trailing median over this many steps ...
     spike_delta: float = 0.1  # ... exceeded by more than this many nats (SPEC 1.8: 125 baseline / 0 gated spikes)
+    spike_noise_k: float = 6.0  # ... or by this many robust sigmas (1.4826 MAD) of the window, if larger: small-batch noise
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints

@@ -248,7 +248,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     fused_loss = isinstance(raw, GatedQwen3ForCausalLM)
     optimizer = torch.optim.AdamW(param_groups(raw, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
-    spikes = SpikeDetector(cfg.spike_window, cfg.spike_delta)
+    spikes = SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k)
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
           "stop_reason": None, "val": {}, "last_loss": None}
     if resume and latest is not None:
