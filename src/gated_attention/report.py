@@ -115,7 +115,8 @@ def _intro(result: dict) -> list[str]:
         f"queries and layers (\"uniform F-Attn\" is its value with uniform causal attention: no sink). M-Act = mean over "
         f"layers of the max |hidden state| a layer outputs. Mean gate = mean gate score over all entries and tokens. "
         f"Sink rate = share of heads whose mean attention on token 0 exceeds 0.3. Loss spikes: steps whose loss exceeds "
-        f"the trailing {c['spike_window']}-step median by more than {c['spike_delta']:g} nats.",
+        f"the trailing {c['spike_window']}-step median by more than max({c['spike_delta']:g} nats, "
+        f"{c.get('spike_noise_k', 0):g} robust sigmas of that window).",
         f"Wall time of this invocation: {result['wall_time_s']:.0f} s (reused runs cost nothing).",
     ]
 
