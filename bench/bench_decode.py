@@ -1,5 +1,6 @@
-"""Decode throughput with the KV cache: our model's generate (dynamic cache, static cache, fused layers) vs
-transformers' Qwen3 `generate` with the same weights, greedy, batch 1 and 8, all timed round-robin in one process.
+"""Decode throughput with the KV cache: our model's generate (dynamic cache, static cache, fused layers) and the lean
+loop decode.generate_fast (static cache; eager and with a torch.compile'd single-token step) vs transformers' Qwen3
+`generate` with the same weights, greedy, batch 1 and 8, all timed round-robin in one process.
 tokens/s = batch * new tokens / wall time of the whole generate call (prefill included, as a user sees it).
 Run: python bench/bench_decode.py [--prompt 32 --new 64 --batches 1,8 --dtype bfloat16]
 """
@@ -12,6 +13,7 @@ import common  # noqa: F401  (puts src/ on the path)
 import torch
 
 from gated_attention import GatedQwen3ForCausalLM
+from gated_attention.decode import generate_fast
 from gated_attention.fast import fuse_qkv
 from gated_attention.presets import model_config
 from hf_reference import hf_from_ours
@@ -31,6 +33,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--out", default="decode", help="results/<out>.json")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-step variant (compiles take a while)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,8 +54,12 @@ def main(argv=None) -> dict:
                 "ours": lambda m=ours, i=ids: m.generate(i, **kw),
                 "ours_static": lambda m=ours, i=ids: m.generate(i, cache_implementation="static", **kw),
                 "ours_fast_static": lambda m=fast, i=ids: m.generate(i, cache_implementation="static", **kw),
+                "ours_lean": lambda m=fast, i=ids: generate_fast(m, i, args.new, stop_at_eos=False),
                 "hf": lambda m=hf, i=ids: m.generate(i, **kw),
             }
+            if not args.no_compile:  # the compiled step is cached on the loop's code: compiled once per shape
+                variants["ours_lean_compiled"] = lambda m=fast, i=ids: generate_fast(m, i, args.new, stop_at_eos=False,
+                                                                                   compile_step=True)
             with torch.no_grad():
                 outs = {k: f() for k, f in variants.items()}
             agree[f"{label}|b{bs}"] = {k: float((o == outs["hf"]).float().mean()) for k, o in outs.items()}

@@ -3,8 +3,10 @@
 Every variant (config x implementation x eager/compile) and a bf16 GEMM (the machine's measured peak) are timed
 round-robin in one process; the JSON holds medians, tokens/s, gate overhead (gated / ungated step time, same
 implementation and mode), speed-up over transformers (same config and mode) and MFU (model FLOP/s over the best
-GEMM FLOP/s seen in the same run).
+GEMM FLOP/s seen in the same run). `ours_fast` = fuse_qkv + fused sigmoid-mul + the chunked lm_head/cross-entropy
+(fast.chunked_lm_loss, what the trainer uses); `ours` = the plain reference layers and loss.
 Run: python bench/bench_train.py [--batch 16 --seq 256 --reps 5 --modes eager,compile]
+     python bench/bench_train.py --hidden 768 --heads 12 --kv-heads 4 --out train_d768   (MFU at a larger shape)
 """
 from __future__ import annotations
 
@@ -41,12 +43,13 @@ def train_flops(cfg, batch: int, seq: int) -> float:
     return 3.0 * fwd_per_token * batch * seq
 
 
-def make_step(model, ids):
+def make_step(model, ids, fused_loss: bool = False):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    kw = {"fused_loss": True} if fused_loss else {}
 
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = model(input_ids=ids, labels=ids, use_cache=False, **kw).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -62,13 +65,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=5, help="timed round-robin rounds (median taken)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (compiles happen here)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {list(CONFIGS)}")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="comma list: ours (plain reference layers), "
-                    "ours_fast (fuse_qkv + fused sigmoid-mul), hf (transformers Qwen3 / official gate layout)")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma list: ours (plain reference layers), ours_fast "
+                    "(fuse_qkv + fused sigmoid-mul + chunked loss), hf (transformers Qwen3 / official gate layout)")
     ap.add_argument("--modes", default="eager,compile", help="comma list: eager, compile")
     ap.add_argument("--compile-impls", default="ours_fast,hf", help="impls also run under torch.compile")
     ap.add_argument("--out", default="train", help="results/<out>.json")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default; 1 on a busy machine)")
+    ap.add_argument("--hidden", type=int, default=0, help="override hidden_size (0 = preset's); FFN = 3x hidden")
+    ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0 = preset's)")
+    ap.add_argument("--heads", type=int, default=0, help="override num_attention_heads (0 = preset's)")
+    ap.add_argument("--kv-heads", type=int, default=0, help="override num_key_value_heads (0 = preset's)")
     args = ap.parse_args(argv)
+    shape = {}
+    if args.hidden:
+        shape.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    if args.heads:
+        shape["num_attention_heads"] = args.heads
+    if args.kv_heads:
+        shape["num_key_value_heads"] = args.kv_heads
     if args.threads:
         torch.set_num_threads(args.threads)
     configs, impls, modes = args.configs.split(","), args.impls.split(","), args.modes.split(",")
@@ -79,12 +95,12 @@ def main(argv=None) -> dict:
         if i not in IMPLS:
             raise SystemExit(f"unknown impl {i!r}; valid: {', '.join(IMPLS)}")
     torch.manual_seed(0)
-    ids = torch.randint(0, model_config(args.preset).vocab_size, (args.batch, args.seq))
+    ids = torch.randint(0, model_config(args.preset, **shape).vocab_size, (args.batch, args.seq))
     fns, meta = {}, {}
     for label in configs:
         gate, parity = CONFIGS[label]
         torch.manual_seed(0)
-        cfg = model_config(args.preset, gate, match_params=parity)
+        cfg = model_config(args.preset, gate, match_params=parity, **shape)
         ours = GatedQwen3ForCausalLM(cfg).train()
         models = {}
         for impl in impls:
@@ -100,7 +116,7 @@ def main(argv=None) -> dict:
                     continue
                 run = torch.compile(m) if mode == "compile" else m
                 name = f"{label}|{impl}|{mode}"
-                fns[name] = make_step(run, ids)
+                fns[name] = make_step(run, ids, fused_loss=impl == "ours_fast")
                 meta[name] = {"config": label, "gate": gate, "match_params": parity, "impl": impl, "mode": mode,
                               "params": sum(p.numel() for p in m.parameters()),
                               "intermediate_size": cfg.intermediate_size,
@@ -124,7 +140,8 @@ def main(argv=None) -> dict:
         r["step_time_vs_ungated_fast"] = r["median_s"] / base_fast["median_s"] if base_fast else None
         hf = by.get(f"{r['config']}|hf|{r['mode']}")
         r["speedup_vs_hf"] = hf["median_s"] / r["median_s"] if hf else None
-    result = {"bench": "train", "machine": common.machine(), "preset": args.preset, "batch": args.batch,
+    result = {"bench": "train", "machine": common.machine(), "preset": args.preset, "shape_overrides": shape,
+              "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers, "batch": args.batch,
               "seq": args.seq, "reps": args.reps, "peak_bf16_flops": peak, "rows": rows}
     path = common.write_json(args.out, result)
     print(common.md_table(rows, ["config", "impl", "mode", "median_s", "tokens_per_s", "step_time_vs_ungated",

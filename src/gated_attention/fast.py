@@ -245,16 +245,20 @@ class _ChunkedLinearCE(torch.autograd.Function):
             for s in range(0, n, chunk):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]  # (c, d), (c,)
                 logits = (hc @ w.t()).float()  # (c, V): fp32 only for the log-sum-exp, as transformers does
-                lse = torch.logsumexp(logits, dim=-1)  # (c,)
                 valid = tc != ignore_index
                 safe = torch.where(valid, tc, torch.zeros_like(tc))
                 picked = logits.gather(1, safe[:, None]).squeeze(1)  # (c,)
+                top = logits.amax(dim=-1)  # (c,)
+                # one exp pass serves both the loss (log of its row sum) and the gradient (the softmax itself)
+                e = logits.sub_(top[:, None]).exp_()  # (c, V) = exp(logit - max), in place
+                z = e.sum(dim=-1)  # (c,)
+                lse = top + z.log()
                 total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
                 if want_grad:
-                    p = logits.sub_(lse[:, None]).exp_()  # softmax, in place over the chunk's fp32 logits
-                    p.scatter_add_(1, safe[:, None], -valid[:, None].to(p.dtype))  # softmax - onehot
-                    p.mul_((valid.to(p.dtype) / denom)[:, None])  # ignored tokens contribute nothing
-                    g = p.to(compute_dtype)  # (c, V)
+                    w_tok = valid.to(e.dtype) / denom  # (c,) per-token weight; ignored tokens contribute nothing
+                    e.mul_((w_tok / z)[:, None])  # softmax * weight, one pass
+                    e.scatter_add_(1, safe[:, None], -w_tok[:, None])  # (softmax - onehot) * weight
+                    g = e.to(compute_dtype)  # (c, V)
                     grad_h[s:s + chunk] = g @ w
                     grad_w += g.t() @ hc  # (V, d), accumulated in fp32 across chunks
             loss = total / denom

@@ -1,0 +1,85 @@
+"""Where a training step's time goes: torch.profiler over a few steps (bf16 autocast, forward + backward + AdamW) of
+our fast path and of transformers' implementation, self CPU time grouped into op families; writes
+results/profile_train.json and prints the table. Shares are what matter (the machine is shared; absolute ms are noise).
+Run: python bench/profile_train.py [--gate sdpa_elementwise --batch 16 --seq 256 --threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+
+import common  # noqa: F401  (puts src/ on the path)
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_train import make_step
+from gated_attention import GatedQwen3ForCausalLM
+from gated_attention.fast import fuse_qkv
+from gated_attention.presets import model_config
+from hf_reference import hf_from_ours
+
+# op-name substrings -> family (first match wins); the families the round-1 profile used
+FAMILIES = [("matmul (GEMM)", ("addmm", "::mm", "bmm", "linear", "matmul")),
+            ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
+            ("cross-entropy / log-softmax", ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_ChunkedLinearCE",
+                                             "gather", "scatter")),
+            ("dtype copies", ("::to", "_to_copy", "copy_")),
+            ("optimizer (AdamW)", ("_foreach", "adam")),
+            ("elementwise / norms", ("mul", "add", "sigmoid", "silu", "pow", "mean", "rsqrt", "neg", "cat", "sub",
+                                     "div", "exp", "sum", "where", "fill", "zero"))]
+
+
+def family(name: str) -> str:
+    for fam, keys in FAMILIES:
+        if any(k in name for k in keys):
+            return fam
+    return "other"
+
+
+def profile_step(step, steps: int) -> dict:
+    step()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    fam: dict[str, float] = {}
+    top = []
+    for ev in prof.key_averages():
+        fam[family(ev.key)] = fam.get(family(ev.key), 0.0) + ev.self_cpu_time_total
+        top.append((ev.self_cpu_time_total, ev.key))
+    total = sum(fam.values())
+    top.sort(reverse=True)
+    return {"total_ms_per_step": total / 1e3 / steps,
+            "families": {k: v / total for k, v in sorted(fam.items(), key=lambda kv: -kv[1])},
+            "top_ops": [{"op": k, "share": t / total} for t, k in top[:12]]}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="small", help="model preset (presets.py)")
+    ap.add_argument("--gate", default="sdpa_elementwise", help="gate name (gates.py registry)")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    ap.add_argument("--steps", type=int, default=2, help="profiled steps")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--out", default="profile_train", help="results/<out>.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    ours = GatedQwen3ForCausalLM(model_config(args.preset, args.gate)).train()
+    ids = torch.randint(0, ours.config.vocab_size, (args.batch, args.seq))
+    res = {"bench": "profile_train", "machine": common.machine(), "preset": args.preset, "gate": args.gate,
+           "batch": args.batch, "seq": args.seq, "impls": {}}
+    res["impls"]["ours_fast"] = profile_step(make_step(fuse_qkv(copy.deepcopy(ours)), ids, fused_loss=True), args.steps)
+    res["impls"]["hf"] = profile_step(make_step(hf_from_ours(ours).train(), ids), args.steps)
+    path = common.write_json(args.out, res)
+    for impl, r in res["impls"].items():
+        print(f"{impl}: {r['total_ms_per_step']:.0f} ms/step (profiler self time)")
+        for k, v in r["families"].items():
+            print(f"  {k:32s} {100 * v:5.1f} %")
+    print(f"wrote {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
