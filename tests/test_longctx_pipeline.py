@@ -185,6 +185,24 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         assert ev["rope_parameters"]["original_max_position_embeddings"] == 256
         assert ev["rope_parameters"]["factor"] == 4.0
         assert len(ev["records"]) == len(b.mix_tasks) * 4 * b.samples
+    for row in saved["rows"]:  # the continuous recall measure exists wherever a score does
+        assert all(v > 0 and (row["average"][n] is not None) for n, v in row["answer_nll"].items() if v is not None)
+    # answer NLL == cross-entropy of the answer tokens read off a full forward pass
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    model = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "baseline" / "final").eval()
+    corpus = D.Corpus(corpus_dir)
+    tok = P.BosTokenizer(corpus.tokenizer, corpus.bos_id)
+    s = ruler.generate_sample("passkey", tok, 256, 0, 0)
+    prompt = ruler.encode(tok, s["prompt"])
+    answer = corpus.tokenizer.encode(ruler.completion(s), add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + answer])).logits[0]  # (T, V)
+    ref = torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer))
+    assert P.answer_nll(model, tok, s) == pytest.approx(float(ref), rel=1e-5)
+    ev = json.loads((out / "eval" / "baseline-none.json").read_text())
+    rec = next(r for r in ev["records"] if r["target_length"] == 256 and r["index"] == 0)
+    assert rec["answer_nll"] == pytest.approx(float(ref), rel=1e-5)
     md = (out / "report.md").read_text()
     assert "| Baseline + YaRN -> 1024 |" in md and "| Gated (sdpa_elementwise) (256 model) |" in md
     # a re-run does no work: every stage is reused, the report is rewritten identically

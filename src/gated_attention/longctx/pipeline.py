@@ -213,7 +213,8 @@ def train_stage(cfg, run_dir: Path, log=print) -> Path:
     if saved.exists():
         old = json.loads(saved.read_text())
         new = cfg.to_dict()
-        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        defaults = type(cfg)().to_dict()  # a field added to TrainConfig after the run counts as its default
+        diff = sorted(k for k in new if old.get(k, defaults[k]) != new[k])
         if diff:
             raise ValueError(f"{run_dir} holds a run with other settings ({', '.join(diff)}); "
                              f"use another --out or delete that folder")
@@ -258,6 +259,20 @@ def ppl_by_position(model, data_dir: str, length: int, batches: int, batch_size:
     return res["pos_loss"]
 
 
+@torch.no_grad()
+def answer_nll(model, tokenizer, sample: dict) -> float:
+    """Mean NLL (nats/token) of the sample's answer (ruler.completion) after its prompt, teacher-forced.
+
+    A continuous companion to the string-match score: a small model that never gets a key exactly right still shows
+    how much of the answer it can recall, and how that recall degrades with length.
+    """
+    prompt = ruler.encode(tokenizer, sample["prompt"])
+    answer = list(tokenizer.tokenizer.encode(ruler.completion(sample), add_special_tokens=False))
+    ids = torch.tensor([prompt + answer], device=next(model.parameters()).device)  # (1, T)
+    logits = model(input_ids=ids[:, :-1], logits_to_keep=len(answer)).logits[0]  # (A, V)
+    return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
+
+
 def bucket_ppl(pos_loss: list[float], edges: list[int]) -> list[float]:
     """exp(mean loss) over each [edges[i], edges[i+1]) position range."""
     return [math.exp(sum(pos_loss[a:b]) / (b - a)) for a, b in zip(edges, edges[1:])]
@@ -272,7 +287,7 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
 
     settings = dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
                     max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
-                    ppl_batch_size=b.ppl_batch_size, mtime=(model_dir / "model.safetensors").stat().st_mtime)
+                    ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
     if out_json.exists():
         cached = json.loads(out_json.read_text())
         if cached.get("settings") == settings:
@@ -283,11 +298,37 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
     device = torch.device("cpu")
     model = GatedQwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.generation_config.eos_token_id = corpus.eos_id
-    res = ruler.evaluate(model, tok, b.mix_tasks, lengths, b.samples, b.max_new_tokens, seed,
-                         progress=lambda t, L, v: log(f"  {model_dir.parent.name}/{model_dir.name} {t} @ {L}: {v:.1f}"))
+    name = f"{model_dir.parent.name}/{model_dir.name}"
+    scores: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
+    nll: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
+    records = []
+    for task in b.mix_tasks:
+        for n in lengths:
+            try:
+                res = ruler.evaluate(model, tok, [task], [n], b.samples, b.max_new_tokens, seed)
+            except ValueError as exc:
+                # the bare prompt of this task is longer than n (L/2 with a short L): no score, shown as "-"
+                if "empty haystack" not in str(exc):
+                    raise
+                log(f"  {name} {task} @ {n}: the prompt does not fit, no score")
+                scores[task][str(n)] = nll[task][str(n)] = None
+                continue
+            scores[task][str(n)] = res["scores"][task][n]
+            for rec in res["records"]:
+                sample = ruler.generate_sample(task, tok, n, seed, rec["index"])
+                rec["answer_nll"] = answer_nll(model, tok, sample)
+            nll[task][str(n)] = sum(r["answer_nll"] for r in res["records"]) / len(res["records"])
+            records += res["records"]
+            log(f"  {name} {task} @ {n}: {scores[task][str(n)]:.1f}")
+    average, average_nll = {}, {}
+    for n in lengths:  # over the tasks that fit at n
+        got = [scores[t][str(n)] for t in b.mix_tasks if scores[t][str(n)] is not None]
+        average[str(n)] = sum(got) / len(got) if got else None
+        got = [nll[t][str(n)] for t in b.mix_tasks if nll[t][str(n)] is not None]
+        average_nll[str(n)] = sum(got) / len(got) if got else None
     pos = ppl_by_position(model, data_dir, max(lengths), b.ppl_batches, b.ppl_batch_size, device)
-    out = dict(settings=settings, scores={t: {str(L): v for L, v in s.items()} for t, s in res["scores"].items()},
-               average={str(L): v for L, v in res["average"].items()}, records=res["records"], pos_loss=pos,
+    out = dict(settings=settings, scores=scores, average=average, answer_nll=nll, average_answer_nll=average_nll,
+               records=records, pos_loss=pos,
                rope_parameters=model.config.rope_parameters)
     _write_json(out, out_json)
     return out
@@ -302,6 +343,14 @@ def _label(gate: str) -> str:
     return "Baseline" if gate == "baseline" else f"Gated ({gate})"
 
 
+def _sub(a, b):
+    return None if a is None or b is None else a - b
+
+
+def _fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def build_report(results: dict, b: Budget, lengths: list[int], factor: int, gates: list[str]) -> dict:
     L = b.seq_len
     edges = [0, L] + [L * 2 ** i for i in range(1, int(math.log2(factor)) + 1)]
@@ -311,13 +360,14 @@ def build_report(results: dict, b: Budget, lengths: list[int], factor: int, gate
             r = results[(gate, variant)]
             avg = {int(k): v for k, v in r["average"].items()}
             row = dict(gate=gate, variant=variant, average=avg,
-                       drop_from_L={n: avg[n] - avg[L] for n in lengths if n > L},  # the extrapolation loss
+                       drop_from_L={n: _sub(avg[n], avg[L]) for n in lengths if n > L},  # extrapolation loss
                        tasks={t: {int(k): v for k, v in s.items()} for t, s in r["scores"].items()},
+                       answer_nll={int(k): v for k, v in r["average_answer_nll"].items()},
                        ppl_buckets=dict(zip([f"{a}-{c}" for a, c in zip(edges, edges[1:])],
                                             bucket_ppl(r["pos_loss"], edges))))
             if variant == "yarn":
                 base = {int(k): v for k, v in results[(gate, "none")]["average"].items()}
-                row["delta"] = {n: avg[n] - base[n] for n in lengths}
+                row["delta"] = {n: _sub(avg[n], base[n]) for n in lengths}
             rows.append(row)
     return dict(train_length=L, factor=factor, lengths=lengths, gates=gates, budget=dataclasses.asdict(b),
                 rows=rows, pos_loss={f"{g}-{v}": results[(g, v)]["pos_loss"] for g in gates for v in VARIANTS})
@@ -335,14 +385,15 @@ def format_markdown(rep: dict) -> str:
            f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task and length; model preset "
            f"{b['model']}{' ' + json.dumps(b['model_overrides']) if b['model_overrides'] else ''}, {b['steps']} steps x {b['batch_size']} x {L} tokens, "
            f"retrieval mix {b['retrieval_mix']}. YaRN rows: in brackets the change against the same model without "
-           f"YaRN at that length (the paper's deltas). Lengths above L are beyond the training length.", "",
+           f"YaRN at that length (the paper's deltas). Lengths above L are beyond the training length. Averages are over "
+           f"the tasks whose prompt fits the length; '-' = none fits.", "",
            "| Method | " + " | ".join(str(n) for n in lengths) + " |",
            "|---|" + "---|" * len(lengths)]
     for row in rep["rows"]:
         cells = []
         for n in lengths:
-            c = f"{row['average'][n]:.1f}"
-            if row["variant"] == "yarn":
+            c = _fmt(row["average"][n])
+            if row["variant"] == "yarn" and row["delta"][n] is not None:
                 c += f" ({row['delta'][n]:+.1f})"
             cells.append(c)
         out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
@@ -350,12 +401,16 @@ def format_markdown(rep: dict) -> str:
     out += ["", f"## Degradation beyond the training length: score at n minus score at L={L}", "",
             "| Method | " + " | ".join(str(n) for n in longer) + " |", "|---|" + "---|" * len(longer)]
     for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(f"{row['drop_from_L'][n]:+.1f}" for n in longer) + " |")
+        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['drop_from_L'][n], "+.1f") for n in longer) + " |")
+    out += ["", "## Answer NLL (nats/token, teacher-forced, lower is better): recall that string match cannot see",
+            "", "| Method | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    for row in rep["rows"]:
+        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['answer_nll'][n], ".3f") for n in lengths) + " |")
     out += ["", "## Per task", "", "| Method | Task | " + " | ".join(str(n) for n in lengths) + " |",
             "|---|---|" + "---|" * len(lengths)]
     for row in rep["rows"]:
         for t, s in row["tasks"].items():
-            out.append(f"| {name(row)} | {t} | " + " | ".join(f"{s[n]:.1f}" for n in lengths) + " |")
+            out.append(f"| {name(row)} | {t} | " + " | ".join(_fmt(s[n]) for n in lengths) + " |")
     buckets = list(rep["rows"][0]["ppl_buckets"])
     out += ["", "## Perplexity by position on corpus validation text (positions beyond L are extrapolation)", "",
             "| Method | " + " | ".join(f"pos {k}" for k in buckets) + " |", "|---|" + "---|" * len(buckets)]
@@ -376,7 +431,7 @@ def plot_report(rep: dict, path: Path) -> None:
     for row in rep["rows"]:
         ls = "-" if row["variant"] == "none" else "--"
         label = _label(row["gate"]) + (" + YaRN" if row["variant"] == "yarn" else "")
-        ax1.plot(lengths, [row["average"][n] for n in lengths], ls, marker="o", color=colors[row["gate"]], label=label)
+        ax1.plot(lengths, [np.nan if row["average"][n] is None else row["average"][n] for n in lengths], ls, marker="o", color=colors[row["gate"]], label=label)
         pos = np.asarray(rep["pos_loss"][f"{row['gate']}-{row['variant']}"])
         w = max(1, len(pos) // 64)  # average over windows of positions: single positions are noisy
         n = len(pos) // w
@@ -412,6 +467,16 @@ def run_pipeline(out_dir, b: Budget, data_dir: str = "data", gates=("baseline", 
     out.mkdir(parents=True, exist_ok=True)
     lengths = lengths_for(b, factor)
     gates = list(gates)
+    from gated_attention.data import Corpus
+
+    corpus = Corpus(data_dir)
+    tok = BosTokenizer(corpus.tokenizer, corpus.bos_id)
+    for task in b.mix_tasks:  # fail now, not after training, if a task cannot even be posed at L
+        try:
+            ruler.generate_sample(task, tok, b.seq_len, seed)
+        except ValueError as exc:
+            raise ValueError(f"task {task!r} does not fit the training length {b.seq_len} ({exc}); "
+                             f"use a longer --seq-len or other --tasks") from None
     results = {}
     for gate in gates:
         run_dir = out / "runs" / gate
