@@ -78,6 +78,13 @@ def summary() -> str:
         lines += [f"## Where a train step's time goes (profile_train.py: {prof['gate']}, batch {prof['batch']} x seq "
                   f"{prof['seq']}, share of profiler self CPU time)", "",
                   common.md_table(rows, ["op family", *prof["impls"]]), ""]
+        fast = next((r for r in (tr or {}).get("rows", []) if r["gate"] == prof["gate"] and r["match_params"]
+                     and r["impl"] == "ours_fast" and r["mode"] == "eager"), None)
+        gemm = prof["impls"].get("ours_fast", {}).get("families", {}).get("matmul (GEMM)")
+        if fast and gemm:
+            lines += [f"MFU ceiling at this shape: the step's GEMMs take {100 * gemm:.0f} % of its time, so they run at "
+                      f"about MFU / share = {fast['mfu'] / gemm:.2f} of the measured GEMM peak; removing every "
+                      f"non-GEMM cost would still leave MFU near that figure.", ""]
     de = load("decode")
     if de:
         for r in de["rows"]:
@@ -99,9 +106,10 @@ def summary() -> str:
     if moe:
         lines += ["## MoE fast path vs loop reference (bench_moe.py)", "",
                   common.md_table(moe.get("results", []), ["variant", "median_ms", "speedup_vs_loop"]), ""]
-    if LOADS:
+    loads = LOADS or [(m, tuple(v)) for m, v in (load("loads") or [])]
+    if loads:
         lines += ["## Load average during the run (2-core machine shared with other engineers)", "",
-                  "\n".join(f"- {m}: {a:.2f} / {b:.2f} / {c:.2f}" for m, (a, b, c) in LOADS), ""]
+                  "\n".join(f"- {m}: {a:.2f} / {b:.2f} / {c:.2f}" for m, (a, b, c) in loads), ""]
     head = ["## Targets", "", "| measure | value | target | met |", "|---|---|---|---|"]
     head += [f"| {n} | {v:.3g} | {t} | {'yes' if ok else 'NO'} |" for n, v, t, ok in targets]
     return "\n".join(lines[:4] + head + [""] + lines[4:])
@@ -134,6 +142,7 @@ def main(argv=None) -> int:
     if "moe" not in skip and (common.ROOT / "bench_moe.py").exists():
         q = ["--steps", "2", "--warmup", "1", "--tokens", "256"] if args.quick else []
         ok &= run("bench_moe.py", *th, *q, "--out", str(common.RESULTS / "moe.json"))
+    common.write_json("loads", LOADS)
     text = summary()
     common.write_text(common.RESULTS / "SUMMARY.md", text + "\n")
     print(text)
