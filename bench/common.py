@@ -86,6 +86,7 @@ def write_json(name: str, obj) -> Path:
     fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=1)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are for everyone to read
     os.replace(tmp, path)
     return path
 
@@ -94,6 +95,7 @@ def write_text(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
