@@ -21,8 +21,8 @@ from hf_reference import hf_from_ours
 # op-name substrings -> family (first match wins); the families the round-1 profile used
 FAMILIES = [("matmul (GEMM)", ("addmm", "::mm", "bmm", "linear", "matmul")),
             ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
-            ("cross-entropy / log-softmax", ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_ChunkedLinearCE",
-                                             "gather", "scatter")),
+            ("cross-entropy / log-softmax", ("log_softmax", "nll_loss", "cross_entropy", "logsumexp",
+                                             "_ChunkedLinearCE", "gather", "scatter")),
             ("dtype copies", ("::to", "_to_copy", "copy_")),
             ("optimizer (AdamW)", ("_foreach", "adam")),
             ("elementwise / norms", ("mul", "add", "sigmoid", "silu", "pow", "mean", "rsqrt", "neg", "cat", "sub",

@@ -73,8 +73,8 @@ def summary() -> str:
     prof = load("profile_train")
     if prof:
         fams = sorted({f for r in prof["impls"].values() for f in r["families"]})
-        rows = [{"op family": f, **{impl: f"{100 * r['families'].get(f, 0):.1f} %" for impl, r in prof["impls"].items()}}
-                for f in fams]
+        rows = [{"op family": f, **{impl: f"{100 * r['families'].get(f, 0):.1f} %"
+                                    for impl, r in prof["impls"].items()}} for f in fams]
         lines += [f"## Where a train step's time goes (profile_train.py: {prof['gate']}, batch {prof['batch']} x seq "
                   f"{prof['seq']}, share of profiler self CPU time)", "",
                   common.md_table(rows, ["op family", *prof["impls"]]), ""]
@@ -82,8 +82,8 @@ def summary() -> str:
                      and r["impl"] == "ours_fast" and r["mode"] == "eager"), None)
         gemm = prof["impls"].get("ours_fast", {}).get("families", {}).get("matmul (GEMM)")
         if fast and gemm:
-            lines += [f"MFU ceiling at this shape: the step's GEMMs take {100 * gemm:.0f} % of its time, so they run at "
-                      f"about MFU / share = {fast['mfu'] / gemm:.2f} of the measured GEMM peak; removing every "
+            lines += [f"MFU ceiling at this shape: the step's GEMMs take {100 * gemm:.0f} % of its time, so they run "
+                      f"at about MFU / share = {fast['mfu'] / gemm:.2f} of the measured GEMM peak; removing every "
                       f"non-GEMM cost would still leave MFU near that figure.", ""]
     de = load("decode")
     if de:
