@@ -40,11 +40,15 @@ class Budget:
     map_len: int = 64  # tokens shown in the attention-map plots
 
 
-# Chosen by the experiments in the compare report notes (CPU, shared machine): a shallow, narrow model so many tokens
-# fit the time budget, the fixed <|bos|> first token (the data sampler's default) so a sink has something to form on,
-# a high peak LR with weight decay 0.1 (both make sinks appear sooner, Gu et al. 2024). At this scale the baseline's
-# massive activations (an early-layer FFN output of ~300 that persists in the residual) appear within ~200k tokens;
-# a first-token sink did not appear within the tokens we could afford (see the README's "what small scale shows").
+# Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the time budget,
+# the fixed <|bos|> first token (the data sampler's default) so a sink has something to form on, a high peak LR with
+# weight decay 0.1 (both make sinks appear sooner, Gu et al. 2024). The baseline's massive activations (M-Act ~150-300
+# against ~30-80 gated) and the gated models' lower PPL show within ~1M tokens. A first-token sink does not: F-Attn
+# stays at the uniform-attention level (1/(t+1) averaged over queries) for the first ~2.5M tokens and then grows
+# steadily, mostly in layer 0 (measured with seq_len 256 on a 1024-token-vocabulary corpus: baseline F-Attn 1.25x
+# uniform at 4.3M tokens, 1.63x at 8.6M, layer 0 at 3.2x, while G1 elementwise stays at ~0.95x). Hence `long`:
+# windows of 256 (a lower uniform level, more keys to park on) and ~12M tokens. Smaller vocabularies make each
+# token ~2x cheaper (the LM head dominates this model) and are what `long` was measured with.
 _CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
 BUDGETS: dict[str, Budget] = {
@@ -57,15 +61,18 @@ BUDGETS: dict[str, Budget] = {
         analysis_batches=1, map_len=32),
     "default": Budget(
         help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model: about 15 minutes for three variants on "
-             "2 quiet CPU cores",
+             "2 quiet CPU cores; shows the massive activations and the PPL gain, not yet a first-token sink",
         train=dict(seq_len=128, batch_size=16, steps=600, lr=6e-3, min_lr=6e-5, warmup_steps=30, weight_decay=0.1,
                    eval_every=0, eval_batches=4, eval_batch_size=8, stats_every=50, spike_window=50,
                    ckpt_every=100, model_overrides=dict(_CPU_SHAPE))),
     "long": Budget(
-        help="8x the default's tokens (~10M per variant, same model): about 2 hours for three variants on 2 CPU cores",
-        train=dict(seq_len=128, batch_size=16, steps=4800, lr=6e-3, min_lr=6e-5, warmup_steps=100, weight_decay=0.1,
+        help="the budget that shows the first-token sink forming: ~12M tokens per variant in windows of 256 (same "
+             "model); measured with a 1024-token vocabulary (`gattn data prepare --data-dir data_v1k --vocab-size "
+             "1024`, then --data-dir data_v1k): about 40 minutes for three variants on 2 quiet CPU cores (roughly "
+             "twice that with the default 8k-vocabulary corpus)",
+        train=dict(seq_len=256, batch_size=16, steps=3000, lr=6e-3, min_lr=6e-5, warmup_steps=100, weight_decay=0.1,
                    eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200, spike_window=50,
-                   ckpt_every=400, model_overrides=dict(_CPU_SHAPE))),
+                   ckpt_every=500, model_overrides=dict(_CPU_SHAPE))),
 }
 
 
