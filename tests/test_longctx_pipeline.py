@@ -205,15 +205,31 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
     assert rec["answer_nll"] == pytest.approx(float(ref), rel=1e-5)
     md = (out / "report.md").read_text()
     assert "| Baseline + YaRN -> 1024 |" in md and "| Gated (sdpa_elementwise) (256 model) |" in md
-    # a re-run does no work: every stage is reused, the report is rewritten identically
+    # a re-run does no work: every stage is reused, the report is rewritten identically; data_dir=None means the
+    # budget's corpus (here the same folder, already prepared, so nothing is prepared)
     logs.clear()
-    P.run_pipeline(out, b, corpus_dir, log=logs.append)
+    P.run_pipeline(out, dataclasses.replace(b, data_dir=corpus_dir), log=logs.append)
+    assert not any("not prepared" in m for m in logs)
     assert sum("reuse" in m for m in logs) == 2 + 2 + 4  # two runs, two YaRN copies, four evaluations
     assert not any("train " in m for m in logs)
     assert (out / "report.md").read_text() == md
     # a changed setting in the same folder fails loudly instead of mixing runs
     with pytest.raises(ValueError, match="other settings.*steps"):
         P.run_pipeline(out, dataclasses.replace(b, steps=5), corpus_dir, log=logs.append)
+
+
+def test_missing_budget_corpus_is_prepared_with_its_vocabulary(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(D, "prepare", lambda cfg: calls.append(cfg))
+    logs: list[str] = []
+    assert P.ensure_corpus(str(tmp_path / "v1k"), 1024, logs.append) == str(tmp_path / "v1k")
+    assert [(c.data_dir, c.vocab_size) for c in calls] == [(str(tmp_path / "v1k"), 1024)]
+    assert "--vocab-size 1024" in logs[0]
+    (tmp_path / "v1k").mkdir()
+    (tmp_path / "v1k" / "manifest.json").write_text("{}")  # prepared: left alone
+    P.ensure_corpus(str(tmp_path / "v1k"), 1024, logs.append)
+    assert len(calls) == 1
+    assert P.BUDGETS["default"].vocab_size == 1024 and P.BUDGETS["default"].data_dir == "data_v1k"
 
 
 def test_budget_and_cli_errors(tmp_path):

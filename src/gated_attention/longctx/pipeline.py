@@ -142,17 +142,22 @@ class Budget:
     max_new_tokens: int = 12  # every default answer (a 5-7 digit number, an adjective-noun pair) fits
     ppl_batches: int = 2  # validation batches per domain for PPL by position (windows of 4L)
     ppl_batch_size: int = 4
+    data_dir: str = "data"  # corpus used when --data-dir is not given; prepared (gattn data prepare) if missing
+    vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with when missing (1024: one token per digit)
 
 
 BUDGETS = {
     # seconds to a few minutes: the test and smoke budget (tiny model, a handful of steps, one task)
     "small": Budget(model="tiny", seq_len=256, steps=8, batch_size=4, warmup_steps=2, mix_tasks=("passkey",),
                     samples=1, max_new_tokens=6, ppl_batches=1, ppl_batch_size=2),
-    # ~15-20 minutes on two quiet cores: a 2-layer model of width 128 (~1.4M params, 1M of them the 8k-vocabulary
-    # embedding); two layers are what an induction-style copy (find the needle, copy its value) needs
+    # ~30-40 minutes on two busy shared cores, the two models trained in parallel: passkey only, every training row a
+    # retrieval sample (the copy signal is ~10 tokens per row, so it needs every row and thousands of steps), a
+    # 1024-token BPE corpus (each digit one token, lm_head 8x cheaper than at 8k), 3 layers x 4 heads of width 128
     "default": Budget(model="small", model_overrides={"hidden_size": 128, "intermediate_size": 384, "head_dim": 32,
-                                                      "num_hidden_layers": 2},
-                      seq_len=256, steps=400, batch_size=8),
+                                                      "num_hidden_layers": 3, "num_attention_heads": 4,
+                                                      "num_key_value_heads": 2},
+                      seq_len=256, steps=2400, batch_size=16, lr=6e-3, warmup_steps=50, retrieval_mix=1.0,
+                      mix_tasks=("passkey",), samples=10, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024),
 }
 
 
@@ -458,9 +463,23 @@ def plot_report(rep: dict, path: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline
-def run_pipeline(out_dir, b: Budget, data_dir: str = "data", gates=("baseline", "sdpa_elementwise"), factor: int = 4,
-                 seed: int = 0, log=print) -> dict:
-    """Train, extend, evaluate and report (see the module docstring); returns the report dict."""
+def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
+    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (cached by the data module)."""
+    from gated_attention import data
+
+    if not (Path(data_dir) / "manifest.json").exists():
+        log(f"[longctx] {data_dir} is not prepared: running `gattn data prepare --data-dir {data_dir} "
+            f"--vocab-size {vocab_size}` first")
+        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
+    return str(data_dir)
+
+
+def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseline", "sdpa_elementwise"),
+                 factor: int = 4, seed: int = 0, log=print) -> dict:
+    """Train, extend, evaluate and report (see the module docstring); returns the report dict.
+
+    data_dir=None uses the budget's corpus (b.data_dir, prepared with b.vocab_size if missing).
+    """
     if factor < 2 or factor & (factor - 1):
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
     out = Path(out_dir)
@@ -469,6 +488,7 @@ def run_pipeline(out_dir, b: Budget, data_dir: str = "data", gates=("baseline", 
     gates = list(gates)
     from gated_attention.data import Corpus
 
+    data_dir = ensure_corpus(b.data_dir, b.vocab_size, log) if data_dir is None else str(data_dir)
     corpus = Corpus(data_dir)
     tok = BosTokenizer(corpus.tokenizer, corpus.bos_id)
     for task in b.mix_tasks:  # fail now, not after training, if a task cannot even be posed at L
@@ -502,7 +522,8 @@ def configure(parser) -> None:
                         help="cost preset: small (tiny model, seconds-minutes, for tests) or default (~15-20 min on "
                              "two quiet cores)")
     parser.add_argument("--out", default="runs/longctx", help="output folder; finished stages in it are reused")
-    parser.add_argument("--data-dir", default="data", help="prepared corpus (gattn data prepare); default ./data")
+    parser.add_argument("--data-dir", default=None,
+                        help="prepared corpus (gattn data prepare); default: the budget's (prepared if missing)")
     parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"],
                         help="gate variants to compare (default: baseline sdpa_elementwise)")
     parser.add_argument("--factor", type=int, default=4, help="YaRN extension factor, a power of two (default 4)")
