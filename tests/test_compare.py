@@ -173,6 +173,16 @@ def test_missing_data_is_prepared(tmp_path, monkeypatch):
     assert seen == [str(tmp_path / "fresh")]  # an already prepared dir is left alone
 
 
+def test_long_budget_prepares_its_own_small_vocabulary_corpus(tmp_path, monkeypatch):
+    from gated_attention import data
+
+    seen = []
+    monkeypatch.setattr(data, "prepare", lambda cfg: seen.append((cfg.data_dir, cfg.vocab_size)))
+    C.ensure_data(tmp_path / "v1k", log=lambda m: None, vocab_size=C.BUDGETS["long"].vocab_size)
+    assert seen == [(str(tmp_path / "v1k"), 1024)]
+    assert C.BUDGETS["long"].data_dir != C.BUDGETS["default"].data_dir
+
+
 def test_budgets_are_valid_configs(tiny_corpus):
     for name in C.BUDGETS:
         cfg = C.budget_config(name, str(tiny_corpus))

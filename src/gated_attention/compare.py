@@ -38,6 +38,8 @@ class Budget:
     train: dict  # TrainConfig fields (model_overrides = model-config fields)
     analysis_batches: int = 4  # val batches (of eval_batch_size windows) per domain fed to the analysis
     map_len: int = 64  # tokens shown in the attention-map plots
+    data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
+    vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with
 
 
 # Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the
@@ -70,12 +72,12 @@ BUDGETS: dict[str, Budget] = {
                    ckpt_every=100, model_overrides=dict(_CPU_SHAPE))),
     "long": Budget(
         help="the budget that shows the first-token sink forming: ~12M tokens per variant in windows of 256 (same "
-             "model); measured with a 1024-token vocabulary (`gattn data prepare --data-dir data_v1k --vocab-size "
-             "1024`, then --data-dir data_v1k): about 40 minutes for three variants on 2 quiet CPU cores (roughly "
-             "twice that with the default 8k-vocabulary corpus)",
+             "model) on the default sources with a 1024-token vocabulary (prepared automatically in data_v1k unless "
+             "--data-dir is given): about 40 minutes for three variants on 2 quiet CPU cores",
         train=dict(seq_len=256, batch_size=16, steps=3000, lr=6e-3, min_lr=6e-5, warmup_steps=100, weight_decay=0.1,
                    eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200, spike_window=50,
-                   ckpt_every=500, model_overrides=dict(_CPU_SHAPE))),
+                   ckpt_every=500, model_overrides=dict(_CPU_SHAPE)),
+        data_dir="data_v1k", vocab_size=1024),
 }
 
 
@@ -110,14 +112,15 @@ def check_variants(variants: list[str]) -> list[str]:
     return list(variants)
 
 
-def ensure_data(data_dir: str | Path, log=print) -> Path:
+def ensure_data(data_dir: str | Path, log=print, vocab_size: int = 8192) -> Path:
     """Prepare the default corpus in `data_dir` if it has no manifest yet (the data module caches everything)."""
     from gated_attention import data
 
     data_dir = Path(data_dir)
     if not (data_dir / "manifest.json").exists():
-        log(f"[compare] {data_dir} is not prepared: running `gattn data prepare --data-dir {data_dir}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir)))
+        log(f"[compare] {data_dir} is not prepared: running "
+            f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}` first")
+        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
     return data_dir
 
 
@@ -214,6 +217,7 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
         "gate_mean": a.get("gate_mean"),
         "m_act": a.get("max_abs_hidden"),
         "f_attn": a.get("first_token_attention"),
+        "f_attn_max_layer": max((e.get("first_token_attention") or 0.0 for e in a.get("layers", [])), default=None),
         "spikes": summary.get("spikes"),
         "uniform_f_attn": a.get("uniform_first_token_attention"),
         "sink_rate": a.get("sink_rate"),
@@ -239,16 +243,18 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
     }
 
 
-def run_compare(out: str | Path, data_dir: str | Path = DEFAULT_DATA_DIR, budget: str = "default",
+def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print) -> dict:
     """Train/reuse every variant, analyse, and write compare.json, report.md, report.html and plots into `out`."""
     from . import report
 
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
-    data_dir = ensure_data(data_dir, log)
-    base = budget_config(budget, str(data_dir), sets)
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
     b = BUDGETS[budget]
+    data_dir = ensure_data(data_dir or b.data_dir, log, b.vocab_size)
+    base = budget_config(budget, str(data_dir), sets)
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     batches = analysis_batches(base, b)
@@ -295,8 +301,9 @@ def _atomic_write(path: Path, text: str) -> None:
 # ---------------------------------------------------------------- CLI
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", default=DEFAULT_DATA_DIR,
-                        help=f"prepared corpus folder; prepared automatically if missing (default {DEFAULT_DATA_DIR})")
+    parser.add_argument("--data-dir", default=None,
+                        help=f"prepared corpus folder; prepared automatically if missing (default: the budget's, "
+                             f"{DEFAULT_DATA_DIR} with the 8k vocabulary, or data_v1k for --budget long)")
     parser.add_argument("--out", default="runs/compare",
                         help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
                              "(default runs/compare; a re-run reuses finished runs)")

@@ -14,7 +14,8 @@ from pathlib import Path
 # (column title, row key, decimals); the first seven are the paper's Table 4 columns that we can measure
 TABLE4 = [("Variant", "variant", None), ("Params", "params", None), ("Avg PPL", "avg_ppl", 3),
           ("Mean gate", "gate_mean", 3), ("M-Act", "m_act", 1), ("F-Attn", "f_attn", 3), ("Loss spikes", "spikes", 0),
-          ("uniform F-Attn", "uniform_f_attn", 3), ("Sink rate", "sink_rate", 2)]
+          ("F-Attn max layer", "f_attn_max_layer", 3), ("uniform F-Attn", "uniform_f_attn", 3),
+          ("Sink rate", "sink_rate", 2)]
 
 
 def fmt(v, digits: int | None = 3) -> str:
