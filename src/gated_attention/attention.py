@@ -13,25 +13,8 @@ from torch import nn
 
 from .baselines import build_attention_baseline
 from .gates import Position, build_gate
+from .norm import RMSNorm  # noqa: F401  (re-exported: the decoder imports it from here)
 from .rope import apply_rotary_pos_emb
-
-
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: fp32 compute, cast back to the input dtype, then * weight (ones-init, not 1 + w)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:

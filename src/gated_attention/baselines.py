@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gates import HeadRMSNorm
+from .norm import RMSNorm
 
 
 class Kind(str, Enum):
@@ -495,7 +495,7 @@ def build_branch_transforms(config) -> tuple[nn.Module, nn.Module]:
     or clamp to +-c (output clipping)."""
     spec = get_baseline(getattr(config, "baseline", "none"))
     if spec.kind is Kind.SANDWICH_NORM:
-        return HeadRMSNorm(config.hidden_size, config.rms_norm_eps), HeadRMSNorm(config.hidden_size, config.rms_norm_eps)
+        return RMSNorm(config.hidden_size, config.rms_norm_eps), RMSNorm(config.hidden_size, config.rms_norm_eps)
     if spec.kind is Kind.OUTPUT_CLIP:
         return Clip(spec.clip), Clip(spec.clip)
     return nn.Identity(), nn.Identity()

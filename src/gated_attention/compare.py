@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from .io import atomic_write_text
+
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
 
@@ -181,7 +183,7 @@ def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
     model, kind = load_model(run_dir / "final")
     res = analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
     res["compare_key"] = key
-    _atomic_write(path, json.dumps(res))
+    atomic_write_text(path, json.dumps(res))
     return res
 
 
@@ -282,20 +284,10 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)
-    _atomic_write(out / "compare.json", json.dumps(result, indent=1))
-    _atomic_write(out / "report.md", report.render_markdown(result))
-    _atomic_write(out / "report.html", report.render_html(result, out))
+    atomic_write_text(out / "compare.json", json.dumps(result, indent=1))
+    atomic_write_text(out / "report.md", report.render_markdown(result))
+    atomic_write_text(out / "report.html", report.render_html(result, out))
     return result
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- CLI

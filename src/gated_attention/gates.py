@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norm import RMSNorm
+
 
 class Position(str, Enum):
     SDPA = "sdpa"  # G1: per-head SDPA output, before o_proj (the paper's best)
@@ -172,21 +174,6 @@ def _act_at_zero(act: Activation) -> float:
     return {Activation.SIGMOID: 0.5, Activation.NS_SIGMOID: 0.75, Activation.SILU: 0.0, Activation.IDENTITY: 0.0}[act]
 
 
-class HeadRMSNorm(nn.Module):
-    """RMSNorm over the last axis (fp32 compute, cast back, then * weight), as Qwen3's RMSNorm."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype)
-
-
 class Gate(nn.Module):
     """Applies one GateSpec. `forward(y, x)` returns (Y', score or None).
 
@@ -220,7 +207,7 @@ class Gate(nn.Module):
             per_head = head_dim if spec.granularity is Granularity.ELEMENTWISE else 1
             self.theta = nn.Parameter(torch.zeros(self.width // per_head, per_head))  # zero-init per the paper
         elif spec.activation is Activation.RMSNORM:
-            self.norm = HeadRMSNorm(head_dim, eps)
+            self.norm = RMSNorm(head_dim, eps)
 
     def score(self, x: torch.Tensor, y_shape: torch.Size) -> torch.Tensor | None:
         spec = self.spec

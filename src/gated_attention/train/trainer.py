@@ -31,6 +31,7 @@ from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
+from ..io import atomic_write_text
 
 # config fields that may differ between a run and its resumption (they do not change the numbers)
 _RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
@@ -146,15 +147,6 @@ def _load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
                    options=StateDictOptions(full_state_dict=True))
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _truncate_log(path: Path, next_step: int) -> None:
     """Keep the log lines of steps before `next_step` (a killed run may have logged past its last checkpoint)."""
     if not path.exists():
@@ -167,7 +159,7 @@ def _truncate_log(path: Path, next_step: int) -> None:
             continue  # a line cut by the kill
         if rec.get("step", -1) < next_step:
             keep.append(line)
-    _atomic_write_text(path, "".join(l + "\n" for l in keep))
+    atomic_write_text(path, "".join(l + "\n" for l in keep))
 
 
 class _TB:
@@ -223,7 +215,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
             if diff:
                 raise ValueError(f"--resume with settings that differ from the saved run: {diff}; "
                                  f"use the original settings or a new --out")
-        _atomic_write_text(cfg_path, json.dumps(cfg.to_dict(), indent=1))
+        atomic_write_text(cfg_path, json.dumps(cfg.to_dict(), indent=1))
     D.barrier(info)
 
     # model: same seed on every rank, so replicas start identical
@@ -412,7 +404,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     if info.is_main:
         _export_final(raw, msd, source, out / "final")
         summary = _summary(cfg, st, spikes, log_path)
-        _atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
+        atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     D.barrier(info)
     return summary if summary is not None else {}
 
