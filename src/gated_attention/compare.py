@@ -55,7 +55,10 @@ class Budget:
 # PPL). No head passes Gu et al.'s 0.3 threshold at this size, and the growth flattens as the cosine LR decays.
 # Turning QK-norm off, or a higher LR/weight decay on code only, did not make it appear sooner. Hence `long`: windows
 # of 256 (a lower uniform level, more keys to park on) and ~12M tokens. A 1024-token vocabulary makes each token ~2x
-# cheaper (the LM head dominates this model) and is what `long` was measured with.
+# cheaper (the LM head dominates this model) and is what `long` was measured with. `default` = `long`'s setting for
+# 1400 steps with a WSD schedule (the growth slowed exactly when the cosine LR fell, so WSD holds the peak): measured
+# baseline F-Attn 0.037 = 1.54x uniform at 5.7M tokens (docs/experiments/sink_emergence.md). `quick` = the earlier
+# 1.2M-token default: massive activations and the PPL gain, no sink yet.
 _CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
 BUDGETS: dict[str, Budget] = {
@@ -66,16 +69,26 @@ BUDGETS: dict[str, Budget] = {
                    model_overrides=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
         analysis_batches=1, map_len=32),
-    "default": Budget(
-        help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model: about 15 minutes for three variants on "
-             "2 quiet CPU cores; shows the massive activations and the PPL gain, not yet a first-token sink",
+    "quick": Budget(
+        help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model (8k-vocabulary corpus, windows of 128): "
+             "about 5 minutes for three variants on 2 quiet CPU cores; shows the massive activations and the PPL "
+             "gain, not yet a first-token sink",
         train=dict(seq_len=128, batch_size=16, steps=600, lr=6e-3, min_lr=6e-5, warmup_steps=30, weight_decay=0.1,
                    eval_every=0, eval_batches=4, eval_batch_size=8, stats_every=50, spike_window=50,
                    ckpt_every=100, model_overrides=dict(_CPU_SHAPE))),
+    "default": Budget(
+        help="~5.7M tokens per variant in windows of 256 on the same model, WSD schedule (holds the peak LR, where "
+             "the sink grows), on the default sources with a 1024-token vocabulary (prepared automatically in "
+             "data_v1k unless --data-dir is given): about 20 minutes for three variants on 2 quiet CPU cores; the "
+             "baseline's first-token sink is visible (F-Attn 1.5x uniform) and the gated models stay near uniform",
+        train=dict(seq_len=256, batch_size=16, steps=1400, lr=6e-3, min_lr=6e-5, warmup_steps=50, weight_decay=0.1,
+                   schedule="wsd", eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200,
+                   spike_window=50, ckpt_every=700, model_overrides=dict(_CPU_SHAPE)),
+        data_dir="data_v1k", vocab_size=1024),
     "long": Budget(
         help="the budget that shows the first-token sink forming: ~12M tokens per variant in windows of 256 (same "
-             "model) on the default sources with a 1024-token vocabulary (prepared automatically in data_v1k unless "
-             "--data-dir is given): about 40 minutes for three variants on 2 quiet CPU cores",
+             "model, cosine schedule) on the 1024-token-vocabulary corpus: about 40 minutes for three variants on 2 "
+             "quiet CPU cores; the sink is clearer (baseline 1.8x uniform, layer 0 3.7x)",
         train=dict(seq_len=256, batch_size=16, steps=3000, lr=6e-3, min_lr=6e-5, warmup_steps=100, weight_decay=0.1,
                    eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200, spike_window=50,
                    ckpt_every=500, model_overrides=dict(_CPU_SHAPE)),
