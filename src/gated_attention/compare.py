@@ -79,7 +79,7 @@ BUDGETS: dict[str, Budget] = {
     "default": Budget(
         help="~5.7M tokens per variant in windows of 256 on the same model, WSD schedule (holds the peak LR, where "
              "the sink grows), on the default sources with a 1024-token vocabulary (prepared automatically in "
-             "data_v1k unless --data-dir is given): about 20 minutes for three variants on 2 quiet CPU cores; the "
+             "data_v1k unless --data-dir is given): about 15 minutes for three variants on 2 quiet CPU cores; the "
              "baseline's first-token sink is visible (F-Attn 1.5x uniform) and the gated models stay near uniform",
         train=dict(seq_len=256, batch_size=16, steps=1400, lr=6e-3, min_lr=6e-5, warmup_steps=50, weight_decay=0.1,
                    schedule="wsd", eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200,
