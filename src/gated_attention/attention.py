@@ -119,8 +119,9 @@ class GatedAttention(nn.Module):
             self._emit("y_post_gate", y)
         return y
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        x = hidden_states
+    def _project(self, x: torch.Tensor):
+        """q (B, T, H, D) and k, v (B, T, KV, D) after any G2-G4 gate, plus pre-activation G1 gate logits when the
+        projection computes them (None here; the fused layer in fast.py folds them into its GEMM)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
         if self.baseline is None or (kv := self.baseline.project_kv(x, self.k_proj, self.v_proj)) is None:
@@ -132,6 +133,18 @@ class GatedAttention(nn.Module):
             q = self._maybe_gate(Position.QUERY, q, x)
             k = self._maybe_gate(Position.KEY, k, x)
             v = self._maybe_gate(Position.VALUE, v, x)
+        return q, k, v, None
+
+    def _gate_sdpa(self, y: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
+        """Everything between the kernel's (B, T, H, D) output and o_proj: the G1 gate (and Bondarenko's)."""
+        if self.baseline is not None:
+            y = self.baseline.gate_output(y, x)  # Bondarenko et al. per-head gate
+        return self._maybe_gate(Position.SDPA, y, x)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        x = hidden_states
+        b, t, _ = x.shape
+        q, k, v, gate_logits = self._project(x)
         if self.config.use_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
@@ -154,10 +167,7 @@ class GatedAttention(nn.Module):
                           dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
         if probs is not None:
             self._emit("attn_probs", probs)
-        if self.baseline is not None:
-            y = self.baseline.gate_output(y, x)  # Bondarenko et al. per-head gate
-        if self.gate_position is Position.SDPA:
-            y = self._maybe_gate(Position.SDPA, y, x)
+        y = self._gate_sdpa(y, x, gate_logits)
         out = self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim))  # (B, T, d)
         if self.gate_position is Position.DENSE:
             out = self._maybe_gate(Position.DENSE, out, x)

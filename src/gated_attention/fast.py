@@ -29,9 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import GatedAttention, get_kernel
+from .attention import GatedAttention
 from .gates import Activation, Combine, Position, Sharing, Source, _activate
-from .rope import apply_rotary_pos_emb
 
 
 class _SigmoidMul(torch.autograd.Function):
@@ -128,42 +127,17 @@ class FusedGatedAttention(GatedAttention):
         self._emit("y_post_gate", out)
         return out
 
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        x = hidden_states
+    def _project(self, x: torch.Tensor):
         b, t, _ = x.shape
         parts = self.qkvg_proj(x).split(self.splits, dim=-1)  # each (B, T, width)
         q = parts[0].view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
         k = parts[1].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
         v = parts[2].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
-        gate_logits = parts[3] if self.fold_gate else None  # (B, T, width)
         if self.gate_position is not None and not self.fold_gate:
             q = self._maybe_gate(Position.QUERY, q, x)
             k = self._maybe_gate(Position.KEY, k, x)
             v = self._maybe_gate(Position.VALUE, v, x)
-        if self.config.use_qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        cos, sin = position_embeddings
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)  # (B, KV, S, D) including the past
-        if self.capture is not None:
-            self._emit("q", q)
-            self._emit("k", k)
-            self._emit("scale", self.scaling)
-        impl = self.config._attn_implementation or "sdpa"
-        if self.capture is not None and getattr(self.capture, "wants_probs", False):
-            impl = "eager"
-        y, probs = get_kernel(impl)(self, q, k, v, attention_mask, self.scaling,
-                                    dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
-        if probs is not None:
-            self._emit("attn_probs", probs)
-        if self.gate_position is Position.SDPA:
-            y = self._gate_sdpa(y, x, gate_logits)
-        out = self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim))  # (B, T, d)
-        if self.gate_position is Position.DENSE:
-            out = self._maybe_gate(Position.DENSE, out, x)
-        return out, probs
+        return q, k, v, parts[3] if self.fold_gate else None  # gate logits (B, T, width)
 
     def split_weights(self) -> dict[str, torch.Tensor]:
         """The fused parameters as the separate modules' tensors: {'q_proj.weight': ..., 'gate.proj.bias': ...}."""
