@@ -143,6 +143,14 @@ def _gate_width(ncfg: dict) -> int:
     return {"baseline": 0, "sdpa_elementwise": ncfg["head_dim"], "sdpa_headwise": 1}[ncfg.get("gate", "baseline")]
 
 
+def _fused_q_index(layout: Layout, ncfg: dict) -> torch.Tensor | None:
+    """The q_proj row permutation between a fused [q | gate] layout and native, or None if nothing is fused."""
+    width = _gate_width(ncfg)
+    if layout.fused_q is None or not width:
+        return None
+    return fused_q_rows(layout.fused_q, ncfg["num_attention_heads"], ncfg["num_key_value_heads"], ncfg["head_dim"], width)
+
+
 def _rope_from_legacy(cfg: dict) -> dict:
     """rope_parameters from a config that may carry only the legacy rope_theta / rope_scaling keys."""
     rp = cfg.get("rope_parameters")
@@ -453,13 +461,12 @@ def state_to_native(state: dict, ncfg: dict, fmt: str) -> dict:
     layout = _layout(fmt)
     if layout.zero_centred_norms:
         state = _shift_norms(state, +1.0)
-    W = _gate_width(ncfg)
-    if layout.fused_q is not None and W:
-        H, KV, D = ncfg["num_attention_heads"], ncfg["num_key_value_heads"], ncfg["head_dim"]
-        idx = fused_q_rows(layout.fused_q, H, KV, D, W)
+    idx = _fused_q_index(layout, ncfg)
+    if idx is not None:
+        n_q = ncfg["num_attention_heads"] * ncfg["head_dim"]
         for key in [k for k in state if Q_KEY.match(k)]:
             i, p = Q_KEY.match(key).groups()
-            state[key], state[GATE_KEY.format(i=i, p=p)] = _unfuse(state[key], idx, H * D)
+            state[key], state[GATE_KEY.format(i=i, p=p)] = _unfuse(state[key], idx, n_q)
     return state
 
 
@@ -472,10 +479,8 @@ def state_from_native(state: dict, ncfg: dict, fmt: str) -> dict:
     if fmt == "native":
         return state
     layout = _layout(fmt)
-    W = _gate_width(ncfg)
-    if layout.fused_q is not None and W:
-        H, KV, D = ncfg["num_attention_heads"], ncfg["num_key_value_heads"], ncfg["head_dim"]
-        idx = fused_q_rows(layout.fused_q, H, KV, D, W)
+    idx = _fused_q_index(layout, ncfg)
+    if idx is not None:
         for key in [k for k in state if Q_KEY.match(k)]:
             i, p = Q_KEY.match(key).groups()
             state[key] = _fuse(state[key], state.pop(GATE_KEY.format(i=i, p=p)), idx)
