@@ -42,6 +42,8 @@ class Budget:
     map_len: int = 64  # tokens shown in the attention-map plots
     data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with
+    # the small sink lab compare runs after the LM variants: a `gattn lab sinks` budget name plus changes to it
+    sink_lab: tuple = ("default", {"seeds": 1})
 
 
 # Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the
@@ -68,7 +70,7 @@ BUDGETS: dict[str, Budget] = {
                    eval_batches=2, eval_batch_size=4, stats_every=20, spike_window=20, ckpt_every=30,
                    model_overrides=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
-        analysis_batches=1, map_len=32),
+        analysis_batches=1, map_len=32, sink_lab=("small", {"seeds": 1})),
     "quick": Budget(
         help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model (8k-vocabulary corpus, windows of 128): "
              "about 5 minutes for three variants on 2 quiet CPU cores; shows the massive activations and the PPL "
@@ -258,10 +260,37 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
     }
 
 
+def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print) -> dict:
+    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit)."""
+    from gated_attention.labs import common, sinks
+
+    name, changes = budget.sink_lab
+    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants)})
+    log(f"[compare] sink lab ({name} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
+    return sinks.run_lab(cfg, out, jobs=jobs or common.default_jobs(),
+                         log=lambda m: log(f"[compare] sink lab: {m}"))
+
+
+def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
+    """What compare.json keeps of its sink lab: per-variant means/stds, the table and plot paths (relative to out)."""
+    from gated_attention.labs import sinks_report
+
+    head, rows = sinks_report.table_cells(lab)
+    return {"dir": str(lab_dir.relative_to(out)), "task": lab["task"], "config": lab["config"],
+            "variants": {v: {"mean": x["mean"], "std": x["std"], "seeds": len(x["per_seed"])}
+                         for v, x in lab["variants"].items()},
+            "table": {"head": head, "rows": rows},
+            "plots": {k: str((lab_dir / p).relative_to(out)) for k, p in lab.get("plots", {}).items()}}
+
+
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
-                variants: list[str] | None = None, sets: list[str] | None = None, log=print) -> dict:
-    """Train/reuse every variant, analyse, and write compare.json, report.md, report.html and plots into `out`."""
-    from . import report
+                variants: list[str] | None = None, sets: list[str] | None = None, log=print,
+                sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
+                longctx: str | Path | None = "runs/longctx", jobs: int | None = None) -> dict:
+    """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
+    and plots into `out`; the report opens with the "Paper claims vs this run" table (claims.py), which also reads a
+    stability lab in `stability_lab` and a long-context report in `longctx` when they exist."""
+    from . import claims, report
 
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
@@ -294,6 +323,11 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         "rows": rows,
         "wall_time_s": None,
     }
+    lab = None
+    if sink_lab:
+        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log)
+        result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
+    result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)
@@ -320,13 +354,25 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override a training setting for every variant (e.g. steps=3000, lr=1e-2, "
                              "model.num_hidden_layers=6); repeatable")
+    parser.add_argument("--sink-lab", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run a small `gattn lab sinks` (Bigram-Backcopy, one seed) on the same variants "
+                             "into OUT/sink_lab and report it (default on; --no-sink-lab skips it)")
+    parser.add_argument("--stability-lab", default="runs/lab/stability", metavar="DIR",
+                        help="a `gattn lab stability` output whose lab.json fills the claims table's stability row "
+                             "(default runs/lab/stability; 'not run here' when absent)")
+    parser.add_argument("--longctx", default="runs/longctx", metavar="DIR",
+                        help="a `gattn longctx` output whose report.json \"claim\" fills the long-context row "
+                             "(default runs/longctx; 'not run here' when absent)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="sink-lab models trained at once, one core each (default: min(2, available cores))")
 
 
 def run(args) -> int:
     from . import report
 
     res = run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+                      log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
+                      stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs)
     print(report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

@@ -54,7 +54,8 @@ class SinkLabConfig:
     layers: int = 1  # 1-3: the task needs one head; more layers show where the sink moves
     heads: int = 1  # query (= KV) heads per layer
     hidden_size: int = 128  # d; head_dim = d / heads
-    intermediate_size: int = 512  # FFN width (gated variants shrink it to keep the parameter count)
+    intermediate_size: int = 256  # FFN width (gated variants shrink it to keep the parameter count); the bigram part
+    # needs no FFN (untied embeddings hold it), so a narrow one keeps steps cheap
     gate_init: str = "normal"  # normal (gate ~0.5 at start, the official init) | identity (gate == 1 at start)
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
     steps: int = 5000
@@ -66,7 +67,7 @@ class SinkLabConfig:
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     precision: str = "bf16"  # bf16 autocast (2x faster on CPU) | fp32
-    compile: bool = False  # torch.compile the training forward (pays off only for long runs)
+    compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
     eval_every: int = 250  # learning-curve resolution in steps
     eval_size: int = 64  # held-out sequences for every measurement
     ckpt_every: int = 1000  # resumable checkpoint interval in steps (0 = none)
@@ -96,7 +97,7 @@ BUDGETS: dict[str, tuple[str, dict]] = {
     "small": ("CI smoke run: V=16, T=32, d=32, 60 steps, 2 seeds (seconds)",
               dict(task=BackcopyTask(vocab=16, triggers=2, seq_len=32).to_dict(), hidden_size=32,
                    intermediate_size=64, seeds=2, steps=60, batch_size=8, warmup_steps=5, eval_every=20,
-                   eval_size=8, ckpt_every=30)),
+                   eval_size=8, ckpt_every=30, compile=False)),
     "default": ("V=64, k=3, T=128, 1 layer x 1 head, d=128, 5000 steps of 32 sequences at lr 3e-3, 3 seeds: "
                 "~4-5 min per model on one core", {}),
 }
@@ -290,7 +291,16 @@ def train_unit(job: tuple) -> dict:
             opt.load_state_dict(saved["opt"])
             state = saved["state"]
             _log(f"{variant} seed {seed}: resuming at step {state['step']}")
-    fwd = torch.compile(model) if cfg.compile else model
+    fwd = model
+    if cfg.compile:
+        fwd = torch.compile(model)
+        try:  # compile errors surface at the first call: fall back to eager (same maths, slower) and say so
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+                fwd(input_ids=task.train_batch(cfg.batch_size, seed, 0)[:, :-1])
+        except Exception as exc:  # noqa: BLE001
+            _log(f"{variant} seed {seed}: torch.compile failed ({type(exc).__name__}: {str(exc)[:120]}); "
+                 "training eagerly")
+            fwd = model
     amp = cfg.precision == "bf16"
     t0 = time.perf_counter() - state["wall"]
     params = sum(p.numel() for p in model.parameters())
@@ -325,15 +335,15 @@ def train_unit(job: tuple) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         active = task.masks(inputs)["active"]
-        state["losses"].append(float(loss))
+        state["losses"].append(float(loss.detach()))
         state["losses"] = state["losses"][-SKILL_WINDOW:]
         state["bc"].append(float(ce.detach()[active].mean()) if bool(active.any()) else math.nan)
         state["bc"] = state["bc"][-SKILL_WINDOW:]
         if state["skill"] is None and len(state["bc"]) == SKILL_WINDOW and \
                 trailing_mean(state["bc"], SKILL_WINDOW)[-1] < SKILL_CE:
             state["skill"] = step
-        if not math.isfinite(float(loss)):
-            raise ValueError(f"{variant} seed {seed}: loss is {float(loss)} at step {step}; lower --lr")
+        if not math.isfinite(state["losses"][-1]):
+            raise ValueError(f"{variant} seed {seed}: loss is {state['losses'][-1]} at step {step}; lower --lr")
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             record(step + 1)
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
@@ -424,17 +434,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="training numerics: bf16 autocast (default, ~2x faster on CPU) or fp32; measurements "
                              "always run in fp32")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the training forward")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the training forward (default on for --budget default: ~2x faster "
+                             "after ~10 s of compiling; off for small)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32)")
+    parser.add_argument("--min-lr", type=float, default=None, help="learning rate at the end of the decay")
+    parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
+    parser.add_argument("--schedule", choices=("cosine", "wsd"), default=None,
+                        help="cosine decay, or WSD (hold the peak, decay over the last 20 %%)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="model width d (default 128)")
+    parser.add_argument("--intermediate-size", type=int, default=None, help="FFN width of the ungated model")
+    parser.add_argument("--eval-every", type=int, default=None, help="learning-curve interval in steps")
+    parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V (default 64)")
+    parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k (default 3)")
+    parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS (default 128)")
+    parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, one core each (default: min(2, available cores))")
 
 
+_CFG_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
+                "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every")
+_TASK_OPTIONS = {"vocab": "vocab", "triggers": "triggers", "seq_len": "seq_len", "task_seed": "seed"}
+
+
 def config_from_args(args) -> SinkLabConfig:
+    """The budget's config with every option the user gave applied on top."""
     cfg = replace(SinkLabConfig(), **BUDGETS[args.budget][1])
-    over = {k: getattr(args, k) for k in ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init",
-                                            "precision") if getattr(args, k) is not None}
-    if args.compile:
-        over["compile"] = True
+    over = {k: getattr(args, k) for k in _CFG_OPTIONS if getattr(args, k, None) is not None}
+    task = {f: getattr(args, a) for a, f in _TASK_OPTIONS.items() if getattr(args, a, None) is not None}
+    if task:
+        over["task"] = {**cfg.task, **task}
     return replace(cfg, **over).validate()
 
 
