@@ -265,9 +265,9 @@ def test_rerun_reuses_and_changed_settings_fail(small_lab):
     r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--seeds", "1",
                "--jobs", "1")
     assert r.returncode == 0, r.stderr
-    assert "reusing" in r.stderr
+    assert "reusing 1 finished model" in r.stderr
     assert (out / "runs" / "baseline" / "seed0" / "result.json").read_text() == before
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--lr", "1e-2",
+    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--lr", "5e-3",
                "--jobs", "1")
     assert r.returncode == 2 and "different settings" in r.stderr and "Traceback" not in r.stderr
 
