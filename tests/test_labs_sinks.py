@@ -277,3 +277,20 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and "unknown variant 'nope'" in r.stderr and "Traceback" not in r.stderr
     r = _gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--layers", "4")
     assert r.returncode == 2 and "--layers" in r.stderr
+
+
+def test_report_only_reports_the_finished_models(small_lab, tmp_path):
+    import shutil
+
+    out = tmp_path / "partial"
+    shutil.copytree(small_lab[0], out)
+    shutil.rmtree(out / "runs" / "sdpa_elementwise" / "seed1")  # as if the run was stopped before that model
+    (out / "lab.json").unlink()
+    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
+               "--report-only")
+    assert r.returncode == 0, r.stderr
+    assert "left out: sdpa_elementwise seed 1" in r.stderr
+    lab = json.loads((out / "lab.json").read_text())
+    assert [len(v["per_seed"]) for v in lab["variants"].values()] == [2, 1]
+    assert lab["variants"]["sdpa_elementwise"]["std"]["backcopy_ce"] is None  # one seed: no spread
+    assert not (out / "runs" / "sdpa_elementwise" / "seed1").exists()  # nothing was trained

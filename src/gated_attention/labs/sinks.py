@@ -375,8 +375,9 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- the lab
 
-def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
-    """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out."""
+def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
+    """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
+    report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
     from . import sinks_report
 
     cfg.validate()
@@ -392,8 +393,16 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dic
     pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
     if len(pending) < len(jobs_list):
         log(f"reusing {len(jobs_list) - len(pending)} finished model(s)")
-    fresh = iter(run_units(train_unit, pending, jobs=jobs, log=log))
-    results = [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))]
+    if report_only:
+        results = [r for r in done.values() if r is not None]
+        if not results:
+            raise ValueError(f"--report-only: no finished model in {out}/runs with these settings")
+        log(f"--report-only: {len(pending)} unfinished model(s) left out: "
+            + ", ".join(f"{j[1]} seed {j[2]}" for j in pending))
+        cfg = replace(cfg, variants=[v for v in cfg.variants if any(r["variant"] == v for r in results)])
+    else:
+        fresh = iter(run_units(train_unit, pending, jobs=jobs, log=log))
+        results = [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))]
     task = BackcopyTask(**cfg.task)
     variants = {}
     for v in cfg.variants:
@@ -460,6 +469,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, one core each (default: min(2, available cores))")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: write lab.json and the report from the models already finished in "
+                             "--out with these settings (a run stopped early; seeds per variant as available)")
 
 
 _CFG_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
@@ -482,7 +494,7 @@ def run(args) -> int:
 
     cfg = config_from_args(args)
     jobs = args.jobs if args.jobs is not None else default_jobs()
-    lab = run_lab(cfg, args.out, jobs=jobs)
+    lab = run_lab(cfg, args.out, jobs=jobs, report_only=args.report_only)
     print(sinks_report.text_table(lab))
     print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
     return 0
