@@ -9,9 +9,8 @@ from transformers import AutoModelForCausalLM
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.baselines import (BASELINES, added_params, baseline_config, expanded_config, get_baseline,
-                                       paper_report)
-from gated_attention.presets import model_config
+from gated_attention.baselines import BASELINES, expanded_config, get_baseline
+from gated_attention.presets import added_params, baseline_config, model_config, paper_report
 
 RUNTIME = [n for n, s in BASELINES.items() if s.runtime]
 BACKENDS = ["eager", "sdpa"]

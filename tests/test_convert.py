@@ -12,7 +12,7 @@ from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.convert import (ConversionError, convert_checkpoint, convert_state_dict, fused_q_rows, load_dir,
                                      save_dir)
-from gated_attention.official_reference import official_split
+from official_reference import official_split
 from gated_attention.presets import model_config
 
 

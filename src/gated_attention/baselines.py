@@ -1,11 +1,12 @@
 """The baseline registry: every mechanism the paper compares gating against (SPEC §3.1, §3.6, §6), selectable by name.
 
 Like gates.py for gates: a frozen `BaselineSpec` per mechanism, `BASELINES` maps a stable name to a spec, and
-`added_params(spec, config)` gives the parameters it adds to a whole model. Two families:
+`presets.added_params(spec, config)` gives the parameters it adds to a whole model (sizing lives with the presets,
+which import this registry, never the reverse). Two families:
 
   parameter expansion  (kind=expand)  a different model SHAPE, not a module: more KV heads (paper k=8), more query
                        heads (paper q=48), +4 experts total and activated. `expanded_config(config, name)` /
-                       `baseline_config(preset, name)` derive the config; `config.baseline` never holds these names.
+                       `presets.baseline_config(preset, name)` derive the config; `config.baseline` never holds these names.
   runtime mechanisms   stored in `config.baseline`, built by `build_attention_baseline` / `build_branch_transforms`:
     switch_{kv,v}_EtopK  Switch Heads (Csordás et al. 2024): the value (and key) projection of every KV head is a
                          mixture of E experts, top-k by non-competitive scores s = sigmoid(x W_S) computed from the
@@ -158,7 +159,7 @@ def validate_config(config) -> None:
 # Parameter counts and the shape expansions
 # ---------------------------------------------------------------------------------------------------------------
 
-def _per_layer(spec: BaselineSpec, config) -> int:
+def per_layer_params(spec: BaselineSpec, config) -> int:
     d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     b = int(config.attention_bias)
     if spec.kind is Kind.SWITCH:
@@ -173,16 +174,6 @@ def _per_layer(spec: BaselineSpec, config) -> int:
     if spec.kind is Kind.FORGET:
         return d * H + H
     return 0  # none, clipping, clipped softmax
-
-
-def added_params(spec: BaselineSpec | str, config) -> int:
-    """Parameters the baseline adds to the whole model `config` describes (config is the model WITHOUT it)."""
-    spec = get_baseline(spec) if isinstance(spec, str) else spec
-    if spec.kind is Kind.EXPAND:
-        from .presets import param_report
-
-        return param_report(expanded_config(config, spec))["total"] - param_report(config)["total"]
-    return config.num_hidden_layers * _per_layer(spec, config)
 
 
 def expanded_config(config, name: BaselineSpec | str):
@@ -208,36 +199,6 @@ def expanded_config(config, name: BaselineSpec | str):
         new["num_experts"] = config.num_experts + spec.extra_experts
         new["num_experts_per_tok"] = config.num_experts_per_tok + spec.extra_experts
     return type(config)(**{**config.to_dict(), **new})
-
-
-def baseline_config(preset: str, name: str, gate: str = "baseline", **overrides):
-    """`presets.model_config(preset, gate, **overrides)` with baseline `name` applied, whichever family it is.
-    Baselines are compared at the parameter counts the paper reports (added on top), so no FFN shrinking here."""
-    from .presets import model_config
-
-    spec = get_baseline(name)
-    if spec.kind is Kind.EXPAND:
-        return expanded_config(model_config(preset, gate=gate, match_params=False, **overrides), spec)
-    return model_config(preset, gate=gate, match_params=False, baseline=name, **overrides)
-
-
-def paper_report(config=None) -> list[dict]:
-    """Every registered baseline with its added parameters for `config` (default: the paper's 15A2B shape) next to
-    the paper's 'Added (M)' column, where it has one. `added` is None where the mechanism cannot be built on that
-    shape (bondarenko_gate needs hidden_size == H * head_dim; the 15A2B shape has 2048 != 32 * 128)."""
-    if config is None:
-        from .presets import model_config
-
-        config = model_config("15a2b")
-    rows = []
-    for name, spec in BASELINES.items():
-        if spec.kind is Kind.NONE or (spec.kind is Kind.EXPAND and spec.extra_experts and not config.num_experts):
-            continue
-        applicable = spec.kind is not Kind.HEAD_SLICE_GATE or \
-            config.hidden_size == config.num_attention_heads * config.head_dim
-        rows.append({"name": name, "added": added_params(spec, config) if applicable else None,
-                     "paper_added_m": spec.paper_added_m, "paper": spec.paper})
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -501,6 +462,6 @@ def build_branch_transforms(config) -> tuple[nn.Module, nn.Module]:
     return nn.Identity(), nn.Identity()
 
 
-__all__ = ["BASELINES", "BaselineSpec", "Kind", "get_baseline", "added_params", "expanded_config", "baseline_config",
-           "paper_report", "validate_config", "build_attention_baseline", "build_branch_transforms",
+__all__ = ["BASELINES", "BaselineSpec", "Kind", "get_baseline", "per_layer_params", "expanded_config",
+           "validate_config", "build_attention_baseline", "build_branch_transforms",
            "clipped_softmax_attention", "additive_mask"]

@@ -17,11 +17,7 @@ Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -261,7 +257,7 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print) -> dict:
     """Train/reuse every variant, analyse, and write compare.json, report.md, report.html and plots into `out`."""
-    from . import report
+    from . import compare_report as report
 
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
@@ -301,32 +297,3 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     atomic_write_text(out / "report.md", report.render_markdown(result))
     atomic_write_text(out / "report.html", report.render_html(result, out))
     return result
-
-
-# ---------------------------------------------------------------- CLI
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", default=None,
-                        help=f"prepared corpus folder; prepared automatically if missing (default: the budget's, "
-                             f"{DEFAULT_DATA_DIR} with the 8k vocabulary, or data_v1k for --budget long)")
-    parser.add_argument("--out", default="runs/compare",
-                        help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
-                             "(default runs/compare; a re-run reuses finished runs)")
-    parser.add_argument("--budget", default="default", choices=list(BUDGETS),
-                        help="; ".join(f"{k}: {v.help}" for k, v in BUDGETS.items()))
-    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
-                        help=f"gate variants to train, first one is the reference (default: {' '.join(DEFAULT_VARIANTS)}; "
-                             "names from `gattn gates`)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a training setting for every variant (e.g. steps=3000, lr=1e-2, "
-                             "model.num_hidden_layers=6); repeatable")
-
-
-def run(args) -> int:
-    from . import report
-
-    res = run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(report.render_table(res))
-    print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
-    return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

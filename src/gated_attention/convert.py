@@ -39,11 +39,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .io import atomic_dir
 
 FORMATS = ("native", "official", "qwen3", "qwen3-moe", "qwen3-next")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -547,9 +548,7 @@ def save_dir(dst: str | os.PathLike, config: dict, state: dict, src: str | os.Pa
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise ConversionError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with atomic_dir(dst, overwrite=True) as tmp:  # DST is the old folder or the complete new one, never half
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         # save_file refuses shared storage; tensors from permutations are fresh, others may alias: clone those
         seen, clean = set(), {}
@@ -562,16 +561,6 @@ def save_dir(dst: str | os.PathLike, config: dict, state: dict, src: str | os.Pa
             for name in COPY_FILES:
                 if (Path(src) / name).is_file():
                     shutil.copy2(Path(src) / name, tmp / name)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
@@ -581,25 +570,6 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, src_forma
     config, state = load_dir(src)
     out_config, out_state = convert_state_dict(config, state, src_format, dst_format)
     return save_dir(dst, out_config, out_state, src=src, overwrite=overwrite)
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def configure(parser) -> None:
-    parser.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("dst", help="destination directory (written atomically; must not exist unless --overwrite)")
-    parser.add_argument("--from", dest="src_format", required=True, choices=FORMATS,
-                        help="layout of SRC: official (qiuzh20/gated_attention), qwen3 / qwen3-moe (stock HF "
-                             "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms) or native")
-    parser.add_argument("--to", dest="dst_format", default="native", choices=FORMATS,
-                        help="layout to write (default: native, loadable with AutoModelForCausalLM after "
-                             "`import gated_attention`)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it already exists")
-
-
-def run(args) -> int:
-    out = convert_checkpoint(args.src, args.dst, args.src_format, args.dst_format, overwrite=args.overwrite)
-    print(f"wrote {args.dst_format} checkpoint to {out}")
-    return 0
 
 
 __all__ = ["FORMATS", "LAYOUTS", "Layout", "ConversionError", "fused_q_rows", "config_to_native", "config_from_native",

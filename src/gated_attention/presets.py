@@ -7,6 +7,7 @@ shape keeps its FFN and reports the gate as added parameters (as the paper's MoE
 from __future__ import annotations
 
 from .configuration import GatedQwen3Config
+from .baselines import BASELINES, BaselineSpec, Kind, expanded_config, get_baseline, per_layer_params
 from .gates import get_gate
 
 
@@ -116,3 +117,40 @@ def model_config(name: str, gate: str = "baseline", match_params: bool | None = 
         if cfg.intermediate_size <= 0:
             raise ValueError(f"gate {gate!r} adds more parameters than the FFN of preset {name!r} can give back")
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The paper's comparison baselines at a preset's shape (baselines.py is the registry; sizing them needs the presets)
+
+def added_params(spec: BaselineSpec | str, config) -> int:
+    """Parameters the baseline adds to the whole model `config` describes (config is the model WITHOUT it)."""
+    spec = get_baseline(spec) if isinstance(spec, str) else spec
+    if spec.kind is Kind.EXPAND:
+        return param_report(expanded_config(config, spec))["total"] - param_report(config)["total"]
+    return config.num_hidden_layers * per_layer_params(spec, config)
+
+
+def baseline_config(preset: str, name: str, gate: str = "baseline", **overrides):
+    """`presets.model_config(preset, gate, **overrides)` with baseline `name` applied, whichever family it is.
+    Baselines are compared at the parameter counts the paper reports (added on top), so no FFN shrinking here."""
+    spec = get_baseline(name)
+    if spec.kind is Kind.EXPAND:
+        return expanded_config(model_config(preset, gate=gate, match_params=False, **overrides), spec)
+    return model_config(preset, gate=gate, match_params=False, baseline=name, **overrides)
+
+
+def paper_report(config=None) -> list[dict]:
+    """Every registered baseline with its added parameters for `config` (default: the paper's 15A2B shape) next to
+    the paper's 'Added (M)' column, where it has one. `added` is None where the mechanism cannot be built on that
+    shape (bondarenko_gate needs hidden_size == H * head_dim; the 15A2B shape has 2048 != 32 * 128)."""
+    if config is None:
+            config = model_config("15a2b")
+    rows = []
+    for name, spec in BASELINES.items():
+        if spec.kind is Kind.NONE or (spec.kind is Kind.EXPAND and spec.extra_experts and not config.num_experts):
+            continue
+        applicable = spec.kind is not Kind.HEAD_SLICE_GATE or \
+            config.hidden_size == config.num_attention_heads * config.head_dim
+        rows.append({"name": name, "added": added_params(spec, config) if applicable else None,
+                     "paper_added_m": spec.paper_added_m, "paper": spec.paper})
+    return rows

@@ -25,7 +25,6 @@ the trained weights, so the model grows by the gate's parameters, as in the pape
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -117,28 +116,6 @@ def retrofit_checkpoint(src: str | Path, dst: str | Path, gate: str, init: str =
     config, state = load_dir(src)
     out_config, out_state = retrofit_state(config, state, gate, init, seed, src_format)
     return save_dir(dst, out_config, out_state, src=src, overwrite=overwrite)
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ckpt", help="trained UNGATED checkpoint dir (native, e.g. RUN/final; or stock Qwen3 / "
-                                     "Qwen3-MoE / ungated official), config.json + *.safetensors")
-    parser.add_argument("--gate", required=True, help="gate to add (a name from `gattn gates`, e.g. sdpa_elementwise)")
-    parser.add_argument("--init", required=True, choices=INITS,
-                        help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
-                             "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
-    parser.add_argument("--out", required=True, help="destination dir (native checkpoint, written atomically)")
-    parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
-                        help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> official)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random gate init (ignored by identity)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
-
-
-def run(args) -> int:
-    out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
-    print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
-          f"gattn train --gate {args.gate} --set init_from={out} --out RUN ...")
-    return 0
 
 
 __all__ = ["INITS", "detect_format", "retrofit_state", "retrofit_checkpoint"]

@@ -26,7 +26,7 @@ class TrainConfig:
     domains: list[str] | None = None  # train on these domains only; None = all
     seq_len: int = 256  # tokens per sequence (inputs); each sample holds seq_len+1 tokens
     retrieval_mix: float = 0.0  # share of train rows replaced by RULER retrieval samples (longctx: teaches the format)
-    retrieval_tasks: list[str] | None = None  # RULER tasks for those rows; None = longctx.pipeline.DEFAULT_MIX_TASKS
+    retrieval_tasks: list[str] | None = None  # RULER tasks for those rows; None = retrieval_mix.DEFAULT_MIX_TASKS
     batch_size: int = 16  # GLOBAL sequences per optimizer step, split over ranks then micro-batches
     grad_accum: int = 1  # micro-batches per rank per step (memory knob; does not change the math)
     steps: int = 2000  # optimizer steps in the whole run
@@ -97,7 +97,7 @@ class TrainConfig:
         if self.retrieval_mix > 0:
             if self.data != "corpus":
                 bad("retrieval_mix needs data='corpus' (retrieval samples are written with the corpus tokenizer)")
-            from gated_attention.longctx.pipeline import check_mix_tasks
+            from .retrieval_mix import check_mix_tasks
 
             try:
                 check_mix_tasks(self.retrieval_tasks)
@@ -241,3 +241,15 @@ def apply_overrides(cfg: TrainConfig, sets: list[str], model_fields: dict | None
         except (ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"--set {key}={text!r}: {exc}") from None
     return replace(cfg, model_overrides=model_over, **changes).validate()
+
+
+def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: str | None) -> TrainConfig:
+    """A training preset with a gate, a corpus folder and `--set key=value` overrides (model.* keys checked)."""
+    cfg = train_preset(preset)
+    if gate is not None:
+        cfg.gate = gate
+    if data_dir is not None:
+        cfg.data_dir = data_dir
+    from gated_attention.presets import model_config
+
+    return apply_overrides(cfg, sets, model_config(cfg.model, gate=cfg.gate).to_dict())
