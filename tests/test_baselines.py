@@ -11,17 +11,14 @@ import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.baselines import BASELINES, expanded_config, get_baseline
 from gated_attention.presets import added_params, baseline_config, model_config, paper_report
+from harness import tiny_lm
 
 RUNTIME = [n for n, s in BASELINES.items() if s.runtime]
 BACKENDS = ["eager", "sdpa"]
 
 
 def tiny_model(baseline="none", backend="sdpa", seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = model_config("tiny", match_params=False, baseline=baseline, **kw)
-    model = GatedQwen3ForCausalLM(cfg).eval()
-    model.set_attn_implementation(backend)
-    return model
+    return tiny_lm("baseline", backend, seed, baseline=baseline, **kw)
 
 
 def _perturb(model, seed=1):

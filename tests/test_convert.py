@@ -7,26 +7,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import gated_attention  # noqa: F401 - registers the Auto classes
-from gated_attention import GatedQwen3ForCausalLM
+import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention.cli import main as cli_main
 from gated_attention.convert import (ConversionError, convert_checkpoint, convert_state_dict, fused_q_rows, load_dir,
                                      save_dir)
 from official_reference import official_split
-from gated_attention.presets import model_config
+from harness import tiny_lm
 
 
 def _native(gate="sdpa_elementwise", seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = model_config("tiny", gate=gate, **kw)
-    model = GatedQwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))  # non-trivial norms so a dropped/shifted norm shows
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.05)
-    return cfg, model
+    # non-trivial norms and biases so a dropped/shifted tensor shows
+    model = tiny_lm(gate, backend=None, seed=seed, match_params=None, perturb_norms=True, perturb_biases=True, **kw)
+    return model.config, model
 
 
 def _fused_positions(idx: torch.Tensor, H: int, D: int, W: int) -> dict:

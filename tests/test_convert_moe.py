@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-import gated_attention  # noqa: F401 - registers the Auto classes
+import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.convert import ConversionError, convert_state_dict, load_dir
-from gated_attention.presets import model_config
+from harness import tiny_lm
 
 
 def _hf_moe(seed=0, **kw) -> Qwen3MoeForCausalLM:
@@ -32,8 +32,7 @@ def _hf_moe(seed=0, **kw) -> Qwen3MoeForCausalLM:
 
 
 def _native_moe(gate="baseline", seed=1, **kw) -> GatedQwen3ForCausalLM:
-    torch.manual_seed(seed)
-    return GatedQwen3ForCausalLM(model_config("tiny-moe", gate=gate, **kw)).eval()
+    return tiny_lm(gate, backend=None, seed=seed, preset="tiny-moe", match_params=None, **kw)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

@@ -10,17 +10,13 @@ import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GATES, GatedQwen3Config, GatedQwen3ForCausalLM
 from gated_attention.gates import Gate, GateSpec, get_gate
 from gated_attention.presets import model_config, param_report
+from harness import tiny_lm
 
 VARIANTS = list(GATES)
 BACKENDS = ["eager", "sdpa"]
 
 
-def tiny_model(gate="baseline", backend="sdpa", seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = model_config("tiny", gate, match_params=False, **kw)
-    model = GatedQwen3ForCausalLM(cfg).eval()
-    model.set_attn_implementation(backend)
-    return model
+tiny_model = tiny_lm  # the shared harness builder (tests/harness.py)
 
 
 @pytest.mark.parametrize("gate", VARIANTS)

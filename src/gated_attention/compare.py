@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from . import experiment
 from .io import atomic_write_text
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
@@ -124,43 +125,15 @@ def check_variants(variants: list[str]) -> list[str]:
 
 
 def ensure_data(data_dir: str | Path, log=print, vocab_size: int = 8192) -> Path:
-    """Prepare the default corpus in `data_dir` if it has no manifest yet (the data module caches everything)."""
-    from gated_attention import data
-
-    data_dir = Path(data_dir)
-    if not (data_dir / "manifest.json").exists():
-        log(f"[compare] {data_dir} is not prepared: running "
-            f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
-    return data_dir
+    """Prepare the default corpus in `data_dir` if it has no manifest yet (experiment.ensure_corpus)."""
+    return experiment.ensure_corpus(data_dir, vocab_size, log, "[compare]")
 
 
 # ---------------------------------------------------------------- one variant: train (or reuse), then analyse
 
-def _same_config(saved: dict, want: dict) -> list[str]:
-    from gated_attention.train.trainer import _RESUMABLE_CHANGES
-
-    keys = set(saved) | set(want)
-    return sorted(k for k in keys if k not in _RESUMABLE_CHANGES and saved.get(k) != want.get(k))
-
-
 def train_variant(cfg, run_dir: Path, log=print) -> dict:
     """Train into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's content."""
-    from gated_attention.train import checkpoint as ckpt_mod
-    from gated_attention.train.trainer import train
-
-    summary_path, cfg_path = run_dir / "summary.json", run_dir / "train_config.json"
-    if cfg_path.exists():
-        diff = _same_config(json.loads(cfg_path.read_text()), cfg.to_dict())
-        if diff:
-            raise ValueError(f"{run_dir} was trained with different settings ({', '.join(diff)}); "
-                             f"use a new --out or delete that folder")
-    if summary_path.exists() and (run_dir / "final" / "config.json").exists():
-        log(f"[compare] {cfg.gate}: reusing finished run {run_dir}")
-        return json.loads(summary_path.read_text())
-    resume = ckpt_mod.latest_checkpoint(run_dir) is not None
-    log(f"[compare] {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps -> {run_dir}")
-    return train(cfg, run_dir, resume=resume)
+    return experiment.train_or_reuse(cfg, run_dir, log, "[compare]")
 
 
 def analysis_batches(cfg, budget: Budget):
@@ -181,19 +154,16 @@ def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
     """analysis.json of the variant's final model (reused when the analysis settings match)."""
     from gated_attention.analysis import AnalysisConfig, analyze_model, load_model
 
-    path = run_dir / "analysis.json"
+    final = run_dir / "final" / "model.safetensors"
     key = {"seq_len": cfg.seq_len, "batches": len(batches), "batch_size": int(batches[0].shape[0]),
-           "map_len": budget.map_len, "final_mtime": (run_dir / "final" / "model.safetensors").stat().st_mtime
-           if (run_dir / "final" / "model.safetensors").exists() else None}
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("compare_key") == key:
-            return old
-    model, kind = load_model(run_dir / "final")
-    res = analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
-    res["compare_key"] = key
-    atomic_write_text(path, json.dumps(res))
-    return res
+           "map_len": budget.map_len, "final_mtime": final.stat().st_mtime if final.exists() else None}
+
+    def compute() -> dict:
+        model, kind = load_model(run_dir / "final")
+        return analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
+
+    return experiment.cached(run_dir / "analysis.json", key, compute, lambda m: None, "[compare]",
+                             key_field="compare_key", indent=None)
 
 
 def count_params(run_dir: Path) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from gated_attention import experiment
 from gated_attention.io import atomic_write_json, atomic_write_text
 from gated_attention.longctx import ruler
 from gated_attention.longctx.report import build_report, format_markdown, plot_report
@@ -93,30 +94,11 @@ def train_config_for(b: Budget, gate: str, data_dir: str, seed: int):
 
 
 def train_stage(cfg, run_dir: Path, log=print) -> Path:
-    """Train (or reuse, or resume) one model; returns its final/ checkpoint directory."""
-    from gated_attention.train.checkpoint import latest_checkpoint
-    from gated_attention.train.trainer import train
-
-    final = run_dir / "final"
-    saved = run_dir / "train_config.json"
-    if saved.exists():
-        old = json.loads(saved.read_text())
-        new = cfg.to_dict()
-        defaults = type(cfg)().to_dict()  # a field added to TrainConfig after the run counts as its default
-        diff = sorted(k for k in new if old.get(k, defaults[k]) != new[k])
-        if diff:
-            raise ValueError(f"{run_dir} holds a run with other settings ({', '.join(diff)}); "
-                             f"use another --out or delete that folder")
-        if (run_dir / "summary.json").exists() and (final / "config.json").exists():
-            log(f"[longctx] reuse {run_dir}")
-            return final
-    resume = latest_checkpoint(run_dir) is not None if run_dir.exists() else False
-    log(f"[longctx] train {cfg.gate} at L={cfg.seq_len} for {cfg.steps} steps -> {run_dir}"
-        + (" (resuming)" if resume else ""))
-    summary = train(cfg, run_dir, resume=resume)
+    """Train (or reuse, or resume) one model (experiment.train_or_reuse); returns its final/ checkpoint directory."""
+    summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]")
     if summary.get("diverged"):
         raise ValueError(f"training {cfg.gate} diverged ({summary.get('stop_reason')}); lower the learning rate")
-    return final
+    return run_dir / "final"
 
 
 def extend_stage(final: Path, dst: Path, seq_len: int, factor: int, log=print) -> Path:
@@ -165,18 +147,18 @@ def answer_nll(model, tokenizer, sample: dict) -> float:
 def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], data_dir: str, seed: int,
                log=print) -> dict:
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
+    settings = dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
+                    max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
+                    ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
+    return experiment.cached(out_json, settings, lambda: _evaluate(model_dir, b, lengths, data_dir, seed, log), log,
+                             "[longctx]", indent=2)
+
+
+def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:
     import gated_attention  # noqa: F401  (registers the model classes)
     from gated_attention.data import Corpus
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    settings = dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
-                    max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
-                    ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
-    if out_json.exists():
-        cached = json.loads(out_json.read_text())
-        if cached.get("settings") == settings:
-            log(f"[longctx] reuse {out_json}")
-            return cached
     corpus = Corpus(data_dir)
     tok = BosTokenizer(corpus.tokenizer, corpus.bos_id)
     device = torch.device("cpu")
@@ -211,24 +193,15 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
         got = [nll[t][str(n)] for t in b.mix_tasks if nll[t][str(n)] is not None]
         average_nll[str(n)] = sum(got) / len(got) if got else None
     pos = ppl_by_position(model, data_dir, max(lengths), b.ppl_batches, b.ppl_batch_size, device)
-    out = dict(settings=settings, scores=scores, average=average, answer_nll=nll, average_answer_nll=average_nll,
-               records=records, pos_loss=pos,
-               rope_parameters=model.config.rope_parameters)
-    atomic_write_json(out_json, out, indent=2)
-    return out
+    return dict(scores=scores, average=average, answer_nll=nll, average_answer_nll=average_nll, records=records,
+                pos_loss=pos, rope_parameters=model.config.rope_parameters)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline
 def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
-    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (cached by the data module)."""
-    from gated_attention import data
-
-    if not (Path(data_dir) / "manifest.json").exists():
-        log(f"[longctx] {data_dir} is not prepared: running `gattn data prepare --data-dir {data_dir} "
-            f"--vocab-size {vocab_size}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
-    return str(data_dir)
+    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (experiment.ensure_corpus)."""
+    return str(experiment.ensure_corpus(data_dir, vocab_size, log, "[longctx]"))
 
 
 def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseline", "sdpa_elementwise"),
