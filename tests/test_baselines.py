@@ -18,7 +18,7 @@ BACKENDS = ["eager", "sdpa"]
 
 
 def tiny_model(baseline="none", backend="sdpa", seed=0, **kw):
-    return tiny_lm("baseline", backend, seed, baseline=baseline, **kw)
+    return tiny_lm(kw.pop("gate", "none"), backend, seed, mechanism=baseline, **kw)
 
 
 def _perturb(model, seed=1):
@@ -131,7 +131,7 @@ def test_invalid_names_and_settings_fail_clearly():
         model_config("tiny", baseline="switch_q_4top4")
     with pytest.raises(ValueError, match="top_k"):
         get_baseline("switch_v_2top3")
-    with pytest.raises(ValueError, match="only used by baseline='clipped_softmax'"):
+    with pytest.raises(ValueError, match="only used by mechanism='clipped_softmax'"):
         model_config("tiny", softmax_gamma=-0.1)
     with pytest.raises(ValueError, match="zeta >= 1"):
         model_config("tiny", baseline="clipped_softmax", softmax_zeta=0.5)

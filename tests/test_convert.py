@@ -1,4 +1,4 @@
-"""Checkpoint conversion: the official split against SPEC §1.3's worked example, round trips, file IO and bad input."""
+"""Checkpoint conversion: the official split against paper map §1.3's worked example, round trips, file IO and bad input."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,7 @@ def _fused_positions(idx: torch.Tensor, H: int, D: int, W: int) -> dict:
 
 
 def test_official_split_matches_spec_worked_example():
-    # SPEC §1.3, H=4, KV=2, D=3 (verified there by running the official split)
+    # paper map §1.3, H=4, KV=2, D=3 (verified there by running the official split)
     ew = _fused_positions(fused_q_rows("per_kv_group", 4, 2, 3, 3), 4, 3, 3)
     assert ew == {0: ([0, 1, 2], [6, 7, 8]), 1: ([3, 4, 5], [9, 10, 11]),
                   2: ([12, 13, 14], [18, 19, 20]), 3: ([15, 16, 17], [21, 22, 23])}

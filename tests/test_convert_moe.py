@@ -127,8 +127,8 @@ def test_unconvertible_moe_models_fail_clearly():
     model = _native_moe(shared_expert_intermediate_size=16)
     with pytest.raises(ConversionError, match="a shared expert has no qwen3-moe counterpart"):
         convert_state_dict(model.config.to_dict(), model.state_dict(), "native", "qwen3-moe")
-    model = _native_moe(baseline="clipped_softmax")
-    with pytest.raises(ConversionError, match="baseline='clipped_softmax' is a native-only mechanism"):
+    model = _native_moe(mechanism="clipped_softmax")
+    with pytest.raises(ConversionError, match="mechanism='clipped_softmax' is a native-only mechanism"):
         convert_state_dict(model.config.to_dict(), model.state_dict(), "native", "qwen3-moe")
 
 

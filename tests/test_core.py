@@ -75,7 +75,7 @@ def test_parameter_parity(preset, gate):
 
 
 def test_28l_elementwise_ffn_width():
-    assert model_config("1.7b-28l", "sdpa_elementwise").intermediate_size == 5461  # SPEC §4 derived width
+    assert model_config("1.7b-28l", "sdpa_elementwise").intermediate_size == 5461  # paper map §4 derived width
 
 
 def test_gate_starts_near_half_and_identity_init_is_identity():
@@ -105,7 +105,7 @@ def test_invalid_specs_and_names_fail_clearly():
         GateSpec(position="dense", granularity="headwise")
     with pytest.raises(ValueError, match="no heads"):
         GateSpec(position="dense", sharing="head_shared")
-    with pytest.raises(ValueError, match="valid names: baseline"):
+    with pytest.raises(ValueError, match="valid names: none"):
         get_gate("sdpa_elementwize")
     with pytest.raises(ValueError, match="unknown key"):
         GatedQwen3Config(hidden_sise=3)

@@ -25,6 +25,7 @@ from pathlib import Path
 from . import experiment
 from .io import atomic_write_text
 
+# variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
 
@@ -114,11 +115,12 @@ def budget_config(budget: str, data_dir: str, sets: list[str] | None = None):
 
 
 def check_variants(variants: list[str]) -> list[str]:
-    from gated_attention.gates import GATES
+    from gated_attention.gates import ALIASES, GATES
 
-    bad = [v for v in variants if v not in GATES]
+    bad = [v for v in variants if v not in GATES and v not in ALIASES]
     if bad:
-        raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)} (see `gattn gates`)")
+        raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)}, or an alias: {', '.join(ALIASES)} "
+                         f"(see `gattn gates`)")
     if len(set(variants)) != len(variants):
         raise ValueError(f"--variants lists a variant twice: {variants}")
     return list(variants)

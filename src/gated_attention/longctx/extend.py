@@ -11,7 +11,7 @@ The destination is written into a temporary sibling directory and renamed into p
 leaves a half-written checkpoint. CLI: `gattn extend DIR --method yarn --factor 4 --out DST`.
 
 `--finetune-steps N --seq-len L` then continues training the extended model at length L through the ordinary trainer
-(the paper's long-context step is `--method default --rope-theta 1e6` plus training at the longer length, SPEC 4).
+(the paper's long-context step is `--method default --rope-theta 1e6` plus training at the longer length, paper map §4).
 The run lives in the sibling folder DST.finetune/ (log, checkpoints; a killed run resumes there), and only its final
 model is published to DST, so DST never holds an untrained checkpoint that looks fine-tuned.
 """

@@ -1,6 +1,7 @@
-"""`gattn longctx`: the paper's Table 5 in small, plus the retrieval mixing that makes it measurable at small scale.
+"""`gattn longctx`: the paper's Table 5 in small (the stages; the report is longctx/report.py, the retrieval mixing
+that makes it measurable at small scale is training-data code, train/retrieval_mix.py).
 
-Table 5 (SPEC 3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
+Table 5 (paper map §3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
 more of its RULER score. At CPU scale:
   1. train a baseline and a gated (sdpa_elementwise) model at length L on the corpus, with a fraction of every batch
      replaced by synthetic retrieval samples (ruler.training_samples, within L) so a tiny model learns the task

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from gated_attention.gates import get_gate
 from gated_attention.io import atomic_save_figure
 
 def bucket_ppl(pos_loss: list[float], edges: list[int]) -> list[float]:
@@ -22,7 +23,7 @@ VARIANTS = ("none", "yarn")
 
 
 def _label(gate: str) -> str:
-    return "Baseline" if gate == "baseline" else f"Gated ({gate})"
+    return "Baseline" if get_gate(gate) is None else f"Gated ({gate})"
 
 
 def _sub(a, b):

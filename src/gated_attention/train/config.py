@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 class TrainConfig:
     # --- what to train
     model: str = "small"  # model preset name (gated_attention.presets.model_config)
-    gate: str = "baseline"  # gate registry name; the baseline is ungated
+    gate: str = "none"  # gate registry name; "none" (alias "baseline") is the ungated model
     model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
     init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
     # --- data
@@ -55,7 +55,7 @@ class TrainConfig:
     eval_batch_size: int = 8  # sequences per validation batch
     stats_every: int = 50  # update/weight ratio and max |activation| per layer every N steps (0 = never)
     spike_window: int = 50  # loss-spike detector: trailing median over this many steps ...
-    spike_delta: float = 0.1  # ... exceeded by more than this many nats (SPEC 1.8: 125 baseline / 0 gated spikes)
+    spike_delta: float = 0.1  # ... exceeded by more than this many nats (paper map §1.8: 125 baseline / 0 gated spikes)
     spike_noise_k: float = 6.0  # ... or by this many robust sigmas (1.4826 MAD) of the window, if larger: small-batch noise
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)

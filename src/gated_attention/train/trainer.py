@@ -246,6 +246,14 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
 
 # ---------------------------------------------------------------- setup and resume
 
+def _same_setting(key: str, a, b) -> bool:
+    if key == "gate" and isinstance(a, str) and isinstance(b, str):  # "baseline" and "none" name the same gate
+        from gated_attention.gates import ALIASES
+
+        return ALIASES.get(a, a) == ALIASES.get(b, b)
+    return a == b
+
+
 def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) -> Path | None:
     """Validate the run folder against `resume`, write train_config.json; returns the latest checkpoint or None."""
     cfg.check_world(info.world_size)
@@ -258,7 +266,8 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) 
             raise ValueError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
         if resume and cfg_path.exists():
             saved = json.loads(cfg_path.read_text())
-            diff = sorted(k for k, v in cfg.to_dict().items() if saved.get(k, v) != v and k not in _RESUMABLE_CHANGES)
+            diff = sorted(k for k, v in cfg.to_dict().items()
+                          if k not in _RESUMABLE_CHANGES and not _same_setting(k, saved.get(k, v), v))
             if diff:
                 raise ValueError(f"--resume with settings that differ from the saved run: {diff}; "
                                  f"use the original settings or a new --out")
