@@ -80,7 +80,7 @@ def test_save_load_round_trip(tmp_path, name):
     model = _perturb(tiny_model(name))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert loaded.config.baseline == name
+    assert loaded.config.mechanism == name
     x = torch.randint(0, 128, (2, 8))
     torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
 

@@ -197,7 +197,7 @@ def test_left_padded_batch_equals_each_alone(backend):
     torch.testing.assert_close(logits[1, 3:], model(b).logits[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gate", ["baseline", "sdpa_elementwise", "sdpa_headwise", "sdpa_input_independent", "sdpa_rmsnorm"])
+@pytest.mark.parametrize("gate", ["none", "sdpa_elementwise", "sdpa_headwise", "sdpa_input_independent", "sdpa_rmsnorm"])
 def test_save_pretrained_auto_round_trip(tmp_path, gate):
     model = tiny_model(gate)
     model.save_pretrained(tmp_path)

@@ -8,13 +8,22 @@ and live here once so each job only states what differs:
   train_or_reuse(cfg, run_dir, log, tag) -> summary
       One trainer run per folder: a finished run (summary.json + final/config.json) is reused, an interrupted one
       resumes from its last checkpoint (the trainer's exact resume), a fresh folder trains. A folder holding a run
-      with other settings fails loudly (`changed_settings` is THE rule: every TrainConfig field except the ones that
-      do not change the numbers, a field added after the run counts as its default).
+      with other settings fails loudly. "Other settings" is one rule, `train.config.changed_settings`, which the
+      trainer's --resume check uses too: every TrainConfig field except those that do not change the numbers; a
+      field added after the run counts as its default; gate aliases are the same gate.
   cached(path, key, compute, log, tag, key_field="settings", indent=1) -> dict
       A JSON result that is recomputed only when its key (the settings that determine it) changed.
 
 Layering: this module sits above train/ and data/ (it drives them) and below the jobs and labs (they call it). Jobs
-pass `log` (a callable taking one line) and a `tag` such as "[compare]" that prefixes each line.
+pass `log` (a callable taking one line) and a `tag` such as "[compare]" that prefixes each line. A lab, in full:
+
+    data_dir = experiment.ensure_corpus(budget.data_dir, budget.vocab_size, log, "[lab x]")
+    base = TrainConfig(..., data="corpus", data_dir=str(data_dir)).validate()
+    for gate in gates:
+        run_dir = out / "runs" / gate
+        summary = experiment.train_or_reuse(dataclasses.replace(base, gate=gate), run_dir, log, "[lab x]")
+        key = {"model_mtime": (run_dir / "final" / "model.safetensors").stat().st_mtime, ...}  # what the result depends on
+        result = experiment.cached(run_dir / "x.json", key, lambda: measure(run_dir / "final"), log, "[lab x]")
 """
 from __future__ import annotations
 
@@ -23,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .io import atomic_write_json
+from .train.config import changed_settings
 
 Log = Callable[[str], Any]
 
@@ -37,18 +47,6 @@ def ensure_corpus(data_dir: str | Path, vocab_size: int = 8192, log: Log = print
             f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}` first")
         data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
     return data_dir
-
-
-def changed_settings(saved: dict, want: dict) -> list[str]:
-    """TrainConfig fields (as dicts) whose values differ between a saved run and the wanted one, ignoring the fields
-    that may change on resume (progress bars, checkpoint cadence, ...). A field missing from `saved` (added to
-    TrainConfig after that run) counts as its default."""
-    from gated_attention.train.config import TrainConfig
-    from gated_attention.train.trainer import _RESUMABLE_CHANGES, _same_setting
-
-    defaults = TrainConfig().to_dict()
-    return sorted(k for k, v in want.items()
-                  if k not in _RESUMABLE_CHANGES and not _same_setting(k, saved.get(k, defaults.get(k)), v))
 
 
 def is_finished(run_dir: str | Path) -> bool:

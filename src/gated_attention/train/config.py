@@ -253,3 +253,27 @@ def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: s
     from gated_attention.presets import model_config
 
     return apply_overrides(cfg, sets, model_config(cfg.model, gate=cfg.gate).to_dict())
+
+
+# ---------------------------------------------------------------- "same run settings": the one rule
+
+# fields that may differ between a run and its resumption or reuse (they do not change the numbers)
+RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
+                               "grad_accum", "inject_nan_steps"})
+
+
+def changed_settings(saved: dict, want: dict) -> list[str]:
+    """The TrainConfig fields (as dicts) that differ between a saved run and the wanted one: the trainer's --resume
+    check and experiment.train_or_reuse both use this. Fields in RESUMABLE_CHANGES are ignored; a field missing from
+    `saved` (added to TrainConfig after that run) counts as its default; gate names compare canonically ("baseline"
+    is "none")."""
+    from gated_attention.gates import ALIASES
+
+    defaults = TrainConfig().to_dict()
+
+    def same(key, a, b):
+        if key == "gate" and isinstance(a, str) and isinstance(b, str):
+            return ALIASES.get(a, a) == ALIASES.get(b, b)
+        return a == b
+
+    return sorted(k for k, v in want.items() if k not in RESUMABLE_CHANGES and not same(k, saved.get(k, defaults.get(k)), v))

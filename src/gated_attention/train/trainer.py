@@ -24,7 +24,7 @@ from torch import nn
 
 from . import checkpoint as ckpt_mod
 from . import dist as D
-from .config import TrainConfig
+from .config import RESUMABLE_CHANGES, TrainConfig, changed_settings
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
 from .schedule import lr_for
@@ -33,9 +33,7 @@ from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer,
                         update_weight_ratio)
 from ..io import atomic_dir, atomic_write_text
 
-# config fields that may differ between a run and its resumption (they do not change the numbers)
-_RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
-                      "grad_accum", "inject_nan_steps"}
+_RESUMABLE_CHANGES = RESUMABLE_CHANGES  # the former private name
 
 
 # ---------------------------------------------------------------- model and optimizer
@@ -246,14 +244,6 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
 
 # ---------------------------------------------------------------- setup and resume
 
-def _same_setting(key: str, a, b) -> bool:
-    if key == "gate" and isinstance(a, str) and isinstance(b, str):  # "baseline" and "none" name the same gate
-        from gated_attention.gates import ALIASES
-
-        return ALIASES.get(a, a) == ALIASES.get(b, b)
-    return a == b
-
-
 def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) -> Path | None:
     """Validate the run folder against `resume`, write train_config.json; returns the latest checkpoint or None."""
     cfg.check_world(info.world_size)
@@ -265,9 +255,7 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) 
         if latest is not None and not resume:
             raise ValueError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
         if resume and cfg_path.exists():
-            saved = json.loads(cfg_path.read_text())
-            diff = sorted(k for k, v in cfg.to_dict().items()
-                          if k not in _RESUMABLE_CHANGES and not _same_setting(k, saved.get(k, v), v))
+            diff = changed_settings(json.loads(cfg_path.read_text()), cfg.to_dict())
             if diff:
                 raise ValueError(f"--resume with settings that differ from the saved run: {diff}; "
                                  f"use the original settings or a new --out")
