@@ -178,12 +178,12 @@ def test_baseline_mechanisms_and_gate_init_build():
     from gated_attention.labs.sinks import SinkLabConfig, model_config_for, resolve_variant
 
     assert resolve_variant("g1") == ("sdpa_elementwise", "none")
-    assert resolve_variant("sink_logits") == ("baseline", "sink_logits")
+    assert resolve_variant("sink_logits") == ("none", "sink_logits")
     with pytest.raises(ValueError, match="unknown variant"):
         resolve_variant("no_such_thing")
     cfg = SinkLabConfig(gate_init="identity")
     assert model_config_for(cfg, "sdpa_headwise").gate_init == "identity"
-    assert model_config_for(cfg, "bondarenko_gate").baseline == "bondarenko_gate"
+    assert model_config_for(cfg, "bondarenko_gate").mechanism == "bondarenko_gate"
 
 
 # ---------------------------------------------------------------- units: exact resume

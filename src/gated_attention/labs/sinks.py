@@ -17,7 +17,7 @@ step at which backcopy CE first falls below 0.5. Headline numbers (lab.json's pe
 *backcopy head*: the (layer, head) with the largest attention on the previous token from trigger queries (in the
 default 1-layer 1-head model, the only head); the residual peak is the largest over layers.
 
-Layout of OUT: runs/<variant>/seed<k>/result.json (+ ckpt.pt while running), lab.json, report.md, report.html,
+The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/result.json (+ ckpt.pt while running), lab.json, report.md, report.html,
 plots/. Finished units are reused; a killed run continues from its last checkpoint; settings that differ from an
 existing OUT fail loudly.
 """
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .backcopy import BackcopyTask
-from .common import default_jobs, load_unit, mean_std, run_units, save_unit
+from .common import load_unit, mean_std, run_units, save_unit
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
@@ -116,7 +116,7 @@ def resolve_variant(name: str) -> tuple[str, str]:
     try:
         gate = canonical_name(name)
         if gate in GATES:
-            return gate, "none"
+            return gate, "none"  # (gate, mechanism)
     except (ValueError, KeyError):
         pass
     try:
@@ -129,7 +129,7 @@ def resolve_variant(name: str) -> tuple[str, str]:
         runtime = [n for n, s in BASELINES.items() if s.runtime]
         raise ValueError(f"unknown variant {name!r}; valid: a gate ({', '.join(GATES)}) or a baseline mechanism "
                          f"({', '.join(runtime)}); see `gattn gates`")
-    return "baseline", name
+    return "none", name
 
 
 def model_config_for(cfg: SinkLabConfig, variant: str):
@@ -137,7 +137,7 @@ def model_config_for(cfg: SinkLabConfig, variant: str):
 
     gate, baseline = resolve_variant(variant)
     task = BackcopyTask(**cfg.task)
-    return model_config("small", gate=gate, baseline=baseline, gate_init=cfg.gate_init, vocab_size=task.model_vocab,
+    return model_config("small", gate=gate, mechanism=baseline, gate_init=cfg.gate_init, vocab_size=task.model_vocab,
                         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
                         head_dim=cfg.hidden_size // cfg.heads, max_position_embeddings=max(512, task.seq_len + 1),
@@ -427,75 +427,3 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     atomic_write_text(out / "lab.json", json.dumps(lab, indent=1))
     sinks_report.write(out, lab)
     return lab
-
-
-# ---------------------------------------------------------------- CLI
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="runs/lab/sinks",
-                        help="output folder: runs/<variant>/seed<k>/, lab.json, report.md, report.html, plots/ "
-                             "(default runs/lab/sinks; a re-run reuses finished models and continues killed ones)")
-    parser.add_argument("--budget", default="default", choices=list(BUDGETS),
-                        help="; ".join(f"{k}: {v[0]}" for k, v in BUDGETS.items()))
-    parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                        help=f"gate names (`gattn gates`) and baseline mechanisms (sink_logits, bondarenko_gate, "
-                             f"clipped_softmax, forgetting, ...); default: {' '.join(DEFAULT_VARIANTS)}")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers, 1-3 (default 1)")
-    parser.add_argument("--heads", type=int, default=None, help="attention heads per layer (default 1)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per model (budget's by default)")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds 0..N-1 per variant: model init and data order, the same for every variant")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW; default 3e-3)")
-    parser.add_argument("--gate-init", choices=("normal", "identity"), default=None,
-                        help="normal: the official N(0, 0.02) init, gate ~0.5 at start (default); identity: gate == 1 "
-                             "at start")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                        help="training numerics: bf16 autocast (default, ~2x faster on CPU) or fp32; measurements "
-                             "always run in fp32")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the training forward (default on for --budget default: ~2x faster "
-                             "after ~10 s of compiling; off for small)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32)")
-    parser.add_argument("--min-lr", type=float, default=None, help="learning rate at the end of the decay")
-    parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
-    parser.add_argument("--schedule", choices=("cosine", "wsd"), default=None,
-                        help="cosine decay, or WSD (hold the peak, decay over the last 20 %%)")
-    parser.add_argument("--hidden-size", type=int, default=None, help="model width d (default 128)")
-    parser.add_argument("--intermediate-size", type=int, default=None, help="FFN width of the ungated model")
-    parser.add_argument("--eval-every", type=int, default=None, help="learning-curve interval in steps")
-    parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V (default 64)")
-    parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k (default 3)")
-    parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS (default 128)")
-    parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers (default 0)")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="models trained at once, one core each (default: min(2, available cores))")
-    parser.add_argument("--report-only", action="store_true",
-                        help="train nothing: write lab.json and the report from the models already finished in "
-                             "--out with these settings (a run stopped early; seeds per variant as available)")
-
-
-_CFG_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
-                "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every")
-_TASK_OPTIONS = {"vocab": "vocab", "triggers": "triggers", "seq_len": "seq_len", "task_seed": "seed"}
-
-
-def config_from_args(args) -> SinkLabConfig:
-    """The budget's config with every option the user gave applied on top."""
-    cfg = replace(SinkLabConfig(), **BUDGETS[args.budget][1])
-    over = {k: getattr(args, k) for k in _CFG_OPTIONS if getattr(args, k, None) is not None}
-    task = {f: getattr(args, a) for a, f in _TASK_OPTIONS.items() if getattr(args, a, None) is not None}
-    if task:
-        over["task"] = {**cfg.task, **task}
-    return replace(cfg, **over).validate()
-
-
-def run(args) -> int:
-    from . import sinks_report
-
-    cfg = config_from_args(args)
-    jobs = args.jobs if args.jobs is not None else default_jobs()
-    lab = run_lab(cfg, args.out, jobs=jobs, report_only=args.report_only)
-    print(sinks_report.text_table(lab))
-    print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
-    return 0
-

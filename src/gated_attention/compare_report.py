@@ -132,13 +132,13 @@ def _plot_title(key: str) -> str:
 
 
 def _claims_cells(result: dict):
-    from .claims import claims_cells
+    from .compare_claims import claims_cells
 
     return claims_cells(result.get("claims") or [])
 
 
 _CLAIMS_NOTE = ("Each row: the paper's figure (Qiu et al. 2025; 15A2B MoE at 400B tokens unless stated), this run's "
-                "figure, and a verdict with the rule written in gated_attention/claims.py. 'not at this scale' = "
+                "figure, and a verdict with the rule written in gated_attention/compare_claims.py. 'not at this scale' = "
                 "measured here without the paper's effect; 'not run here' names the command that measures it.")
 
 
