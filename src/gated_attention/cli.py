@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "extend": ("gated_attention.longctx.extend", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
     "ruler": ("gated_attention.longctx.ruler_cli", "RULER-style long-context scores by length: JSON, table and plot."),
     "longctx": ("gated_attention.longctx.pipeline", "Table 5 in small: train baseline/gated at L, YaRN x4, RULER + PPL to 4L."),
+    "lab": ("gated_attention.labs.cli", "Science labs in minutes: `gattn lab sinks` (Bigram-Backcopy attention sinks)."),
 }
 
 
