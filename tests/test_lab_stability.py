@@ -4,7 +4,6 @@ computation (and that it only fires on the trainer's probe forwards); and an end
 tiny corpus (lab.json keys, strict JSON, report files, reuse of finished runs, retraining of an interrupted one)."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -186,9 +185,9 @@ def tiny_corpus(tmp_path_factory) -> Path:
 
 
 def _cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    S.configure(parser)
-    return S.run(parser.parse_args(argv))
+    from gated_attention import cli
+
+    return cli.main(["lab", "stability", *argv])
 
 
 def _strict_load(path: Path):

@@ -12,6 +12,9 @@ import importlib
 LABS: dict[str, tuple[str, str]] = {
     "sinks": ("gated_attention.labs.sinks",
               "Bigram-Backcopy sink lab (Guo et al. 2024): BOS attention of idle heads, baseline vs gates, in minutes."),
+    "stability": ("gated_attention.labs.stability",
+                  "LR sweeps with/without QK-norm (Wortsman et al. 2023 proxies): loss, spikes, logit growth, LR "
+                  "sensitivity."),
 }
 
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..io import atomic_write_text
+from .common import default_jobs, load_unit, run_units, save_unit
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
@@ -86,7 +87,7 @@ class LabConfig:
     seeds: int | None = None  # None = the budget's
     seed_lrs: str = "edge"  # extra seeds at the LRs around the edge of stability ("edge") or at every LR ("all")
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
-    jobs: int = 1  # runs in parallel (one thread each)
+    jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
 
     def validate(self) -> "LabConfig":
         from gated_attention.gates import GATES
@@ -252,9 +253,15 @@ def _curve(log: list[dict], probes: list[dict], every: int) -> dict:
             "output_logit": [p["output_logit"] for p in probes]}
 
 
-def train_run(cfg_dict: dict, run_dir: str, threads: int = 1) -> dict:
-    """Train one grid point into run_dir (wiped first: a partial run restarts) and write its result.json.
-    Picklable entry point, so --jobs can run it in a worker process."""
+def train_run(task: tuple) -> dict:
+    """Train one grid point (cfg_dict, run_dir) and write its result.json (the trainer settings are its key), unless
+    a finished one is there. A run without result.json (interrupted) is wiped and restarts: runs are seconds long.
+    Picklable, so --jobs can run it in a worker process (common.run_units)."""
+    cfg_dict, run_dir = task
+    out = Path(run_dir)
+    done = load_unit(out / "result.json", cfg_dict)
+    if done is not None:
+        return done
     import torch
 
     from gated_attention.train.config import TrainConfig
@@ -264,9 +271,7 @@ def train_run(cfg_dict: dict, run_dir: str, threads: int = 1) -> dict:
 
     from .stability_probe import StabilityProbe
 
-    torch.set_num_threads(threads)
     cfg = TrainConfig.from_dict(cfg_dict).validate()
-    out = Path(run_dir)
     shutil.rmtree(out, ignore_errors=True)
     holder: dict = {}
 
@@ -283,8 +288,7 @@ def train_run(cfg_dict: dict, run_dir: str, threads: int = 1) -> dict:
     summary = train(cfg, out, model_factory=factory)
     log = _read_log(out / "log.jsonl")
     probes = holder["probe"].records
-    result = {"train_config": cfg.to_dict(),
-              **run_metrics(summary, log, probes, holder["init"]),
+    result = {**run_metrics(summary, log, probes, holder["init"]),
               "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
               "curve": _curve(log, probes, cfg.stats_every)}
     flags: list[str] = []
@@ -292,7 +296,12 @@ def train_run(cfg_dict: dict, run_dir: str, threads: int = 1) -> dict:
     result["nonfinite"] = [f for f in flags if not f.startswith("curve.")]  # metrics only: curves hold NaN steps
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the lab needs the numbers, not the weights
     shutil.rmtree(out / "final", ignore_errors=True)
-    atomic_write_text(out / "result.json", json.dumps(result, allow_nan=False))
+    result = save_unit(out / "result.json", cfg_dict, result)
+    loss = result["final_loss"]
+    print(f"[stability] {out.name}: loss {'-' if loss is None else f'{loss:.3f}'} (init {result['loss_at_init']:.3f})"
+          f"{' DIVERGED' if result['diverged'] else ''}  spikes {result['spikes']}  max attn logit "
+          f"{_g(result['max_attention_logit'])}  max |logit| {_g(result['max_output_logit'])}  "
+          f"({result['cpu_s']:.0f} cpu-s)", file=sys.stderr, flush=True)
     return result
 
 
@@ -310,29 +319,6 @@ def ensure_data(data_dir: str | Path, vocab_size: int, log=print) -> Path:
     return data_dir
 
 
-def _same_settings(saved: dict, want: dict) -> list[str]:
-    from gated_attention.train.trainer import _RESUMABLE_CHANGES
-
-    return sorted(k for k in set(saved) | set(want) if k not in _RESUMABLE_CHANGES and saved.get(k) != want.get(k))
-
-
-def _cached(run_dir: Path, cfg) -> dict | None:
-    """A finished run's result.json, or None; a finished run with other settings is an error (no silent mixing)."""
-    path = run_dir / "result.json"
-    if not path.exists():
-        return None
-    res = json.loads(path.read_text())
-    diff = _same_settings(res.get("train_config", {}), cfg.to_dict())
-    if diff:
-        raise ValueError(f"{run_dir} was trained with different settings ({', '.join(diff)}); "
-                         f"use a new --out or delete that folder")
-    return res
-
-
-def _label(variant: str, qk: bool, lr: float, seed: int) -> str:
-    return f"{variant} qk-norm {'on' if qk else 'off'} lr {lr:g} seed {seed}"
-
-
 def _row(variant: str, qk: bool, lr: float, seed: int, res: dict, run_dir: Path, out: Path) -> dict:
     keep = ("final_loss", "loss_at_init", "diverged", "spikes", "skipped_steps", "max_attention_logit", "max_hidden",
             "max_output_logit", "final_train_loss", "steps", "tokens", "wall_s", "cpu_s", "nonfinite")
@@ -341,40 +327,14 @@ def _row(variant: str, qk: bool, lr: float, seed: int, res: dict, run_dir: Path,
 
 
 def _execute(points: list[tuple], lab: LabConfig, data_dir: Path, out: Path, log) -> dict[tuple, dict]:
-    """Run (or reuse) every (variant, qk, lr, seed) point; `lab.jobs` at a time. Returns point -> result."""
-    results, todo = {}, []
-    for p in points:
-        cfg = train_config(lab, data_dir, *p)
-        rdir = out / "runs" / run_name(*p)
-        res = _cached(rdir, cfg)
-        if res is not None:
-            results[p] = res
-        else:
-            todo.append((p, cfg, rdir))
-    if len(results):
-        log(f"[stability] reusing {len(results)} finished run(s)")
-
-    def done(p, res, k):
-        results[p] = res
-        loss = res.get("final_loss")
-        log(f"[stability] {k}/{len(todo)} {_label(*p)}: loss {'-' if loss is None else f'{loss:.3f}'} "
-            f"(init {res['loss_at_init']:.3f}){' DIVERGED' if res['diverged'] else ''}  spikes {res['spikes']}  "
-            f"max attn logit {_g(res.get('max_attention_logit'))}  max |logit| {_g(res.get('max_output_logit'))}  "
-            f"({res['cpu_s']:.0f} cpu-s)")
-
-    if lab.jobs == 1 or len(todo) <= 1:
-        for k, (p, cfg, rdir) in enumerate(todo, 1):
-            done(p, train_run(cfg.to_dict(), str(rdir)), k)
-        return results
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor, as_completed
-
-    # spawn: a fresh interpreter per worker (no forked torch thread pools); each worker trains on one thread
-    with ProcessPoolExecutor(max_workers=lab.jobs, mp_context=mp.get_context("spawn")) as pool:
-        futs = {pool.submit(train_run, cfg.to_dict(), str(rdir)): p for p, cfg, rdir in todo}
-        for k, f in enumerate(as_completed(futs), 1):
-            done(futs[f], f.result(), k)
-    return results
+    """Run (or reuse) every (variant, qk, lr, seed) point, `lab.jobs` at a time. Returns point -> result."""
+    tasks = [(train_config(lab, data_dir, *p).to_dict(), str(out / "runs" / run_name(*p))) for p in points]
+    finished = sum(load_unit(Path(d) / "result.json", c) is not None for c, d in tasks)  # also checks settings
+    if finished:
+        log(f"[stability] reusing {finished} finished run(s)")
+    if len(tasks) > finished:
+        log(f"[stability] training {len(tasks) - finished} run(s), {lab.jobs} at a time")
+    return dict(zip(points, run_units(train_run, tasks, jobs=lab.jobs, log=log)))
 
 
 def _g(v) -> str:
@@ -451,8 +411,7 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     lab_json["wall_time_s"] = time.perf_counter() - t0
     lab_json["cpu_s_runs"] = sum(r.get("cpu_s") or 0.0 for r in rows)
     atomic_write_text(out / "lab.json", json.dumps(lab_json, indent=1, allow_nan=False))
-    atomic_write_text(out / "report.md", R.render_markdown(lab_json))
-    atomic_write_text(out / "report.html", R.render_html(lab_json, out))
+    R.write(lab_json, out)
     return lab_json
 
 
@@ -482,14 +441,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", default=None,
                         help="prepared corpus folder (default: the budget's, data_v1k with the 1024-token "
                              "vocabulary, prepared automatically if missing)")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="runs trained in parallel, one thread each (e.g. 2 on two cores; default 1)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="runs trained in parallel, one thread each (default: one per core, at most 2)")
 
 
 def run(args) -> int:
     lab = LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
                     lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
-                    seeds=args.seeds, seed_lrs=args.seed_lrs, data_dir=args.data_dir, jobs=args.jobs)
+                    seeds=args.seeds, seed_lrs=args.seed_lrs, data_dir=args.data_dir,
+                    jobs=args.jobs if args.jobs is not None else default_jobs())
     res = run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
     from .stability_report import sensitivity_text
 

@@ -3,12 +3,10 @@ vs LR, training curves at the highest LR), report.md and a self-contained report
 """
 from __future__ import annotations
 
-import base64
-import html
-import math
 from pathlib import Path
 
-from ..report import _CSS, _html_table, _md_table, fmt
+from ..report import fmt
+from .common import md_table, write_report
 
 _NAMES = {"baseline": "baseline", "none": "baseline", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
@@ -177,10 +175,8 @@ def _e(v) -> str:
 
 
 def sensitivity_text(lab: dict) -> str:
-    """What `gattn lab stability` prints: the LR-sensitivity table as aligned text."""
-    from ..report import _text_table
-
-    return _text_table(*_sens_cells(lab))
+    """What `gattn lab stability` prints: the LR-sensitivity table (markdown)."""
+    return md_table(*_sens_cells(lab))
 
 
 def findings(lab: dict) -> list[str]:
@@ -245,30 +241,18 @@ _TITLES = {"loss_vs_lr_qk_off": "Final loss vs LR, QK-norm off", "loss_vs_lr_qk_
            "curves_highest_lr": "Training curves at the highest LR"}
 
 
-def render_markdown(lab: dict) -> str:
-    parts = ["# gattn lab stability: LR sweeps with and without the gate", ""]
-    parts += [p + "\n" for p in _intro(lab)]
-    parts += ["## Findings", ""] + [f"- {f}" for f in findings(lab)] + [""]
-    parts += ["## LR sensitivity", "", _md_table(*_sens_cells(lab)), "", "## Every run", "",
-              _md_table(*_run_cells(lab)), ""]
+def blocks(lab: dict) -> list[tuple]:
+    """The report as common.render_report blocks."""
+    out = [("p", p) for p in _intro(lab)]
+    out += [("h2", "Findings")] + [("p", f) for f in findings(lab)]
+    out += [("h2", "LR sensitivity"), ("table", *_sens_cells(lab)), ("h2", "Every run"), ("table", *_run_cells(lab))]
     if lab.get("nonfinite"):
-        parts += [f"Non-finite values (null in lab.json): {', '.join(lab['nonfinite'])}", ""]
-    parts += ["## Plots", ""]
-    for key, rel in lab.get("plots", {}).items():
-        parts += [f"### {_TITLES.get(key, key)}", "", f"![{key}]({rel})", ""]
-    return "\n".join(parts)
+        out.append(("p", f"Non-finite values (null in lab.json): {', '.join(lab['nonfinite'])}"))
+    out.append(("h2", "Plots"))
+    out += [("img", _TITLES.get(k, k), rel) for k, rel in lab.get("plots", {}).items()]
+    return out
 
 
-def render_html(lab: dict, out_dir) -> str:
-    out_dir = Path(out_dir)
-    body = ["<h1>gattn lab stability: LR sweeps with and without the gate</h1>"]
-    body += [f"<p>{html.escape(p)}</p>" for p in _intro(lab)]
-    body += ["<h2>Findings</h2>", "<ul>" + "".join(f"<li>{html.escape(f)}</li>" for f in findings(lab)) + "</ul>",
-             "<h2>LR sensitivity</h2>", _html_table(*_sens_cells(lab)),
-             "<h2>Every run</h2>", _html_table(*_run_cells(lab)), "<h2>Plots</h2>"]
-    for key, rel in lab.get("plots", {}).items():
-        data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
-        body += [f"<h3>{html.escape(_TITLES.get(key, key))}</h3>",
-                 f'<img alt="{html.escape(key)}" src="data:image/png;base64,{data}">']
-    return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>gattn lab stability</title>"
-            f"<style>{_CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+def write(lab: dict, out_dir) -> None:
+    """report.md and the self-contained report.html into out_dir."""
+    write_report(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))
