@@ -63,12 +63,15 @@ def test_run_metrics_known_answer():
 
 def test_edge_lrs():
     grid = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
-    # best at 1e-2; 1e-1 is within 0.1 nats, 1.0 is the first past the edge -> 1e-1, 1.0, 10
+    # best at 1e-2; 1e-1 is within 0.1 nats, 1.0 is the first past the edge -> 1e-1 (last stable) and 1.0
     runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 2.05), _run(1.0, 2.5), _run(10.0, NAN)]
-    assert S.edge_lrs(runs, grid) == [1e-1, 1.0, 10.0]
-    # the first LR past the edge is the last one: it and the one before
-    runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 2.0), _run(1.0, 2.05), _run(10.0, NAN)]
+    assert S.edge_lrs(runs, grid) == [1e-1, 1.0]
+    # a diverged run (NaN = the loss at init) is past the edge; a loss below the best's is not
+    runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 1.9), _run(1.0, 1.95), _run(10.0, NAN)]
     assert S.edge_lrs(runs, grid) == [1.0, 10.0]
+    # the best LR is the smallest and the next one is already past the edge
+    runs = [_run(1e-3, 2.0), _run(1e-2, 2.2), _run(1e-1, 3.0), _run(1.0, 4.0), _run(10.0, NAN)]
+    assert S.edge_lrs(runs, grid) == [1e-3, 1e-2]
     # never past the edge: the two largest
     runs = [_run(x, 2.0) for x in grid]
     assert S.edge_lrs(runs, grid) == [1.0, 10.0]
