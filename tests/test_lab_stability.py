@@ -266,10 +266,11 @@ def test_rerun_reuses_finished_runs_and_retrains_an_interrupted_one(small_lab, t
     assert (victim / "result.json").exists()
     again = _strict_load(out / "lab.json")
     assert len(again["runs"]) == len(lab["runs"])
-    # different settings for the same folder fail loudly instead of mixing runs
-    with pytest.raises(ValueError, match="different settings"):
-        _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
-              "--lrs", "1e-3", "--steps", "31", "--qk-norm", "off"])
+    # different settings for the same folder fail loudly (one line, exit 2) instead of mixing runs
+    capsys.readouterr()
+    rc = _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+               "--lrs", "1e-3", "--steps", "31", "--qk-norm", "off"])
+    assert rc == 2 and "different settings (steps)" in capsys.readouterr().err
 
 
 def test_bad_input_is_refused(tmp_path):
