@@ -1,7 +1,7 @@
 """Science labs: small controlled experiments that make one signature effect of gated attention visible in minutes.
 
 Each lab is one module with `configure(parser)` / `run(args)` (its `gattn lab NAME` subcommand, registered in
-`labs/cli.py`) and a library entry point that writes `OUT/lab.json`, `OUT/report.md`, a self-contained
+`cli/lab.py`) and a library entry point that writes `OUT/lab.json`, `OUT/report.md`, a self-contained
 `OUT/report.html` and `OUT/plots/*.png`:
 
   sinks      (sinks.py)      the Bigram-Backcopy task of Guo et al. 2024: where an idle head parks its attention

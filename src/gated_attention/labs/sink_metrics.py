@@ -52,7 +52,7 @@ def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -
     """Mean next-token cross-entropy (nats) over positions in mask. logits (B, T, V), targets/mask (B, T)."""
     if not bool(mask.any()):
         return None
-    return float(F.cross_entropy(logits[mask].float(), targets[mask]))
+    return float(F.cross_entropy(logits.detach()[mask].float(), targets[mask]))
 
 
 def gate_by_query(gate: torch.Tensor, query_mask: torch.Tensor) -> list[float | None]:

@@ -18,7 +18,6 @@ exported model of a finished run are deleted: the lab needs only its numbers.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -28,7 +27,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..io import atomic_write_text
-from .common import default_jobs, load_unit, run_units, save_unit
+from ..experiment import ensure_corpus
+from ..gates import canonical_name
+from .common import load_unit, run_units, save_unit
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
@@ -78,7 +79,7 @@ BUDGETS: dict[str, StabilityBudget] = {
 class LabConfig:
     """Everything `gattn lab stability` was asked for (CLI flags map 1:1)."""
 
-    out: str
+    out: str = "runs/lab/stability"  # where `gattn compare` looks for it (its claims table)
     budget: str = "default"
     variants: tuple[str, ...] = DEFAULT_VARIANTS
     lrs: tuple[float, ...] | None = None  # None = the budget's grid
@@ -90,11 +91,16 @@ class LabConfig:
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
 
     def validate(self) -> "LabConfig":
-        from gated_attention.gates import GATES
+        from gated_attention.gates import GATES, canonical_name
 
         if self.budget not in BUDGETS:
             raise ValueError(f"unknown --budget {self.budget!r}; valid: {', '.join(BUDGETS)}")
-        bad = [v for v in self.variants if v not in GATES]
+        bad = []
+        for v in self.variants:
+            try:
+                canonical_name(v)
+            except ValueError:
+                bad.append(v)
         if bad:
             raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)} (see `gattn gates`)")
         if len(set(self.variants)) != len(self.variants) or not self.variants:
@@ -307,18 +313,6 @@ def train_run(task: tuple) -> dict:
 
 # ---------------------------------------------------------------- the grid
 
-def ensure_data(data_dir: str | Path, vocab_size: int, log=print) -> Path:
-    """The budget's corpus, prepared with the data module's defaults if it has no manifest yet."""
-    from gated_attention import data
-
-    data_dir = Path(data_dir)
-    if not (data_dir / "manifest.json").exists():
-        log(f"[stability] {data_dir} is not prepared: running "
-            f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
-    return data_dir
-
-
 def _row(variant: str, qk: bool, lr: float, seed: int, res: dict, run_dir: Path, out: Path) -> dict:
     keep = ("final_loss", "loss_at_init", "diverged", "spikes", "skipped_steps", "max_attention_logit", "max_hidden",
             "max_output_logit", "final_train_loss", "steps", "tokens", "wall_s", "cpu_s", "nonfinite")
@@ -344,7 +338,7 @@ def _g(v) -> str:
 def instability_check(rows: list[dict], margin: float = 0.5) -> dict:
     """The issue's bar for the grid: the baseline without QK-norm diverges somewhere, or its (seed-mean) final loss
     at the highest LR is >= `margin` nats above its best."""
-    base = [r for r in rows if r["variant"] in ("baseline", "none") and r["qk_norm"] is False]
+    base = [r for r in rows if canonical_name(r["variant"]) == "none" and r["qk_norm"] is False]
     if not base:
         return {"checked": False, "reason": "no baseline run without QK-norm in this grid"}
     by_lr: dict[float, list[float]] = {}
@@ -365,7 +359,7 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     lab.validate()
     t0 = time.perf_counter()
     spec = lab.spec
-    data_dir = ensure_data(lab.data_dir or spec.data_dir, spec.vocab_size, log)
+    data_dir = ensure_corpus(lab.data_dir or spec.data_dir, spec.vocab_size, log, tag="[stability]")
     out = Path(lab.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     grid, seeds = lab.grid(), lab.n_seeds()
@@ -413,47 +407,3 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     atomic_write_text(out / "lab.json", json.dumps(lab_json, indent=1, allow_nan=False))
     R.write(lab_json, out)
     return lab_json
-
-
-# ---------------------------------------------------------------- CLI (`gattn lab stability`)
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True,
-                        help="output folder: runs/, plots/, lab.json, report.md, report.html (a re-run reuses "
-                             "finished runs and retrains interrupted ones)")
-    parser.add_argument("--budget", default="default", choices=list(BUDGETS),
-                        help="; ".join(f"{k}: {v.help}" for k, v in BUDGETS.items()))
-    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
-                        help=f"gate variants (names from `gattn gates`; default: {' '.join(DEFAULT_VARIANTS)})")
-    parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
-                        help="peak learning rates of the grid (default: the budget's; the default budget spans "
-                             "1e-3..1 in 7 steps)")
-    parser.add_argument("--qk-norm", default="both", choices=list(QK_SETTINGS),
-                        help="train with QK-norm on, off, or both (default both)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="optimizer steps per run (default: the budget's; every run sees the same tokens)")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds per setting at the LRs around its edge of stability (seed 0 runs at every LR; "
-                             "default: the budget's, 2 for default)")
-    parser.add_argument("--seed-lrs", default="edge", choices=("edge", "all"),
-                        help="where the extra seeds run: the LRs around each setting's edge of stability, found "
-                             "from seed 0 (edge, default), or every LR (all)")
-    parser.add_argument("--data-dir", default=None,
-                        help="prepared corpus folder (default: the budget's, data_v1k with the 1024-token "
-                             "vocabulary, prepared automatically if missing)")
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="runs trained in parallel, one thread each (default: one per core, at most 2)")
-
-
-def run(args) -> int:
-    lab = LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
-                    lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
-                    seeds=args.seeds, seed_lrs=args.seed_lrs, data_dir=args.data_dir,
-                    jobs=args.jobs if args.jobs is not None else default_jobs())
-    res = run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
-    from .stability_report import sensitivity_text
-
-    print(sensitivity_text(res))
-    print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s, "
-          f"{res['cpu_s_runs'] / 60:.1f} core-minutes of training)")
-    return 0

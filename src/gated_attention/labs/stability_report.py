@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..report import fmt
+from ..compare_report import fmt
+from ..gates import canonical_name
 from .common import md_table, write_report
 
-_NAMES = {"baseline": "baseline", "none": "baseline", "sdpa_elementwise": "G1 elementwise",
+_NAMES = {"baseline": "baseline", "none": "baseline (none)", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
 
 
@@ -190,7 +191,7 @@ def findings(lab: dict) -> list[str]:
                    f"final loss at the highest LR ({inst['highest_lr']:g}) is {fmt(inst['gap_at_highest_lr'], 2)} nats "
                    f"above its best (the bar: diverged, or >= {inst['margin']:g}).")
     sens = lab["lr_sensitivity"]
-    base = next((v for v in sens if v in ("baseline", "none")), None)
+    base = next((v for v in sens if canonical_name(v) == "none"), None)
     for key, label in (("off", "without QK-norm"), ("on", "with QK-norm")):
         if base is None or sens[base].get(key) is None:
             continue
