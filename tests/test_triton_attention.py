@@ -215,6 +215,21 @@ def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch):
         torch.testing.assert_close(p.grad, gr[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_generate_with_kv_cache_matches_sdpa():
+    """Left-padded batch generation: prefill (causal + padding) then single-token decode steps against the cache
+    (bottom-right masks), greedy tokens identical to sdpa's."""
+    model = _tiny("sdpa_headwise").eval()
+    ids = torch.randint(0, 128, (2, 6))
+    attn = torch.ones(2, 6, dtype=torch.long)
+    attn[0, :2] = 0
+    kw = dict(attention_mask=attn, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, **kw)
+    model.set_attn_implementation("triton_gated")
+    got = model.generate(ids, **kw)
+    assert got.tolist() == want.tolist()
+
+
 def test_refuses_dropout_clearly():
     q = torch.randn(1, 2, 4, 16)
     from gated_attention.triton_attention import triton_gated_kernel

@@ -219,6 +219,7 @@ def _gate_strides(g: torch.Tensor | None):
 
 
 # --------------------------------------------------------------------------------------------------- public API
+@torch.compiler.disable  # under torch.compile the kernel is one opaque call (a graph break), not traced
 def gated_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                           scaling: float | None = None, gate_logits: torch.Tensor | None = None,
                           gate_scale: float = 1.0, blocks: tuple[int, int] | None = None) -> torch.Tensor:
