@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
@@ -258,3 +259,23 @@ def test_clear_error_without_triton(monkeypatch):
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(RuntimeError, match=r"needs Triton.*pip install 'triton==3\.7\.1'"):
         gated_flash_attention(q, q, q)
+
+
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on H100/H200 (227 KiB)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,dtype", [(128, "bfloat16"), (128, "float32")])
+def test_kernels_compile_for_hopper(head_dim, dtype):
+    """Without a GPU: every kernel variant, with the GPU launch config, compiles to an sm_90 cubin (Triton ships
+    ptxas) and fits Hopper's shared memory -- the GPU code path, which the interpreter never builds. Minutes."""
+    script = ("import torch; from gated_attention.triton_attention import compile_for_gpu; "
+              f"r = compile_for_gpu(90, {head_dim}, torch.{dtype}); "
+              "[print(v, k) for k, v in r.items()]")
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=3600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shared = {ln.split(" ", 1)[1]: int(ln.split(" ", 1)[0]) for ln in res.stdout.splitlines() if ln.strip()}
+    assert len(shared) == 24  # 3 gate modes x 3 mask kinds x (fwd, pre) + 3 mask kinds x (dkdv, dq)
+    too_big = {k: v for k, v in shared.items() if v > HOPPER_SMEM}
+    assert not too_big, too_big

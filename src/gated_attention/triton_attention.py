@@ -120,15 +120,19 @@ def _d_pad(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
-def launch_config(d_pad: int, interpret: bool, blocks: tuple[int, int] | None = None) -> dict:
-    """Block sizes / warps per kernel. Hopper-sized on a GPU (128-query forward tiles, 8 warps at head_dim >= 64;
-    backward tiles as Triton's FA2 tutorial uses on H100); 32x32 under the interpreter, where time is per tile op.
-    `blocks=(BLOCK_M, BLOCK_N)` overrides every kernel (tests use it: correctness holds for any power of two >= 16)."""
+def launch_config(d_pad: int, interpret: bool, blocks: tuple[int, int] | None = None, elem_bytes: int = 2) -> dict:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel ("pre": (BLOCK_M, num_warps)). Hopper-sized on a GPU
+    (128-query forward tiles, 8 warps at head_dim > 64; backward tiles as Triton's FA2 tutorial uses on H100), smaller
+    for fp32 inputs and head_dim > 128 so shared memory stays under Hopper's 227 KiB (checked by
+    tests/test_triton_attention.py::test_kernels_compile_for_hopper); 32x32 under the interpreter, where time is per
+    program. `blocks=(BLOCK_M, BLOCK_N)` overrides every kernel (correctness holds for any power of two >= 16)."""
     if blocks is not None:
         bm, bn = blocks
         return {"fwd": (bm, bn, 4, 2), "pre": (bm, 4), "dkdv": (bm, bn, 4, 2), "dq": (bm, bn, 4, 2)}
     if interpret:
         return {"fwd": (32, 32, 1, 1), "pre": (32, 1), "dkdv": (32, 32, 1, 1), "dq": (32, 32, 1, 1)}
+    if elem_bytes > 2:  # fp32 tiles take twice the shared memory
+        return {"fwd": (64, 64, 4, 2), "pre": (64, 4), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
     if d_pad <= 64:
         return {"fwd": (128, 64, 4, 4), "pre": (128, 4), "dkdv": (32, 128, 4, 5), "dq": (128, 32, 4, 5)}
     if d_pad <= 128:
@@ -141,6 +145,53 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def compile_for_gpu(arch: int = 90, head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Compile every kernel variant (gate x mask kind) with the GPU launch config to a cubin for sm_`arch`, without a
+    GPU (Triton ships ptxas). Returns {variant: shared memory bytes}: a check, on a machine without a GPU, that the
+    GPU code path builds and fits. Needs a process whose kernels were not built for the interpreter."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kern = _kernels()
+    if interpreted():
+        raise RuntimeError("compile_for_gpu: this process built the kernels for Triton's interpreter "
+                           "(TRITON_INTERPRET=1); run it in a process without it")
+    dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    ptr, size = f"*{dt}", torch.empty((), dtype=dtype).element_size()
+    dpad = _d_pad(head_dim)
+    cfg = launch_config(dpad, False, None, size)
+    fp32 = {"Lse", "Delta"}
+    u8 = {"KVALID", "MASK"}
+    floats = {"sm_scale", "gate_scale"}
+    ints = {"H", "KV", "N_REP", "T", "S"}  # besides the lower-case strides and offsets; other capitals are pointers
+    out = {}
+    for gate in (0, 1, 2):
+        for causal, has_kv, dense in ((True, False, False), (True, True, False), (False, False, True)):
+            mask = dict(CAUSAL=causal, HAS_KV=has_kv, HAS_DENSE=dense, PRECISION=_precision(dtype))
+            jobs = [("fwd", kern._fwd_kernel, dict(mask, GATE=gate)), ("pre", kern._bwd_preprocess, dict(GATE=gate))]
+            if gate == 0:  # the dK/dV and dQ kernels do not see the gate
+                jobs += [("dkdv", kern._bwd_dkdv, mask), ("dq", kern._bwd_dq, mask)]
+            for name, fn, consts in jobs:
+                blocks = cfg[name]
+                consts = {**consts, "HEAD_DIM": head_dim, "D_PAD": dpad, "BLOCK_M": blocks[0]}
+                if name != "pre":
+                    consts["BLOCK_N"] = blocks[1]
+                params = list(inspect.signature(fn.fn).parameters)
+                sig = {p: "constexpr" if p in consts else "*fp32" if p in fp32 else "*u8" if p in u8
+                       else "fp32" if p in floats else "i32" if p[0].islower() or p in ints
+                       else ptr for p in params}
+                src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
+                opts = {"num_warps": blocks[-2] if name != "pre" else blocks[1], "num_stages": blocks[-1]
+                        if name != "pre" else 1}
+                compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
+                key = f"{name} gate={gate} causal={causal} key_valid={has_kv} dense={dense}"
+                out[key] = compiled.metadata.shared
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- autograd
 class _GatedFlashAttention(torch.autograd.Function):
     @staticmethod
@@ -149,7 +200,7 @@ class _GatedFlashAttention(torch.autograd.Function):
         bsz, h, t, d = q.shape
         kvh, s = k.shape[1], k.shape[2]
         gate_mode = 0 if gate_logits is None else (2 if gate_logits.shape[-1] == 1 and d != 1 else 1)
-        cfg = launch_config(_d_pad(d), interpreted(), blocks)
+        cfg = launch_config(_d_pad(d), interpreted(), blocks, q.element_size())
         out = torch.empty(bsz, t, h, d, device=q.device, dtype=q.dtype)  # (B, T, H, D): o_proj's layout, no copy
         out_v = out.transpose(1, 2)  # (B, H, T, D) view for the kernel's (b, h, m, d) strides
         lse = torch.empty(bsz * h, t, device=q.device, dtype=torch.float32)
@@ -251,4 +302,4 @@ def triton_gated_kernel(module, q, k, v, mask, scaling, dropout=0.0, gate_logits
 
 
 __all__ = ["gated_flash_attention", "triton_gated_kernel", "plan_mask", "launch_config", "interpreted",
-           "check_device", "TRITON_PIN"]
+           "check_device", "compile_for_gpu", "TRITON_PIN"]
