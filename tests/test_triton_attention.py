@@ -17,10 +17,8 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton", reason="Triton not installed (pip install triton; it is in the dev extra)")
 
-from gated_attention import GatedQwen3ForCausalLM  # noqa: E402
 from gated_attention.attention import eager_attention  # noqa: E402
 from gated_attention.fast import fuse_qkv  # noqa: E402
-from gated_attention.presets import model_config  # noqa: E402
 from gated_attention.triton_attention import gated_flash_attention, interpreted, plan_mask  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -168,19 +166,12 @@ def test_mask_plans():
         plan_mask(torch.ones(2, 1, 3, 4, dtype=torch.bool), 2, 4, 3, 3)
 
 
-def _tiny(gate, seed=0):
-    torch.manual_seed(seed)
-    cfg = model_config("tiny", gate, match_params=False, num_hidden_layers=2)
-    return GatedQwen3ForCausalLM(cfg).train()
-
-
 @pytest.mark.parametrize("gate,fused_qkv", [("sdpa_elementwise", False), ("sdpa_headwise", True),
-                                            ("baseline", False), ("value_elementwise", False)])
-def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch):
+                                            ("none", False), ("value_elementwise", False)])
+def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny_model):
     """Whole model, left-padded batch: logits on real tokens and every parameter gradient. G1 sigmoid gates run in the
-    kernel's epilogue; the baseline and other gates run the ungated kernel with the gate outside."""
-    ref = _tiny(gate)
-    ref.set_attn_implementation("sdpa")
+    kernel's epilogue; the ungated model and other gates run the ungated kernel with the gate outside."""
+    ref = tiny_model(gate, backend="sdpa", eval=False, perturb_norms=True)
     fast = copy.deepcopy(ref)
     fast.set_attn_implementation("triton_gated")
     assert fast.config._attn_implementation == "triton_gated"
@@ -216,10 +207,10 @@ def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch):
         torch.testing.assert_close(p.grad, gr[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_generate_with_kv_cache_matches_sdpa():
+def test_generate_with_kv_cache_matches_sdpa(tiny_model):
     """Left-padded batch generation: prefill (causal + padding) then single-token decode steps against the cache
     (bottom-right masks), greedy tokens identical to sdpa's."""
-    model = _tiny("sdpa_headwise").eval()
+    model = tiny_model("sdpa_headwise")
     ids = torch.randint(0, 128, (2, 6))
     attn = torch.ones(2, 6, dtype=torch.long)
     attn[0, :2] = 0
