@@ -4,8 +4,9 @@ packed shapes with sequence lengths that are not multiples of the block size, pl
 attn_implementation="triton_gated" against sdpa. Shapes are tiny: the interpreter costs ~0.1 s per program."""
 import os
 
-# Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when gated_attention.triton_kernels is first
-# imported (lazily, by the first call below), so setting it here -- at collection -- is early enough.
+# Triton reads TRITON_INTERPRET when a function is decorated: triton.language's own on its first import (which
+# torch.compile may do during collection: hence tests/conftest.py sets it first), our kernels when
+# gated_attention.triton_kernels is first imported. This line covers running this file without the conftest.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402

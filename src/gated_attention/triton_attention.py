@@ -48,6 +48,12 @@ def interpreted() -> bool:
 def check_device(t: torch.Tensor) -> None:
     """One clear error where the kernel cannot run: Triton missing, or no GPU outside the interpreter."""
     if interpreted():
+        import triton.language as tl
+
+        if type(tl.zeros).__name__ != "InterpretedFunction":  # triton.language was built before TRITON_INTERPRET=1
+            raise RuntimeError("triton_gated: TRITON_INTERPRET=1 was set after Triton was first imported (e.g. by "
+                               "torch.compile), so only part of Triton runs interpreted; set it before importing "
+                               "torch (in the environment, or first thing in conftest.py)")
         return
     if t.device.type != "cuda":
         hint = (" (TRITON_INTERPRET=1 is set, but Triton's kernels were built before it was: set it before the first "
