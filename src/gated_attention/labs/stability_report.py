@@ -98,12 +98,11 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss and max attention logit over steps at one LR, every setting (seed 0)."""
     from gated_attention.analysis.plots import _save, plt
 
-    from .stability import run_name
-
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     drawn = False
     for v, qk in _settings(lab):
-        c = (lab.get("curves") or {}).get(run_name(v, qk, lr, 0))
+        row = next((r for r in lab["runs"] if (r["variant"], r["qk_norm"], r["lr"], r["seed"]) == (v, qk, lr, 0)), None)
+        c = (lab.get("curves") or {}).get(Path(row["dir"]).name) if row else None  # curves are keyed by run folder
         if not c:
             continue
         ls = "-" if not qk else "--"
