@@ -178,9 +178,9 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         assert all(p > 1.0 for p in row["ppl_buckets"].values())
     # the two models differ in their gate, were trained with the retrieval mix, and YaRN extends over L
     for gate in ("baseline", "sdpa_elementwise"):
-        tc = json.loads((out / "runs" / gate / "train_config.json").read_text())
+        tc = json.loads((out / "runs" / gate / "seed0" / "train_config.json").read_text())
         assert tc["gate"] == gate and tc["retrieval_mix"] == b.retrieval_mix and tc["seq_len"] == 256
-        ev = json.loads((out / "eval" / f"{gate}-yarn.json").read_text())
+        ev = json.loads((out / "eval" / f"{gate}-seed0-yarn.json").read_text())
         assert ev["rope_parameters"]["rope_type"] == "yarn"
         assert ev["rope_parameters"]["original_max_position_embeddings"] == 256
         assert ev["rope_parameters"]["factor"] == 4.0
@@ -190,7 +190,7 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
     # answer NLL == cross-entropy of the answer tokens read off a full forward pass
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    model = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "baseline" / "final").eval()
+    model = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "baseline" / "seed0" / "final").eval()
     corpus = D.Corpus(corpus_dir)
     tok = P.BosTokenizer(corpus.tokenizer, corpus.bos_id)
     s = ruler.generate_sample("passkey", tok, 256, 0, 0)
@@ -200,7 +200,7 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         logits = model(input_ids=torch.tensor([prompt + answer])).logits[0]  # (T, V)
     ref = torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer))
     assert P.answer_nll(model, tok, s) == pytest.approx(float(ref), rel=1e-5)
-    ev = json.loads((out / "eval" / "baseline-none.json").read_text())
+    ev = json.loads((out / "eval" / "baseline-seed0-none.json").read_text())
     rec = next(r for r in ev["records"] if r["target_length"] == 256 and r["index"] == 0)
     assert rec["answer_nll"] == pytest.approx(float(ref), rel=1e-5)
     md = (out / "report.md").read_text()

@@ -132,20 +132,33 @@ class Budget:
     model: str = "small"  # model preset (gated_attention.presets)
     model_overrides: dict = field(default_factory=dict)  # preset fields to change (narrower = faster on a CPU)
     seq_len: int = 256  # the training length L; evaluation runs at L/2, L, 2L, 4L
-    steps: int = 600  # optimizer steps per model
+    steps: int = 600  # optimizer steps per model (with until_skill: the cap, and the LR schedule's length)
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 40
     retrieval_mix: float = 0.5  # share of rows that are retrieval samples: high, so a tiny model learns the format fast
     mix_tasks: tuple = DEFAULT_MIX_TASKS  # trained on and evaluated
-    samples: int = 10  # RULER samples per task and length
+    samples: int = 10  # RULER samples per task, length and seed
     max_new_tokens: int = 12  # every default answer (a 5-7 digit number, an adjective-noun pair) fits
     ppl_batches: int = 2  # validation batches per domain for PPL by position (windows of 4L)
     ppl_batch_size: int = 4
     data_dir: str = "data"  # corpus used when --data-dir is not given; prepared (gattn data prepare) if missing
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with when missing (1024: one token per digit)
+    precision: str = "fp32"  # training autocast: fp32 is bitwise repeatable on CPU, bf16 ~2x faster
+    until_skill: float | None = None  # stop a model once its held-out exact match at L (first task) reaches this
+    skill_every: int = 100  # steps between held-out skill checks (until_skill only)
+    skill_samples: int = 32  # held-out samples per check: 32 puts one miss at ~3 %
+    seeds: int = 1  # seeds per model: seed, seed+1, ...; the report gives mean ± std over them
+    models: tuple = ("baseline", "sdpa_elementwise")  # GATE or GATE:INIT (gate_init), when --gates is not given
 
 
+# the fair budget's model and schedule (set from the pilots in docs/experiments/long_context.md)
+FAIR_MODEL = {"hidden_size": 64, "intermediate_size": 192, "head_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1}
+FAIR_L, FAIR_STEPS, FAIR_LR = 128, 1500, 1e-2
+# the model the earlier runs used: 3 layers x 4 heads (2 KV) of width 128
+_D128 = {"hidden_size": 128, "intermediate_size": 384, "head_dim": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
 BUDGETS = {
     # seconds to a few minutes: the test and smoke budget (tiny model, a handful of steps, one task)
     "small": Budget(model="tiny", seq_len=256, steps=8, batch_size=4, warmup_steps=2, mix_tasks=("passkey",),
@@ -153,27 +166,76 @@ BUDGETS = {
     # ~30-40 minutes on two busy shared cores, the two models trained in parallel: passkey only, every training row a
     # retrieval sample (the copy signal is ~10 tokens per row, so it needs every row and thousands of steps), a
     # 1024-token BPE corpus (each digit one token, lm_head 8x cheaper than at 8k), 3 layers x 4 heads of width 128
-    "default": Budget(model="small", model_overrides={"hidden_size": 128, "intermediate_size": 384, "head_dim": 32,
-                                                      "num_hidden_layers": 3, "num_attention_heads": 4,
-                                                      "num_key_value_heads": 2},
+    "default": Budget(model="small", model_overrides=_D128,
                       seq_len=256, steps=2400, batch_size=16, lr=6e-3, warmup_steps=50, retrieval_mix=1.0,
                       mix_tasks=("passkey",), samples=10, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024),
+    # Table 5 at equal skill (issue 12): every model trained until it retrieves at L (>= 90 % held-out passkey exact
+    # match), 2 seeds, baseline vs G1 elementwise with the official (gate ~0.5) and the identity gate init, 30
+    # samples per cell; sized by pilots to learn copying in a few hundred steps (see docs/experiments/long_context.md)
+    "fair": Budget(model="small", model_overrides=FAIR_MODEL,
+                   seq_len=FAIR_L, steps=FAIR_STEPS, batch_size=16, lr=FAIR_LR, warmup_steps=50, retrieval_mix=1.0,
+                   mix_tasks=("passkey",), samples=30, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024,
+                   precision="bf16", until_skill=0.9, skill_every=50, skill_samples=32, seeds=2,
+                   models=("baseline", "sdpa_elementwise", "sdpa_elementwise:identity")),
 }
+
+
+def parse_model(spec: str) -> tuple[str, str]:
+    """'GATE' or 'GATE:INIT' -> (gate, gate_init); INIT is one of gates.GATE_INITS (normal is the default)."""
+    from gated_attention.gates import GATE_INITS, get_gate
+
+    gate, sep, init = spec.partition(":")
+    init = init if sep else "normal"
+    try:
+        has_gate = get_gate(gate) is not None
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"model {spec!r}: {exc}") from None
+    if init not in GATE_INITS:
+        raise ValueError(f"model {spec!r}: unknown gate init {init!r}; write GATE or GATE:INIT with INIT one of "
+                         f"{', '.join(GATE_INITS)}")
+    if init != "normal" and not has_gate:
+        raise ValueError(f"model {spec!r}: {gate} has no gate to initialise; drop ':{init}'")
+    return gate, init
+
+
+def model_dir_name(spec: str) -> str:
+    """runs/<name>: the gate, plus '.<init>' for a non-default gate init (no ':' in paths)."""
+    gate, init = parse_model(spec)
+    return gate if init == "normal" else f"{gate}.{init}"
+
+
+def canonical_model(spec: str) -> str:
+    gate, init = parse_model(spec)
+    return gate if init == "normal" else f"{gate}:{init}"
 
 
 def budget_from_args(args) -> Budget:
     if args.budget not in BUDGETS:
         raise ValueError(f"unknown budget {args.budget!r}; valid: {', '.join(BUDGETS)}")
     b = BUDGETS[args.budget]
-    changes = {k: getattr(args, k) for k in ("seq_len", "steps", "samples") if getattr(args, k, None) is not None}
+    changes = {k: getattr(args, k) for k in ("seq_len", "steps", "samples", "seeds", "skill_every", "skill_samples")
+               if getattr(args, k, None) is not None}
     if getattr(args, "tasks", None):
         changes["mix_tasks"] = tuple(args.tasks)
     if getattr(args, "retrieval_mix", None) is not None:
         changes["retrieval_mix"] = args.retrieval_mix
+    if getattr(args, "until_skill", None) is not None:
+        changes["until_skill"] = None if args.until_skill <= 0 else args.until_skill  # 0 turns the rule off
     b = dataclasses.replace(b, **changes)
+    return check_budget(b)
+
+
+def check_budget(b: Budget) -> Budget:
     check_mix_tasks(b.mix_tasks)
     if b.seq_len < 2 or b.seq_len % 2:
         raise ValueError(f"--seq-len {b.seq_len} must be an even number (evaluation starts at L/2)")
+    if b.until_skill is not None and not 0.0 < b.until_skill <= 1.0:
+        raise ValueError(f"--until-skill {b.until_skill} must be a fraction in (0, 1] (e.g. 0.9), or 0 for off")
+    for name in ("seeds", "skill_every", "skill_samples", "samples", "steps"):
+        if getattr(b, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(b, name)} must be >= 1")
+    for m in b.models:
+        parse_model(m)
     return b
 
 
@@ -195,44 +257,86 @@ def _write_json(obj, path: Path) -> None:
     write_json(obj, path)
 
 
-def train_config_for(b: Budget, gate: str, data_dir: str, seed: int):
+def train_config_for(b: Budget, gate: str, data_dir: str, seed: int, gate_init: str = "normal"):
     from gated_attention.train.config import TrainConfig
 
     over = {**b.model_overrides, "max_position_embeddings": b.seq_len}  # the config states the trained length
-    # fp32: CPU bf16 autocast is no faster at these widths, and fp32 keeps CPU runs bitwise repeatable
+    if gate_init != "normal":  # left out otherwise, so runs from before gate_init existed keep their cache key
+        over["gate_init"] = gate_init
     return TrainConfig(model=b.model, gate=gate, model_overrides=over, data="corpus", data_dir=str(data_dir),
                        seq_len=b.seq_len, batch_size=b.batch_size, steps=b.steps, lr=b.lr, min_lr=b.lr / 100,
-                       warmup_steps=b.warmup_steps, retrieval_mix=b.retrieval_mix, precision="fp32",
+                       warmup_steps=b.warmup_steps, retrieval_mix=b.retrieval_mix, precision=b.precision,
                        retrieval_tasks=list(b.mix_tasks), seed=seed, eval_every=0, eval_batches=2,
-                       eval_batch_size=4, stats_every=0, ckpt_every=max(1, b.steps // 4), keep_checkpoints=1,
+                       eval_batch_size=4, stats_every=0, ckpt_every=max(1, b.steps // 8), keep_checkpoints=1,
                        progress=False, tensorboard=False).validate()
 
 
-def train_stage(cfg, run_dir: Path, log=print) -> Path:
-    """Train (or reuse, or resume) one model; returns its final/ checkpoint directory."""
+def skill_settings(b: Budget, seed: int) -> dict | None:
+    """What the stopping rule depends on (part of a run's cache key); None when training runs a fixed step count."""
+    if b.until_skill is None:
+        return None
+    return dict(until_skill=b.until_skill, every=b.skill_every, samples=b.skill_samples, task=b.mix_tasks[0],
+                length=b.seq_len, seed=seed)
+
+
+def _check_same(path: Path, new: dict, run_dir: Path, defaults: dict | None = None) -> None:
+    """Fail loudly when run_dir was made with other settings (a field missing from the old file counts as its default)."""
+    if not path.exists():
+        return
+    old = json.loads(path.read_text())
+    defaults = defaults or {}
+    diff = sorted(k for k in set(new) | set(old) if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
+    if diff:
+        raise ValueError(f"{run_dir} holds a run with other settings ({', '.join(diff)}); "
+                         f"use another --out or delete that folder")
+
+
+def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None = None) -> Path:
+    """Train (or reuse, or resume) one model; returns its final/ checkpoint directory.
+
+    stopper: a trainer step_hook (skill.SkillStop) that ends training once the model has the skill; `skill` is its
+    settings dict, kept in run_dir/skill_config.json so a run is never reused under another stopping rule.
+    """
     from gated_attention.train.checkpoint import latest_checkpoint
     from gated_attention.train.trainer import train
 
     final = run_dir / "final"
     saved = run_dir / "train_config.json"
+    skill_path = run_dir / "skill_config.json"
     if saved.exists():
-        old = json.loads(saved.read_text())
-        new = cfg.to_dict()
-        defaults = type(cfg)().to_dict()  # a field added to TrainConfig after the run counts as its default
-        diff = sorted(k for k in new if old.get(k, defaults[k]) != new[k])
-        if diff:
-            raise ValueError(f"{run_dir} holds a run with other settings ({', '.join(diff)}); "
+        _check_same(saved, cfg.to_dict(), run_dir, type(cfg)().to_dict())
+        # a run from before the stopping rule existed counts as "no rule"
+        old_rule = json.loads(skill_path.read_text())["rule"] if skill_path.exists() else None
+        if old_rule != skill:
+            raise ValueError(f"{run_dir} holds a run with other settings (stopping rule {old_rule} != {skill}); "
                              f"use another --out or delete that folder")
         if (run_dir / "summary.json").exists() and (final / "config.json").exists():
             log(f"[longctx] reuse {run_dir}")
             return final
-    resume = latest_checkpoint(run_dir) is not None if run_dir.exists() else False
-    log(f"[longctx] train {cfg.gate} at L={cfg.seq_len} for {cfg.steps} steps -> {run_dir}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from gated_attention.io import atomic_write_text
+
+    atomic_write_text(skill_path, json.dumps({"rule": skill}, indent=1))
+    resume = latest_checkpoint(run_dir) is not None
+    log(f"[longctx] train {cfg.gate}{'' if cfg.model_overrides.get('gate_init', 'normal') == 'normal' else ':' + cfg.model_overrides['gate_init']}"
+        f" seed {cfg.seed} at L={cfg.seq_len} for {'up to ' if skill else ''}{cfg.steps} steps -> {run_dir}"
         + (" (resuming)" if resume else ""))
-    summary = train(cfg, run_dir, resume=resume)
+    summary = train(cfg, run_dir, resume=resume, step_hook=stopper)
     if summary.get("diverged"):
         raise ValueError(f"training {cfg.gate} diverged ({summary.get('stop_reason')}); lower the learning rate")
     return final
+
+
+def training_outcome(run_dir: Path, skill: dict | None) -> dict:
+    """steps_run, the held-out checks and steps_to_skill (None: not reached, or no stopping rule) of a finished run."""
+    from gated_attention.longctx.skill import read_skill_log, steps_to_skill
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    checks = read_skill_log(run_dir / "skill.jsonl")
+    steps_run = int(summary["steps"])
+    reached = steps_to_skill(checks, skill["until_skill"], steps_run) if skill else None
+    return dict(steps_run=steps_run, until_skill=skill["until_skill"] if skill else None, steps_to_skill=reached,
+                checks=[c for c in checks if c["step"] <= steps_run], wall_time_s=summary.get("wall_time_s"))
 
 
 def extend_stage(final: Path, dst: Path, seq_len: int, factor: int, log=print) -> Path:
@@ -276,11 +380,6 @@ def answer_nll(model, tokenizer, sample: dict) -> float:
     ids = torch.tensor([prompt + answer], device=next(model.parameters()).device)  # (1, T)
     logits = model(input_ids=ids[:, :-1], logits_to_keep=len(answer)).logits[0]  # (A, V)
     return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
-
-
-def bucket_ppl(pos_loss: list[float], edges: list[int]) -> list[float]:
-    """exp(mean loss) over each [edges[i], edges[i+1]) position range."""
-    return [math.exp(sum(pos_loss[a:b]) / (b - a)) for a, b in zip(edges, edges[1:])]
 
 
 def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], data_dir: str, seed: int,
@@ -340,128 +439,6 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Report
-VARIANTS = ("none", "yarn")
-
-
-def _label(gate: str) -> str:
-    return "Baseline" if gate == "baseline" else f"Gated ({gate})"
-
-
-def _sub(a, b):
-    return None if a is None or b is None else a - b
-
-
-def _fmt(v, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def build_report(results: dict, b: Budget, lengths: list[int], factor: int, gates: list[str]) -> dict:
-    L = b.seq_len
-    edges = [0, L] + [L * 2 ** i for i in range(1, int(math.log2(factor)) + 1)]
-    rows = []
-    for variant in VARIANTS:
-        for gate in gates:
-            r = results[(gate, variant)]
-            avg = {int(k): v for k, v in r["average"].items()}
-            row = dict(gate=gate, variant=variant, average=avg,
-                       drop_from_L={n: _sub(avg[n], avg[L]) for n in lengths if n > L},  # extrapolation loss
-                       tasks={t: {int(k): v for k, v in s.items()} for t, s in r["scores"].items()},
-                       answer_nll={int(k): v for k, v in r["average_answer_nll"].items()},
-                       ppl_buckets=dict(zip([f"{a}-{c}" for a, c in zip(edges, edges[1:])],
-                                            bucket_ppl(r["pos_loss"], edges))))
-            if variant == "yarn":
-                base = {int(k): v for k, v in results[(gate, "none")]["average"].items()}
-                row["delta"] = {n: _sub(avg[n], base[n]) for n in lengths}
-            rows.append(row)
-    return dict(train_length=L, factor=factor, lengths=lengths, gates=gates, budget=dataclasses.asdict(b),
-                rows=rows, pos_loss={f"{g}-{v}": results[(g, v)]["pos_loss"] for g in gates for v in VARIANTS})
-
-
-def format_markdown(rep: dict) -> str:
-    L, factor, lengths = rep["train_length"], rep["factor"], rep["lengths"]
-    b = rep["budget"]
-
-    def name(row):
-        label = _label(row["gate"])
-        return f"{label} ({L} model)" if row["variant"] == "none" else f"{label} + YaRN -> {factor * L}"
-
-    out = [f"# Table 5 in small: RULER average (%) by context length (trained at L={L})", "",
-           f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task and length; model preset "
-           f"{b['model']}{' ' + json.dumps(b['model_overrides']) if b['model_overrides'] else ''}, {b['steps']} steps x {b['batch_size']} x {L} tokens, "
-           f"retrieval mix {b['retrieval_mix']}. YaRN rows: in brackets the change against the same model without "
-           f"YaRN at that length (the paper's deltas). Lengths above L are beyond the training length. Averages are over "
-           f"the tasks whose prompt fits the length; '-' = none fits.", "",
-           "| Method | " + " | ".join(str(n) for n in lengths) + " |",
-           "|---|" + "---|" * len(lengths)]
-    for row in rep["rows"]:
-        cells = []
-        for n in lengths:
-            c = _fmt(row["average"][n])
-            if row["variant"] == "yarn" and row["delta"][n] is not None:
-                c += f" ({row['delta'][n]:+.1f})"
-            cells.append(c)
-        out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
-    longer = [n for n in lengths if n > L]
-    out += ["", f"## Degradation beyond the training length: score at n minus score at L={L}", "",
-            "| Method | " + " | ".join(str(n) for n in longer) + " |", "|---|" + "---|" * len(longer)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['drop_from_L'][n], "+.1f") for n in longer) + " |")
-    out += ["", "## Answer NLL (nats/token, teacher-forced, lower is better): recall that string match cannot see",
-            "", "| Method | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['answer_nll'][n], ".3f") for n in lengths) + " |")
-    out += ["", "## Per task", "", "| Method | Task | " + " | ".join(str(n) for n in lengths) + " |",
-            "|---|---|" + "---|" * len(lengths)]
-    for row in rep["rows"]:
-        for t, s in row["tasks"].items():
-            out.append(f"| {name(row)} | {t} | " + " | ".join(_fmt(s[n]) for n in lengths) + " |")
-    buckets = list(rep["rows"][0]["ppl_buckets"])
-    out += ["", "## Perplexity by position on corpus validation text (positions beyond L are extrapolation)", "",
-            "| Method | " + " | ".join(f"pos {k}" for k in buckets) + " |", "|---|" + "---|" * len(buckets)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(f"{row['ppl_buckets'][k]:.2f}" for k in buckets) + " |")
-    return "\n".join(out) + "\n"
-
-
-def plot_report(rep: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    L, lengths = rep["train_length"], rep["lengths"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {g: c for g, c in zip(rep["gates"], ["tab:blue", "tab:red", "tab:green", "tab:purple"])}
-    for row in rep["rows"]:
-        ls = "-" if row["variant"] == "none" else "--"
-        label = _label(row["gate"]) + (" + YaRN" if row["variant"] == "yarn" else "")
-        ax1.plot(lengths, [np.nan if row["average"][n] is None else row["average"][n] for n in lengths], ls, marker="o", color=colors[row["gate"]], label=label)
-        pos = np.asarray(rep["pos_loss"][f"{row['gate']}-{row['variant']}"])
-        w = max(1, len(pos) // 64)  # average over windows of positions: single positions are noisy
-        n = len(pos) // w
-        ax2.plot(np.arange(n) * w + w / 2, np.exp(pos[:n * w].reshape(n, w).mean(1)), ls,
-                 color=colors[row["gate"]], label=label)
-    for ax in (ax1, ax2):
-        ax.axvline(L, color="gray", lw=1, ls=":")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax1.set_xscale("log", base=2)
-    ax1.set_xticks(lengths, [str(n) for n in lengths])
-    ax1.set_xlabel("context length (tokens); dotted = training length")
-    ax1.set_ylabel("RULER average (%)")
-    ax1.set_ylim(-3, 103)
-    ax2.set_xlabel("position (tokens)")
-    ax2.set_ylabel("perplexity (corpus validation)")
-    ax2.set_yscale("log")
-    fig.tight_layout()
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.png")  # per process, as the markdown's
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The pipeline
 def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
     """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (cached by the data module)."""
@@ -474,18 +451,26 @@ def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
     return str(data_dir)
 
 
-def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseline", "sdpa_elementwise"),
-                 factor: int = 4, seed: int = 0, log=print) -> dict:
+def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, factor: int = 4, seed: int = 0,
+                 log=print) -> dict:
     """Train, extend, evaluate and report (see the module docstring); returns the report dict.
 
+    gates: model specs GATE or GATE:INIT (None: the budget's models); seeds seed .. seed + b.seeds - 1.
     data_dir=None uses the budget's corpus (b.data_dir, prepared with b.vocab_size if missing).
     """
+    from gated_attention.longctx import report as R
+    from gated_attention.longctx.skill import PasskeyScorer, SkillStop
+
     if factor < 2 or factor & (factor - 1):
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
+    check_budget(b)
+    models = [canonical_model(m) for m in (gates or b.models)]
+    if len(set(map(model_dir_name, models))) != len(models):
+        raise ValueError(f"--gates lists a model twice: {' '.join(models)}")
+    seeds = list(range(seed, seed + b.seeds))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lengths = lengths_for(b, factor)
-    gates = list(gates)
     from gated_attention.data import Corpus
 
     data_dir = ensure_corpus(b.data_dir, b.vocab_size, log) if data_dir is None else str(data_dir)
@@ -497,21 +482,29 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseli
         except ValueError as exc:
             raise ValueError(f"task {task!r} does not fit the training length {b.seq_len} ({exc}); "
                              f"use a longer --seq-len or other --tasks") from None
-    results = {}
-    for gate in gates:
-        run_dir = out / "runs" / gate
-        final = train_stage(train_config_for(b, gate, data_dir, seed), run_dir, log)
-        yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
-        for variant, model_dir in (("none", final), ("yarn", yarn)):
-            results[(gate, variant)] = eval_stage(model_dir, out / "eval" / f"{gate}-{variant}.json", b, lengths,
-                                                  data_dir, seed, log)
-    rep = build_report(results, b, lengths, factor, gates)
-    md = format_markdown(rep)
+    results, training = {}, {}
+    for s in seeds:  # seed-major: an interrupted run has every model at the first seed before any at the second
+        for m in models:
+            gate, init = parse_model(m)
+            run_dir = out / "runs" / model_dir_name(m) / f"seed{s}"
+            skill = skill_settings(b, s)
+            stopper = None
+            if skill is not None:
+                scorer = PasskeyScorer(tok, b.seq_len, b.skill_samples, s, task=b.mix_tasks[0])
+                stopper = SkillStop(scorer, b.skill_every, b.until_skill, run_dir / "skill.jsonl", log)
+            final = train_stage(train_config_for(b, gate, data_dir, s, init), run_dir, log, stopper, skill)
+            training[(m, s)] = training_outcome(run_dir, skill)
+            yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
+            for variant, model_dir in (("none", final), ("yarn", yarn)):
+                results[(m, s, variant)] = eval_stage(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json",
+                                                      b, lengths, data_dir, s, log)
+    rep = R.build_report(results, training, b, lengths, factor, models, seeds)
+    md = R.format_markdown(rep)
     _write_json(json.loads(json.dumps(rep)), out / "report.json")  # int length keys become strings, as JSON has them
-    tmp = out / f".report.md.{os.getpid()}.tmp"  # per process: one-gate runs in parallel share OUT
+    tmp = out / f".report.md.{os.getpid()}.tmp"  # per process: one-model runs in parallel share OUT
     tmp.write_text(md)
     os.replace(tmp, out / "report.md")
-    plot_report(rep, out / "report.png")
+    R.plot_report(rep, out / "report.png")
     log(md)
     log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
     return rep
@@ -519,24 +512,38 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseli
 
 def configure(parser) -> None:
     parser.add_argument("--budget", choices=list(BUDGETS), default="default",
-                        help="cost preset: small (tiny model, seconds-minutes, for tests) or default (3-layer model on "
-                             "a 1k-vocab corpus, 2400 steps per model: ~35-50 min per model on a busy 2-core CPU; "
-                             "run one --gates per process in parallel into the same --out, then once with both to "
-                             "combine the cached stages)")
+                        help="cost preset: small (tiny model, seconds-minutes, for tests); default (3-layer model on "
+                             "a 1k-vocab corpus, 2400 steps per model, one seed: ~35-50 min per model on a busy 2-core "
+                             "CPU); fair (Table 5 at equal skill: every model trained until it retrieves at L, 2 "
+                             "seeds, baseline / G1 elementwise / G1 elementwise with identity gate init, 30 samples "
+                             "per cell). Run one --gates per process in parallel into the same --out, then once with "
+                             "all of them to combine the cached stages")
     parser.add_argument("--out", default="runs/longctx", help="output folder; finished stages in it are reused")
     parser.add_argument("--data-dir", default=None,
                         help="prepared corpus (gattn data prepare); default: the budget's (prepared if missing)")
-    parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"],
-                        help="gate variants to compare (default: baseline sdpa_elementwise)")
+    parser.add_argument("--gates", nargs="+", default=None, metavar="GATE[:INIT]",
+                        help="models to compare: a gate name, optionally with ':identity' for the identity gate init "
+                             "(zero gate weights, score exactly 1 at the start) instead of the official ':normal' "
+                             "(gate ~0.5 at the start), e.g. baseline sdpa_elementwise sdpa_elementwise:identity "
+                             "(default: the budget's)")
     parser.add_argument("--factor", type=int, default=4, help="YaRN extension factor, a power of two (default 4)")
     parser.add_argument("--seq-len", type=int, default=None, help="training length L (default: the budget's)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default: the budget's)")
-    parser.add_argument("--samples", type=int, default=None, help="RULER samples per task and length")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="training steps per model; with --until-skill the cap (default: the budget's)")
+    parser.add_argument("--until-skill", type=float, default=None, metavar="FRACTION",
+                        help="stop training a model once its held-out exact match on the first task at L reaches "
+                             "FRACTION (e.g. 0.9), checked every --skill-every steps; the step is reported as "
+                             "steps-to-skill; 0 = off, train exactly --steps (default: the budget's; fair: 0.9)")
+    parser.add_argument("--skill-every", type=int, default=None, help="steps between held-out skill checks")
+    parser.add_argument("--skill-samples", type=int, default=None, help="held-out samples per skill check")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds per model (--seed, --seed+1, ...); the report gives mean ± std over them")
+    parser.add_argument("--samples", type=int, default=None, help="RULER samples per task, length and seed")
     parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                         help=f"RULER tasks trained on and scored (no-corpus ones: {', '.join(ruler.NO_CORPUS_TASKS)})")
     parser.add_argument("--retrieval-mix", type=float, default=None,
                         help="fraction of training rows replaced by retrieval samples (default: the budget's)")
-    parser.add_argument("--seed", type=int, default=0, help="training and sample seed")
+    parser.add_argument("--seed", type=int, default=0, help="first training and sample seed")
 
 
 def run(args) -> int:

@@ -188,19 +188,22 @@ class _TB:
 
 # ---------------------------------------------------------------- the loop
 
-def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None) -> dict:
+def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None, step_hook=None) -> dict:
     """Train per `cfg` into `out_dir`; returns the summary (also written to out_dir/summary.json on rank 0).
 
-    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests)."""
+    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests).
+    step_hook(steps_done, model) -> str | None runs after every optimizer step (and that step's checkpoint) on every
+    rank with the plain model; a non-empty string stops training there with it as the summary's stop_reason (a
+    stopping rule such as longctx's --until-skill). It must give the same answer on every rank."""
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist)
     try:
-        return _train(cfg, Path(out_dir), resume, model_factory, info)
+        return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook)
     finally:
         D.teardown()
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo) -> dict:
+def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None) -> dict:
     cfg.check_world(info.world_size)
     log_path, cfg_path = out / "log.jsonl", out / "train_config.json"
     latest = ckpt_mod.latest_checkpoint(out)
@@ -389,6 +392,12 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
             last_ckpt_step = st["step"]
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if step_hook is not None:
+            reason = step_hook(st["step"], raw)
+            raw.train()  # the hook may have switched to eval mode
+            if reason:
+                st["stop_reason"] = str(reason)
+                break
 
     if bar is not None:
         bar.close()

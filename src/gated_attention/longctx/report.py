@@ -1,0 +1,263 @@
+"""`gattn longctx` report: Table 5 in small aggregated over seeds (mean ± spread, pooled 95 % intervals), the steps
+each model needed to reach the retrieval skill, and the paper-vs-this-run claim that `gattn compare` quotes.
+
+Input: per (model, seed, variant) the eval_stage dicts (scores by length, per-sample records, answer NLL, loss by
+position) and per (model, seed) the training outcome (steps run, held-out skill checks). Output: report.json (every
+number), report.md (tables) and report.png (score vs length, PPL vs position).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from gated_attention.longctx.skill import mean_spread, wilson
+
+VARIANTS = ("none", "yarn")
+
+# SPEC 3.5: RULER after YaRN x4 (training-free) beyond the 32k training length, baseline vs SDPA-gate
+PAPER_CLAIM = ("Table 5: after YaRN x4 without training (32k -> 128k), the SDPA-gated model keeps far more of its "
+               "RULER score beyond the training length: 72.88 vs 37.94 at 32k (-6.9 vs -41.6 from the no-YaRN model) and "
+               "58.82 vs 31.65 at 128k; within the trained length the two are equal (79.77 vs 79.50 at 32k).")
+VERDICTS = ("reproduced", "partly", "not at this scale", "not run here")
+
+
+def model_label(name: str) -> str:
+    gate, _, init = name.partition(":")
+    base = "Baseline" if gate in ("baseline", "none") else f"Gated ({gate})"
+    return base + (f", {init} init" if init and init != "normal" else "")
+
+
+def _fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _pm(s: dict, spec: str = ".1f") -> str:
+    """mean ± std (n > 1) or the single value."""
+    if s["mean"] is None:
+        return "-"
+    return format(s["mean"], spec) + (f" ± {format(s['std'], spec)}" if s["n"] > 1 else "")
+
+
+def bucket_ppl(pos_loss: list[float], edges: list[int]) -> list[float]:
+    """exp(mean loss) over each [edges[i], edges[i+1]) position range."""
+    return [math.exp(sum(pos_loss[a:b]) / (b - a)) for a, b in zip(edges, edges[1:])]
+
+
+def _hits(records: list[dict], length: int) -> tuple[int, int]:
+    """Pooled successes and samples at one target length (a record scores 1.0 when its whole answer is found)."""
+    got = [r["score"] for r in records if r["target_length"] == length]
+    return sum(1 for s in got if s >= 1.0 - 1e-9), len(got)
+
+
+def build_report(results: dict, training: dict, b, lengths: list[int], factor: int, models: list[str],
+                 seeds: list[int]) -> dict:
+    """results[(model, seed, variant)] = eval dict; training[(model, seed)] = dict(steps_run, steps_to_skill, ...)."""
+    L = b.seq_len
+    edges = [0, L] + [L * 2 ** i for i in range(1, int(math.log2(factor)) + 1)]
+    names = [f"{a}-{c}" for a, c in zip(edges, edges[1:])]
+    rows = []
+    for variant in VARIANTS:
+        for m in models:
+            per = [results[(m, s, variant)] for s in seeds]
+            avg = {n: mean_spread([r["average"][str(n)] for r in per]) for n in lengths}
+            ci = {}
+            for n in lengths:
+                k = sum(_hits(r["records"], n)[0] for r in per)
+                tot = sum(_hits(r["records"], n)[1] for r in per)
+                ci[n] = {"hits": k, "samples": tot, "wilson95": list(wilson(k, tot)) if tot else None}
+            row = dict(model=m, gate=m.partition(":")[0], gate_init=m.partition(":")[2] or "normal", variant=variant,
+                       average={n: avg[n]["mean"] for n in lengths}, average_std={n: avg[n]["std"] for n in lengths},
+                       per_seed={str(s): {n: r["average"][str(n)] for n in lengths} for s, r in zip(seeds, per)},
+                       pooled=ci,
+                       drop_from_L={n: mean_spread([None if r["average"][str(n)] is None or r["average"][str(L)] is None
+                                                    else r["average"][str(n)] - r["average"][str(L)] for r in per])["mean"]
+                                    for n in lengths if n > L},
+                       tasks={t: {n: mean_spread([r["scores"][t][str(n)] for r in per])["mean"] for n in lengths}
+                              for t in per[0]["scores"]},
+                       answer_nll={n: mean_spread([r["average_answer_nll"][str(n)] for r in per])["mean"] for n in lengths},
+                       answer_nll_std={n: mean_spread([r["average_answer_nll"][str(n)] for r in per])["std"]
+                                       for n in lengths},
+                       ppl_buckets=dict(zip(names, np.mean([bucket_ppl(r["pos_loss"], edges) for r in per], 0).tolist())))
+            if variant == "yarn":
+                base = [results[(m, s, "none")] for s in seeds]
+                row["delta"] = {n: mean_spread([None if r["average"][str(n)] is None or q["average"][str(n)] is None
+                                                else r["average"][str(n)] - q["average"][str(n)]
+                                                for r, q in zip(per, base)])["mean"] for n in lengths}
+            rows.append(row)
+    train = {m: [dict(seed=s, **training[(m, s)]) for s in seeds] for m in models}
+    skill = {m: mean_spread([t["steps_to_skill"] for t in train[m]]) for m in models}
+    rep = dict(train_length=L, factor=factor, lengths=lengths, gates=models, models=models, seeds=seeds,
+               budget=_budget_dict(b), rows=rows, training=train, steps_to_skill=skill,
+               pos_loss={f"{m}-{v}": np.mean([results[(m, s, v)]["pos_loss"] for s in seeds], 0).tolist()
+                         for m in models for v in VARIANTS})
+    rep["claim"] = claim(rep)
+    return rep
+
+
+def _budget_dict(b) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(b)
+
+
+def claim(rep: dict) -> dict:
+    """{paper, this_run, verdict}: does the gated model keep more passkey retrieval after YaRN beyond L?
+
+    Compared: the first baseline and the first normal-init gated model, YaRN rows, mean over seeds and over the lengths
+    above L. reproduced: the gated model is ahead by >= 10 points there, at every such length, and every model had the
+    skill at L; partly: ahead on average but not all of that; not at this scale: not ahead; not run here: no such pair.
+    """
+    L, rows = rep["train_length"], rep["rows"]
+    yarn = {r["model"]: r for r in rows if r["variant"] == "yarn"}
+    base = next((m for m in yarn if m.partition(":")[0] in ("baseline", "none")), None)
+    gated = next((m for m in yarn if m.partition(":")[0] not in ("baseline", "none") and ":" not in m), None)
+    if gated is None:
+        gated = next((m for m in yarn if m.partition(":")[0] not in ("baseline", "none")), None)
+    if base is None or gated is None:
+        return dict(paper=PAPER_CLAIM, this_run="no baseline/gated pair in this run", verdict="not run here")
+    longer = [n for n in rep["lengths"] if n > L]
+    b_vals = [yarn[base]["average"][n] for n in longer]
+    g_vals = [yarn[gated]["average"][n] for n in longer]
+    if any(v is None for v in b_vals + g_vals):
+        return dict(paper=PAPER_CLAIM, this_run="no score beyond L", verdict="not run here")
+    diff = sum(g_vals) / len(g_vals) - sum(b_vals) / len(b_vals)
+    seeds = len(rep["seeds"])
+    unskilled = [f"{m} seed {t['seed']}" for m, ts in rep["training"].items() for t in ts
+                 if t.get("until_skill") and t["steps_to_skill"] is None]
+    fig = "; ".join(f"{n}: {_fmt(g)} vs {_fmt(b)}" for n, g, b in zip(longer, g_vals, b_vals))
+    at_L = (f"at L={L} without YaRN {_fmt(rep_row(rows, gated, 'none')['average'][L])} vs "
+            f"{_fmt(rep_row(rows, base, 'none')['average'][L])}")
+    this_run = (f"passkey exact match % after YaRN x{rep['factor']} (training-free), {gated} vs {base}, mean of "
+                f"{seeds} seed(s): {fig} (difference {diff:+.1f} points); {at_L}"
+                + (f"; did not reach the skill at L: {', '.join(unskilled)}" if unskilled else ""))
+    if diff >= 10 and all(g > b for g, b in zip(g_vals, b_vals)) and not unskilled:
+        verdict = "reproduced"
+    elif diff > 0:
+        verdict = "partly"
+    else:
+        verdict = "not at this scale"
+    return dict(paper=PAPER_CLAIM, this_run=this_run, verdict=verdict)
+
+
+def rep_row(rows: list[dict], model: str, variant: str) -> dict:
+    return next(r for r in rows if r["model"] == model and r["variant"] == variant)
+
+
+def format_markdown(rep: dict) -> str:
+    L, factor, lengths, seeds = rep["train_length"], rep["factor"], rep["lengths"], rep["seeds"]
+    b = rep["budget"]
+
+    def name(row):
+        label = model_label(row["model"])
+        return f"{label} ({L} model)" if row["variant"] == "none" else f"{label} + YaRN -> {factor * L}"
+
+    stop = (f"each model trained until its held-out {b['mix_tasks'][0]} exact match at L reached "
+            f"{b['until_skill']:.0%} (checked every {b['skill_every']} steps on {b['skill_samples']} samples), at most "
+            f"{b['steps']} steps" if b.get("until_skill") else f"{b['steps']} steps per model")
+    head = " | ".join(str(n) for n in lengths)
+    out = [f"# Table 5 in small: RULER average (%) by context length (trained at L={L})", "",
+           f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task, length and seed; seeds "
+           f"{', '.join(map(str, seeds))}; {stop}; model preset {b['model']}"
+           f"{' ' + json.dumps(b['model_overrides']) if b['model_overrides'] else ''}, batch {b['batch_size']} x {L} "
+           f"tokens, lr {b['lr']}, {b.get('precision', 'fp32')}, retrieval mix {b['retrieval_mix']}. Cells: mean ± "
+           f"standard deviation over seeds; YaRN rows: in brackets the change against the same models without YaRN "
+           f"(the paper's deltas). Lengths above L are beyond the training length; '-' = the prompt does not fit.", "",
+           "## Steps to reach the skill at L", "", "| Model | " + " | ".join(f"seed {s}" for s in seeds)
+           + " | mean ± std |", "|---|" + "---|" * (len(seeds) + 1)]
+    for m, ts in rep["training"].items():
+        cells = []
+        for t in ts:
+            if t.get("until_skill"):
+                cells.append(str(t["steps_to_skill"]) if t["steps_to_skill"] is not None
+                             else f"not reached in {t['steps_run']}")
+            else:
+                cells.append(f"{t['steps_run']} (fixed)")
+        out.append(f"| {model_label(m)} | " + " | ".join(cells) + f" | {_pm(rep['steps_to_skill'][m], '.0f')} |")
+    out += ["", "## Score by length (mean ± std over seeds)", "", f"| Method | {head} |", "|---|" + "---|" * len(lengths)]
+    for row in rep["rows"]:
+        cells = []
+        for n in lengths:
+            c = _pm({"mean": row["average"][n], "std": row["average_std"][n], "n": len(seeds)})
+            if row["variant"] == "yarn" and row["delta"][n] is not None:
+                c += f" ({row['delta'][n]:+.1f})"
+            cells.append(c)
+        out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
+    out += ["", "## Pooled over seeds: hits / samples [95 % Wilson interval, %]", "", f"| Method | {head} |",
+            "|---|" + "---|" * len(lengths)]
+    for row in rep["rows"]:
+        cells = []
+        for n in lengths:
+            p = row["pooled"][n]
+            cells.append("-" if not p["samples"] else
+                         f"{p['hits']}/{p['samples']} [{p['wilson95'][0]:.0f}, {p['wilson95'][1]:.0f}]")
+        out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
+    longer = [n for n in lengths if n > L]
+    out += ["", f"## Degradation beyond the training length: score at n minus score at L={L}", "",
+            "| Method | " + " | ".join(str(n) for n in longer) + " |", "|---|" + "---|" * len(longer)]
+    for row in rep["rows"]:
+        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['drop_from_L'][n], "+.1f") for n in longer) + " |")
+    out += ["", "## Answer NLL (nats/token, teacher-forced, lower is better; mean ± std over seeds)", "",
+            f"| Method | {head} |", "|---|" + "---|" * len(lengths)]
+    for row in rep["rows"]:
+        out.append(f"| {name(row)} | " + " | ".join(
+            _pm({"mean": row["answer_nll"][n], "std": row["answer_nll_std"][n], "n": len(seeds)}, ".3f")
+            for n in lengths) + " |")
+    if any(len(r["tasks"]) > 1 for r in rep["rows"]):
+        out += ["", "## Per task (mean over seeds)", "", f"| Method | Task | {head} |",
+                "|---|---|" + "---|" * len(lengths)]
+        for row in rep["rows"]:
+            for t, s in row["tasks"].items():
+                out.append(f"| {name(row)} | {t} | " + " | ".join(_fmt(s[n]) for n in lengths) + " |")
+    buckets = list(rep["rows"][0]["ppl_buckets"])
+    out += ["", "## Perplexity by position on corpus validation text (mean over seeds; beyond L is extrapolation)", "",
+            "| Method | " + " | ".join(f"pos {k}" for k in buckets) + " |", "|---|" + "---|" * len(buckets)]
+    for row in rep["rows"]:
+        out.append(f"| {name(row)} | " + " | ".join(f"{row['ppl_buckets'][k]:.2f}" for k in buckets) + " |")
+    c = rep["claim"]
+    out += ["", "## Paper claim vs this run", "", f"- Paper: {c['paper']}", f"- This run: {c['this_run']}",
+            f"- Verdict: **{c['verdict']}**"]
+    return "\n".join(out) + "\n"
+
+
+def plot_report(rep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    L, lengths = rep["train_length"], rep["lengths"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    palette = ["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
+    colors = {m: c for m, c in zip(rep["models"], palette)}
+    for row in rep["rows"]:
+        ls = "-" if row["variant"] == "none" else "--"
+        label = model_label(row["model"]) + (" + YaRN" if row["variant"] == "yarn" else "")
+        mean = np.array([np.nan if row["average"][n] is None else row["average"][n] for n in lengths])
+        std = np.array([np.nan if row["average_std"][n] is None else row["average_std"][n] for n in lengths])
+        ax1.errorbar(lengths, mean, yerr=std, fmt=ls, marker="o", color=colors[row["model"]], label=label, capsize=3)
+        pos = np.asarray(rep["pos_loss"][f"{row['model']}-{row['variant']}"])
+        w = max(1, len(pos) // 64)  # average over windows of positions: single positions are noisy
+        n = len(pos) // w
+        ax2.plot(np.arange(n) * w + w / 2, np.exp(pos[:n * w].reshape(n, w).mean(1)), ls,
+                 color=colors[row["model"]], label=label)
+    for ax in (ax1, ax2):
+        ax.axvline(L, color="gray", lw=1, ls=":")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(lengths, [str(n) for n in lengths])
+    ax1.set_xlabel("context length (tokens); dotted = training length")
+    ax1.set_ylabel("RULER average (%), mean ± std over seeds")
+    ax1.set_ylim(-3, 103)
+    ax2.set_xlabel("position (tokens)")
+    ax2.set_ylabel("perplexity (corpus validation)")
+    ax2.set_yscale("log")
+    fig.tight_layout()
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.png")  # per process: parallel runs share OUT
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
