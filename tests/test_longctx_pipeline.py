@@ -218,6 +218,44 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         P.run_pipeline(out, dataclasses.replace(b, steps=5), corpus_dir, log=logs.append)
 
 
+def test_trainer_step_hook_stops_and_pipeline_records_steps_to_skill(corpus_dir, tmp_path, monkeypatch):
+    """The small budget with a stopper whose scorer says 'skilled' from the 3rd check: training ends at that step,
+    the final checkpoint and summary say so, a re-run reuses it, and two seeds land in the report."""
+    calls = []
+
+    class Scorer:
+        def __init__(self, tok, length, samples, seed, task="passkey"):
+            self.seed = seed
+
+        def __call__(self, model):
+            calls.append(self.seed)
+            n = sum(1 for c in calls if c == self.seed)
+            return {"exact_match": 1.0 if n >= 3 else 0.0, "answer_nll": 0.1}
+
+    from gated_attention.longctx import skill as S
+
+    monkeypatch.setattr(S, "PasskeyScorer", Scorer)
+    b = dataclasses.replace(P.BUDGETS["small"], steps=8, until_skill=0.9, skill_every=2, seeds=2,
+                            models=("baseline",))
+    out = tmp_path / "lc"
+    logs: list[str] = []
+    rep = P.run_pipeline(out, b, corpus_dir, factor=2, log=logs.append)
+    for seed in (0, 1):
+        run = out / "runs" / "baseline" / f"seed{seed}"
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 6 and "skill reached" in summary["stop_reason"]
+        assert (run / "final" / "model.safetensors").exists()
+        assert [c["step"] for c in S.read_skill_log(run / "skill.jsonl")] == [2, 4, 6]
+    assert [t["steps_to_skill"] for t in rep["training"]["baseline"]] == [6, 6]
+    assert rep["seeds"] == [0, 1] and rep["lengths"] == [128, 256, 512]
+    assert json.loads((out / "report.json").read_text())["claim"]["verdict"] == "not run here"  # no gated model
+    logs.clear()
+    P.run_pipeline(out, b, corpus_dir, factor=2, log=logs.append)
+    assert not any("train " in m for m in logs)
+    with pytest.raises(ValueError, match="other settings.*stopping rule"):
+        P.run_pipeline(out, dataclasses.replace(b, until_skill=0.5), corpus_dir, factor=2, log=logs.append)
+
+
 def test_missing_budget_corpus_is_prepared_with_its_vocabulary(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(D, "prepare", lambda cfg: calls.append(cfg))
