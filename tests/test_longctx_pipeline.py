@@ -254,6 +254,17 @@ def test_trainer_step_hook_stops_and_pipeline_records_steps_to_skill(corpus_dir,
     assert not any("train " in m for m in logs)
     with pytest.raises(ValueError, match="other settings.*stopping rule"):
         P.run_pipeline(out, dataclasses.replace(b, until_skill=0.5), corpus_dir, factor=2, log=logs.append)
+    # a partial report: trains nothing, reports the finished baseline, lists the gated model as not started
+    (out / "runs" / "sdpa_elementwise" / "seed0").mkdir(parents=True)
+    (out / "runs" / "sdpa_elementwise" / "seed0" / "log.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (out / "runs" / "sdpa_elementwise" / "seed0" / "skill.jsonl").write_text('{"step": 2, "exact_match": 0.25}\n')
+    rep = P.run_pipeline(out, b, corpus_dir, gates=["baseline", "sdpa_elementwise"], factor=2, log=logs.append,
+                         report_only=True)
+    assert not rep["complete"] and {r["model"] for r in rep["rows"]} == {"baseline"}
+    assert [t["finished"] for t in rep["training"]["sdpa_elementwise"]] == [False]
+    md = (out / "report.md").read_text()
+    assert "**Partial report**" in md and "running (step 2, 25 % at step 2) | not started |" in md
+    assert not (out / "runs" / "sdpa_elementwise" / "seed0" / "train_config.json").exists()
 
 
 def test_missing_budget_corpus_is_prepared_with_its_vocabulary(tmp_path, monkeypatch):

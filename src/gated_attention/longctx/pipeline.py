@@ -2,15 +2,18 @@
 
 Table 5 (SPEC 3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
 more of its RULER score. At CPU scale:
-  1. train a baseline and a gated (sdpa_elementwise) model at length L on the corpus, with a fraction of every batch
-     replaced by synthetic retrieval samples (ruler.training_samples, within L) so a tiny model learns the task
-     format at all (a model trained on literature alone scores 0 at every length, which measures nothing);
+  1. train each model (a gate, optionally with a non-default gate init: GATE:INIT) at length L on the corpus, with a
+     fraction of every batch replaced by synthetic retrieval samples (ruler.training_samples, within L) so a tiny
+     model learns the task format at all (a model trained on literature alone scores 0 at every length); with
+     until_skill, training stops once a held-out check at L reaches the threshold (skill.SkillStop), so extension is
+     compared at equal skill and steps-to-skill is measured; every model for `seeds` seeds;
   2. extend each checkpoint 4x with YaRN (extend.extend_checkpoint, original length L), training-free;
-  3. score RULER tasks at L/2, L, 2L, 4L with and without YaRN (greedy, KV cache), and perplexity by position up to
-     4L on the corpus validation text;
-  4. write OUT/report.md (tables), OUT/report.json (every number) and OUT/report.png (score vs length, PPL vs
-     position).
-Every stage is cached under OUT (runs/<gate>/, runs/<gate>/yarn<factor>/, eval/<gate>-<variant>.json) and reused on a
+  3. score RULER tasks at L/2, L, 2L, 4L with and without YaRN (greedy, KV cache), teacher-forced answer NLL, and
+     perplexity by position up to 4L on the corpus validation text;
+  4. write OUT/report.md (tables, mean ± std over seeds), OUT/report.json (every number, plus the paper-vs-this-run
+     `claim`) and OUT/report.png (score vs length, PPL vs position); see longctx.report.
+Every stage is cached under OUT (runs/<model>/seed<k>/, runs/<model>/seed<k>/yarn<factor>/,
+eval/<model>-seed<k>-<variant>.json; <model> is the gate, plus '.identity' for the identity init) and reused on a
 re-run when its settings match; a half-finished training run resumes from its last checkpoint.
 
 Prompts and retrieval rows both start with the corpus' <|bos|>: corpus windows always do (data.sample_batch), and the
@@ -152,13 +155,14 @@ class Budget:
     models: tuple = ("baseline", "sdpa_elementwise")  # GATE or GATE:INIT (gate_init), when --gates is not given
 
 
-# the fair budget's model and schedule (set from the pilots in docs/experiments/long_context.md)
-FAIR_MODEL = {"hidden_size": 64, "intermediate_size": 192, "head_dim": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "num_key_value_heads": 1}
-FAIR_L, FAIR_STEPS, FAIR_LR = 128, 1500, 1e-2
 # the model the earlier runs used: 3 layers x 4 heads (2 KV) of width 128
 _D128 = {"hidden_size": 128, "intermediate_size": 384, "head_dim": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
          "num_key_value_heads": 2}
+# the fair budget's model and schedule (set from the pilots in docs/experiments/long_context.md)
+# 2 layers (the fewest an induction/copy circuit needs) x 4 heads (2 KV) of width 128; L = 128 is the shortest length
+# a passkey prompt fits (97 tokens bare), so rows are almost all retrieval sample and steps are half the cost of L=256
+FAIR_MODEL = {**_D128, "num_hidden_layers": 2}
+FAIR_L, FAIR_STEPS, FAIR_LR = 128, 2000, 1e-2
 BUDGETS = {
     # seconds to a few minutes: the test and smoke budget (tiny model, a handful of steps, one task)
     "small": Budget(model="tiny", seq_len=256, steps=8, batch_size=4, warmup_steps=2, mix_tasks=("passkey",),
@@ -327,18 +331,6 @@ def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None 
     return final
 
 
-def training_outcome(run_dir: Path, skill: dict | None) -> dict:
-    """steps_run, the held-out checks and steps_to_skill (None: not reached, or no stopping rule) of a finished run."""
-    from gated_attention.longctx.skill import read_skill_log, steps_to_skill
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    checks = read_skill_log(run_dir / "skill.jsonl")
-    steps_run = int(summary["steps"])
-    reached = steps_to_skill(checks, skill["until_skill"], steps_run) if skill else None
-    return dict(steps_run=steps_run, until_skill=skill["until_skill"] if skill else None, steps_to_skill=reached,
-                checks=[c for c in checks if c["step"] <= steps_run], wall_time_s=summary.get("wall_time_s"))
-
-
 def extend_stage(final: Path, dst: Path, seq_len: int, factor: int, log=print) -> Path:
     from gated_attention.longctx.extend import extend_checkpoint, extended_config
 
@@ -382,6 +374,21 @@ def answer_nll(model, tokenizer, sample: dict) -> float:
     return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
 
 
+def eval_settings(model_dir: Path, b: Budget, lengths: list[int], seed: int) -> dict:
+    """What an evaluation depends on (its cache key), the checkpoint's mtime included."""
+    return dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
+                max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
+                ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
+
+
+def cached_eval(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], seed: int) -> dict | None:
+    """eval_stage's cached result when it is current, else None (no work: for --report-only)."""
+    if not (out_json.exists() and (model_dir / "model.safetensors").exists()):
+        return None
+    cached = json.loads(out_json.read_text())
+    return cached if cached.get("settings") == eval_settings(model_dir, b, lengths, seed) else None
+
+
 def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], data_dir: str, seed: int,
                log=print) -> dict:
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
@@ -389,9 +396,7 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
     from gated_attention.data import Corpus
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    settings = dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
-                    max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
-                    ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
+    settings = eval_settings(model_dir, b, lengths, seed)
     if out_json.exists():
         cached = json.loads(out_json.read_text())
         if cached.get("settings") == settings:
@@ -402,7 +407,7 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
     device = torch.device("cpu")
     model = GatedQwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.generation_config.eos_token_id = corpus.eos_id
-    name = f"{model_dir.parent.name}/{model_dir.name}"
+    name = "/".join(model_dir.parts[-3:])  # <model>/seed<k>/final or .../yarn<factor>
     scores: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     nll: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     records = []
@@ -452,14 +457,16 @@ def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
 
 
 def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, factor: int = 4, seed: int = 0,
-                 log=print) -> dict:
+                 log=print, report_only: bool = False) -> dict:
     """Train, extend, evaluate and report (see the module docstring); returns the report dict.
 
     gates: model specs GATE or GATE:INIT (None: the budget's models); seeds seed .. seed + b.seeds - 1.
+    report_only: train and evaluate nothing; report the finished, evaluated (model, seed) pairs and the progress of
+    the others (a partial report while runs are still going, or after an interrupted run).
     data_dir=None uses the budget's corpus (b.data_dir, prepared with b.vocab_size if missing).
     """
     from gated_attention.longctx import report as R
-    from gated_attention.longctx.skill import PasskeyScorer, SkillStop
+    from gated_attention.longctx import skill as S
 
     if factor < 2 or factor & (factor - 1):
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
@@ -488,12 +495,15 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
             gate, init = parse_model(m)
             run_dir = out / "runs" / model_dir_name(m) / f"seed{s}"
             skill = skill_settings(b, s)
+            if report_only:
+                _report_only_cell(out, run_dir, m, s, b, lengths, factor, skill, results, training)
+                continue
             stopper = None
             if skill is not None:
-                scorer = PasskeyScorer(tok, b.seq_len, b.skill_samples, s, task=b.mix_tasks[0])
-                stopper = SkillStop(scorer, b.skill_every, b.until_skill, run_dir / "skill.jsonl", log)
+                scorer = S.PasskeyScorer(tok, b.seq_len, b.skill_samples, s, task=b.mix_tasks[0])
+                stopper = S.SkillStop(scorer, b.skill_every, b.until_skill, run_dir / "skill.jsonl", log)
             final = train_stage(train_config_for(b, gate, data_dir, s, init), run_dir, log, stopper, skill)
-            training[(m, s)] = training_outcome(run_dir, skill)
+            training[(m, s)] = S.training_outcome(run_dir, skill)
             yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
             for variant, model_dir in (("none", final), ("yarn", yarn)):
                 results[(m, s, variant)] = eval_stage(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json",
@@ -508,6 +518,23 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
     log(md)
     log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
     return rep
+
+
+def _report_only_cell(out: Path, run_dir: Path, m: str, s: int, b: Budget, lengths: list[int], factor: int,
+                      skill: dict | None, results: dict, training: dict) -> None:
+    from gated_attention.longctx import skill as S
+
+    final, yarn = run_dir / "final", run_dir / f"yarn{factor}"
+    if not ((run_dir / "summary.json").exists() and (final / "config.json").exists()):
+        progress = S.training_progress(run_dir, skill)
+        if progress is not None:
+            training[(m, s)] = progress
+        return
+    training[(m, s)] = S.training_outcome(run_dir, skill)
+    for variant, model_dir in (("none", final), ("yarn", yarn)):
+        got = cached_eval(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json", b, lengths, s)
+        if got is not None:
+            results[(m, s, variant)] = got
 
 
 def configure(parser) -> None:
@@ -544,8 +571,12 @@ def configure(parser) -> None:
     parser.add_argument("--retrieval-mix", type=float, default=None,
                         help="fraction of training rows replaced by retrieval samples (default: the budget's)")
     parser.add_argument("--seed", type=int, default=0, help="first training and sample seed")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train and evaluate nothing: write the report from the finished (model, seed) runs and "
+                             "show the progress of the others (a partial table while runs are going)")
 
 
 def run(args) -> int:
-    run_pipeline(args.out, budget_from_args(args), args.data_dir, args.gates, args.factor, args.seed)
+    run_pipeline(args.out, budget_from_args(args), args.data_dir, args.gates, args.factor, args.seed,
+                 report_only=args.report_only)
     return 0

@@ -55,23 +55,30 @@ def _hits(records: list[dict], length: int) -> tuple[int, int]:
 
 def build_report(results: dict, training: dict, b, lengths: list[int], factor: int, models: list[str],
                  seeds: list[int]) -> dict:
-    """results[(model, seed, variant)] = eval dict; training[(model, seed)] = dict(steps_run, steps_to_skill, ...)."""
+    """results[(model, seed, variant)] = eval dict; training[(model, seed)] = dict(steps_run, steps_to_skill, ...).
+
+    A partial report (--report-only while runs are unfinished) lacks some results: each row then averages the seeds
+    it has (row["seeds"]), a model with none has no rows, and training entries may carry finished=False.
+    """
     L = b.seq_len
     edges = [0, L] + [L * 2 ** i for i in range(1, int(math.log2(factor)) + 1)]
     names = [f"{a}-{c}" for a, c in zip(edges, edges[1:])]
     rows = []
     for variant in VARIANTS:
         for m in models:
-            per = [results[(m, s, variant)] for s in seeds]
+            have = [s for s in seeds if (m, s, "none") in results and (m, s, "yarn") in results]
+            if not have:
+                continue
+            per = [results[(m, s, variant)] for s in have]
             avg = {n: mean_spread([r["average"][str(n)] for r in per]) for n in lengths}
             ci = {}
             for n in lengths:
                 k = sum(_hits(r["records"], n)[0] for r in per)
                 tot = sum(_hits(r["records"], n)[1] for r in per)
                 ci[n] = {"hits": k, "samples": tot, "wilson95": list(wilson(k, tot)) if tot else None}
-            row = dict(model=m, gate=m.partition(":")[0], gate_init=m.partition(":")[2] or "normal", variant=variant,
+            row = dict(model=m, seeds=have, gate=m.partition(":")[0], gate_init=m.partition(":")[2] or "normal", variant=variant,
                        average={n: avg[n]["mean"] for n in lengths}, average_std={n: avg[n]["std"] for n in lengths},
-                       per_seed={str(s): {n: r["average"][str(n)] for n in lengths} for s, r in zip(seeds, per)},
+                       per_seed={str(s): {n: r["average"][str(n)] for n in lengths} for s, r in zip(have, per)},
                        pooled=ci,
                        drop_from_L={n: mean_spread([None if r["average"][str(n)] is None or r["average"][str(L)] is None
                                                     else r["average"][str(n)] - r["average"][str(L)] for r in per])["mean"]
@@ -83,17 +90,19 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
                                        for n in lengths},
                        ppl_buckets=dict(zip(names, np.mean([bucket_ppl(r["pos_loss"], edges) for r in per], 0).tolist())))
             if variant == "yarn":
-                base = [results[(m, s, "none")] for s in seeds]
+                base = [results[(m, s, "none")] for s in have]
                 row["delta"] = {n: mean_spread([None if r["average"][str(n)] is None or q["average"][str(n)] is None
                                                 else r["average"][str(n)] - q["average"][str(n)]
                                                 for r, q in zip(per, base)])["mean"] for n in lengths}
             rows.append(row)
-    train = {m: [dict(seed=s, **training[(m, s)]) for s in seeds] for m in models}
+    train = {m: [dict(seed=s, **training[(m, s)]) for s in seeds if (m, s) in training] for m in models}
     skill = {m: mean_spread([t["steps_to_skill"] for t in train[m]]) for m in models}
+    done = [m for m in models if any(r["model"] == m for r in rows)]
     rep = dict(train_length=L, factor=factor, lengths=lengths, gates=models, models=models, seeds=seeds,
                budget=_budget_dict(b), rows=rows, training=train, steps_to_skill=skill,
-               pos_loss={f"{m}-{v}": np.mean([results[(m, s, v)]["pos_loss"] for s in seeds], 0).tolist()
-                         for m in models for v in VARIANTS})
+               complete=all((m, s, v) in results for m in models for s in seeds for v in VARIANTS),
+               pos_loss={f"{m}-{v}": np.mean([results[(m, s, v)]["pos_loss"] for s in seeds if (m, s, v) in results],
+                                             0).tolist() for m in done for v in VARIANTS})
     rep["claim"] = claim(rep)
     return rep
 
@@ -125,15 +134,18 @@ def claim(rep: dict) -> dict:
     if any(v is None for v in b_vals + g_vals):
         return dict(paper=PAPER_CLAIM, this_run="no score beyond L", verdict="not run here")
     diff = sum(g_vals) / len(g_vals) - sum(b_vals) / len(b_vals)
-    seeds = len(rep["seeds"])
+    seeds = len(yarn[gated]["seeds"]), len(yarn[base]["seeds"])
+    seeds = str(seeds[0]) if seeds[0] == seeds[1] else f"{seeds[0]}/{seeds[1]}"
     unskilled = [f"{m} seed {t['seed']}" for m, ts in rep["training"].items() for t in ts
-                 if t.get("until_skill") and t["steps_to_skill"] is None]
+                 if t.get("until_skill") and t["steps_to_skill"] is None and t.get("finished", True)]
     fig = "; ".join(f"{n}: {_fmt(g)} vs {_fmt(b)}" for n, g, b in zip(longer, g_vals, b_vals))
     at_L = (f"at L={L} without YaRN {_fmt(rep_row(rows, gated, 'none')['average'][L])} vs "
             f"{_fmt(rep_row(rows, base, 'none')['average'][L])}")
     this_run = (f"passkey exact match % after YaRN x{rep['factor']} (training-free), {gated} vs {base}, mean of "
                 f"{seeds} seed(s): {fig} (difference {diff:+.1f} points); {at_L}"
                 + (f"; did not reach the skill at L: {', '.join(unskilled)}" if unskilled else ""))
+    if not rep.get("complete", True):
+        this_run += " (partial: not every model and seed has finished)"
     if diff >= 10 and all(g > b for g, b in zip(g_vals, b_vals)) and not unskilled:
         verdict = "reproduced"
     elif diff > 0:
@@ -152,14 +164,19 @@ def format_markdown(rep: dict) -> str:
     b = rep["budget"]
 
     def name(row):
-        label = model_label(row["model"])
+        label = model_label(row["model"]) + (f" [seed {', '.join(map(str, row['seeds']))} only]"
+                                             if len(row["seeds"]) < len(seeds) else "")
         return f"{label} ({L} model)" if row["variant"] == "none" else f"{label} + YaRN -> {factor * L}"
 
     stop = (f"each model trained until its held-out {b['mix_tasks'][0]} exact match at L reached "
             f"{b['until_skill']:.0%} (checked every {b['skill_every']} steps on {b['skill_samples']} samples), at most "
             f"{b['steps']} steps" if b.get("until_skill") else f"{b['steps']} steps per model")
     head = " | ".join(str(n) for n in lengths)
-    out = [f"# Table 5 in small: RULER average (%) by context length (trained at L={L})", "",
+    out = [f"# Table 5 in small: RULER average (%) by context length (trained at L={L})", ""]
+    if not rep.get("complete", True):
+        out += ["**Partial report** (`--report-only` while runs are unfinished): rows average the seeds that have "
+                "finished; re-run the same command without `--report-only` to resume and complete it.", ""]
+    out += [
            f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task, length and seed; seeds "
            f"{', '.join(map(str, seeds))}; {stop}; model preset {b['model']}"
            f"{' ' + json.dumps(b['model_overrides']) if b['model_overrides'] else ''}, batch {b['batch_size']} x {L} "
@@ -170,18 +187,32 @@ def format_markdown(rep: dict) -> str:
            + " | mean ± std |", "|---|" + "---|" * (len(seeds) + 1)]
     for m, ts in rep["training"].items():
         cells = []
-        for t in ts:
-            if t.get("until_skill"):
+        by_seed = {t["seed"]: t for t in ts}
+        for sd in seeds:
+            t = by_seed.get(sd)
+            if t is None:
+                cells.append("not started")
+            elif not t.get("finished", True):
+                last = t["checks"][-1] if t["checks"] else None
+                cells.append(f"running (step {t['steps_run']}" + (f", {100 * last['exact_match']:.0f} % at step "
+                                                                   f"{last['step']})" if last else ")"))
+            elif t.get("until_skill"):
                 cells.append(str(t["steps_to_skill"]) if t["steps_to_skill"] is not None
                              else f"not reached in {t['steps_run']}")
             else:
                 cells.append(f"{t['steps_run']} (fixed)")
-        out.append(f"| {model_label(m)} | " + " | ".join(cells) + f" | {_pm(rep['steps_to_skill'][m], '.0f')} |")
+        done = [t for t in ts if t.get("finished", True)]
+        sk = rep["steps_to_skill"][m]
+        mean = _pm(sk, ".0f") + (f" ({sk['n']} of {len(done)} reached)" if done and sk["n"] < len(done) else "")
+        out.append(f"| {model_label(m)} | " + " | ".join(cells) + f" | {mean} |")
+    if not rep["rows"]:
+        out += ["", "No model has finished training and evaluation yet."]
+        return _claim_md(out, rep)
     out += ["", "## Score by length (mean ± std over seeds)", "", f"| Method | {head} |", "|---|" + "---|" * len(lengths)]
     for row in rep["rows"]:
         cells = []
         for n in lengths:
-            c = _pm({"mean": row["average"][n], "std": row["average_std"][n], "n": len(seeds)})
+            c = _pm({"mean": row["average"][n], "std": row["average_std"][n], "n": len(row["seeds"])})
             if row["variant"] == "yarn" and row["delta"][n] is not None:
                 c += f" ({row['delta'][n]:+.1f})"
             cells.append(c)
@@ -204,7 +235,7 @@ def format_markdown(rep: dict) -> str:
             f"| Method | {head} |", "|---|" + "---|" * len(lengths)]
     for row in rep["rows"]:
         out.append(f"| {name(row)} | " + " | ".join(
-            _pm({"mean": row["answer_nll"][n], "std": row["answer_nll_std"][n], "n": len(seeds)}, ".3f")
+            _pm({"mean": row["answer_nll"][n], "std": row["answer_nll_std"][n], "n": len(row["seeds"])}, ".3f")
             for n in lengths) + " |")
     if any(len(r["tasks"]) > 1 for r in rep["rows"]):
         out += ["", "## Per task (mean over seeds)", "", f"| Method | Task | {head} |",
@@ -217,6 +248,10 @@ def format_markdown(rep: dict) -> str:
             "| Method | " + " | ".join(f"pos {k}" for k in buckets) + " |", "|---|" + "---|" * len(buckets)]
     for row in rep["rows"]:
         out.append(f"| {name(row)} | " + " | ".join(f"{row['ppl_buckets'][k]:.2f}" for k in buckets) + " |")
+    return _claim_md(out, rep)
+
+
+def _claim_md(out: list[str], rep: dict) -> str:
     c = rep["claim"]
     out += ["", "## Paper claim vs this run", "", f"- Paper: {c['paper']}", f"- This run: {c['this_run']}",
             f"- Verdict: **{c['verdict']}**"]
@@ -230,6 +265,8 @@ def plot_report(rep: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     L, lengths = rep["train_length"], rep["lengths"]
+    if not rep["rows"]:
+        return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     palette = ["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
     colors = {m: c for m, c in zip(rep["models"], palette)}

@@ -131,3 +131,23 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return (100 * max(0.0, centre - half), 100 * min(1.0, centre + half))
+
+
+def training_outcome(run_dir: Path, skill: dict | None) -> dict:
+    """steps_run, the held-out checks and steps_to_skill (None: not reached, or no stopping rule) of a finished run."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    checks = read_skill_log(run_dir / "skill.jsonl")
+    steps_run = int(summary["steps"])
+    reached = steps_to_skill(checks, skill["until_skill"], steps_run) if skill else None
+    return dict(steps_run=steps_run, until_skill=skill["until_skill"] if skill else None, steps_to_skill=reached,
+                checks=[c for c in checks if c["step"] <= steps_run], wall_time_s=summary.get("wall_time_s"))
+
+
+def training_progress(run_dir: Path, skill: dict | None) -> dict | None:
+    """An unfinished run's state for a partial report: steps logged so far and its held-out checks (None: not begun)."""
+    log_path = run_dir / "log.jsonl"
+    if not log_path.exists():
+        return None
+    steps = sum(1 for line in log_path.read_text().splitlines() if line.strip())
+    return dict(steps_run=steps, until_skill=skill["until_skill"] if skill else None, steps_to_skill=None,
+                checks=read_skill_log(run_dir / "skill.jsonl"), wall_time_s=None, finished=False)
