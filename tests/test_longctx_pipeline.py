@@ -13,6 +13,7 @@ import torch
 
 from gated_attention import data as D
 from gated_attention.cli import main
+from harness import prepare_text_corpus
 from gated_attention.longctx import pipeline as P
 from gated_attention.longctx import ruler
 from gated_attention.train.config import TrainConfig, tiny
@@ -37,14 +38,9 @@ def _text(seed: int, paragraphs: int) -> str:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("src")
-    (root / "prose").mkdir()
-    for i in range(8):
-        (root / "prose" / f"doc{i}.txt").write_text(_text(i, 60), encoding="utf-8")
     out = tmp_path_factory.mktemp("data")
-    D.prepare(D.PrepareConfig(data_dir=str(out), vocab_size=600, sources=(), extra=(str(root / "prose"),),
-                              val_fraction=0.3, chunk_chars=2000))
-    return str(out)
+    return prepare_text_corpus(out, {"prose": [_text(i, 60) for i in range(8)]}, vocab_size=600,
+                               src=tmp_path_factory.mktemp("src"), val_fraction=0.3, chunk_chars=2000)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -251,7 +247,7 @@ def test_trainer_step_hook_stops_and_pipeline_records_steps_to_skill(corpus_dir,
     assert json.loads((out / "report.json").read_text())["claim"]["verdict"] == "not run here"  # no gated model
     logs.clear()
     P.run_pipeline(out, b, corpus_dir, factor=2, log=logs.append)
-    assert not any("train " in m for m in logs)
+    assert not any("training" in m or "resuming" in m for m in logs) and sum("reuse" in m for m in logs) == 2 + 2 + 4
     with pytest.raises(ValueError, match="other settings.*stopping rule"):
         P.run_pipeline(out, dataclasses.replace(b, until_skill=0.5), corpus_dir, factor=2, log=logs.append)
     # a partial report: trains nothing, reports the finished baseline, lists the gated model as not started

@@ -1,6 +1,8 @@
-"""`gattn longctx`: the paper's Table 5 in small, plus the retrieval mixing that makes it measurable at small scale.
+"""`gattn longctx`: the paper's Table 5 in small (the stages; the report is longctx/report.py, the stopping rule
+longctx/skill.py, the retrieval mixing that makes it measurable at small scale is training-data code,
+train/retrieval_mix.py).
 
-Table 5 (SPEC 3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
+Table 5 (paper map §3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
 more of its RULER score. At CPU scale:
   1. train each model (a gate, optionally with a non-default gate init: GATE:INIT) at length L on the corpus, with a
      fraction of every batch replaced by synthetic retrieval samples (ruler.training_samples, within L) so a tiny
@@ -21,111 +23,19 @@ baseline's attention sink forms on that fixed first token, so evaluation must fe
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from gated_attention import experiment
+from gated_attention.io import atomic_write_json, atomic_write_text
 from gated_attention.longctx import ruler
-
-# training tasks mixed in by default: the noise-haystack retrieval tasks a few-M-parameter model can learn in minutes
-DEFAULT_MIX_TASKS = ("passkey", "niah_single_1", "niah_single_word")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Retrieval mixing (used by the trainer through TrainConfig.retrieval_mix, see train/data_source.make_source)
-class BosTokenizer:
-    """A tokenizer view whose `encode` prepends <|bos|>, so RULER prompts are fed exactly like corpus windows.
-
-    ruler.generate_sample counts tokens with `encode`, so a sample's `length` includes the bos token.
-    """
-
-    def __init__(self, tokenizer, bos_id: int):
-        self.tokenizer = tokenizer
-        self.bos_id = int(bos_id)
-
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_id] + list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def __getattr__(self, name):  # pad_token_id, eos_token_id, ...
-        return getattr(self.tokenizer, name)
-
-
-def check_mix_tasks(tasks) -> tuple[str, ...]:
-    tasks = tuple(tasks) if tasks else DEFAULT_MIX_TASKS
-    for t in tasks:
-        if t not in ruler.TASKS:
-            raise ValueError(f"retrieval task {t!r} is unknown; valid: {', '.join(ruler.TASKS)}")
-        if t in ruler.NEEDS_CORPUS:
-            raise ValueError(f"retrieval task {t!r} needs a corpus haystack, which training rows do not carry; "
-                             f"use tasks among: {', '.join(ruler.NO_CORPUS_TASKS)}")
-    return tasks
-
-
-def mix_retrieval(batch: torch.Tensor, tokenizer, fraction: float, seed: int, step: int, tasks=None,
-                  eos_id: int | None = None) -> torch.Tensor:
-    """A copy of `batch` (B, T+1) with round(fraction * B) rows (at least one if fraction > 0) replaced.
-
-    A pure function of (batch, fraction, seed, step, tasks): the rows and the samples are drawn from (seed, step), so
-    resumed and multi-rank runs see identical batches. A replaced row is the sample's prompt + answer (tokenized by
-    `tokenizer`, whose encode should add <|bos|>, see BosTokenizer), then <|eos|>, then the replaced corpus row's own
-    tokens to fill the length, so every position stays an ordinary next-token target (no padding, no loss mask).
-    """
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"retrieval fraction {fraction} must be in [0, 1]")
-    B, T1 = batch.shape
-    k = min(B, max(1, round(fraction * B))) if fraction > 0 else 0
-    if k == 0:
-        return batch
-    tasks = check_mix_tasks(tasks)
-    if eos_id is None:
-        eos_id = tokenizer.eos_token_id
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, 0x52554C])))  # salt "RUL"
-    rows = sorted(int(r) for r in rng.choice(B, size=k, replace=False))
-    # a per-(seed, step) sample seed; collision-free while step < 1e9
-    samples = ruler.training_samples(tokenizer, k, max_len=T1 - 1, seed=seed * 1_000_000_000 + step, tasks=list(tasks))
-    out = batch.clone()
-    for row, s in zip(rows, samples):
-        ids = ruler.encode(tokenizer, s["text"]) + [eos_id]
-        ids = ids[:T1]
-        filler = batch[row, 1:1 + T1 - len(ids)]  # corpus tokens after the row's own bos
-        out[row] = torch.cat([torch.tensor(ids, dtype=batch.dtype), filler])  # (T+1,)
-    return out
-
-
-class RetrievalMixSource:
-    """Wraps a corpus training source: every train batch gets `fraction` of its rows replaced (mix_retrieval).
-
-    Everything else (eval batches, domains, tokenizer, vocab size) is the wrapped source's, so validation perplexity
-    stays pure corpus text.
-    """
-
-    def __init__(self, source, fraction: float, tasks=None):
-        corpus = getattr(source, "corpus", None)
-        if getattr(source, "tokenizer", None) is None or corpus is None:
-            raise ValueError("retrieval_mix needs the prepared corpus (data='corpus'): synthetic tokens have no "
-                             "tokenizer to write retrieval samples with")
-        self.source = source
-        self.fraction = float(fraction)
-        self.tasks = check_mix_tasks(tasks)
-        self.eos_id = corpus.eos_id
-        self.mix_tokenizer = BosTokenizer(source.tokenizer, corpus.bos_id)
-
-    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
-        batch = self.source.train_batch(batch_size, seq_len, seed, step)  # (B, T+1)
-        return mix_retrieval(batch, self.mix_tokenizer, self.fraction, seed, step, self.tasks, self.eos_id)
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
-
+from gated_attention.longctx.report import build_report, format_markdown, plot_report
+# retrieval mixing is training-data code; re-exported here for callers of the pipeline's former home
+from gated_attention.train.retrieval_mix import (DEFAULT_MIX_TASKS, BosTokenizer, RetrievalMixSource,  # noqa: F401
+                                                 check_mix_tasks, mix_retrieval)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Budgets
@@ -213,22 +123,6 @@ def canonical_model(spec: str) -> str:
     return gate if init == "normal" else f"{gate}:{init}"
 
 
-def budget_from_args(args) -> Budget:
-    if args.budget not in BUDGETS:
-        raise ValueError(f"unknown budget {args.budget!r}; valid: {', '.join(BUDGETS)}")
-    b = BUDGETS[args.budget]
-    changes = {k: getattr(args, k) for k in ("seq_len", "steps", "samples", "seeds", "skill_every", "skill_samples")
-               if getattr(args, k, None) is not None}
-    if getattr(args, "tasks", None):
-        changes["mix_tasks"] = tuple(args.tasks)
-    if getattr(args, "retrieval_mix", None) is not None:
-        changes["retrieval_mix"] = args.retrieval_mix
-    if getattr(args, "until_skill", None) is not None:
-        changes["until_skill"] = None if args.until_skill <= 0 else args.until_skill  # 0 turns the rule off
-    b = dataclasses.replace(b, **changes)
-    return check_budget(b)
-
-
 def check_budget(b: Budget) -> Budget:
     check_mix_tasks(b.mix_tasks)
     if b.seq_len < 2 or b.seq_len % 2:
@@ -254,13 +148,6 @@ def lengths_for(b: Budget, factor: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Stages
-def _write_json(obj, path: Path) -> None:
-    from gated_attention.longctx.ruler_cli import write_json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(obj, path)
-
-
 def train_config_for(b: Budget, gate: str, data_dir: str, seed: int, gate_init: str = "normal"):
     from gated_attention.train.config import TrainConfig
 
@@ -283,52 +170,25 @@ def skill_settings(b: Budget, seed: int) -> dict | None:
                 length=b.seq_len, seed=seed)
 
 
-def _check_same(path: Path, new: dict, run_dir: Path, defaults: dict | None = None) -> None:
-    """Fail loudly when run_dir was made with other settings (a field missing from the old file counts as its default)."""
-    if not path.exists():
-        return
-    old = json.loads(path.read_text())
-    defaults = defaults or {}
-    diff = sorted(k for k in set(new) | set(old) if old.get(k, defaults.get(k)) != new.get(k, defaults.get(k)))
-    if diff:
-        raise ValueError(f"{run_dir} holds a run with other settings ({', '.join(diff)}); "
-                         f"use another --out or delete that folder")
-
-
 def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None = None) -> Path:
-    """Train (or reuse, or resume) one model; returns its final/ checkpoint directory.
+    """Train (or reuse, or resume) one model (experiment.train_or_reuse); returns its final/ checkpoint directory.
 
     stopper: a trainer step_hook (skill.SkillStop) that ends training once the model has the skill; `skill` is its
-    settings dict, kept in run_dir/skill_config.json so a run is never reused under another stopping rule.
+    settings dict, kept in run_dir/skill_config.json so a run is never reused or resumed under another stopping rule
+    (a run from before the rule existed counts as "no rule").
     """
-    from gated_attention.train.checkpoint import latest_checkpoint
-    from gated_attention.train.trainer import train
-
-    final = run_dir / "final"
-    saved = run_dir / "train_config.json"
     skill_path = run_dir / "skill_config.json"
-    if saved.exists():
-        _check_same(saved, cfg.to_dict(), run_dir, type(cfg)().to_dict())
-        # a run from before the stopping rule existed counts as "no rule"
+    if (run_dir / "train_config.json").exists():
         old_rule = json.loads(skill_path.read_text())["rule"] if skill_path.exists() else None
         if old_rule != skill:
             raise ValueError(f"{run_dir} holds a run with other settings (stopping rule {old_rule} != {skill}); "
-                             f"use another --out or delete that folder")
-        if (run_dir / "summary.json").exists() and (final / "config.json").exists():
-            log(f"[longctx] reuse {run_dir}")
-            return final
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from gated_attention.io import atomic_write_text
-
-    atomic_write_text(skill_path, json.dumps({"rule": skill}, indent=1))
-    resume = latest_checkpoint(run_dir) is not None
-    log(f"[longctx] train {cfg.gate}{'' if cfg.model_overrides.get('gate_init', 'normal') == 'normal' else ':' + cfg.model_overrides['gate_init']}"
-        f" seed {cfg.seed} at L={cfg.seq_len} for {'up to ' if skill else ''}{cfg.steps} steps -> {run_dir}"
-        + (" (resuming)" if resume else ""))
-    summary = train(cfg, run_dir, resume=resume, step_hook=stopper)
+                             f"use a new --out or delete that folder")
+    if not skill_path.exists():
+        atomic_write_json(skill_path, {"rule": skill}, indent=1)
+    summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]", step_hook=stopper)
     if summary.get("diverged"):
         raise ValueError(f"training {cfg.gate} diverged ({summary.get('stop_reason')}); lower the learning rate")
-    return final
+    return run_dir / "final"
 
 
 def extend_stage(final: Path, dst: Path, seq_len: int, factor: int, log=print) -> Path:
@@ -392,16 +252,16 @@ def cached_eval(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], 
 def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], data_dir: str, seed: int,
                log=print) -> dict:
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
+    settings = eval_settings(model_dir, b, lengths, seed)
+    return experiment.cached(out_json, settings, lambda: _evaluate(model_dir, b, lengths, data_dir, seed, log), log,
+                             "[longctx]", indent=2)
+
+
+def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:
     import gated_attention  # noqa: F401  (registers the model classes)
     from gated_attention.data import Corpus
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    settings = eval_settings(model_dir, b, lengths, seed)
-    if out_json.exists():
-        cached = json.loads(out_json.read_text())
-        if cached.get("settings") == settings:
-            log(f"[longctx] reuse {out_json}")
-            return cached
     corpus = Corpus(data_dir)
     tok = BosTokenizer(corpus.tokenizer, corpus.bos_id)
     device = torch.device("cpu")
@@ -436,24 +296,15 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
         got = [nll[t][str(n)] for t in b.mix_tasks if nll[t][str(n)] is not None]
         average_nll[str(n)] = sum(got) / len(got) if got else None
     pos = ppl_by_position(model, data_dir, max(lengths), b.ppl_batches, b.ppl_batch_size, device)
-    out = dict(settings=settings, scores=scores, average=average, answer_nll=nll, average_answer_nll=average_nll,
-               records=records, pos_loss=pos,
-               rope_parameters=model.config.rope_parameters)
-    _write_json(out, out_json)
-    return out
+    return dict(scores=scores, average=average, answer_nll=nll, average_answer_nll=average_nll, records=records,
+                pos_loss=pos, rope_parameters=model.config.rope_parameters)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline
 def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
-    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (cached by the data module)."""
-    from gated_attention import data
-
-    if not (Path(data_dir) / "manifest.json").exists():
-        log(f"[longctx] {data_dir} is not prepared: running `gattn data prepare --data-dir {data_dir} "
-            f"--vocab-size {vocab_size}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
-    return str(data_dir)
+    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (experiment.ensure_corpus)."""
+    return str(experiment.ensure_corpus(data_dir, vocab_size, log, "[longctx]"))
 
 
 def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, factor: int = 4, seed: int = 0,
@@ -465,7 +316,6 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
     the others (a partial report while runs are still going, or after an interrupted run).
     data_dir=None uses the budget's corpus (b.data_dir, prepared with b.vocab_size if missing).
     """
-    from gated_attention.longctx import report as R
     from gated_attention.longctx import skill as S
 
     if factor < 2 or factor & (factor - 1):
@@ -508,13 +358,11 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
             for variant, model_dir in (("none", final), ("yarn", yarn)):
                 results[(m, s, variant)] = eval_stage(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json",
                                                       b, lengths, data_dir, s, log)
-    rep = R.build_report(results, training, b, lengths, factor, models, seeds)
-    md = R.format_markdown(rep)
-    _write_json(json.loads(json.dumps(rep)), out / "report.json")  # int length keys become strings, as JSON has them
-    tmp = out / f".report.md.{os.getpid()}.tmp"  # per process: one-model runs in parallel share OUT
-    tmp.write_text(md)
-    os.replace(tmp, out / "report.md")
-    R.plot_report(rep, out / "report.png")
+    rep = build_report(results, training, b, lengths, factor, models, seeds)
+    md = format_markdown(rep)
+    atomic_write_json(out / "report.json", rep, indent=2)  # int length keys become strings, as JSON has them
+    atomic_write_text(out / "report.md", md)  # unique temp file per write: one-model runs in parallel share OUT
+    plot_report(rep, out / "report.png")
     log(md)
     log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
     return rep
@@ -537,46 +385,3 @@ def _report_only_cell(out: Path, run_dir: Path, m: str, s: int, b: Budget, lengt
             results[(m, s, variant)] = got
 
 
-def configure(parser) -> None:
-    parser.add_argument("--budget", choices=list(BUDGETS), default="default",
-                        help="cost preset: small (tiny model, seconds-minutes, for tests); default (3-layer model on "
-                             "a 1k-vocab corpus, 2400 steps per model, one seed: ~35-50 min per model on a busy 2-core "
-                             "CPU); fair (Table 5 at equal skill: every model trained until it retrieves at L, 2 "
-                             "seeds, baseline / G1 elementwise / G1 elementwise with identity gate init, 30 samples "
-                             "per cell). Run one --gates per process in parallel into the same --out, then once with "
-                             "all of them to combine the cached stages")
-    parser.add_argument("--out", default="runs/longctx", help="output folder; finished stages in it are reused")
-    parser.add_argument("--data-dir", default=None,
-                        help="prepared corpus (gattn data prepare); default: the budget's (prepared if missing)")
-    parser.add_argument("--gates", nargs="+", default=None, metavar="GATE[:INIT]",
-                        help="models to compare: a gate name, optionally with ':identity' for the identity gate init "
-                             "(zero gate weights, score exactly 1 at the start) instead of the official ':normal' "
-                             "(gate ~0.5 at the start), e.g. baseline sdpa_elementwise sdpa_elementwise:identity "
-                             "(default: the budget's)")
-    parser.add_argument("--factor", type=int, default=4, help="YaRN extension factor, a power of two (default 4)")
-    parser.add_argument("--seq-len", type=int, default=None, help="training length L (default: the budget's)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="training steps per model; with --until-skill the cap (default: the budget's)")
-    parser.add_argument("--until-skill", type=float, default=None, metavar="FRACTION",
-                        help="stop training a model once its held-out exact match on the first task at L reaches "
-                             "FRACTION (e.g. 0.9), checked every --skill-every steps; the step is reported as "
-                             "steps-to-skill; 0 = off, train exactly --steps (default: the budget's; fair: 0.9)")
-    parser.add_argument("--skill-every", type=int, default=None, help="steps between held-out skill checks")
-    parser.add_argument("--skill-samples", type=int, default=None, help="held-out samples per skill check")
-    parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds per model (--seed, --seed+1, ...); the report gives mean ± std over them")
-    parser.add_argument("--samples", type=int, default=None, help="RULER samples per task, length and seed")
-    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
-                        help=f"RULER tasks trained on and scored (no-corpus ones: {', '.join(ruler.NO_CORPUS_TASKS)})")
-    parser.add_argument("--retrieval-mix", type=float, default=None,
-                        help="fraction of training rows replaced by retrieval samples (default: the budget's)")
-    parser.add_argument("--seed", type=int, default=0, help="first training and sample seed")
-    parser.add_argument("--report-only", action="store_true",
-                        help="train and evaluate nothing: write the report from the finished (model, seed) runs and "
-                             "show the progress of the others (a partial table while runs are going)")
-
-
-def run(args) -> int:
-    run_pipeline(args.out, budget_from_args(args), args.data_dir, args.gates, args.factor, args.seed,
-                 report_only=args.report_only)
-    return 0

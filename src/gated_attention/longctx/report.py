@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
 
+from gated_attention.gates import get_gate
+from gated_attention.io import atomic_save_figure
 from gated_attention.longctx.skill import mean_spread, wilson
 
 VARIANTS = ("none", "yarn")
@@ -25,9 +26,13 @@ PAPER_CLAIM = ("Table 5: after YaRN x4 without training (32k -> 128k), the SDPA-
 VERDICTS = ("reproduced", "partly", "not at this scale", "not run here")
 
 
+def _ungated(gate: str) -> bool:
+    return get_gate(gate) is None  # 'none' and its alias 'baseline'
+
+
 def model_label(name: str) -> str:
     gate, _, init = name.partition(":")
-    base = "Baseline" if gate in ("baseline", "none") else f"Gated ({gate})"
+    base = "Baseline" if _ungated(gate) else f"Gated ({gate})"
     return base + (f", {init} init" if init and init != "normal" else "")
 
 
@@ -122,10 +127,10 @@ def claim(rep: dict) -> dict:
     """
     L, rows = rep["train_length"], rep["rows"]
     yarn = {r["model"]: r for r in rows if r["variant"] == "yarn"}
-    base = next((m for m in yarn if m.partition(":")[0] in ("baseline", "none")), None)
-    gated = next((m for m in yarn if m.partition(":")[0] not in ("baseline", "none") and ":" not in m), None)
+    base = next((m for m in yarn if _ungated(m.partition(":")[0])), None)
+    gated = next((m for m in yarn if not _ungated(m.partition(":")[0]) and ":" not in m), None)
     if gated is None:
-        gated = next((m for m in yarn if m.partition(":")[0] not in ("baseline", "none")), None)
+        gated = next((m for m in yarn if not _ungated(m.partition(":")[0])), None)
     if base is None or gated is None:
         return dict(paper=PAPER_CLAIM, this_run="no baseline/gated pair in this run", verdict="not run here")
     longer = [n for n in rep["lengths"] if n > L]
@@ -294,7 +299,5 @@ def plot_report(rep: dict, path: Path) -> None:
     ax2.set_ylabel("perplexity (corpus validation)")
     ax2.set_yscale("log")
     fig.tight_layout()
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.png")  # per process: parallel runs share OUT
-    fig.savefig(tmp, dpi=110)
+    atomic_save_figure(fig, path, dpi=110)  # unique temp file: parallel runs share OUT
     plt.close(fig)
-    os.replace(tmp, path)
