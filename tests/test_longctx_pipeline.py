@@ -247,7 +247,7 @@ def test_trainer_step_hook_stops_and_pipeline_records_steps_to_skill(corpus_dir,
     assert json.loads((out / "report.json").read_text())["claim"]["verdict"] == "not run here"  # no gated model
     logs.clear()
     P.run_pipeline(out, b, corpus_dir, factor=2, log=logs.append)
-    assert not any("training" in m or "resuming" in m for m in logs) and sum("reuse" in m for m in logs) == 2 + 2 + 4
+    assert not any(": training " in m or ": resuming " in m for m in logs) and sum("reuse" in m for m in logs) == 2 + 2 + 4
     with pytest.raises(ValueError, match="other settings.*stopping rule"):
         P.run_pipeline(out, dataclasses.replace(b, until_skill=0.5), corpus_dir, factor=2, log=logs.append)
     # a partial report: trains nothing, reports the finished baseline, lists the gated model as not started
