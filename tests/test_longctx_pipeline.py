@@ -277,8 +277,15 @@ def test_missing_budget_corpus_is_prepared_with_its_vocabulary(tmp_path, monkeyp
     assert P.BUDGETS["default"].vocab_size == 1024 and P.BUDGETS["default"].data_dir == "data_v1k"
 
 
-def test_budget_and_cli_errors(tmp_path):
+def test_budget_and_cli_errors(tmp_path, capsys):
     assert main(["longctx", "--budget", "small", "--tasks", "niah_single_2", "--out", str(tmp_path)]) == 2
     assert main(["longctx", "--budget", "small", "--factor", "3", "--out", str(tmp_path),
                  "--data-dir", str(tmp_path)]) == 2
     assert P.lengths_for(P.BUDGETS["default"], 4) == [128, 256, 512, 1024]
+    for bad, msg in ((["--gates", "baseline:identity"], "no gate to initialise"),
+                     (["--gates", "sdpa_elementwise:zeros"], "unknown gate init"),
+                     (["--until-skill", "1.5"], "must be a fraction"), (["--seeds", "0"], "--seeds 0 must be"),
+                     (["--gates", "baseline", "none"], "lists a model twice")):  # 'none' is the baseline's new name
+        capsys.readouterr()
+        assert main(["longctx", "--budget", "small", "--report-only", "--out", str(tmp_path), *bad]) == 2, bad
+        assert msg in capsys.readouterr().err, bad

@@ -322,7 +322,9 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
     check_budget(b)
     models = [canonical_model(m) for m in (gates or b.models)]
-    if len(set(map(model_dir_name, models))) != len(models):
+    from gated_attention.gates import canonical_name
+
+    if len({(canonical_name(parse_model(m)[0]), parse_model(m)[1]) for m in models}) != len(models):  # none == baseline
         raise ValueError(f"--gates lists a model twice: {' '.join(models)}")
     seeds = list(range(seed, seed + b.seeds))
     out = Path(out_dir)
