@@ -45,10 +45,13 @@ def grads_by_plain_name(model):
 
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_fuse_qkv_matches_plain_forward_and_grads(gate, bias):
+@pytest.mark.parametrize("separate", [False, True])  # True: the trainer's layout (plain Parameters, cat per forward)
+def test_fuse_qkv_matches_plain_forward_and_grads(gate, bias, separate):
     ref = tiny(gate, attention_bias=bias).train()
-    fast = fuse_qkv(copy.deepcopy(ref))
+    fast = fuse_qkv(copy.deepcopy(ref), separate_params=separate)
     assert any(isinstance(m, FusedGatedAttention) for m in fast.modules())
+    if separate:  # same parameters under the same names, in the same order (optimizer state lines up)
+        assert [n for n, _ in fast.named_parameters()] == [n for n, _ in ref.named_parameters()]
     x = torch.randint(0, 128, (2, 11))
     out_r, out_f = ref(x, labels=x), fast(x, labels=x)
     torch.testing.assert_close(out_f.logits, out_r.logits, rtol=1e-5, atol=1e-6)

@@ -24,6 +24,7 @@ from torch import nn
 
 from . import checkpoint as ckpt_mod
 from . import dist as D
+from . import fastpath
 from .config import TrainConfig
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
@@ -34,7 +35,7 @@ from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer,
 from ..io import atomic_write_text
 
 # config fields that may differ between a run and its resumption (they do not change the numbers)
-_RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
+_RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist", "device",
                       "grad_accum", "inject_nan_steps"}
 
 
@@ -231,13 +232,16 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
     layers = decoder_layers(model)
+    # fast path (fused projections/gate, chunked loss: no fp32 (b, T, V) logits) and when to compile: fastpath.py
+    speed = fastpath.prepare(cfg, model, layers, info.device)
     model = D.wrap(model, info, layers)
     raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
-    fwd = torch.compile(model) if cfg.compile else model
-    # our LM computes the loss chunk by chunk through lm_head (fast.chunked_lm_loss): no fp32 (b, T, V) logits
+    fwd = model
     from ..modeling import GatedQwen3ForCausalLM
 
-    fused_loss = isinstance(raw, GatedQwen3ForCausalLM)
+    fused_loss = speed.fused_loss
+    # no KV cache while training (the model would otherwise build a DynamicCache every step)
+    fwd_kw = {"use_cache": False} if isinstance(raw, GatedQwen3ForCausalLM) else {}
     optimizer = torch.optim.AdamW(param_groups(raw, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
     spikes = SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k)
@@ -311,8 +315,9 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
             elif info.distributed and info.mode == "fsdp":
                 model.set_requires_gradient_sync(last)
             with sync:
-                with autocast_for(info.device, cfg.precision):
-                    out_ = fwd(input_ids=x, shift_labels=y, fused_loss=True) if fused_loss else fwd(input_ids=x)
+                with autocast_for(info.device, cfg.precision), speed.training_forward():
+                    out_ = (fwd(input_ids=x, shift_labels=y, fused_loss=True, **fwd_kw) if fused_loss
+                            else fwd(input_ids=x, **fwd_kw))
                 aux = getattr(out_, "aux_loss", None)
                 if fused_loss:  # out_.loss = CE + aux already; the CE alone is what gets logged
                     total = out_.loss
@@ -344,6 +349,9 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             st["bad_in_a_row"] = 0
+        note = speed.observe(time.perf_counter() - t0, cfg.steps - step - 1)
+        if note and info.is_main:
+            print(f"gattn train: {note}", flush=True)
         spike = spikes.update(step, loss_val)
         rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
         if aux is not None:
@@ -404,6 +412,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     if info.is_main:
         _export_final(raw, msd, source, out / "final")
         summary = _summary(cfg, st, spikes, log_path)
+        summary["speed"] = speed.describe()
         atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
     D.barrier(info)
     return summary if summary is not None else {}
