@@ -54,8 +54,18 @@ class _SigmoidMul(torch.autograd.Function):
         return grad_y, grad_l.to(logits.dtype), None
 
 
+OPAQUE_GATE_UNDER_COMPILE = False  # True: trace the custom Function under compile too (bench/profile_train.py --compile)
+
+
 def fused_sigmoid_mul(y: torch.Tensor, logits: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """y * scale * sigmoid(logits); logits is y's shape or broadcasts over y's last axis (headwise)."""
+    """y * scale * sigmoid(logits); logits is y's shape or broadcasts over y's last axis (headwise).
+
+    Eager: one autograd node that saves (logits, out). Under torch.compile: the plain expression, because a custom
+    autograd.Function is an opaque unit to AOT autograd's partitioner (its saved tensors and its backward are fixed),
+    while the plain ops let inductor fuse the gate into the neighbouring pointwise kernels (SDPA's output copy, the
+    o_proj input) and choose what to save or recompute (bench/profile_train.py --compile shows the difference)."""
+    if torch.compiler.is_compiling() and not OPAQUE_GATE_UNDER_COMPILE:
+        return y * (torch.sigmoid(logits) * scale)
     return _SigmoidMul.apply(y, logits, scale)
 
 

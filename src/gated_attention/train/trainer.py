@@ -14,6 +14,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -351,7 +352,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
             st["bad_in_a_row"] = 0
         note = speed.observe(time.perf_counter() - t0, cfg.steps - step - 1)
         if note and info.is_main:
-            print(f"gattn train: {note}", flush=True)
+            print(f"gattn train: {note}", file=sys.stderr, flush=True)  # stdout may carry JSON
         spike = spikes.update(step, loss_val)
         rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
         if aux is not None:
