@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
         gate, mode = name.split("|")
         med = common.median(ts)
         plain = times.get(f"{gate}|plain")
-        rows.append({"variant": gate, "mode": mode, "median_s": med, "times_s": ts, "tokens_per_s": tokens / med,
+        rows.append({"variant": gate, "mode": mode, "median_s": med, "times_s": ts, "rel_iqr": common.rel_spread(ts),
+                     "tokens_per_s": tokens / med,
                      "speedup_vs_plain": common.median(plain) / med if plain else None,
                      "first_step_s": first[name], "one_off_s": max(0.0, first[name] - med)})
     by = {(r["variant"], r["mode"]): r for r in rows}

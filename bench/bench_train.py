@@ -142,7 +142,8 @@ def main(argv=None) -> dict:
     for name, ts in times.items():
         m = meta[name]
         med = common.median(ts)
-        rows.append({**m, "name": name, "median_s": med, "times_s": ts, "tokens_per_s": tokens / med,
+        rows.append({**m, "name": name, "median_s": med, "times_s": ts, "rel_iqr": common.rel_spread(ts),
+                     "tokens_per_s": tokens / med,
                      "mfu": m["flops"] / med / peak})
     by = {r["name"]: r for r in rows}
     for r in rows:

@@ -47,6 +47,14 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def rel_spread(xs: list[float]) -> float:
+    """Interquartile range over the median: how noisy one timing's repetitions were (0.05 = +-2.5 %)."""
+    if len(xs) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(xs)
+
+
 def matmul_peak_fn(n: int = 2048, dtype=torch.bfloat16) -> tuple[Callable[[], None], float]:
     """A bf16 GEMM to time next to the workload; returns (fn, flops per call). Peak = best FLOP/s observed."""
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
@@ -76,7 +84,7 @@ def machine() -> dict:
 
     return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "load_avg": os.getloadavg()}
+            "load_avg": os.getloadavg(), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
 
 def write_json(name: str, obj) -> Path:

@@ -66,11 +66,14 @@ def test_compile_setting_parsing_and_auto_rule(tmp_path):
         apply_overrides(tiny(), ["compile=sometimes"])
     assert tiny().compile == "auto" and tiny().fast is True
     # the rule: the time saved over the rest of the run must exceed the compile cost
-    cost, saving = fastpath.COMPILE_COST_S, fastpath.COMPILE_SAVING
+    steps, saving = fastpath.COMPILE_COST_STEPS, fastpath.COMPILE_SAVING
     assert not fastpath.should_compile(10, 1.0)
-    assert fastpath.should_compile(int(cost / saving) + 10, 1.0)
-    assert not fastpath.should_compile(int(cost / saving) - 10, 1.0)
-    assert fastpath.should_compile(1000, 0.5) and not fastpath.should_compile(1000, 0.1)
+    assert fastpath.should_compile(int(steps / saving) + 10, 1.0)  # slow steps: the cost counts in steps
+    assert not fastpath.should_compile(int(steps / saving) - 10, 1.0)
+    assert fastpath.should_compile(int(steps / saving) + 10, 3.0)  # ... whatever the load
+    floor_steps = fastpath.COMPILE_COST_MIN_S / (0.01 * saving)  # fast steps: the floor in seconds counts
+    assert not fastpath.should_compile(int(floor_steps) - 10, 0.01)
+    assert fastpath.should_compile(int(floor_steps) + 10, 0.01)
     # a short run on auto decides to stay eager, after its probe steps, and says why
     _, s, _ = _run(tmp_path, "auto", ["gate=sdpa_elementwise"])
     assert s["speed"]["compile"] == "auto" and not s["speed"]["compiled"]

@@ -12,16 +12,17 @@ fast=false: the plain layers and the plain full-logits cross-entropy (the refere
 compile ("auto" by default, or "true" / "false"): what is compiled is the decoder layer's forward, ONCE for every
 layer (the layers are identical code; parameters are graph inputs), and it is used for the training forward only:
 evaluation, the stats probe and analysis run the same layers eagerly, so their hooks and no_grad never trigger a
-recompile. Measured at the `gattn compare --budget default` shape on the shared 2-core machine (load ~10): compiling
-the whole model cost 227 s before its first step, one layer graph 60 s (24 s with inductor's on-disk cache warm),
-for the same steady step time (fast eager 1.86 s -> compiled 1.29 s, i.e. 31 % saved).
+recompile. Measured at the `gattn compare --budget default` shape on the shared 2-core machine: compiling the whole
+model cost 227 s before its first step (load ~10), one layer graph 60 s, for the same steady step time (31 % saved).
 
 auto: a run shorter than its compile time does not compile. The first steps run eagerly; after AUTO_PROBE_STEPS
 timed steps (the process's first step is warm-up and not timed) the trainer compiles iff
-    steps_left * eager_step_s * COMPILE_SAVING > COMPILE_COST_S,
-with the measured cold-cache constants below (conservative: a warm cache or a quiet machine compiles faster). At the
-default budget that is ~100-400 steps depending on load; the 40-step test runs never compile. Compiling needs a C++
-compiler on CPU (inductor) or Triton on CUDA; without one, auto stays eager and compile=true fails loudly.
+    steps_left * eager_step_s * COMPILE_SAVING > max(COMPILE_COST_MIN_S, COMPILE_COST_STEPS * eager_step_s).
+The compile cost is estimated in eager steps because both scale with the machine's load: bench/bench_mainjob.py
+(cold inductor cache, load ~16) measured 250-424 s of compile per variant against 2.5-2.8 s eager steps, i.e.
+100-171 steps; the compiled step saved 37 % (per-variant 24-45 %, noisy). So at the default budget auto compiles
+once ~500 steps remain, whatever the load; the 40-step test runs never compile. Compiling needs a C++ compiler on CPU
+(inductor) or Triton on CUDA; without one, auto stays eager and compile=true fails loudly.
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-COMPILE_COST_S = 60.0  # cold inductor compile of one decoder-layer graph (forward + backward), measured, see above
-COMPILE_SAVING = 0.30  # share of the eager fast-path step time compiling saves at the default budget (measured 0.31)
+COMPILE_COST_STEPS = 150.0  # cold compile of the layer graph (fwd + bwd) in eager steps of the default budget (measured)
+COMPILE_COST_MIN_S = 60.0  # ...and never less than this (a tiny model's steps are fast, its compile is not)
+COMPILE_SAVING = 0.30  # share of the eager fast-path step compiling saves (measured 0.31-0.37 at the default budget)
 AUTO_PROBE_STEPS = 2  # eager steps timed before auto decides (after one untimed warm-up step)
 
 
@@ -68,10 +70,14 @@ def compiler_missing(device: torch.device) -> str | None:
     return None if shutil.which(cxx) or shutil.which(cxx.split()[0]) else f"no C++ compiler {cxx!r} on PATH"
 
 
-def should_compile(steps_left: int, eager_step_s: float, cost_s: float = COMPILE_COST_S,
-                   saving: float = COMPILE_SAVING) -> bool:
+def compile_cost_s(eager_step_s: float) -> float:
+    """Estimated seconds to compile the layer graph on this machine now."""
+    return max(COMPILE_COST_MIN_S, COMPILE_COST_STEPS * eager_step_s)
+
+
+def should_compile(steps_left: int, eager_step_s: float, saving: float = COMPILE_SAVING) -> bool:
     """The auto rule: compile when the time it saves over the rest of the run exceeds its own cost."""
-    return steps_left * eager_step_s * saving > cost_s
+    return steps_left * eager_step_s * saving > compile_cost_s(eager_step_s)
 
 
 class SpeedPlan:
@@ -131,7 +137,7 @@ class SpeedPlan:
         eager = min(self._timed)
         saves = steps_left * eager * COMPILE_SAVING
         est = (f"eager step {eager:.2f} s x {steps_left} steps left x {COMPILE_SAVING:.2f} saved = {saves:.0f} s "
-               f"vs ~{COMPILE_COST_S:.0f} s to compile")
+               f"vs ~{compile_cost_s(eager):.0f} s to compile")
         missing = compiler_missing(self.device) if self.layers else "no decoder layers to compile"
         if missing:
             self.decision = f"compile=auto -> eager ({missing})"
