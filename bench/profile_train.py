@@ -72,6 +72,7 @@ def main(argv=None) -> dict:
                     help="profile compiled steps: ours_fast as the trainer compiles it (one decoder-layer graph), "
                          "ours_fast_opaque the same with the gate as the custom autograd.Function (the pre-fix "
                          "path), hf = torch.compile(model); inductor's kernels are recorded one by one")
+    ap.add_argument("--no-hf", action="store_true", help="profile only our implementation (saves a compile)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -92,7 +93,8 @@ def main(argv=None) -> dict:
                                               args.steps)
             fast_mod.OPAQUE_GATE_UNDER_COMPILE = False
         hf = hf_from_ours(ours).train()
-        res["impls"]["hf"] = profile_step(make_step(torch.compile(hf), ids, params=hf.parameters()), args.steps)
+        if not args.no_hf:
+            res["impls"]["hf"] = profile_step(make_step(torch.compile(hf), ids, params=hf.parameters()), args.steps)
     else:
         res["impls"]["ours_fast"] = profile_step(make_step(fuse_qkv(copy.deepcopy(ours), separate_params=True), ids,
                                                            fused_loss=True), args.steps)

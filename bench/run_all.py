@@ -34,7 +34,8 @@ def load(name: str):
 
 
 def _when(res: dict) -> str:
-    m = res.get("machine", {})
+    m = res.get("machine") if isinstance(res, dict) else None
+    m = m if isinstance(m, dict) else {}
     la = m.get("load_avg")
     return f"{m.get('utc', 'time not recorded')}, load " + (" / ".join(f"{x:.1f}" for x in la) if la else "?")
 
@@ -145,7 +146,7 @@ def summary() -> str:
                   common.md_table(moe.get("results", []), ["variant", "median_ms", "speedup_vs_loop"]), ""]
     stamps = [(n, load(n)) for n in ("train", "train_d768", "mainjob", "profile_train", "profile_train_compile",
                                      "decode", "analysis", "moe")]
-    stamps = [(n, r) for n, r in stamps if r]
+    stamps = [(n, r) for n, r in stamps if isinstance(r, dict)]
     if stamps:
         lines += ["## When each result was measured (UTC, 1/5/15-minute load average at its end)", "",
                   "\n".join(f"- {n}.json: {_when(r)}" for n, r in stamps), ""]
@@ -162,18 +163,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads for every bench (0 = torch default)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke-test sizes (checks the scripts, not speed)")
-    ap.add_argument("--skip", default="", help="comma list of benches to skip: train, profile_compile, mainjob, decode, analysis, moe")
+    ap.add_argument("--skip", default="", help="comma list of benches to skip: train, d768, profile_compile, mainjob, decode, analysis, moe")
+    ap.add_argument("--reps", type=int, default=5, help="timed rounds of the train bench (medians)")
+    ap.add_argument("--impls", default="ours,ours_fast,hf", help="train bench implementations")
+    ap.add_argument("--compile-impls", default="ours_fast,hf", help="train bench implementations also compiled "
+                    "(each compile costs minutes on a loaded 2-core machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default=None,
+                    help="timer of every bench: wall time, or process CPU time (default: cpu with --threads 1, "
+                         "where it is the honest measure on a machine shared beyond its cores; wall otherwise)")
     args = ap.parse_args(argv)
+    os.environ["BENCH_CLOCK"] = args.clock or ("cpu" if args.threads == 1 else "wall")
     skip = set(filter(None, args.skip.split(",")))
     th = ["--threads", str(args.threads)] if args.threads else []
     ok = True
     if "train" not in skip:
         q = ["--batch", "2", "--seq", "32", "--reps", "1", "--warmup", "1", "--modes", "eager"] if args.quick else []
-        ok &= run("bench_train.py", *th, *q, "--configs", TRAIN_CONFIGS)
+        tr = [] if args.quick else ["--reps", str(args.reps), "--warmup", "1", "--impls", args.impls,
+                                    "--compile-impls", args.compile_impls]
+        ok &= run("bench_train.py", *th, *q, *tr, "--configs", TRAIN_CONFIGS)
         q = ["--batch", "2", "--seq", "32", "--reps", "1", "--warmup", "1"] if args.quick else \
             ["--batch", "8", "--reps", "3", "--warmup", "1"]
-        ok &= run("bench_train.py", *th, *q, "--hidden", "768", "--heads", "12", "--kv-heads", "4", "--configs",
-                  "ungated,G1-elem-parity", "--impls", "ours_fast,hf", "--modes", "eager", "--out", "train_d768")
+        if "d768" not in skip:
+            ok &= run("bench_train.py", *th, *q, "--hidden", "768", "--heads", "12", "--kv-heads", "4", "--configs",
+                      "ungated,G1-elem-parity", "--impls", "ours_fast,hf", "--modes", "eager", "--out", "train_d768")
         q = ["--batch", "2", "--seq", "32", "--steps", "1"] if args.quick else []
         ok &= run("profile_train.py", *th, *q)
         if not args.quick and "profile_compile" not in skip:
