@@ -124,8 +124,8 @@ def test_compiled_layers_match_eager_and_share_one_graph(gate):
 
 
 def test_fast_path_leaves_comparison_baselines_plain():
-    cfg = apply_overrides(tiny(), ["model.baseline=sink_logits"],
-                          model_fields={"baseline": "none"})
+    cfg = apply_overrides(tiny(), ["model.mechanism=sink_logits"],
+                          model_fields={"mechanism": "none"})
     model = build_model(cfg)
     plan = fastpath.prepare(cfg, model, decoder_layers(model), torch.device("cpu"))
     assert plan.fused_layers == 0 and plan.fused_loss
