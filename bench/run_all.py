@@ -149,6 +149,8 @@ def summary() -> str:
     stamps = [(n, r) for n, r in stamps if isinstance(r, dict)]
     if stamps:
         lines += ["## When each result was measured (UTC, 1/5/15-minute load average at its end)", "",
+                  "A file without a time stamp comes from a run made before time stamps were recorded (an earlier "
+                  "round); compare only figures measured together.", "",
                   "\n".join(f"- {n}.json: {_when(r)}" for n, r in stamps), ""]
     loads = LOADS or [(m, tuple(v)) for m, v in (load("loads") or [])]
     if loads:
