@@ -5,6 +5,7 @@ row in LABS + those two functions.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from dataclasses import replace
@@ -13,6 +14,7 @@ from ..labs import sinks_report
 from ..labs.common import default_jobs
 from ..labs.sinks import BUDGETS, DEFAULT_VARIANTS, SinkLabConfig
 from ..labs.sinks import run_lab as run_sink_lab
+from ..labs import stability as stab
 
 def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/lab/sinks",
@@ -82,10 +84,56 @@ def run_sinks(args) -> int:
     return 0
 
 
+def configure_stability(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="runs/lab/stability",
+                        help="output folder: runs/, plots/, lab.json, report.md, report.html (default "
+                             "runs/lab/stability, where `gattn compare` reads it; a re-run reuses finished runs and "
+                             "retrains interrupted ones)")
+    parser.add_argument("--budget", default="default", choices=list(stab.BUDGETS),
+                        help="; ".join(f"{k}: {v.help}" for k, v in stab.BUDGETS.items()))
+    parser.add_argument("--variants", nargs="+", default=list(stab.DEFAULT_VARIANTS), metavar="NAME",
+                        help=f"gate variants (names from `gattn gates`; default: {' '.join(stab.DEFAULT_VARIANTS)})")
+    parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
+                        help="peak learning rates of the grid (default: the budget's; default spans 1e-3..1 in 7 "
+                             "steps)")
+    parser.add_argument("--qk-norm", default="both", choices=list(stab.QK_SETTINGS),
+                        help="train with QK-norm on, off, or both (default both)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps per run (default: the budget's; every run sees the same tokens)")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help="seeds per setting at the LRs around its edge of stability (seed 0 runs at every LR; "
+                             "default: the budget's, 2 for default)")
+    parser.add_argument("--seed-lrs", default="edge", choices=("edge", "all"),
+                        help="where the extra seeds run: the last stable LR and the first LR past the edge of each "
+                             "setting, found from seed 0 (edge, default), or every LR (all)")
+    parser.add_argument("--data-dir", default=None,
+                        help="prepared corpus folder (default: the budget's, data_v1k with the 1024-token "
+                             "vocabulary, prepared automatically if missing)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="runs trained in parallel, one thread each (default: one per core, at most 2)")
+
+
+def run_stability(args) -> int:
+    lab = stab.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
+                         lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
+                         seeds=args.seeds, seed_lrs=args.seed_lrs, data_dir=args.data_dir,
+                         jobs=args.jobs if args.jobs is not None else default_jobs())
+    res = stab.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
+    from ..labs.stability_report import sensitivity_text
+
+    print(sensitivity_text(res))
+    print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s, "
+          f"{res['cpu_s_runs'] / 60:.1f} core-minutes of training)")
+    return 0
+
+
 # name -> (configure, run, one-line help)
 LABS = {
     "sinks": (configure_sinks, run_sinks,
               "Bigram-Backcopy sink lab (Guo et al. 2024): BOS attention of idle heads, baseline vs gates, in minutes."),
+    "stability": (configure_stability, run_stability,
+                  "LR sweeps with/without QK-norm (Wortsman et al. 2023 proxies): loss, divergence, spikes, logit "
+                  "growth, LR sensitivity."),
 }
 
 
