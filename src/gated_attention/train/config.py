@@ -13,6 +13,9 @@ import typing
 from dataclasses import dataclass, field, replace
 
 
+TRAINABLE = ("all", "gates")  # what the optimizer updates (train.trainer.apply_trainable)
+
+
 @dataclass
 class TrainConfig:
     # --- what to train
@@ -20,6 +23,7 @@ class TrainConfig:
     gate: str = "baseline"  # gate registry name; the baseline is ungated
     model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
     init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
+    trainable: str = "all"  # "all" parameters, or only the "gates" (cheap fine-tuning of a retrofitted gate)
     # --- data
     data: str = "corpus"  # "corpus" (gattn data prepare output) or "synthetic" (built-in Markov tokens, for tests)
     data_dir: str | None = None  # corpus directory; None = the data module's default
@@ -76,6 +80,8 @@ class TrainConfig:
             bad("precision='fp16' is not supported (no loss scaling); use 'bf16' or 'fp32'")
         if self.precision not in ("bf16", "fp32"):
             bad(f"precision={self.precision!r}; use 'bf16' or 'fp32'")
+        if self.trainable not in TRAINABLE:
+            bad(f"trainable={self.trainable!r}; use one of {', '.join(TRAINABLE)}")
         if self.data not in ("corpus", "synthetic"):
             bad(f"data={self.data!r}; use 'corpus' or 'synthetic'")
         if self.dist not in ("ddp", "fsdp"):

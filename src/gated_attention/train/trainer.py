@@ -86,6 +86,23 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
     return model
 
 
+def apply_trainable(model: nn.Module, trainable: str) -> list[str]:
+    """Freeze what `trainable` excludes; returns the names left trainable. "gates": only the attention gates'
+    parameters (`...self_attn.gate.*`), so a retrofitted pretrained model is fine-tuned at the gate's cost."""
+    if trainable == "all":
+        return [n for n, p in model.named_parameters() if p.requires_grad]
+    names = []
+    for name, p in model.named_parameters():
+        keep = ".self_attn.gate." in f".{name}"
+        p.requires_grad_(keep)
+        if keep:
+            names.append(name)
+    if not names:
+        raise ValueError("trainable=gates but the model has no gate parameters (gate=baseline or a parameter-free "
+                         "gate); add one first: gattn retrofit CKPT --gate sdpa_elementwise --init identity --out DIR")
+    return names
+
+
 def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     """Weight decay on matrices only: norms/biases (ndim < 2) and, by default, embeddings are not decayed."""
     embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
@@ -227,6 +244,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         source_vocab = source.vocab_size
     factory = model_factory or build_model
     model = factory(cfg, source_vocab).to(info.device)
+    apply_trainable(model, cfg.trainable)  # before wrapping: DDP/FSDP and the optimizer see only what trains
     if cfg.data == "synthetic":
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
