@@ -63,6 +63,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from .progress import Progress
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # fixed order -> ids 0, 1, 2 in every tokenizer we train
 DEFAULT_SOURCES = ("shakespeare", "austen", "bible", "pydoc", "pycode")
@@ -774,7 +776,10 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         jobs.append((name, lambda name=name: (name, *SOURCES[name](cache_dir))))
     for path in cfg.extra:
         jobs.append((str(path), lambda path=path: read_extra(path)))
+    # reading, the tokenizer, then one token-file stage per domain (the total is fixed once skips are known)
+    prog = Progress(2 * len(jobs) + 1, "data prepare", "stage", heartbeat=True)
     for label, job in jobs:
+        prog.update(1, stage=label)
         t = time.time()
         prev = old_domains.get(label)
         raw_path = data_dir / "raw" / f"{label}.jsonl"
@@ -798,7 +803,9 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         entries[domain] = {**info, "bytes": nbytes, "documents": len(docs), "raw_file": f"raw/{domain}.jsonl",
                            "raw_sha256": sha256_file(raw_path)}
         _log(f"{domain}: {len(docs)} documents, {nchunks} chunks, {nbytes / 1e6:.2f} MB ({time.time() - t:.1f}s)")
+    prog.total = len(jobs) + 1 + len(entries)
     if not entries:
+        prog.close()
         raise ValueError("no corpus source could be read (see the SKIPPED lines above); install the Debian packages "
                          "with scripts/install_debian_deps.sh or pass --extra PATH")
 
@@ -824,6 +831,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         tok = train_tokenizer(train_texts, cfg.vocab_size, cfg.min_frequency)
         save_tokenizer(tok, tok_dir)
         _log(f"tokenizer: trained byte-level BPE, vocab {len(tok)} ({time.time() - t:.1f}s)")
+    prog.update(1, stage="tokenizer")
     tok_sha = sha256_file(tok_dir / "tokenizer.json")
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     dtype = token_dtype(len(tok))
@@ -850,8 +858,10 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
             e["tokens"][split] = int(arr.size)
             e["token_files"][split] = {"path": rel, "sha256": sha256_file(path)}
         e["tokens_key"] = tkey
+        prog.update(1, tokens=e["tokens"]["train"] + e["tokens"]["val"], stage=domain)
         _log(f"{domain}: {e['tokens']['train']:,} train / {e['tokens']['val']:,} val tokens ({time.time() - t:.1f}s)")
 
+    prog.close()
     manifest = {
         "version": MANIFEST_VERSION,
         "vocab_size": len(tok),

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from gated_attention.longctx import ruler
+from gated_attention.progress import Progress
 
 # training tasks mixed in by default: the noise-haystack retrieval tasks a few-M-parameter model can learn in minutes
 DEFAULT_MIX_TASKS = ("passkey", "niah_single_1", "niah_single_word")
@@ -205,7 +206,7 @@ def train_config_for(b: Budget, gate: str, data_dir: str, seed: int):
                        warmup_steps=b.warmup_steps, retrieval_mix=b.retrieval_mix, precision="fp32",
                        retrieval_tasks=list(b.mix_tasks), seed=seed, eval_every=0, eval_batches=2,
                        eval_batch_size=4, stats_every=0, ckpt_every=max(1, b.steps // 4), keep_checkpoints=1,
-                       progress=False, tensorboard=False).validate()
+                       progress=True, tensorboard=False).validate()
 
 
 def train_stage(cfg, run_dir: Path, log=print) -> Path:
@@ -307,8 +308,10 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
     scores: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     nll: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     records = []
+    prog = Progress(len(b.mix_tasks) * len(lengths), f"longctx eval {name}", "cell", heartbeat=True)
     for task in b.mix_tasks:
         for n in lengths:
+            prog.update(1, task=task, length=n)
             try:
                 res = ruler.evaluate(model, tok, [task], [n], b.samples, b.max_new_tokens, seed)
             except ValueError as exc:
@@ -325,6 +328,7 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
             nll[task][str(n)] = sum(r["answer_nll"] for r in res["records"]) / len(res["records"])
             records += res["records"]
             log(f"  {name} {task} @ {n}: {scores[task][str(n)]:.1f}")
+    prog.close()
     average, average_nll = {}, {}
     for n in lengths:  # over the tasks that fit at n
         got = [scores[t][str(n)] for t in b.mix_tasks if scores[t][str(n)] is not None]

@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from gated_attention.longctx import ruler
+from gated_attention.progress import Progress
 
 
 def format_table(result: dict) -> str:
@@ -87,11 +88,15 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    prog = Progress(len(args.tasks) * len(args.lengths), "ruler", "cell", heartbeat=True)
+
     def progress(task, length, value):
         print(f"  {task} @ {length}: {value:.1f}", flush=True)
+        prog.update(1, task=task, length=length, score=round(value, 1))
 
-    result = ruler.evaluate(model, tokenizer, args.tasks, args.lengths, args.samples, args.max_new_tokens,
-                            args.seed, corpus=corpus, metric=args.metric, progress=progress)
+    with prog:
+        result = ruler.evaluate(model, tokenizer, args.tasks, args.lengths, args.samples, args.max_new_tokens,
+                                args.seed, corpus=corpus, metric=args.metric, progress=progress)
     result["config"]["checkpoint"] = str(args.dir)
     result["config"]["rope_parameters"] = getattr(model.config, "rope_parameters", None)
     write_json(result, out / "ruler.json")

@@ -64,7 +64,7 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
-    progress: bool = True  # tqdm bar on rank 0
+    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
     inject_nan_steps: list[int] = field(default_factory=list)  # fault injection for tests: make these steps' loss NaN
 

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from ..progress import Progress
 from .config import TRAIN_PRESETS
 
 
@@ -36,6 +37,7 @@ def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    prog = Progress(len(gates) * len(lrs), "sweep", "run")  # each run also reports its own steps
     for gate in gates:
         for lr in lrs:
             rdir = out / run_dir_name(gate, lr)
@@ -49,6 +51,8 @@ def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets
                          "avg_ppl": summary.get("avg_ppl"), "spikes": summary.get("spikes"),
                          "skipped_steps": summary.get("skipped_steps"), "diverged": summary.get("diverged"),
                          "dir": str(rdir)})
+            prog.update(1, gate=gate, lr=lr, final_loss=rows[-1]["final_loss"])
+    prog.close()
     _write(out / "results.json", json.dumps(rows, indent=1))
     _write(out / "results.md", table(rows))
     return rows

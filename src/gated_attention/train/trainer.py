@@ -32,6 +32,7 @@ from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
 from ..io import atomic_write_text
+from ..progress import Progress
 
 # config fields that may differ between a run and its resumption (they do not change the numbers)
 _RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
@@ -275,11 +276,8 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     D.barrier(info)
 
     tb = _TB(out, cfg.tensorboard and info.is_main)
-    bar = None
-    if cfg.progress and info.is_main:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=st["step"], unit="step", dynamic_ncols=True)
+    # a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL seconds otherwise (nohup, CI, schedulers)
+    bar = Progress(cfg.steps, f"train {out.name}", "step", initial=st["step"], enabled=cfg.progress and info.is_main)
     per_rank = cfg.batch_size // info.world_size
     micro = per_rank // cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -392,9 +390,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
             log_fh.write(json.dumps(rec) + "\n")
             log_fh.flush()
             tb.log(step, {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
-                bar.update(1)
+            bar.update(1, tokens=tokens_per_step, loss=round(loss_val, 4))
         if st["bad_in_a_row"] >= cfg.max_bad_steps:
             st["diverged"] = True
             st["stop_reason"] = (f"stopped: {st['bad_in_a_row']} non-finite steps in a row at step {step} "
@@ -408,8 +404,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    if bar is not None:
-        bar.close()
+    bar.close()
     if log_fh is not None:
         log_fh.close()
     tb.close()
