@@ -82,3 +82,30 @@ def test_trainable_setting_is_validated(tmp_path):
     cfg.steps, cfg.trainable = 2, "gates"  # the ungated tiny model has nothing to train
     with pytest.raises(ValueError, match="no gate parameters"):
         train(cfg, tmp_path / "run")
+
+
+def test_data_prepare_with_the_models_own_tokenizer(tmp_path):
+    """`gattn data prepare --tokenizer DIR`: token files in a foreign vocabulary (here one without a BOS token, like
+    Qwen2's), so gate fine-tuning data matches a pretrained model; documents end with ITS eos."""
+    from transformers import PreTrainedTokenizerFast
+
+    from gated_attention.data import Corpus, PrepareConfig, prepare, train_tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog. " * 400
+    base = train_tokenizer([text], vocab_size=300)
+    foreign = PreTrainedTokenizerFast(tokenizer_object=base.backend_tokenizer, eos_token="<|eos|>")  # no bos, no pad
+    foreign.save_pretrained(tmp_path / "model")
+    (tmp_path / "t.txt").write_text(text)
+    assert main(["data", "prepare", "--data-dir", str(tmp_path / "data"), "--tokenizer", str(tmp_path / "model"),
+                 "--sources", "--extra", str(tmp_path / "t.txt"), "--chunk-chars", "2048"]) == 0
+    corpus = Corpus(tmp_path / "data")
+    eos = foreign.eos_token_id
+    assert (corpus.bos_id, corpus.eos_id, corpus.pad_id) == (eos, eos, eos)
+    assert corpus.manifest["tokenizer"]["external"] == str(tmp_path / "model")
+    train_ids = corpus.tokens("t", "train")
+    assert train_ids[-1] == eos
+    first_doc = train_ids[: list(train_ids).index(eos)]
+    assert foreign.decode(first_doc) == text[: len(foreign.decode(first_doc))]  # the foreign vocabulary, decodable
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        prepare(PrepareConfig(data_dir=str(tmp_path / "d2"), sources=(), extra=(str(tmp_path / "t.txt"),),
+                              tokenizer=str(tmp_path)))

@@ -86,6 +86,7 @@ class PrepareConfig:
     chunk_chars: int = 16384  # ~4k tokens: long enough for seq_len 2048 windows, short enough for a balanced split
     min_frequency: int = 2  # BPE merges seen once are noise on a corpus this size
     force: bool = False  # rebuild everything, ignoring the cache
+    tokenizer: str | None = None  # an existing HF tokenizer dir (a pretrained checkpoint's) instead of training BPE
 
 
 class SourceUnavailable(RuntimeError):
@@ -643,6 +644,24 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency:
     return _wrap_fast(tok)
 
 
+def _external_tokenizer(path: str):
+    """(fast tokenizer, {BOS, EOS, PAD: id}) of an existing tokenizer dir; the manifest keeps our special-token names
+    as keys. A tokenizer without BOS (Qwen2) starts windows with its EOS, as those models see documents in training."""
+    from transformers import AutoTokenizer
+
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {path}: no tokenizer.json there (a fast HF tokenizer dir is needed, "
+                                "e.g. the checkpoint dir of a Llama / Mistral / Qwen2 model)")
+    tok = AutoTokenizer.from_pretrained(path)
+    eos = tok.eos_token_id
+    if eos is None:
+        raise ValueError(f"--tokenizer {path} has no eos_token; documents need a separator (set eos_token in its "
+                         "tokenizer_config.json)")
+    bos = tok.bos_token_id if tok.bos_token_id is not None else eos
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    return tok, {BOS: bos, EOS: eos, PAD: pad}
+
+
 def _wrap_fast(tok):
     from transformers import PreTrainedTokenizerFast
 
@@ -821,7 +840,13 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     tok_dir = data_dir / "tokenizer"
     tok_key = _key("tokenizer", cfg.vocab_size, cfg.min_frequency, cfg.seed, cfg.val_fraction,
                    [(d, e["raw_sha256"]) for d, e in entries.items()])
-    if old.get("tokenizer", {}).get("key") == tok_key and (tok_dir / "tokenizer.json").exists() \
+    ids = None
+    if cfg.tokenizer:  # a pretrained model's own tokenizer: fine-tuning data must speak the model's vocabulary
+        tok, ids = _external_tokenizer(cfg.tokenizer)
+        save_tokenizer(tok, tok_dir)
+        tok_key = _key("external-tokenizer", sha256_file(tok_dir / "tokenizer.json"))  # never reused as a BPE one
+        _log(f"tokenizer: {cfg.tokenizer} (vocab {len(tok)}; bos {ids[BOS]}, eos {ids[EOS]})")
+    elif old.get("tokenizer", {}).get("key") == tok_key and (tok_dir / "tokenizer.json").exists() \
             and sha256_file(tok_dir / "tokenizer.json") == old["tokenizer"].get("sha256"):
         tok = get_tokenizer(tok_dir)
         _log(f"tokenizer: reusing {tok_dir}")
@@ -833,7 +858,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         _log(f"tokenizer: trained byte-level BPE, vocab {len(tok)} ({time.time() - t:.1f}s)")
     prog.update(1, stage="tokenizer")
     tok_sha = sha256_file(tok_dir / "tokenizer.json")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = ids or {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     dtype = token_dtype(len(tok))
 
     # 4. token files: each chunk's ids then eos, per (domain, split)
@@ -871,7 +896,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         "val_fraction": cfg.val_fraction,
         "chunk_chars": cfg.chunk_chars,
         "tokenizer": {"dir": "tokenizer", "key": tok_key, "sha256": tok_sha, "min_frequency": cfg.min_frequency,
-                      "requested_vocab_size": cfg.vocab_size},
+                      "requested_vocab_size": cfg.vocab_size, "external": cfg.tokenizer},
         "domains": entries,
         "skipped": skipped,
         "build_seconds": round(time.time() - t0, 2),
@@ -1051,6 +1076,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"documents are cut into chunks of about this many characters for the split "
                         f"(default {d.chunk_chars})")
     p.add_argument("--force", action="store_true", help="rebuild everything instead of reusing the cache")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="use this HF tokenizer (e.g. a pretrained Llama/Mistral/Qwen2 checkpoint dir) instead of "
+                        "training a BPE one, so `gattn train --set init_from=...` fine-tunes on the model's own "
+                        "vocabulary; --vocab-size is then ignored")
     i = sub.add_parser("info", help="Print the manifest of a prepared data dir as a table.")
     i.add_argument("--data-dir", default=d.data_dir, help=f"prepared data dir (default {d.data_dir})")
     i.add_argument("--verify", action="store_true", help="also recompute and check every sha256 in the manifest")
@@ -1084,7 +1113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "prepare":
         cfg = PrepareConfig(data_dir=args.data_dir, vocab_size=args.vocab_size, sources=tuple(args.sources),
                             extra=tuple(args.extra), val_fraction=args.val_fraction, seed=args.seed,
-                            chunk_chars=args.chunk_chars, force=args.force)
+                            chunk_chars=args.chunk_chars, force=args.force, tokenizer=args.tokenizer)
         print(format_manifest(prepare(cfg)))
         return 0
     corpus = Corpus(args.data_dir)
