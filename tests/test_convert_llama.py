@@ -190,3 +190,17 @@ def test_import_refusals_and_cli(tmp_path, capsys):
     assert cli_main(["convert", str(tmp_path / "g"), str(tmp_path / "x"), "--from", "native", "--to", "llama"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no gate" in err[0] and not (tmp_path / "x").exists()
+
+
+def test_longrope_short_and_long_factors_like_stock(tmp_path):
+    # short factors up to original_max_position_embeddings (16), long ones past it, also while generating across it
+    stock, src = _stock("llama", dict(head_dim=24, rope_parameters=LONGROPE), tmp_path)
+    convert_checkpoint(src, tmp_path / "native", "llama", "native")
+    native = _load(tmp_path / "native")
+    for n in (10, 16, 17):
+        assert _max_diff(stock, native, torch.randint(0, BASE["vocab_size"], (1, n))) <= TOL
+    kw = dict(max_new_tokens=8, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
+    prompt = torch.randint(0, BASE["vocab_size"], (1, 12))
+    a, b = stock.generate(prompt, **kw), native.generate(prompt, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    assert max(float((x - y).abs().max()) for x, y in zip(a.scores, b.scores)) <= TOL
