@@ -88,7 +88,7 @@ def test_stock_to_native_logits(fmt, kw, tmp_path):
     assert _max_diff(stock, native, ids, mask) <= TOL
     # the converted model declares what makes it Llama-shaped
     cfg = json.loads((tmp_path / "native" / "config.json").read_text())
-    assert cfg["model_type"] == "gated_qwen3" and cfg["gate"] == "baseline"
+    assert cfg["model_type"] == "gated_qwen3" and cfg["gate"] == "none"
     if fmt == "qwen2":
         assert cfg["attention_bias"] and cfg["o_proj_bias"] is False
         assert "o_proj.bias" not in " ".join(native.state_dict())

@@ -2,7 +2,7 @@
 issue #10). `gattn retrofit CKPT --gate NAME --init {identity,random} --out DST`.
 
 Input: a native checkpoint (`save_pretrained` dir, e.g. a training run's `final/`), or a stock transformers Qwen3 /
-Qwen3-MoE / Llama / Mistral / Qwen2 dir or an ungated official one, which first go through convert.py's format ->
+Qwen3-MoE / Llama / Mistral / Qwen2 dir or an ungated official one, which first go through convert's format ->
 native functions (the format is read from config.json's model_type). Every
 existing tensor is copied bit for bit; only the gate's parameters are new. The result is a normal native checkpoint
 (config.json + model.safetensors + the source's tokenizer files), written atomically; continue training it with
@@ -26,7 +26,6 @@ the trained weights, so the model grows by the gate's parameters, as in the pape
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -43,7 +42,7 @@ _OFFICIAL_KEYS = ("elementwise_attn_output_gate", "headwise_attn_output_gate", "
 
 
 def detect_format(config: dict) -> str:
-    """The convert.py format of a config.json dict: native, qwen3-moe, llama, mistral, qwen2, official (qwen3 +
+    """The convert format of a config.json dict: native, qwen3-moe, llama, mistral, qwen2, official (qwen3 +
     official flags) or qwen3."""
     mt = config.get("model_type")
     if mt in _BY_MODEL_TYPE:
@@ -89,8 +88,8 @@ def retrofit_state(config: dict, state: dict, gate: str, init: str = "identity",
     fmt = detect_format(config) if src_format == "auto" else src_format
     ncfg = config_to_native(config, fmt, state)
     nstate = state_to_native(state, ncfg, fmt)
-    have = ncfg.get("gate", "baseline")
-    if have != "baseline":
+    have = ncfg.get("gate", "none")
+    if canonical_name(have) != "none":
         raise ValueError(f"the checkpoint already has gate {have!r}; retrofit adds a gate to an UNGATED model "
                          "(train it further with `gattn train --set init_from=DIR` instead)")
     name = canonical_name(gate)
@@ -120,30 +119,6 @@ def retrofit_checkpoint(src: str | Path, dst: str | Path, gate: str, init: str =
     config, state = load_dir(src)
     out_config, out_state = retrofit_state(config, state, gate, init, seed, src_format)
     return save_dir(dst, out_config, out_state, src=src, overwrite=overwrite)
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("ckpt", help="trained UNGATED checkpoint dir (native, e.g. RUN/final; or stock Qwen3 / "
-                                     "Qwen3-MoE / Llama / Mistral / Qwen2 / ungated official), config.json + "
-                                     "*.safetensors")
-    parser.add_argument("--gate", required=True, help="gate to add (a name from `gattn gates`, e.g. sdpa_elementwise)")
-    parser.add_argument("--init", required=True, choices=INITS,
-                        help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
-                             "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
-    parser.add_argument("--out", required=True, help="destination dir (native checkpoint, written atomically)")
-    parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
-                        help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> official)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random gate init (ignored by identity)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
-
-
-def run(args) -> int:
-    out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
-    print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
-          f"gattn train --gate {args.gate} --set init_from={out} --out RUN ... "
-          f"(add --set trainable=gates to train only the gate)")
-    return 0
 
 
 __all__ = ["INITS", "detect_format", "retrofit_state", "retrofit_checkpoint"]

@@ -5,8 +5,8 @@ temporary folder, every file fsync'ed, then the folder is renamed into place (re
 parent fsync'ed. A crash (even SIGKILL mid-write) therefore leaves either the previous checkpoints intact plus a stale
 `.tmp-*` folder (removed on the next start) or the complete new one, never a half-written `step_*`.
 
-Test hook: GATTN_TEST_KILL_IN_CKPT_WRITE=N makes the process SIGKILL itself inside its N-th checkpoint write (after
-state.pt is written, before the rename), so tests can kill during a write deterministically.
+Tests kill a run inside a checkpoint write (after state.pt, before the rename) with tests/kill_hooks.py, which wraps
+`write_files`; nothing here knows about it.
 """
 from __future__ import annotations
 
@@ -14,15 +14,11 @@ import json
 import os
 import re
 import shutil
-import signal
 from pathlib import Path
 
 import torch
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_writes_done = 0  # for the test hook
-
-
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
@@ -70,7 +66,6 @@ def tmp_dir_for(out_dir: str | Path, step: int) -> Path:
 def write_files(tmp: Path, files: dict[str, object]) -> None:
     """Write torch objects (name.pt) or JSON (name.json) into `tmp`, each fsync'ed. Called by every rank for its
     own files (rank 0 also writes the shared state)."""
-    global _writes_done
     tmp.mkdir(parents=True, exist_ok=True)
     for name, obj in files.items():
         path = tmp / name
@@ -79,11 +74,6 @@ def write_files(tmp: Path, files: dict[str, object]) -> None:
         else:
             torch.save(obj, path)
         _fsync_file(path)
-    if "state.pt" in files:
-        _writes_done += 1
-        kill_at = os.environ.get("GATTN_TEST_KILL_IN_CKPT_WRITE")
-        if kill_at and int(kill_at) == _writes_done:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def commit(out_dir: str | Path, step: int, keep: int) -> Path:

@@ -5,12 +5,8 @@ not exp of the pooled loss. `gattn eval DIR` prints a table and writes/prints JS
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,64 +49,3 @@ def domain_losses(model, source, *, seq_len: int, max_batches: int, batch_size: 
     if positions and pos_count:
         out["pos_loss"] = (pos_sum / pos_count).tolist()
     return out
-
-
-# ---------------------------------------------------------------- gattn eval
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", help="a training run folder (its final/ model is used) or a save_pretrained folder")
-    parser.add_argument("--data-dir", default=None, help="corpus folder (default: the run's own setting)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's seq_len)")
-    parser.add_argument("--batches", type=int, default=8, help="validation batches per domain")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast precision")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file (atomically)")
-
-
-def _position_summary(pos: list[float], points: int = 8) -> list[tuple[int, float]]:
-    """Loss averaged over `points` equal position buckets, for the table (the JSON keeps every position)."""
-    n = len(pos)
-    edges = [round(i * n / points) for i in range(points + 1)]
-    return [(edges[i], sum(pos[edges[i]:edges[i + 1]]) / max(1, edges[i + 1] - edges[i]))
-            for i in range(points) if edges[i + 1] > edges[i]]
-
-
-def run(args) -> int:
-    import gated_attention  # noqa: F401  (registers the model with the Auto classes)
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-
-    from .config import TrainConfig
-    from .data_source import make_source
-
-    root = Path(args.dir)
-    model_dir = root / "final" if (root / "final" / "config.json").exists() else root
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"no model in {root} (expected {root}/final/config.json or {root}/config.json)")
-    cfg_path = root / "train_config.json"
-    cfg = TrainConfig.from_dict(json.loads(cfg_path.read_text())) if cfg_path.exists() else TrainConfig()
-    if args.data_dir is not None:
-        cfg.data_dir, cfg.data = args.data_dir, "corpus"
-    seq_len = args.seq_len or cfg.seq_len
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = GatedQwen3ForCausalLM.from_pretrained(model_dir).to(device)
-    source = make_source(cfg, model.config.vocab_size)
-    res = domain_losses(model, source, seq_len=seq_len, max_batches=args.batches, batch_size=args.batch_size,
-                        device=device, precision=args.precision, positions=True)
-    res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size})
-    if args.out:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        os.replace(tmp, args.out)
-    if args.json:
-        print(json.dumps(res, indent=1))
-        return 0
-    print(f"model: {model_dir}   seq_len {seq_len}, {args.batches} x {args.batch_size} sequences per domain")
-    print(f"{'domain':<20} {'loss':>8} {'ppl':>10}")
-    for d, loss in res["losses"].items():
-        print(f"{d:<20} {loss:>8.4f} {res['ppl'][d]:>10.3f}")
-    print(f"{'Avg PPL':<20} {'':>8} {res['avg_ppl']:>10.3f}")
-    if "pos_loss" in res:
-        print("loss by position (bucket start: mean loss):")
-        print("  " + "  ".join(f"{p}:{v:.3f}" for p, v in _position_summary(res["pos_loss"])))
-    return 0

@@ -1,27 +1,15 @@
-"""`gattn sweep`: gates x learning rates on one preset, each run in its own folder, tabulated (markdown + JSON).
+"""Sweeps (`gattn sweep`): gates x learning rates on one preset, each run in its own folder, tabulated (markdown + JSON).
 
 The small-scale version of the paper's Table 2 stress test (higher LR -> baseline spikes/diverges, gated does not).
 A re-run reuses finished runs (their summary.json) and resumes unfinished ones from their checkpoints.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
 from pathlib import Path
 
+from ..io import atomic_write_text
 from ..progress import Progress
-from .config import TRAIN_PRESETS
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="small-stress", choices=list(TRAIN_PRESETS), help="training preset")
-    parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"], help="gate variants to compare")
-    parser.add_argument("--lrs", nargs="+", type=float, required=True, help="peak learning rates to try")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="TrainConfig / model.* overrides applied to every run; repeatable")
-    parser.add_argument("--out", required=True, help="sweep folder: one sub-folder per run, results.md, results.json")
-    parser.add_argument("--data-dir", default=None, help="prepared corpus folder")
 
 
 def run_dir_name(gate: str, lr: float) -> str:
@@ -31,7 +19,7 @@ def run_dir_name(gate: str, lr: float) -> str:
 def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets: list[str] = (),
           data_dir: str | None = None) -> list[dict]:
     from .checkpoint import latest_checkpoint
-    from .cli import config_from_args
+    from .config import config_from_args
     from .trainer import train
 
     out = Path(out)
@@ -53,8 +41,8 @@ def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets
                          "dir": str(rdir)})
             prog.update(1, gate=gate, lr=lr, final_loss=rows[-1]["final_loss"])
     prog.close()
-    _write(out / "results.json", json.dumps(rows, indent=1))
-    _write(out / "results.md", table(rows))
+    atomic_write_text(out / "results.json", json.dumps(rows, indent=1))
+    atomic_write_text(out / "results.md", table(rows))
     return rows
 
 
@@ -69,15 +57,3 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['gate']} | {r['lr']:g} | {loss} | {fmt(r['avg_ppl'])} | {r['spikes']} | "
                      f"{r['skipped_steps']} | {r['diverged']} |")
     return "\n".join(lines) + "\n"
-
-
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def run(args) -> int:
-    rows = sweep(args.preset, args.gates, args.lrs, args.out, args.sets, args.data_dir)
-    print(table(rows), end="")
-    return 0

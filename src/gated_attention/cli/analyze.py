@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from .analyze import AnalysisConfig, analyze_model, bos_id, load_model, load_tokenizer, token_batches
+from ..io import atomic_write_text
+from ..analysis.analyze import AnalysisConfig, analyze_model, bos_id, load_model, load_tokenizer, token_batches
 
 
-def configure(p: argparse.ArgumentParser) -> None:
+def configure_analyze(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", help="local model directory (ours or any HF transformer with config.json)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="a UTF-8 text file to analyse on")
@@ -41,14 +41,12 @@ def _tokens(args, tok):
         return tok(text, add_special_tokens=False)["input_ids"]
     if not args.data_dir:
         raise ValueError("--domain needs --data-dir (the prepared corpus directory)")
-    try:
-        from ..data import Corpus
-    except ImportError as exc:
-        raise ValueError("--domain needs gated_attention.data.Corpus, which this install lacks; use --text") from exc
+    from ..data import Corpus
+
     return Corpus(args.data_dir).tokens(args.domain, "val")
 
 
-def run(args) -> int:
+def run_analyze(args) -> int:
     for name in ("seq_len", "batches", "batch_size", "map_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -68,10 +66,8 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(result, indent=1)
-    tmp = out / ".analysis.json.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, out / "analysis.json")
-    from .plots import plot_all
+    atomic_write_text(out / "analysis.json", text)
+    from ..analysis.plots import plot_all
     plot_all(result, out, label=Path(args.model_dir).name)
     if args.json:
         print(text)

@@ -45,7 +45,7 @@ FAMILIES: dict[str, Family] = {
 
 
 def _error(msg: str):
-    from .convert import ConversionError
+    from . import ConversionError
 
     return ConversionError(msg)
 
@@ -59,7 +59,7 @@ def _stock_config(cfg: dict, fmt: str):
 
 def config_to_native(cfg: dict, fmt: str) -> dict:
     """Native GatedQwen3Config kwargs from a Llama / Mistral / Qwen2 config.json dict."""
-    from .convert import SHARED_KEYS
+    from . import SHARED_KEYS
 
     fam = FAMILIES[fmt]
     hf = _stock_config(cfg, fmt)
@@ -94,7 +94,7 @@ def config_to_native(cfg: dict, fmt: str) -> dict:
         out["layer_types"] = types
         out["max_window_layers"] = hf.max_window_layers
     out["use_qk_norm"] = False
-    out["gate"] = "baseline"
+    out["gate"] = "none"
     dtype = cfg.get("dtype", cfg.get("torch_dtype"))
     if dtype:
         out["dtype"] = dtype
@@ -129,7 +129,7 @@ def check_native_for(ncfg: dict, fmt: str) -> None:
 
 def config_from_native(full: dict, fmt: str) -> dict:
     """The config.json dict of the stock `fmt` class for a full native config dict (checked by check_native_for)."""
-    from .convert import SHARED_KEYS
+    from . import SHARED_KEYS
 
     import transformers
 
