@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("train", ("train",)),
     ("analysis", ("analysis",)),
     ("experiment", ("experiment",)),
-    ("jobs", ("compare", "compare_report", "longctx", "labs")),
+    ("jobs", ("compare", "compare_report", "compare_claims", "longctx", "labs")),
     ("cli", ("cli",)),
 ]
 RANK = {name: i for i, (name, _) in enumerate(LAYERS)}

@@ -15,7 +15,8 @@ from gated_attention import compare as C
 def small_run(tiny_corpus, tmp_path_factory):
     """`gattn compare --budget small` through the CLI, with the default three variants."""
     out = tmp_path_factory.mktemp("cmp") / "out"
-    rc = cli.main(["compare", "--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out)])
+    rc = cli.main(["compare", "--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out),
+                   "--stability-lab", str(out / "no_stability"), "--longctx", str(out / "no_longctx"), "--jobs", "1"])
     assert rc == 0
     return out
 
@@ -50,9 +51,18 @@ def test_small_budget_writes_report(small_run, tiny_corpus):
         assert f"| {v} |" in md
     html = (out / "report.html").read_text()
     imgs = re.findall(r'<img [^>]*src="([^"]+)"', html)
-    assert len(imgs) == len(res["plots"]) >= 5  # loss, layers, gates, one map per variant
+    # loss, layers, gates, one map per variant; then the sink lab's curves, maps and gate plots
+    assert len(imgs) == len(res["plots"]) + len(res["sink_lab"]["plots"]) and len(res["plots"]) >= 5
     assert all(s.startswith("data:image/png;base64,") for s in imgs)  # self-contained
-    assert all((out / p).stat().st_size > 1000 for p in res["plots"].values())
+    assert all((out / p).stat().st_size > 1000 for p in [*res["plots"].values(), *res["sink_lab"]["plots"].values()])
+    # the report opens with the claims table, one row per claim; stability / long context were not run here
+    assert md.index("## Paper claims vs this run") < md.index("## Table 4 form")
+    assert html.index("Paper claims vs this run") < html.index("Table 4 form")
+    assert [c["claim"] for c in res["claims"]][0] == "Lower perplexity at parameter parity" and len(res["claims"]) == 7
+    assert "gattn lab stability --out runs/lab/stability" in md and "gattn longctx --out runs/longctx" in md
+    lab = json.loads((out / "sink_lab" / "lab.json").read_text())
+    assert list(lab["variants"]) == list(C.DEFAULT_VARIANTS) and "## Sink lab (Bigram-Backcopy)" in md
+    assert set(res["sink_lab"]["variants"]["sdpa_elementwise"]["mean"]) >= {"bos_attention_dormant", "backcopy_ce"}
     assert "prose" in html and "code" in html
 
 

@@ -187,6 +187,7 @@ class GatedAttention(nn.Module):
         if self.capture is not None:
             self._emit("q", q)
             self._emit("k", k if self.baseline is None else self.baseline.key_view(k))
+            self._emit("v", v)
             self._emit("scale", self.scaling)
         impl = self.config._attn_implementation or "sdpa"
         if self.capture is not None and getattr(self.capture, "wants_probs", False):

@@ -7,6 +7,7 @@ decides what to keep (e.g. a running statistic instead of the full tensor, so lo
 Names emitted by the attention layer (shapes with B=batch, T=query length, S=key length):
   "q"          (B, H, T, D)   queries after QK-norm and RoPE (scaled by nothing)
   "k"          (B, KV, S, D)  keys after QK-norm and RoPE, including cached keys
+  "v"          (B, KV, S, D)  values the kernel mixes (after any G2 gate), including cached values
   "scale"      python float   the softmax scale used
   "y_pre_gate" (B, T, H, D)   per-head SDPA output before the G1 gate / transform
   "gate"       (B, T, H, D) or (B, T, H, 1)  gate score sigma(XW) actually multiplied (G1/G2/G3/G4) or (B, T, d) for G5

@@ -40,6 +40,8 @@ class Budget:
     map_len: int = 64  # tokens shown in the attention-map plots
     data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with
+    # the small sink lab compare runs after the LM variants: a `gattn lab sinks` budget name plus changes to it
+    sink_lab: tuple = ("default", {"seeds": 1})
 
 
 # Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the
@@ -66,7 +68,7 @@ BUDGETS: dict[str, Budget] = {
                    eval_batches=2, eval_batch_size=4, stats_every=20, spike_window=20, ckpt_every=30,
                    model_overrides=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
-        analysis_batches=1, map_len=32),
+        analysis_batches=1, map_len=32, sink_lab=("small", {"seeds": 1})),
     "quick": Budget(
         help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model (8k-vocabulary corpus, windows of 128): "
              "about 5 minutes for three variants on 2 quiet CPU cores; shows the massive activations and the PPL "
@@ -227,9 +229,37 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
     }
 
 
+def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print) -> dict:
+    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit)."""
+    from gated_attention.labs import common, sinks
+
+    name, changes = budget.sink_lab
+    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants)})
+    log(f"[compare] sink lab ({name} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
+    return sinks.run_lab(cfg, out, jobs=jobs or common.default_jobs(),
+                         log=lambda m: log(f"[compare] sink lab: {m}"))
+
+
+def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
+    """What compare.json keeps of its sink lab: per-variant means/stds, the table and plot paths (relative to out)."""
+    from gated_attention.labs import sinks_report
+
+    head, rows = sinks_report.table_cells(lab)
+    return {"dir": str(lab_dir.relative_to(out)), "task": lab["task"], "config": lab["config"],
+            "variants": {v: {"mean": x["mean"], "std": x["std"], "seeds": len(x["per_seed"])}
+                         for v, x in lab["variants"].items()},
+            "table": {"head": head, "rows": rows},
+            "plots": {k: str((lab_dir / p).relative_to(out)) for k, p in lab.get("plots", {}).items()}}
+
+
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
-                variants: list[str] | None = None, sets: list[str] | None = None, log=print) -> dict:
-    """Train/reuse every variant, analyse, and write compare.json, report.md, report.html and plots into `out`."""
+                variants: list[str] | None = None, sets: list[str] | None = None, log=print,
+                sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
+                longctx: str | Path | None = "runs/longctx", jobs: int | None = None) -> dict:
+    """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
+    and plots into `out`; the report opens with the "Paper claims vs this run" table (compare_claims.py), which also
+    reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist."""
+    from . import compare_claims as claims
     from . import compare_report as report
 
     t0 = time.perf_counter()
@@ -263,6 +293,11 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         "rows": rows,
         "wall_time_s": None,
     }
+    lab = None
+    if sink_lab:
+        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log)
+        result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
+    result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)

@@ -131,13 +131,48 @@ def _plot_title(key: str) -> str:
     return _PLOT_TITLES.get(key, key)
 
 
+def _claims_cells(result: dict):
+    from .compare_claims import claims_cells
+
+    return claims_cells(result.get("claims") or [])
+
+
+_CLAIMS_NOTE = ("Each row: the paper's figure (Qiu et al. 2025; 15A2B MoE at 400B tokens unless stated), this run's "
+                "figure, and a verdict with the rule written in gated_attention/compare_claims.py. 'not at this scale' = "
+                "measured here without the paper's effect; 'not run here' names the command that measures it.")
+
+
+def _sink_lab_section(result: dict) -> tuple[list[str], list[list[str]], dict] | None:
+    lab = result.get("sink_lab")
+    if not lab:
+        return None
+    return lab["table"]["head"], lab["table"]["rows"], lab.get("plots", {})
+
+
+def _sink_lab_intro(result: dict) -> str:
+    lab = result["sink_lab"]
+    t, c = lab["task"], lab["config"]
+    return (f"`gattn lab sinks` on the same variants (lab.json in {lab['dir']}/): Bigram-Backcopy, V={t['vocab']}, "
+            f"k={t['triggers']} triggers, T={t['seq_len']}; {c['layers']} layer x {c['heads']} head, "
+            f"d={c['hidden_size']}, {c['steps']} steps at lr {c['lr']:g}, {c['seeds']} seed(s). Attention on BOS "
+            f"from dormant (non-trigger) queries is the sink; read it next to backcopy CE (the task's skill).")
+
+
 def render_markdown(result: dict) -> str:
     parts = ["# gattn compare: gated attention vs baseline", ""]
+    if result.get("claims"):
+        parts += ["## Paper claims vs this run", "", _md_table(*_claims_cells(result)), "", _CLAIMS_NOTE, ""]
     parts += [p + "\n" for p in _intro(result)]
     parts += ["## Table 4 form", "", _md_table(*_table4_cells(result)), "",
               "## Per-domain perplexity (held-out)", "", _md_table(*_domain_cells(result)), "",
               "## Per-layer F-Attn and M-Act", "", _md_table(*_layer_cells(result)), "",
-              "## More measurements", "", _md_table(*_extra_cells(result)), "", "## Plots", ""]
+              "## More measurements", "", _md_table(*_extra_cells(result)), ""]
+    sl = _sink_lab_section(result)
+    if sl:
+        parts += ["## Sink lab (Bigram-Backcopy)", "", _sink_lab_intro(result), "", _md_table(sl[0], sl[1]), ""]
+        for key, rel in sl[2].items():
+            parts += [f"### Sink lab: {key}", "", f"![sink lab {key}]({rel})", ""]
+    parts += ["## Plots", ""]
     for key, rel in result.get("plots", {}).items():
         parts += [f"### {_plot_title(key)}", "", f"![{key}]({rel})", ""]
     return "\n".join(parts)
@@ -153,11 +188,23 @@ def render_html(result: dict, out_dir: str | Path) -> str:
     """One self-contained HTML page: every PNG is inlined as a base64 data URI."""
     out_dir = Path(out_dir)
     body = ["<h1>gattn compare: gated attention vs baseline</h1>"]
+    if result.get("claims"):
+        body += ["<h2>Paper claims vs this run</h2>", _html_table(*_claims_cells(result)),
+                 f"<p>{html.escape(_CLAIMS_NOTE)}</p>"]
     body += [f"<p>{html.escape(p)}</p>" for p in _intro(result)]
     body += ["<h2>Table 4 form</h2>", _html_table(*_table4_cells(result)),
              "<h2>Per-domain perplexity (held-out)</h2>", _html_table(*_domain_cells(result)),
              "<h2>Per-layer F-Attn and M-Act</h2>", _html_table(*_layer_cells(result)),
-             "<h2>More measurements</h2>", _html_table(*_extra_cells(result)), "<h2>Plots</h2>"]
+             "<h2>More measurements</h2>", _html_table(*_extra_cells(result))]
+    sl = _sink_lab_section(result)
+    if sl:
+        body += ["<h2>Sink lab (Bigram-Backcopy)</h2>", f"<p>{html.escape(_sink_lab_intro(result))}</p>",
+                 _html_table(sl[0], sl[1])]
+        for key, rel in sl[2].items():
+            data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
+            body += [f"<h3>Sink lab: {html.escape(key)}</h3>",
+                     f'<img alt="sink lab {html.escape(key)}" src="data:image/png;base64,{data}">']
+    body += ["<h2>Plots</h2>"]
     for key, rel in result.get("plots", {}).items():
         data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
         body += [f"<h3>{html.escape(_plot_title(key))}</h3>", f'<img alt="{html.escape(key)}" '

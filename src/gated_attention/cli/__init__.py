@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "extend": ("gated_attention.cli.longctx", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
     "ruler": ("gated_attention.cli.longctx", "RULER-style long-context scores by length: JSON, table and plot."),
     "longctx": ("gated_attention.cli.longctx", "Table 5 in small: train baseline/gated at L, YaRN x4, RULER + PPL to 4L."),
+    "lab": ("gated_attention.cli.lab", "Science labs: one effect of gated attention measured in minutes (`gattn lab --help` lists them)."),
 }
 
 

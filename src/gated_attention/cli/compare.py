@@ -24,11 +24,23 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override a training setting for every variant (e.g. steps=3000, lr=1e-2, "
                              "model.num_hidden_layers=6); repeatable")
+    parser.add_argument("--sink-lab", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run a small `gattn lab sinks` (Bigram-Backcopy, one seed) on the same variants "
+                             "into OUT/sink_lab and report it (default on; --no-sink-lab skips it)")
+    parser.add_argument("--stability-lab", default="runs/lab/stability", metavar="DIR",
+                        help="a `gattn lab stability` output whose lab.json fills the claims table's stability row "
+                             "(default runs/lab/stability; 'not run here' when absent)")
+    parser.add_argument("--longctx", default="runs/longctx", metavar="DIR",
+                        help="a `gattn longctx` output whose report.json \"claim\" fills the long-context row "
+                             "(default runs/longctx; 'not run here' when absent)")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="sink-lab models trained at once, one core each (default: min(2, available cores))")
 
 
 def run_compare(args) -> int:
     res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+                              log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
+                              stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs)
     print(report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

@@ -1,0 +1,281 @@
+"""Tests of `gattn lab stability`: the LR-sensitivity formula, the per-run metrics, the edge-of-stability choice and
+the instability bar on hand-built inputs with known answers; the max-attention-logit probe against a direct
+computation (and that it only fires on the trainer's probe forwards); and an end-to-end `--budget small` run on a
+tiny corpus (lab.json keys, strict JSON, report files, reuse of finished runs, retraining of an interrupted one)."""
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from gated_attention.labs import stability as S
+from gated_attention.labs.stability_probe import StabilityProbe, max_attention_logit
+
+NAN = float("nan")
+
+
+def _run(lr, loss, init=5.0, seed=0):
+    return {"lr": lr, "final_loss": loss, "loss_at_init": init, "seed": seed}
+
+
+# ---------------------------------------------------------------- formulas on hand-built inputs
+
+def test_lr_sensitivity_known_answer():
+    # clipped losses 3, 2, 4, 5 (a diverged NaN counts as the init loss), 5 (6 > init is clipped): mean 3.8, best 2
+    runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 4.0), _run(1.0, NAN), _run(3.0, 6.0)]
+    assert S.lr_sensitivity(runs) == pytest.approx((3 + 2 + 4 + 5 + 5) / 5 - 2)
+    # None (a diverged run serialised as null) is the same as NaN
+    assert S.lr_sensitivity([_run(1e-3, 3.0), _run(1.0, None)]) == pytest.approx((3 + 5) / 2 - 3)
+
+
+def test_lr_sensitivity_averages_seeds_per_lr_first():
+    # lr 1e-2 has two seeds (2 and 3 -> 2.5); the grid mean weighs each LR once: (3 + 2.5) / 2 - 2.5
+    runs = [_run(1e-3, 3.0), _run(1e-2, 2.0, seed=0), _run(1e-2, 3.0, seed=1)]
+    assert S.lr_sensitivity(runs) == pytest.approx(0.25)
+    # each seed is clipped at its own init loss
+    runs = [_run(1e-3, 3.0, init=4.0), _run(1e-3, 9.0, init=6.0, seed=1), _run(1e-2, 2.0)]
+    assert S.lr_sensitivity(runs) == pytest.approx(((3 + 6) / 2 + 2) / 2 - 2)
+    assert S.lr_sensitivity([_run(1e-3, 2.0)]) == 0.0
+    assert math.isnan(S.lr_sensitivity([]))
+
+
+def test_run_metrics_known_answer():
+    summary = {"val_losses": {"a": 2.0, "b": 4.0}, "diverged": False, "spikes": 3, "skipped_steps": 1,
+               "final_loss_avg10": 2.9, "steps": 100, "tokens": 6400}
+    log = [{"step": 0, "loss": 6.0, "max_act": [1.0, 7.5]}, {"step": 1, "loss": 5.0},
+           {"step": 10, "loss": 4.0, "max_act": [3.0, 2.0]}]
+    probes = [{"attn_logit": [1.5, 12.0], "output_logit": 4.0}, {"attn_logit": [-2.0, 3.0], "output_logit": 9.0}]
+    m = S.run_metrics(summary, log, probes, init_loss=6.9)
+    assert m["final_loss"] == 3.0 and m["loss_at_init"] == 6.9 and m["diverged"] is False
+    assert m["spikes"] == 3 and m["skipped_steps"] == 1
+    assert m["max_hidden"] == 7.5 and m["max_attention_logit"] == 12.0 and m["max_output_logit"] == 9.0
+    # no better than at init -> diverged; the trainer giving up -> diverged and no final loss
+    assert S.run_metrics({**summary, "val_losses": {"a": 7.0}}, log, probes, 6.9)["diverged"] is True
+    stopped = S.run_metrics({**summary, "diverged": True}, log, probes, 6.9)
+    assert stopped["diverged"] is True and math.isnan(stopped["final_loss"])
+    empty = S.run_metrics(summary, [], [], 6.9)
+    assert math.isnan(empty["max_attention_logit"]) and math.isnan(empty["max_hidden"])
+
+
+def test_edge_lrs():
+    grid = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+    # best at 1e-2; 1e-1 is within 0.1 nats, 1.0 is the first past the edge -> 1e-1 (last stable) and 1.0
+    runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 2.05), _run(1.0, 2.5), _run(10.0, NAN)]
+    assert S.edge_lrs(runs, grid) == [1e-1, 1.0]
+    # a diverged run (NaN = the loss at init) is past the edge; a loss below the best's is not
+    runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 1.9), _run(1.0, 1.95), _run(10.0, NAN)]
+    assert S.edge_lrs(runs, grid) == [1.0, 10.0]
+    # the best LR is the smallest and the next one is already past the edge
+    runs = [_run(1e-3, 2.0), _run(1e-2, 2.2), _run(1e-1, 3.0), _run(1.0, 4.0), _run(10.0, NAN)]
+    assert S.edge_lrs(runs, grid) == [1e-3, 1e-2]
+    # never past the edge: the two largest
+    runs = [_run(x, 2.0) for x in grid]
+    assert S.edge_lrs(runs, grid) == [1.0, 10.0]
+
+
+def test_instability_check():
+    rows = [{"variant": "baseline", "qk_norm": False, "lr": lr, "final_loss": loss, "loss_at_init": 7.0,
+             "diverged": False} for lr, loss in ((1e-3, 5.0), (1e-2, 4.0), (1.0, 4.6))]
+    res = S.instability_check(rows)
+    assert res["gap_at_highest_lr"] == pytest.approx(0.6) and res["reached"] is True
+    rows[-1]["final_loss"] = 4.3
+    assert S.instability_check(rows)["reached"] is False
+    rows[0]["diverged"] = True
+    assert S.instability_check(rows)["reached"] is True
+    assert S.instability_check([{**r, "qk_norm": True} for r in rows])["checked"] is False
+
+
+def test_strict_json():
+    flags = []
+    obj = S.strict({"a": 1.0, "b": NAN, "c": [float("inf"), 2], "d": {"e": -float("inf")}}, flags)
+    assert obj == {"a": 1.0, "b": None, "c": [None, 2], "d": {"e": None}}
+    assert flags == ["b", "c[0]", "d.e"]
+    json.dumps(obj, allow_nan=False)
+
+
+# ---------------------------------------------------------------- the probe
+
+def _direct_max_logit(q, k, scale):
+    """Loop over every (batch, head, query, key <= query) pair: the definition, no vectorisation."""
+    b, h, t, d = q.shape
+    n_rep = h // k.shape[1]
+    best = -math.inf
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(t):
+                for j in range(i + 1):
+                    best = max(best, float((q[bi, hi, i] * k[bi, hi // n_rep, j]).sum()) * scale)
+    return best
+
+
+def test_max_attention_logit_matches_direct_computation():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, generator=g)
+    k = torch.randn(2, 2, 6, 8, generator=g)  # GQA: 2 query heads per KV head
+    assert max_attention_logit(q, k, 8 ** -0.5) == pytest.approx(_direct_max_logit(q, k, 8 ** -0.5), rel=1e-5)
+    # a huge logit at a future (masked) position is not seen
+    q2, k2 = q.clone(), k.clone()
+    k2[:, :, -1] = 100 * q[:, ::2, 0]  # key 5 matches query 0 of each group, which cannot attend to it
+    q2[:, :, -1] = 0.0  # and the only query that sees key 5 gives it logit 0
+    assert max_attention_logit(q2, k2, 1.0) == pytest.approx(_direct_max_logit(q2, k2, 1.0), rel=1e-5)
+    assert max_attention_logit(q2, k2, 1.0) < 50 < float((q2[:, ::2, 0] * k2[:, :, -1]).sum(-1).max())
+
+
+def _tiny_model(qk_norm: bool):
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.presets import model_config
+
+    torch.manual_seed(0)
+    return GatedQwen3ForCausalLM(model_config("tiny", gate="sdpa_elementwise", use_qk_norm=qk_norm)).eval()
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_probe_on_the_trainers_probe_forward(qk_norm):
+    from gated_attention.capture import Recorder, capture
+
+    model = _tiny_model(qk_norm)
+    x = torch.randint(0, 128, (2, 12))
+    with torch.no_grad(), capture(model, Recorder(names=("q", "k", "scale"))) as rec:
+        logits = model(input_ids=x).logits
+    want = [_direct_max_logit(rec.get(i, "q"), rec.get(i, "k"), rec.get(i, "scale"))
+            for i in range(model.config.num_hidden_layers)]
+    probe = StabilityProbe(model).attach()
+    model.train()
+    model(input_ids=x)  # a training forward (grad on): ignored
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=x)  # evaluation forward: ignored
+    assert probe.records == []
+    model.train()
+    with torch.no_grad():
+        model(input_ids=x)  # the trainer's stats probe: train mode, no grad
+    assert len(probe.records) == 1
+    assert probe.records[0]["attn_logit"] == pytest.approx(want, rel=1e-5)
+    assert probe.records[0]["output_logit"] == pytest.approx(float(logits.abs().max()), rel=1e-5)
+    probe.detach()
+    with torch.no_grad():
+        model(input_ids=x)
+    assert len(probe.records) == 1 and all(getattr(m, "capture", None) is None for m in model.modules())
+
+
+# ---------------------------------------------------------------- end to end
+
+WORDS = ("the of and to in is was that he it with as his on be at by had not are but from or have an they which one "
+         "you were her all she there would their we him been has when who will more no if out so said what up its")
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """Two domains from text files written to tmp, prepared with a 300-token BPE (seconds)."""
+    from gated_attention import data
+
+    rng = random.Random(0)
+    src = tmp_path_factory.mktemp("src")
+    for dom in ("prose", "verse"):
+        (src / dom).mkdir()
+        for i in range(3):
+            pars = [" ".join(rng.choice(WORDS.split()) for _ in range(rng.randint(20, 60))) for _ in range(60)]
+            (src / dom / f"{dom}{i}.txt").write_text("\n\n".join(pars))
+    d = tmp_path_factory.mktemp("data")
+    data.prepare(data.PrepareConfig(data_dir=str(d), vocab_size=300, sources=(),
+                                    extra=(str(src / "prose"), str(src / "verse")), val_fraction=0.2,
+                                    chunk_chars=600))
+    return d
+
+
+def _cli(argv: list[str]) -> int:
+    from gated_attention import cli
+
+    return cli.main(["lab", "stability", *argv])
+
+
+def _strict_load(path: Path):
+    def refuse(name):
+        raise AssertionError(f"non-strict JSON constant {name} in {path}")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+@pytest.fixture(scope="module")
+def small_lab(tiny_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lab") / "out"
+    rc = _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+               "sdpa_elementwise", "--lrs", "1e-3", "1", "--seeds", "2", "--qk-norm", "both", "--jobs", "2"])
+    assert rc == 0
+    return out
+
+
+def test_small_budget_end_to_end(small_lab):
+    out = small_lab
+    lab = _strict_load(out / "lab.json")
+    assert set(lab["lr_sensitivity"]) == {"baseline", "sdpa_elementwise"}
+    for v, s in lab["lr_sensitivity"].items():
+        assert set(s) == {"on", "off"} and all(x is None or x >= 0 for x in s.values())
+    keys = {"variant", "qk_norm", "lr", "seed", "final_loss", "diverged", "spikes", "max_attention_logit",
+            "max_hidden", "max_output_logit"}
+    runs = lab["runs"]
+    seed0 = [r for r in runs if r["seed"] == 0]
+    assert len(seed0) == 2 * 2 * 2  # variants x QK-norm x LRs
+    assert {(r["variant"], r["qk_norm"], r["lr"]) for r in seed0} == {
+        (v, q, lr) for v in ("baseline", "sdpa_elementwise") for q in (False, True) for lr in (1e-3, 1.0)}
+    assert any(r["seed"] == 1 for r in runs)  # the extra seed ran at the edge LRs
+    for r in runs:
+        assert keys <= set(r)
+        assert isinstance(r["diverged"], bool) and isinstance(r["spikes"], int)
+        assert r["tokens"] == 30 * 8 * 32  # same tokens per run
+        for k in ("max_attention_logit", "max_hidden", "max_output_logit"):
+            assert r[k] is None or (k in r["nonfinite"]) is False
+        assert r["final_loss"] is None or r["final_loss"] > 0
+        # the edge seeds ran where phase 1 said
+        if r["seed"] == 1:
+            assert r["lr"] in lab["edge_lrs"][f"{r['variant']}/{'on' if r['qk_norm'] else 'off'}"]
+    # the sensitivity in lab.json is the formula applied to its runs
+    for v in ("baseline", "sdpa_elementwise"):
+        mine = [r for r in runs if r["variant"] == v and r["qk_norm"] is False]
+        assert lab["lr_sensitivity"][v]["off"] == pytest.approx(S.lr_sensitivity(mine))
+    assert lab["instability"]["checked"] is True
+    for f in ("report.md", "report.html", "plots/loss_vs_lr_qk_on.png", "plots/loss_vs_lr_qk_off.png",
+              "plots/max_attention_logit_vs_lr.png"):
+        assert (out / f).stat().st_size > 0, f
+    page = (out / "report.html").read_text()
+    assert "data:image/png;base64," in page and 'src="plots/' not in page  # self-contained
+    assert "LR sensitivity" in (out / "report.md").read_text()
+    # checkpoints and exported weights of finished runs are removed; the numbers stay
+    one = out / runs[0]["dir"]
+    assert (one / "result.json").exists() and not (one / "checkpoints").exists() and not (one / "final").exists()
+
+
+def test_rerun_reuses_finished_runs_and_retrains_an_interrupted_one(small_lab, tiny_corpus, capsys):
+    out = small_lab
+    lab = _strict_load(out / "lab.json")
+    dirs = [out / r["dir"] for r in lab["runs"]]
+    stamps = {d: (d / "result.json").stat().st_mtime_ns for d in dirs}
+    victim = dirs[1]
+    (victim / "result.json").unlink()  # as if the lab was killed while this run trained
+    (victim / "checkpoints").mkdir()  # leftovers of the killed run must not block the restart
+    rc = _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+               "sdpa_elementwise", "--lrs", "1e-3", "1", "--seeds", "2"])
+    assert rc == 0
+    for d in dirs:
+        if d != victim:
+            assert (d / "result.json").stat().st_mtime_ns == stamps[d], d
+    assert (victim / "result.json").exists()
+    again = _strict_load(out / "lab.json")
+    assert len(again["runs"]) == len(lab["runs"])
+    # different settings for the same folder fail loudly (one line, exit 2) instead of mixing runs
+    capsys.readouterr()
+    rc = _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+               "--lrs", "1e-3", "--steps", "31", "--qk-norm", "off"])
+    assert rc == 2 and "different settings (steps)" in capsys.readouterr().err
+
+
+def test_bad_input_is_refused(tmp_path):
+    for kw, msg in ((dict(variants=("nope",)), "unknown variant"), (dict(lrs=(1e-3, -1.0)), "positive"),
+                    (dict(qk_norm="maybe"), "qk-norm"), (dict(steps=0), "steps"), (dict(jobs=0), "jobs"),
+                    (dict(budget="huge"), "budget")):
+        with pytest.raises(ValueError, match=msg):
+            S.LabConfig(out=str(tmp_path), **kw).validate()
