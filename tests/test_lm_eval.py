@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed (pip install -e '.[eval]')")
-pytest.importorskip("accelerate", reason="lm-eval's HF model needs accelerate (pip install -e '.[eval]')")
+from _extras import need  # noqa: E402
+
+need("lm_eval", "pip install -e '.[eval]' (lm-evaluation-harness)")
+need("accelerate", "lm-eval's HF model needs accelerate: pip install -e '.[eval]'")
 
 from transformers import AutoTokenizer  # noqa: E402
 

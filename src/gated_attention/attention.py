@@ -119,7 +119,11 @@ class GatedAttention(nn.Module):
         self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=bias)
+        o_bias = bias if config.o_proj_bias is None else config.o_proj_bias  # Qwen2: q/k/v biased, o_proj not
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=o_bias)
+        # the mask implements the window for eager/sdpa; hub kernels (flash, ...) also read it from here
+        self.layer_type = config.layer_types[layer_idx]
+        self.sliding_window = config.sliding_window if self.layer_type == "sliding_attention" else None
         if config.use_qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -189,6 +193,8 @@ class GatedAttention(nn.Module):
         if self.capture is not None and getattr(self.capture, "wants_probs", False):
             impl = "eager"
         kernel = get_kernel(impl) if self.baseline is None else self.baseline.wrap(get_kernel(impl), impl)
+        if self.sliding_window is not None and impl not in KERNELS:
+            kwargs = {**kwargs, "sliding_window": self.sliding_window}
         # a G1 sigmoid gate goes into a kernel that fuses it (its epilogue), unless an analysis captures Y pre-gate
         fuse_gate = (impl in FUSED_GATE_KERNELS and self.gate_position is Position.SDPA and self.baseline is None
                      and self.capture is None and self.gate.spec.fusable_in_kernel)

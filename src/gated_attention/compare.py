@@ -106,9 +106,10 @@ def budget_config(budget: str, data_dir: str, sets: list[str] | None = None):
     if budget not in BUDGETS:
         raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
     b = BUDGETS[budget]
-    # compare prints one line per variant; a tqdm bar per run and TensorBoard files are noise here
+    # each run reports progress (a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL s otherwise); TensorBoard
+    # files are noise here
     cfg = replace(train_preset("small"), **b.train, data="corpus", data_dir=str(data_dir), gate="baseline",
-                  progress=False, tensorboard=False)
+                  progress=True, tensorboard=False)
     fields = model_config(cfg.model, gate="baseline").to_dict()
     cfg = apply_overrides(cfg, list(sets or []), fields)
     if cfg.gate != "baseline":

@@ -12,6 +12,8 @@ from transformers.modeling_rope_utils import RopeParameters
 
 from .gates import GATE_INITS, canonical_name
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
 # Keys transformers itself writes to / reads from config.json; everything else must be a declared field.
 _HF_KEYS = {
     "transformers_version", "architectures", "model_type", "auto_map", "torch_dtype", "dtype", "_name_or_path",
@@ -44,11 +46,12 @@ class GatedQwen3Config(PreTrainedConfig):
     tie_word_embeddings: bool = False
     rope_parameters: RopeParameters | dict | None = None  # HF schema: {"rope_type", "rope_theta", ...}
     attention_bias: bool = False  # q/k/v/o (and gate) biases; the official code calls this `qkv_bias`
+    o_proj_bias: bool | None = None  # None: as attention_bias (Qwen3, Llama); False with attention_bias: Qwen2
     attention_dropout: float | int = 0.0
-    use_sliding_window: bool = False  # kept for stock-config compatibility; True is rejected
-    sliding_window: int | None = None
-    max_window_layers: int = 28
-    layer_types: list[str] | None = None
+    use_sliding_window: bool = False  # kept for stock-config compatibility; True is rejected (use layer_types)
+    sliding_window: int | None = None  # window (keys per query, itself included) of "sliding_attention" layers
+    max_window_layers: int = 28  # Qwen2/Qwen3 key, carried for export; layer_types decides what runs
+    layer_types: list[str] | None = None  # per layer "full_attention" (default) or "sliding_attention" (Mistral)
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -97,7 +100,8 @@ class GatedQwen3Config(PreTrainedConfig):
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.use_sliding_window:
-            raise ValueError("use_sliding_window=True is not supported (the paper's models use full attention)")
+            raise ValueError("use_sliding_window=True is not supported; mark the windowed layers in layer_types "
+                             "('sliding_attention') and set sliding_window")
         if self.moe_impl not in ("loop", "grouped"):
             raise ValueError(f"unknown moe_impl {self.moe_impl!r}; valid: loop, grouped")
         from .baselines import validate_config
@@ -105,11 +109,31 @@ class GatedQwen3Config(PreTrainedConfig):
         validate_config(self)
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
+        self._check_layer_types()
         super().__post_init__(**kwargs)
         if self.gate != "none":  # validate the gate/init pair now, not at model build time
             from .gates import Gate, get_gate
 
             Gate(get_gate(self.gate), 8, 2, 1, 4, init=self.gate_init)  # raises for an init that cannot exist
+
+    def _check_layer_types(self) -> None:
+        types = list(self.layer_types)
+        bad = sorted({t for t in types if t not in LAYER_TYPES})
+        if bad or len(types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types must list one of {LAYER_TYPES} per layer ({self.num_hidden_layers}); "
+                             f"got {len(types)} entries" + (f" with unknown {bad}" if bad else ""))
+        if "sliding_attention" in types:
+            w = self.sliding_window
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"layer_types has 'sliding_attention' layers but sliding_window={w!r}; "
+                                 "set sliding_window to the window length (a positive int)")
+            if self.mechanism != "none":
+                raise ValueError(f"mechanism={self.mechanism!r} with sliding-window layers is not supported "
+                                 "(its attention hooks assume full causal attention)")
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding_attention" in (self.layer_types or ())
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.num_experts > 0 and layer_idx not in (self.mlp_only_layers or [])

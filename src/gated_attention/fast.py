@@ -88,7 +88,8 @@ class FusedGatedAttention(GatedAttention):
         nn.Module.__init__(self)  # the parent's __init__ would build fresh projections; we take attn's weights
         self.baseline = None
         for name in ("config", "layer_idx", "num_heads", "num_kv_heads", "num_key_value_groups", "head_dim",
-                     "scaling", "attention_dropout", "is_causal", "gate_position", "capture"):
+                     "scaling", "attention_dropout", "is_causal", "gate_position", "capture", "layer_type",
+                     "sliding_window"):
             setattr(self, name, getattr(attn, name))
         hq, hkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]

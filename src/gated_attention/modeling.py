@@ -11,7 +11,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.masking_utils import create_causal_mask
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
@@ -140,17 +140,27 @@ class GatedQwen3Model(GatedQwen3PreTrainedModel):
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past).unsqueeze(0)
-        mask = attention_mask
-        if isinstance(mask, dict):
-            mask = mask["full_attention"]
+        layer_types = self.config.layer_types[: self.config.num_hidden_layers]
+        if isinstance(attention_mask, dict):  # ready masks by layer type (generate, decode.py)
+            masks = attention_mask
+            missing = sorted(set(layer_types) - set(masks))
+            if missing:
+                raise ValueError(f"attention_mask dict lacks masks for layer types {missing}; pass one per type in "
+                                 f"config.layer_types, or a plain (B, S) padding mask")
         else:
-            mask = create_causal_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                                      cache=cache, position_ids=position_ids)
+            mask_kwargs = dict(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                               cache=cache, position_ids=position_ids)
+            masks = {}
+            if "full_attention" in layer_types:
+                masks["full_attention"] = create_causal_mask(**mask_kwargs)
+            if "sliding_attention" in layer_types:  # Mistral / Qwen2 windows: keys within sliding_window of the query
+                masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
         hidden_states = inputs_embeds
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
-        for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden_states = layer(hidden_states, attention_mask=mask, position_embeddings=position_embeddings,
-                                  cache=cache, position_ids=position_ids, **kwargs)
+        for layer, layer_type in zip(self.layers[: self.config.num_hidden_layers], layer_types):
+            hidden_states = layer(hidden_states, attention_mask=masks[layer_type],
+                                  position_embeddings=position_embeddings, cache=cache, position_ids=position_ids,
+                                  **kwargs)
         hidden_states = self.norm(hidden_states)
         return BaseModelOutputWithPast(last_hidden_state=hidden_states, cache=cache if use_cache else None)
 

@@ -2,10 +2,11 @@
 issue #10). `gattn retrofit CKPT --gate NAME --init {identity,random} --out DST`.
 
 Input: a native checkpoint (`save_pretrained` dir, e.g. a training run's `final/`), or a stock transformers Qwen3 /
-Qwen3-MoE dir or an ungated official one, which first go through convert.py's format -> native functions. Every
+Qwen3-MoE / Llama / Mistral / Qwen2 dir or an ungated official one, which first go through convert's format ->
+native functions (the format is read from config.json's model_type). Every
 existing tensor is copied bit for bit; only the gate's parameters are new. The result is a normal native checkpoint
 (config.json + model.safetensors + the source's tokenizer files), written atomically; continue training it with
-`gattn train --gate NAME --set init_from=DST`.
+`gattn train --gate NAME --set init_from=DST` (add `--set trainable=gates` to train only the new gate parameters).
 
 The two inits (what issue #10 reports for each):
   identity  gate weights zero and `gate_init="identity"` in config.json, which makes the gate module scale its score by
@@ -33,22 +34,24 @@ from .convert import ConversionError, config_from_native, config_to_native, load
     validate_state, native_shapes
 
 INITS = ("identity", "random")
-SOURCE_FORMATS = ("auto", "native", "qwen3", "qwen3-moe", "official")
+SOURCE_FORMATS = ("auto", "native", "qwen3", "qwen3-moe", "official", "llama", "mistral", "qwen2")
+_BY_MODEL_TYPE = {"gated_qwen3": "native", "qwen3_moe": "qwen3-moe", "llama": "llama", "mistral": "mistral",
+                  "qwen2": "qwen2"}
 # config.json keys that only the official code writes (its model_type is plain "qwen3", like stock Qwen3's)
 _OFFICIAL_KEYS = ("elementwise_attn_output_gate", "headwise_attn_output_gate", "qkv_bias", "use_qk_norm")
 
 
 def detect_format(config: dict) -> str:
-    """The convert.py format of a config.json dict: native, qwen3-moe, official (qwen3 + official flags) or qwen3."""
+    """The convert format of a config.json dict: native, qwen3-moe, llama, mistral, qwen2, official (qwen3 +
+    official flags) or qwen3."""
     mt = config.get("model_type")
-    if mt == "gated_qwen3":
-        return "native"
-    if mt == "qwen3_moe":
-        return "qwen3-moe"
+    if mt in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[mt]
     if mt == "qwen3":
         return "official" if any(k in config for k in _OFFICIAL_KEYS) else "qwen3"
     raise ConversionError(f"cannot retrofit a checkpoint with model_type {mt!r}; supported: gated_qwen3 (native), "
-                          "qwen3 (stock or official, ungated), qwen3_moe (convert other formats first: gattn convert)")
+                          "qwen3 (stock or official, ungated), qwen3_moe, llama, mistral, qwen2 (convert other "
+                          "formats first: gattn convert)")
 
 
 def _gate_tensors(config, layer_idx: int, init: str, dtype: torch.dtype, generator: torch.Generator) -> dict:

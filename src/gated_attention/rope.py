@@ -1,4 +1,5 @@
-"""Rotary position embeddings for the HF `rope_parameters` schema: default, linear, dynamic NTK and YaRN.
+"""Rotary position embeddings for the HF `rope_parameters` schema: default, linear, dynamic NTK, YaRN, Llama 3 and
+LongRoPE (the types transformers' Llama / Mistral / Qwen2 / Qwen3 classes accept).
 
 The numerics follow transformers 5.24 (`modeling_rope_utils.py` + `Qwen3RotaryEmbedding`) operation for operation, so a
 checkpoint extended here gives the same logits under transformers' own Qwen3 with the same `rope_parameters`:
@@ -6,7 +7,9 @@ checkpoint extended here gives the same logits under transformers' own Qwen3 wit
     base from a tensor `seq_len` inside forward) because a reordering changes the last bit of inv_freq;
   - dynamic NTK recomputes inv_freq inside forward when the sequence grows past the cached length, and resets to the
     original frequencies when a sequence shorter than the original length arrives after growth (HF's
-    `dynamic_rope_update`).
+    `dynamic_rope_update`);
+  - LongRoPE switches between its short and long factor sets per forward: long when the longest position exceeds
+    `original_max_position_embeddings` (HF's `longrope_frequency_update`).
 Config input: any object with `rope_parameters` (dict), `head_dim` (or hidden_size/num_attention_heads),
 `max_position_embeddings`, optional `partial_rotary_factor` (the dict's key wins, as after HF standardisation).
 """
@@ -24,12 +27,16 @@ _REQUIRED = {
     "linear": {"factor"},
     "dynamic": {"factor"},
     "yarn": {"factor", "original_max_position_embeddings"},
+    "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "longrope": {"short_factor", "long_factor", "original_max_position_embeddings"},
 }
 _OPTIONAL = {
     "default": set(),
     "linear": set(),
     "dynamic": set(),
     "yarn": {"attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"},
+    "llama3": set(),
+    "longrope": {"attention_factor", "factor"},
 }
 _COMMON = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 ROPE_TYPES = tuple(_REQUIRED)
@@ -53,7 +60,7 @@ def _validated(config) -> dict:
             f"rope_parameters for rope_type={rope_type!r}: missing keys {missing}, unknown keys {unknown}; "
             f"required: {sorted(_REQUIRED[rope_type] | {'rope_theta'})}, optional: {sorted(_OPTIONAL[rope_type])}")
     factor = rp.get("factor")
-    if rope_type in ("linear", "dynamic") or (rope_type == "yarn" and factor is not None):
+    if rope_type in ("linear", "dynamic", "llama3") or (rope_type == "yarn" and factor is not None):
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor < 1.0:
             raise ValueError(f"rope_parameters['factor'] must be a number >= 1 (context extension ratio); got {factor!r}")
     theta = rp["rope_theta"]
@@ -125,6 +132,8 @@ def compute_rope_parameters(config, device=None, seq_len=None) -> tuple[torch.Te
     base = rp["rope_theta"]
     if rope_type == "yarn":
         return _yarn_inv_freq(config, rp, dim, device)
+    if rope_type == "longrope":
+        return _longrope_inv_freq(config, rp, dim, device, seq_len)
     if rope_type == "dynamic":
         factor, max_pos = rp["factor"], config.max_position_embeddings
         # NTK-aware: grow the base so the lowest frequency spans the current length; never shrink below the original
@@ -138,7 +147,40 @@ def compute_rope_parameters(config, device=None, seq_len=None) -> tuple[torch.Te
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
     if rope_type == "linear":
         inv_freq /= rp["factor"]  # dividing frequencies == dividing positions (position interpolation)
+    if rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rp)
     return inv_freq, 1.0
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rp: dict) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend in between."""
+    factor, low, high = rp["factor"], rp["low_freq_factor"], rp["high_freq_factor"]
+    old_len = rp["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)  # 0 at the low-frequency edge, 1 at the high one
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _longrope_inv_freq(config, rp: dict, dim: int, device, seq_len) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 style): per-dimension rescale factors, the long set beyond the original context."""
+    original = rp["original_max_position_embeddings"]
+    factor = rp.get("factor")
+    if factor is None:  # Phi-3 stores the extension as the ratio of the two context lengths
+        factor = config.max_position_embeddings / original
+    attention_factor = rp.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    use_long = bool(seq_len) and seq_len > original
+    ext = torch.tensor(rp["long_factor"] if use_long else rp["short_factor"], dtype=torch.float32, device=device)
+    if ext.shape != (dim // 2,):
+        raise ValueError(f"rope_parameters long_factor/short_factor need rotary_dim/2 = {dim // 2} entries; "
+                         f"got {tuple(ext.shape)}")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim  # (dim/2,)
+    return 1.0 / (ext * rp["rope_theta"] ** shape), attention_factor
 
 
 class RotaryEmbedding(nn.Module):
@@ -169,10 +211,21 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("inv_freq", self.original_inv_freq, persistent=False)
             self.max_seq_len_cached = self.original_max_seq_len
 
+    def _longrope_update(self, position_ids: torch.Tensor, device) -> None:
+        original = self.config.rope_parameters["original_max_position_embeddings"]
+        if getattr(self, "long_inv_freq", None) is None:
+            self.long_inv_freq, _ = compute_rope_parameters(self.config, device, seq_len=original + 1)
+        long_inv_freq = self.long_inv_freq.to(device)
+        seq_len = torch.max(position_ids) + 1
+        inv_freq = torch.where(seq_len > original, long_inv_freq, self.original_inv_freq.to(device))
+        self.inv_freq.copy_(inv_freq)
+
     @torch.no_grad()
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         if self.rope_type == "dynamic":
             self._dynamic_update(position_ids, x.device)
+        elif self.rope_type == "longrope":
+            self._longrope_update(position_ids, x.device)
         freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)  # (B, T, dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, dim)
         cos = emb.cos() * self.attention_scaling

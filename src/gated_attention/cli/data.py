@@ -27,6 +27,10 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
                    help=f"documents are cut into chunks of about this many characters for the split "
                         f"(default {d.chunk_chars})")
     p.add_argument("--force", action="store_true", help="rebuild everything instead of reusing the cache")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="use this HF tokenizer (e.g. a pretrained Llama/Mistral/Qwen2 checkpoint dir) instead of "
+                        "training a BPE one, so `gattn train --set init_from=...` fine-tunes on the model's own "
+                        "vocabulary; --vocab-size is then ignored")
     i = sub.add_parser("info", help="Print the manifest of a prepared data dir as a table.")
     i.add_argument("--data-dir", default=d.data_dir, help=f"prepared data dir (default {d.data_dir})")
     i.add_argument("--verify", action="store_true", help="also recompute and check every sha256 in the manifest")
@@ -60,7 +64,8 @@ def run_data(args: argparse.Namespace) -> int:
     if args.action == "prepare":
         cfg = PrepareConfig(data_dir=args.data_dir, vocab_size=args.vocab_size, sources=tuple(args.sources),
                             extra=tuple(args.extra), val_fraction=args.val_fraction, seed=args.seed,
-                            chunk_chars=args.chunk_chars, force=args.force)
+                            chunk_chars=args.chunk_chars, force=args.force,
+                            tokenizer=args.tokenizer)
         print(format_manifest(prepare(cfg)))
         return 0
     corpus = Corpus(args.data_dir)

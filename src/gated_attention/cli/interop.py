@@ -12,10 +12,11 @@ def configure_convert(parser) -> None:
     parser.add_argument("dst", help="destination directory (written atomically; must not exist unless --overwrite)")
     parser.add_argument("--from", dest="src_format", required=True, choices=FORMATS,
                         help="layout of SRC: official (qiuzh20/gated_attention), qwen3 / qwen3-moe (stock HF "
-                             "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms) or native")
+                             "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms), llama / "
+                             "mistral / qwen2 (stock HF Llama 2/3, Mistral, Qwen2/2.5; no QK-norm) or native")
     parser.add_argument("--to", dest="dst_format", default="native", choices=FORMATS,
                         help="layout to write (default: native, loadable with AutoModelForCausalLM after "
-                             "`import gated_attention`)")
+                             "`import gated_attention`); llama / mistral / qwen2 take ungated models only")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it already exists")
 
 
@@ -27,14 +28,16 @@ def run_convert(args) -> int:
 
 def configure_retrofit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("ckpt", help="trained UNGATED checkpoint dir (native, e.g. RUN/final; or stock Qwen3 / "
-                                     "Qwen3-MoE / ungated official), config.json + *.safetensors")
+                                     "Qwen3-MoE / Llama / Mistral / Qwen2 / ungated official), config.json + "
+                                     "*.safetensors")
     parser.add_argument("--gate", required=True, help="gate to add (a name from `gattn gates`, e.g. sdpa_elementwise)")
     parser.add_argument("--init", required=True, choices=INITS,
                         help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
                              "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
     parser.add_argument("--out", required=True, help="destination dir (native checkpoint, written atomically)")
     parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
-                        help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> official)")
+                        help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> "
+                             "official; llama, mistral, qwen2 -> those)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random gate init (ignored by identity)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
 
@@ -42,5 +45,6 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
 def run_retrofit(args) -> int:
     out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
     print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
-          f"gattn train --gate {args.gate} --set init_from={out} --out RUN ...")
+          f"gattn train --gate {args.gate} --set init_from={out} --out RUN ... "
+          f"(add --set trainable=gates to train only the gate)")
     return 0

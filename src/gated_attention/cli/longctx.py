@@ -84,11 +84,17 @@ def run_ruler(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    from ..progress import Progress
+
+    prog = Progress(len(args.tasks) * len(args.lengths), "ruler", "cell", heartbeat=True)
+
     def progress(task, length, value):
         print(f"  {task} @ {length}: {value:.1f}", flush=True)
+        prog.update(1, task=task, length=length, score=round(value, 1))
 
-    result = ruler.evaluate(model, tokenizer, args.tasks, args.lengths, args.samples, args.max_new_tokens,
-                            args.seed, corpus=corpus, metric=args.metric, progress=progress)
+    with prog:
+        result = ruler.evaluate(model, tokenizer, args.tasks, args.lengths, args.samples, args.max_new_tokens,
+                                args.seed, corpus=corpus, metric=args.metric, progress=progress)
     result["config"]["checkpoint"] = str(args.dir)
     result["config"]["rope_parameters"] = getattr(model.config, "rope_parameters", None)
     atomic_write_json(out / "ruler.json", result, indent=2)

@@ -14,9 +14,10 @@ from typing import Any, Callable
 import numpy as np
 
 from ..io import atomic_write_bytes, atomic_write_json
+from ..progress import Progress
 from .sources import DEFAULT_SOURCES, SOURCES, Documents, SourceUnavailable, read_extra
-from .text import EOS, SPECIAL_TOKENS, MANIFEST_VERSION, sha256_file, _warn_replaced
-from .tokenizer import get_tokenizer, save_tokenizer, token_dtype, train_tokenizer
+from .text import BOS, EOS, SPECIAL_TOKENS, MANIFEST_VERSION, sha256_file, _warn_replaced
+from .tokenizer import external_tokenizer, get_tokenizer, save_tokenizer, token_dtype, train_tokenizer
 
 
 @dataclass
@@ -30,6 +31,7 @@ class PrepareConfig:
     chunk_chars: int = 16384  # ~4k tokens: long enough for seq_len 2048 windows, short enough for a balanced split
     min_frequency: int = 2  # BPE merges seen once are noise on a corpus this size
     force: bool = False  # rebuild everything, ignoring the cache
+    tokenizer: str | None = None  # an existing HF tokenizer dir (a pretrained checkpoint's) instead of training BPE
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -135,7 +137,10 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         jobs.append((name, lambda name=name: (name, *SOURCES[name](cache_dir))))
     for path in cfg.extra:
         jobs.append((str(path), lambda path=path: read_extra(path)))
+    # reading, the tokenizer, then one token-file stage per domain (the total is fixed once skips are known)
+    prog = Progress(2 * len(jobs) + 1, "data prepare", "stage", heartbeat=True)
     for label, job in jobs:
+        prog.update(1, stage=label)
         t = time.time()
         prev = old_domains.get(label)
         raw_path = data_dir / "raw" / f"{label}.jsonl"
@@ -159,7 +164,9 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         entries[domain] = {**info, "bytes": nbytes, "documents": len(docs), "raw_file": f"raw/{domain}.jsonl",
                            "raw_sha256": sha256_file(raw_path)}
         _log(f"{domain}: {len(docs)} documents, {nchunks} chunks, {nbytes / 1e6:.2f} MB ({time.time() - t:.1f}s)")
+    prog.total = len(jobs) + 1 + len(entries)
     if not entries:
+        prog.close()
         raise ValueError("no corpus source could be read (see the SKIPPED lines above); install the Debian packages "
                          "with scripts/install_debian_deps.sh or pass --extra PATH")
 
@@ -175,7 +182,13 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     tok_dir = data_dir / "tokenizer"
     tok_key = _key("tokenizer", cfg.vocab_size, cfg.min_frequency, cfg.seed, cfg.val_fraction,
                    [(d, e["raw_sha256"]) for d, e in entries.items()])
-    if old.get("tokenizer", {}).get("key") == tok_key and (tok_dir / "tokenizer.json").exists() \
+    ids = None
+    if cfg.tokenizer:  # a pretrained model's own tokenizer: fine-tuning data must speak the model's vocabulary
+        tok, ids = external_tokenizer(cfg.tokenizer)
+        save_tokenizer(tok, tok_dir)
+        tok_key = _key("external-tokenizer", sha256_file(tok_dir / "tokenizer.json"))  # never reused as a BPE one
+        _log(f"tokenizer: {cfg.tokenizer} (vocab {len(tok)}; bos {ids[BOS]}, eos {ids[EOS]})")
+    elif old.get("tokenizer", {}).get("key") == tok_key and (tok_dir / "tokenizer.json").exists() \
             and sha256_file(tok_dir / "tokenizer.json") == old["tokenizer"].get("sha256"):
         tok = get_tokenizer(tok_dir)
         _log(f"tokenizer: reusing {tok_dir}")
@@ -185,8 +198,9 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         tok = train_tokenizer(train_texts, cfg.vocab_size, cfg.min_frequency)
         save_tokenizer(tok, tok_dir)
         _log(f"tokenizer: trained byte-level BPE, vocab {len(tok)} ({time.time() - t:.1f}s)")
+    prog.update(1, stage="tokenizer")
     tok_sha = sha256_file(tok_dir / "tokenizer.json")
-    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    ids = ids or {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     dtype = token_dtype(len(tok))
 
     # 4. token files: each chunk's ids then eos, per (domain, split)
@@ -211,8 +225,10 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
             e["tokens"][split] = int(arr.size)
             e["token_files"][split] = {"path": rel, "sha256": sha256_file(path)}
         e["tokens_key"] = tkey
+        prog.update(1, tokens=e["tokens"]["train"] + e["tokens"]["val"], stage=domain)
         _log(f"{domain}: {e['tokens']['train']:,} train / {e['tokens']['val']:,} val tokens ({time.time() - t:.1f}s)")
 
+    prog.close()
     manifest = {
         "version": MANIFEST_VERSION,
         "vocab_size": len(tok),
@@ -221,7 +237,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "val_fraction": cfg.val_fraction,
         "chunk_chars": cfg.chunk_chars,
-        "tokenizer": {"dir": "tokenizer", "key": tok_key, "sha256": tok_sha, "min_frequency": cfg.min_frequency,
+        "tokenizer": {"dir": "tokenizer", "key": tok_key, "sha256": tok_sha, "min_frequency": cfg.min_frequency, "external": cfg.tokenizer,
                       "requested_vocab_size": cfg.vocab_size},
         "domains": entries,
         "skipped": skipped,

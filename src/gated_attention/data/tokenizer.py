@@ -35,6 +35,24 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 8192, min_frequency:
     return _wrap_fast(tok)
 
 
+def external_tokenizer(path: str):
+    """(fast tokenizer, {BOS, EOS, PAD: id}) of an existing tokenizer dir; the manifest keeps our special-token names
+    as keys. A tokenizer without BOS (Qwen2) starts windows with its EOS, as those models see documents in training."""
+    from transformers import AutoTokenizer
+
+    if not (Path(path) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {path}: no tokenizer.json there (a fast HF tokenizer dir is needed, "
+                                "e.g. the checkpoint dir of a Llama / Mistral / Qwen2 model)")
+    tok = AutoTokenizer.from_pretrained(path)
+    eos = tok.eos_token_id
+    if eos is None:
+        raise ValueError(f"--tokenizer {path} has no eos_token; documents need a separator (set eos_token in its "
+                         "tokenizer_config.json)")
+    bos = tok.bos_token_id if tok.bos_token_id is not None else eos
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
+    return tok, {BOS: bos, EOS: eos, PAD: pad}
+
+
 def _wrap_fast(tok):
     from transformers import PreTrainedTokenizerFast
 

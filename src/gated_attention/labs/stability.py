@@ -147,7 +147,7 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
         lr=lr, min_lr=lr / 100, warmup_steps=min(b.warmup_steps, steps - 1), weight_decay=b.weight_decay,
         seq_len=b.seq_len, batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches,
         eval_batch_size=b.eval_batch_size, stats_every=b.stats_every, spike_window=min(b.spike_window, steps),
-        ckpt_every=0, progress=False, tensorboard=False,
+        ckpt_every=0, progress=True, tensorboard=False,  # progress: a line per GATTN_PROGRESS_INTERVAL off a terminal
         model_overrides={**b.model, "use_qk_norm": qk_norm}).validate()
 
 

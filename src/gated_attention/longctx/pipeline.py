@@ -33,6 +33,7 @@ from gated_attention import experiment
 from gated_attention.io import atomic_write_json, atomic_write_text
 from gated_attention.longctx import ruler
 from gated_attention.longctx.report import build_report, format_markdown, plot_report
+from gated_attention.progress import Progress
 # retrieval mixing is training-data code; re-exported here for callers of the pipeline's former home
 from gated_attention.train.retrieval_mix import (DEFAULT_MIX_TASKS, BosTokenizer, RetrievalMixSource,  # noqa: F401
                                                  check_mix_tasks, mix_retrieval)
@@ -159,7 +160,7 @@ def train_config_for(b: Budget, gate: str, data_dir: str, seed: int, gate_init: 
                        warmup_steps=b.warmup_steps, retrieval_mix=b.retrieval_mix, precision=b.precision,
                        retrieval_tasks=list(b.mix_tasks), seed=seed, eval_every=0, eval_batches=2,
                        eval_batch_size=4, stats_every=0, ckpt_every=max(1, b.steps // 8), keep_checkpoints=1,
-                       progress=False, tensorboard=False).validate()
+                       progress=True, tensorboard=False).validate()
 
 
 def skill_settings(b: Budget, seed: int) -> dict | None:
@@ -271,8 +272,10 @@ def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, see
     scores: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     nll: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     records = []
+    prog = Progress(len(b.mix_tasks) * len(lengths), f"longctx eval {name}", "cell", heartbeat=True)
     for task in b.mix_tasks:
         for n in lengths:
+            prog.update(1, task=task, length=n)
             try:
                 res = ruler.evaluate(model, tok, [task], [n], b.samples, b.max_new_tokens, seed)
             except ValueError as exc:
@@ -289,6 +292,7 @@ def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, see
             nll[task][str(n)] = sum(r["answer_nll"] for r in res["records"]) / len(res["records"])
             records += res["records"]
             log(f"  {name} {task} @ {n}: {scores[task][str(n)]:.1f}")
+    prog.close()
     average, average_nll = {}, {}
     for n in lengths:  # over the tasks that fit at n
         got = [scores[t][str(n)] for t in b.mix_tasks if scores[t][str(n)] is not None]

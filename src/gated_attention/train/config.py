@@ -13,6 +13,9 @@ import typing
 from dataclasses import dataclass, field, replace
 
 
+TRAINABLE = ("all", "gates")  # what the optimizer updates (train.trainer.apply_trainable)
+
+
 @dataclass
 class TrainConfig:
     # --- what to train
@@ -20,6 +23,7 @@ class TrainConfig:
     gate: str = "none"  # gate registry name; "none" (alias "baseline") is the ungated model
     model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
     init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
+    trainable: str = "all"  # "all" parameters, or only the "gates" (cheap fine-tuning of a retrofitted gate)
     # --- data
     data: str = "corpus"  # "corpus" (gattn data prepare output) or "synthetic" (built-in Markov tokens, for tests)
     data_dir: str | None = None  # corpus directory; None = the data module's default
@@ -61,7 +65,7 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
-    progress: bool = True  # tqdm bar on rank 0
+    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
     inject_nan_steps: list[int] = field(default_factory=list)  # fault injection for tests: make these steps' loss NaN
 
@@ -77,6 +81,8 @@ class TrainConfig:
             bad("precision='fp16' is not supported (no loss scaling); use 'bf16' or 'fp32'")
         if self.precision not in ("bf16", "fp32"):
             bad(f"precision={self.precision!r}; use 'bf16' or 'fp32'")
+        if self.trainable not in TRAINABLE:
+            bad(f"trainable={self.trainable!r}; use one of {', '.join(TRAINABLE)}")
         from .fastpath import compile_choice
 
         try:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from ..io import atomic_write_text
+from ..progress import Progress
 
 
 def run_dir_name(gate: str, lr: float) -> str:
@@ -24,6 +25,7 @@ def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
+    prog = Progress(len(gates) * len(lrs), "sweep", "run")  # each run also reports its own steps
     for gate in gates:
         for lr in lrs:
             rdir = out / run_dir_name(gate, lr)
@@ -37,6 +39,8 @@ def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets
                          "avg_ppl": summary.get("avg_ppl"), "spikes": summary.get("spikes"),
                          "skipped_steps": summary.get("skipped_steps"), "diverged": summary.get("diverged"),
                          "dir": str(rdir)})
+            prog.update(1, gate=gate, lr=lr, final_loss=rows[-1]["final_loss"])
+    prog.close()
     atomic_write_text(out / "results.json", json.dumps(rows, indent=1))
     atomic_write_text(out / "results.md", table(rows))
     return rows

@@ -34,6 +34,7 @@ from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
 from ..io import atomic_dir, atomic_write_text
+from ..progress import Progress
 
 _RESUMABLE_CHANGES = RESUMABLE_CHANGES  # the former private name
 
@@ -84,6 +85,23 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
     if bad:  # from_pretrained only warns; a silently re-initialised weight is not continued training
         raise ValueError(f"init_from={cfg.init_from} does not match its model config: {bad}")
     return model
+
+
+def apply_trainable(model: nn.Module, trainable: str) -> list[str]:
+    """Freeze what `trainable` excludes; returns the names left trainable. "gates": only the attention gates'
+    parameters (`...self_attn.gate.*`), so a retrofitted pretrained model is fine-tuned at the gate's cost."""
+    if trainable == "all":
+        return [n for n, p in model.named_parameters() if p.requires_grad]
+    names = []
+    for name, p in model.named_parameters():
+        keep = ".self_attn.gate." in f".{name}"
+        p.requires_grad_(keep)
+        if keep:
+            names.append(name)
+    if not names:
+        raise ValueError("trainable=gates but the model has no gate parameters (gate=none or a parameter-free "
+                         "gate); add one first: gattn retrofit CKPT --gate sdpa_elementwise --init identity --out DIR")
+    return names
 
 
 def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
@@ -288,6 +306,7 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run
         source_vocab = source.vocab_size
     factory = model_factory or build_model
     model = factory(cfg, source_vocab).to(info.device)
+    apply_trainable(model, cfg.trainable)  # before wrapping: DDP/FSDP and the optimizer see only what trains
     if cfg.data == "synthetic":
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
@@ -449,10 +468,9 @@ def _open_logs(run: _Run) -> None:
     """log.jsonl (appended: a resumed run continues it), TensorBoard and the progress bar, on rank 0."""
     main = run.info.is_main
     run.tb = _TB(run.out, run.cfg.tensorboard and main)
-    if run.cfg.progress and main:
-        from tqdm import tqdm
-
-        run.bar = tqdm(total=run.cfg.steps, initial=run.st["step"], unit="step", dynamic_ncols=True)
+    # a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL seconds otherwise (nohup, CI, schedulers)
+    run.bar = Progress(run.cfg.steps, f"train {run.out.name}", "step", initial=run.st["step"],
+                       enabled=run.cfg.progress and main)
     run.log_fh = open(run.log_path, "a") if main else None
 
 
@@ -463,8 +481,7 @@ def _log_step(run: _Run, rec: dict) -> None:
     run.log_fh.flush()
     run.tb.log(rec["step"], {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
     if run.bar is not None:
-        run.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
-        run.bar.update(1)
+        run.bar.update(1, tokens=run.tokens_per_step, loss=round(rec["loss"], 4))
 
 
 def _close_logs(run: _Run) -> None:

@@ -1,4 +1,5 @@
-"""Checkpoint interop: official gated-attention dirs, stock HF Qwen3 / Qwen3-MoE, Qwen3-Next attention <-> native.
+"""Checkpoint interop: official gated-attention dirs, stock HF Qwen3 / Qwen3-MoE / Llama / Mistral / Qwen2, Qwen3-Next
+attention <-> native.
 
 Every conversion goes through the native layout (hub and spokes): SRC -> native (config kwargs + state dict) -> DST.
 All five formats use stock Qwen3 parameter names; they differ only in what `LAYOUTS` declares:
@@ -14,6 +15,9 @@ All five formats use stock Qwen3 parameter names; they differ only in what `LAYO
               gate_up_proj[e] = cat([gate_e, up_e]) and split again on write. Both key layouts are accepted on read.
   qwen3-next  transformers `Qwen3NextForCausalLM` restricted to full-attention layers and dense MLPs: gate rows fused
               per head [q_h | g_h], and every RMSNorm zero-centred (weight_next = weight - 1, applied as 1 + w)
+  llama, mistral, qwen2
+              stock transformers `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM`: no gate, no QK-norm,
+              their bias / sliding-window / RoPE rules declared in convert.llama.FAMILIES
 The fused layouts are row permutations (index tensors) applied at the boundary only; the model never sees them.
 
 Choices (documented here because the official code leaves them open):
@@ -44,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from .gates import canonical_name
-from .io import atomic_dir
+from ..gates import canonical_name
+from ..io import atomic_dir
 
-FORMATS = ("native", "official", "qwen3", "qwen3-moe", "qwen3-next")
+FORMATS = ("native", "official", "qwen3", "qwen3-moe", "qwen3-next", "llama", "mistral", "qwen2")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # Files copied verbatim from SRC to DST (tokenizer and generation settings); weights and config are rewritten.
 COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -70,6 +74,7 @@ class Layout:
     architecture: str  # architectures[0] written to config.json
     partial_rope: bool  # can rotate only part of head_dim (partial_rotary_factor < 1)
     moe: bool = False  # holds Qwen3-MoE layers (per-expert keys on write, per-expert or fused on read)
+    llama_family: bool = False  # config and bias rules declared in convert.llama.FAMILIES (no QK-norm, no gate)
 
 
 LAYOUTS: dict[str, Layout] = {
@@ -78,6 +83,9 @@ LAYOUTS: dict[str, Layout] = {
     "qwen3": Layout("qwen3", None, ("none",), False, True, "Qwen3ForCausalLM", False),
     "qwen3-moe": Layout("qwen3_moe", None, ("none",), False, True, "Qwen3MoeForCausalLM", False, moe=True),
     "qwen3-next": Layout("qwen3_next", "per_head", ("sdpa_elementwise",), True, True, "Qwen3NextForCausalLM", True),
+    "llama": Layout("llama", None, ("none",), False, False, "LlamaForCausalLM", False, llama_family=True),
+    "mistral": Layout("mistral", None, ("none",), False, False, "MistralForCausalLM", False, llama_family=True),
+    "qwen2": Layout("qwen2", None, ("none",), False, False, "Qwen2ForCausalLM", False, llama_family=True),
 }
 
 # Every RMSNorm weight (Qwen3-Next stores them all zero-centred).
@@ -197,6 +205,10 @@ def config_to_native(cfg: dict, fmt: str, state: dict | None = None) -> dict:
         return {k: v for k, v in cfg.items() if k not in ("model_type", "transformers_version", "architectures")}
     layout = _layout(fmt)
     _check_model_type(cfg, layout.model_type, fmt)
+    if layout.llama_family:
+        from . import llama as convert_llama
+
+        return convert_llama.config_to_native(cfg, fmt)
     if fmt == "official":
         cfg = {**OFFICIAL_DEFAULTS, **cfg}
     out = {k: cfg[k] for k in SHARED_KEYS if k in cfg}
@@ -262,12 +274,16 @@ def _moe_config_to_native(cfg: dict) -> dict:
 
 def config_from_native(ncfg: dict, fmt: str) -> dict:
     """The config.json dict of format `fmt` for native kwargs `ncfg` (already checked by `_check_native_for`)."""
-    from .configuration import GatedQwen3Config
+    from ..configuration import GatedQwen3Config
 
     full = GatedQwen3Config(**ncfg).to_dict()
     if fmt == "native":
         return full
     layout = _layout(fmt)
+    if layout.llama_family:
+        from . import llama as convert_llama
+
+        return convert_llama.config_from_native(full, fmt)
     shared = {k: full[k] for k in SHARED_KEYS}
     dtype = full.get("dtype")
     rp = dict(full["rope_parameters"])
@@ -321,7 +337,9 @@ def _check_native_for(ncfg: dict, fmt: str) -> None:
     gate = canonical_name(ncfg.get("gate", "none"))
     if gate not in layout.gates:
         raise ConversionError(f"gate {gate!r} has no {fmt} counterpart; {fmt} can hold: {', '.join(layout.gates)}"
-                              + (" (a gated model needs --to official or native)" if fmt == "qwen3" else ""))
+                              + (" (a gated model needs --to official or native)" if fmt == "qwen3" else "")
+                              + (f" (stock {layout.architecture} has no gate: a gated model stays native; export the "
+                                 "ungated model it was retrofitted from)" if layout.llama_family else ""))
     if gate != "none" and ncfg.get("gate_init", "normal") != "normal":
         raise ConversionError(f"gate_init={ncfg['gate_init']!r} scales the gate (2*sigmoid); {fmt} applies a plain "
                               "sigmoid, so the logits would change")
@@ -340,13 +358,24 @@ def _check_native_for(ncfg: dict, fmt: str) -> None:
         raise ConversionError(f"partial_rotary_factor={prf} has no {fmt} counterpart (it rotates the full head_dim)")
     if layout.needs_qk_norm and not ncfg.get("use_qk_norm", True):
         raise ConversionError(f"use_qk_norm=False has no {fmt} counterpart (it always applies QK-norm)")
+    if not layout.llama_family:
+        o_bias = ncfg.get("o_proj_bias")
+        if o_bias is not None and o_bias != bool(ncfg.get("attention_bias", False)):
+            raise ConversionError(f"o_proj_bias={o_bias} with attention_bias={ncfg.get('attention_bias', False)} "
+                                  f"has no {fmt} counterpart (one flag covers q/k/v/o there); export as qwen2 or llama")
+        if "sliding_attention" in (ncfg.get("layer_types") or ()):
+            raise ConversionError(f"sliding-window layers have no {fmt} counterpart here; export as mistral or qwen2")
+    else:
+        from . import llama as convert_llama
+
+        convert_llama.check_native_for(ncfg, fmt)
 
 
 # ----------------------------------------------------------------------------------------------- state dicts
 def native_shapes(ncfg: dict) -> dict[str, tuple[int, ...]]:
     """Expected native key -> shape, from the model itself built on the meta device (no memory, always in sync)."""
-    from .configuration import GatedQwen3Config
-    from .modeling import GatedQwen3ForCausalLM
+    from ..configuration import GatedQwen3Config
+    from ..modeling import GatedQwen3ForCausalLM
 
     cfg = GatedQwen3Config(**ncfg)
     with torch.device("meta"):
@@ -482,6 +511,10 @@ def state_from_native(state: dict, ncfg: dict, fmt: str) -> dict:
     if fmt == "native":
         return state
     layout = _layout(fmt)
+    if layout.llama_family:
+        from . import llama as convert_llama
+
+        return convert_llama.state_from_native(state, ncfg, fmt)
     idx = _fused_q_index(layout, ncfg)
     if idx is not None:
         for key in [k for k in state if Q_KEY.match(k)]:
