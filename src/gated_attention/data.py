@@ -901,7 +901,9 @@ class Corpus:
 
     def _check(self, domain: str, split: str) -> None:
         if domain not in self.manifest["domains"]:
-            raise KeyError(f"unknown domain {domain!r}; this corpus has: {', '.join(self.domains)}")
+            from .errors import UserKeyError
+
+            raise UserKeyError(f"unknown domain {domain!r}; this corpus has: {', '.join(self.domains)}")
         if split not in SPLITS:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 

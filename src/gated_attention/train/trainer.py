@@ -15,7 +15,7 @@ import os
 import random
 import signal
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -31,7 +31,8 @@ from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
-from ..io import atomic_write_text
+from ..errors import UserError
+from ..io import atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
 
 # config fields that may differ between a run and its resumption (they do not change the numbers)
 _RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
@@ -195,28 +196,62 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist)
     try:
-        return _train(cfg, Path(out_dir), resume, model_factory, info)
+        with ExitStack() as stack:
+            err = None
+            if info.is_main:  # one writer per run folder: a second process stops here with the holder's PID
+                try:
+                    stack.enter_context(lock_dir(out_dir, "gattn train"))
+                except Exception as exc:
+                    err = exc
+            D.agree(info, err)
+            return _train(cfg, Path(out_dir), resume, model_factory, info)
     finally:
         D.teardown()
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> Path | None:
+    """Rank 0: check the run folder against the request and pick the checkpoint to resume from (None = start)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; choose a folder for the run")
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_mod.clean_stale(out)
+    any_ckpt = ckpt_mod.latest_checkpoint(out)
+    if any_ckpt is not None and not resume:
+        raise UserError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
+    if not resume:
+        return None
+    if any_ckpt is None and not cfg_path.exists():
+        raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
+                        "a new run there")
+    if cfg_path.exists():
+        saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
+        diff = sorted(k for k, v in cfg.to_dict().items() if saved.get(k, v) != v and k not in _RESUMABLE_CHANGES)
+        if diff:
+            details = ", ".join(f"{k}: saved {saved.get(k)!r} vs requested {getattr(cfg, k)!r}" for k in diff)
+            raise UserError(f"--resume with settings that differ from the saved run ({details}); use the original "
+                            "settings or a new --out")
+    if any_ckpt is None:
+        return None  # the run was stopped before its first checkpoint: it starts again from step 0
+    latest = ckpt_mod.latest_valid_checkpoint(out)
+    if latest is None:
+        raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
+                        "warnings above); start over with a new --out")
+    return latest
 
 
 def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo) -> dict:
     cfg.check_world(info.world_size)
     log_path, cfg_path = out / "log.jsonl", out / "train_config.json"
-    latest = ckpt_mod.latest_checkpoint(out)
+    latest, err = None, None
     if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt_mod.clean_stale(out)
-        if latest is not None and not resume:
-            raise ValueError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
-        if resume and cfg_path.exists():
-            saved = json.loads(cfg_path.read_text())
-            diff = sorted(k for k, v in cfg.to_dict().items() if saved.get(k, v) != v and k not in _RESUMABLE_CHANGES)
-            if diff:
-                raise ValueError(f"--resume with settings that differ from the saved run: {diff}; "
-                                 f"use the original settings or a new --out")
-        atomic_write_text(cfg_path, json.dumps(cfg.to_dict(), indent=1))
-    D.barrier(info)
+        try:
+            latest = _prepare_out(cfg, out, resume, cfg_path)
+            atomic_write_text(cfg_path, json_dumps(cfg.to_dict(), indent=1))
+        except Exception as exc:
+            err = exc
+    D.agree(info, err)  # every rank stops if rank 0 refused the folder
+    latest = D.broadcast_object(str(latest) if latest is not None else None, info)
+    latest = Path(latest) if latest is not None else None
 
     # model: same seed on every rank, so replicas start identical
     torch.manual_seed(cfg.seed)
@@ -277,16 +312,26 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     def save_checkpoint(next_step: int) -> None:
         msd, osd = _full_state(raw, optimizer)  # collective
         tmp = ckpt_mod.tmp_dir_for(out, next_step)
-        if info.is_main:
-            meta = {"state": dict(st), "spikes": spikes.state_dict(), "world_size": info.world_size,
-                    "config": cfg.to_dict()}
-            ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta})
-        D.barrier(info)
-        ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})
-        D.barrier(info)
-        if info.is_main:
-            ckpt_mod.commit(out, next_step, cfg.keep_checkpoints)
-        D.barrier(info)
+
+        def on_main(fn):  # run on rank 0; every rank raises if it failed (no rank left waiting in a barrier)
+            err = None
+            if info.is_main:
+                try:
+                    fn()
+                except Exception as exc:
+                    err = exc
+            D.agree(info, err)
+
+        meta = {"state": dict(st), "spikes": spikes.state_dict(), "world_size": info.world_size,
+                "config": cfg.to_dict()}
+        on_main(lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta}))
+        err = None
+        try:
+            ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})
+        except Exception as exc:
+            err = exc
+        D.agree(info, err)
+        on_main(lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(out, next_step, cfg.keep_checkpoints)))
 
     t_start = time.perf_counter() - st["wall_time"]
     while st["step"] < cfg.steps:
@@ -371,7 +416,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         rec["tokens"] = st["tokens"]
         rec["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
         if info.is_main:
-            log_fh.write(json.dumps(rec) + "\n")
+            log_fh.write(jsonl_line(rec))
             log_fh.flush()
             tb.log(step, {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
             if bar is not None:
@@ -400,12 +445,15 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     if last_ckpt_step != st["step"]:
         save_checkpoint(st["step"])
     msd, _ = _full_state(raw, optimizer) if info.distributed else (None, None)
-    summary = None
+    summary, err = None, None
     if info.is_main:
-        _export_final(raw, msd, source, out / "final")
-        summary = _summary(cfg, st, spikes, log_path)
-        atomic_write_text(out / "summary.json", json.dumps(summary, indent=1))
-    D.barrier(info)
+        try:
+            _export_final(raw, msd, source, out / "final")
+            summary = _summary(cfg, st, spikes, log_path)
+            atomic_write_json(out / "summary.json", summary)
+        except Exception as exc:
+            err = exc
+    D.agree(info, err)
     return summary if summary is not None else {}
 
 
@@ -431,25 +479,33 @@ def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> N
         return  # stand-in test models
     tmp = dest.with_name(f".{dest.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if full_sd is not None:  # sharded/replicated: rebuild a plain model from the gathered weights
-        plain = type(raw)(raw.config)
-        plain.load_state_dict(full_sd)
-        plain.save_pretrained(tmp)
-    else:
-        raw.save_pretrained(tmp)
-    if getattr(source, "tokenizer", None) is not None:
-        from gated_attention.data import save_tokenizer
+    try:
+        if full_sd is not None:  # sharded/replicated: rebuild a plain model from the gathered weights
+            plain = type(raw)(raw.config)
+            plain.load_state_dict(full_sd)
+            plain.save_pretrained(tmp)
+        else:
+            raw.save_pretrained(tmp)
+        if getattr(source, "tokenizer", None) is not None:
+            from gated_attention.data import save_tokenizer
 
-        save_tokenizer(source.tokenizer, tmp)
-    shutil.rmtree(dest, ignore_errors=True)
+            save_tokenizer(source.tokenizer, tmp)
+    except BaseException:  # e.g. a full disk: no half-written temp folder left, the previous final/ untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        os.rename(dest, old)  # the old copy goes only after the new one is in place
     os.rename(tmp, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _summary(cfg: TrainConfig, st: dict, spikes: SpikeDetector, log_path: Path) -> dict:
     losses = []
     for line in log_path.read_text().splitlines():
         rec = json.loads(line)
-        if math.isfinite(rec["loss"]):
+        if rec.get("loss") is not None and math.isfinite(rec["loss"]):
             losses.append(rec["loss"])
     tail = losses[-10:]
     return {
