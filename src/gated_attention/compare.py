@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .io import atomic_write_text
+from .io import atomic_write_text, json_dumps, lock_dir, read_json_object
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
@@ -155,7 +155,7 @@ def train_variant(cfg, run_dir: Path, log=print) -> dict:
 
     summary_path, cfg_path = run_dir / "summary.json", run_dir / "train_config.json"
     if cfg_path.exists():
-        diff = _same_config(json.loads(cfg_path.read_text()), cfg.to_dict())
+        diff = _same_config(read_json_object(cfg_path, "saved run settings", "delete that run folder"), cfg.to_dict())
         if diff:
             raise ValueError(f"{run_dir} was trained with different settings ({', '.join(diff)}); "
                              f"use a new --out or delete that folder")
@@ -196,7 +196,7 @@ def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
     model, kind = load_model(run_dir / "final")
     res = analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
     res["compare_key"] = key
-    atomic_write_text(path, json.dumps(res))
+    atomic_write_text(path, json_dumps(res))
     return res
 
 
@@ -297,7 +297,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)
-    atomic_write_text(out / "compare.json", json.dumps(result, indent=1))
+    atomic_write_text(out / "compare.json", json_dumps(result, indent=1))
     atomic_write_text(out / "report.md", report.render_markdown(result))
     atomic_write_text(out / "report.html", report.render_html(result, out))
     return result
@@ -306,10 +306,12 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
 # ---------------------------------------------------------------- CLI
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", default=None,
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
                         help=f"prepared corpus folder; prepared automatically if missing (default: the budget's, "
                              f"{DEFAULT_DATA_DIR} with the 8k vocabulary, or data_v1k for --budget long)")
-    parser.add_argument("--out", default="runs/compare",
+    parser.add_argument("--out", type=E.out_dir, default="runs/compare",
                         help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
                              "(default runs/compare; a re-run reuses finished runs)")
     parser.add_argument("--budget", default="default", choices=list(BUDGETS),
@@ -325,8 +327,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from . import report
 
-    res = run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
-                      log=lambda m: print(m, file=sys.stderr, flush=True))
+    with lock_dir(args.out, "gattn compare"):  # one writer per output folder
+        res = run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
+                          log=lambda m: print(m, file=sys.stderr, flush=True))
     print(report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

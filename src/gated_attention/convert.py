@@ -570,8 +570,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, src_forma
 
 # ----------------------------------------------------------------------------------------------- CLI
 def configure(parser) -> None:
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
     parser.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("dst", help="destination directory (written atomically; must not exist unless --overwrite)")
+    parser.add_argument("dst", type=E.out_dir, help="destination directory (written atomically; must not exist unless --overwrite)")
     parser.add_argument("--from", dest="src_format", required=True, choices=FORMATS,
                         help="layout of SRC: official (qiuzh20/gated_attention), qwen3 / qwen3-moe (stock HF "
                              "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms) or native")

@@ -548,10 +548,21 @@ def read_extra(path: str | os.PathLike) -> tuple[str, Documents, dict[str, Any]]
     root = path if path.is_dir() else path.parent
     docs: Documents = []
     replaced = 0
+    unreadable: list[str] = []
     for f in files:
         rel = f.relative_to(root).as_posix()
+        raw = f.read_bytes()
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16 with a BOM (Windows editors): decode, don't drop
+            try:
+                raw = raw.decode("utf-16").encode("utf-8")
+            except UnicodeDecodeError:
+                unreadable.append(f"{rel} (invalid UTF-16)")
+                continue
+        elif b"\x00" in raw:  # NUL bytes without a BOM: binary, or UTF-16/32 we cannot identify
+            unreadable.append(f"{rel} (NUL bytes: binary or UTF-16/32 without a BOM)")
+            continue
         if f.suffix == ".jsonl":
-            text, n = decode_utf8(f.read_bytes())
+            text, n = decode_utf8(raw)
             replaced += n
             for i, line in enumerate(text.splitlines()):
                 if not line.strip():
@@ -566,13 +577,18 @@ def read_extra(path: str | os.PathLike) -> tuple[str, Documents, dict[str, Any]]
                 replaced += n
                 docs.append((f"{rel}:{i + 1}", t))
         else:
-            d, n = _read_text_files([f], root)
-            docs.extend(d)
+            text, n = decode_utf8(raw)
+            docs.append((rel if f != root else f.name, text))
             replaced += n
+    for u in unreadable:  # never skipped without a word: stderr now, the manifest's "skipped_files" later
+        _log(f"--extra {path}: skipped {u}; convert it to UTF-8 text")
     if not docs:
-        raise SourceUnavailable(f"--extra {path}: no text found")
-    return _domain_name(path), docs, {"source": f"user files ({path.resolve()})", "licence": "user-supplied",
-                                      "replaced_chars": replaced}
+        why = f"every file was unreadable: {'; '.join(unreadable)}" if unreadable else "no text found"
+        raise SourceUnavailable(f"--extra {path}: {why}; pass UTF-8 text or JSONL files")
+    info = {"source": f"user files ({path.resolve()})", "licence": "user-supplied", "replaced_chars": replaced}
+    if unreadable:
+        info["skipped_files"] = unreadable
+    return _domain_name(path), docs, info
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -758,7 +774,17 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         raise ValueError(f"unknown source(s) {unknown}; valid: {', '.join(SOURCES)}")
     if not 0.0 < cfg.val_fraction < 1.0:
         raise ValueError(f"--val-fraction {cfg.val_fraction} must be in (0, 1)")
+    from .errors import check_number
+
+    check_number("--vocab-size", cfg.vocab_size, kind=int, min=1)
+    check_number("--chunk-chars", cfg.chunk_chars, kind=int, min=1)
+    check_number("--seed", cfg.seed, kind=int, min=0)
     data_dir = Path(cfg.data_dir)
+    for q in (data_dir, *data_dir.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise ValueError(f"--data-dir {data_dir}: {q} is a file; pass a folder (it is created if missing)")
+            break
     (data_dir / "raw").mkdir(parents=True, exist_ok=True)
     (data_dir / "tokens").mkdir(parents=True, exist_ok=True)
     cache_dir = data_dir / "cache"
@@ -809,6 +835,11 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         records[domain] = read_raw(data_dir / e["raw_file"])
         labels[domain] = assign_splits(records[domain], domain, cfg.seed, cfg.val_fraction)
         e["chunks"] = {s: labels[domain].count(s) for s in ("train", "val")}
+        empty = [s for s in ("train", "val") if e["chunks"][s] == 0]
+        if empty:  # too small to split: said on stderr and recorded, not discovered later as an empty eval
+            e["warning"] = (f"only {len(labels[domain])} chunk(s), so no {' or '.join(empty)} split; add more text "
+                            f"or lower --chunk-chars (now {cfg.chunk_chars})")
+            _log(f"{domain}: warning: {e['warning']}")
 
     # 3. tokenizer, trained on the train chunks of every domain (domain order fixed by the source list)
     tok_dir = data_dir / "tokenizer"
@@ -1067,6 +1098,10 @@ def format_manifest(manifest: dict[str, Any]) -> str:
     for name, e in manifest["domains"].items():
         if e.get("replaced_chars"):
             lines.append(f"note: {name}: {e['replaced_chars']} invalid UTF-8 sequences were replaced with U+FFFD")
+        if e.get("warning"):
+            lines.append(f"warning: {name}: {e['warning']}")
+        for f in e.get("skipped_files", []):
+            lines.append(f"skipped file in {name}: {f}")
     for name, why in manifest.get("skipped", {}).items():
         lines.append(f"skipped {name}: {why}")
     return "\n".join(lines)

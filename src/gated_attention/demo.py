@@ -7,9 +7,11 @@ import torch
 
 
 def configure(parser):
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
     parser.add_argument("--gate", default="sdpa_elementwise", help="gate name from `gattn gates` (default: G1 elementwise)")
-    parser.add_argument("--tokens", type=int, default=8, help="tokens to generate (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for the untrained weights")
+    parser.add_argument("--tokens", type=E.positive_int, default=8, help="tokens to generate (default 8)")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="random seed for the untrained weights")
 
 
 def run(args) -> int:

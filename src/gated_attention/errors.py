@@ -95,9 +95,9 @@ def check_number(name: str, value, *, kind: type = float, min: float | None = No
     value = kind(value)
     if min is not None and (value <= min if min_open else value < min):
         rel = ">" if min_open else ">="
-        raise UserError(f"{name}={value} must be {rel} {min:g}; give a value {rel} {min:g}")
+        raise UserError(f"{name}={value} must be {rel} {min:g}; set {name} to a value {rel} {min:g}")
     if max is not None and value > max:
-        raise UserError(f"{name}={value} must be <= {max:g}; give a smaller value")
+        raise UserError(f"{name}={value} must be <= {max:g}; set {name} to a value <= {max:g}")
     return value
 
 

@@ -121,16 +121,18 @@ def retrofit_checkpoint(src: str | Path, dst: str | Path, gate: str, init: str =
 
 # ----------------------------------------------------------------------------------------------- CLI
 def configure(parser: argparse.ArgumentParser) -> None:
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
     parser.add_argument("ckpt", help="trained UNGATED checkpoint dir (native, e.g. RUN/final; or stock Qwen3 / "
                                      "Qwen3-MoE / ungated official), config.json + *.safetensors")
     parser.add_argument("--gate", required=True, help="gate to add (a name from `gattn gates`, e.g. sdpa_elementwise)")
     parser.add_argument("--init", required=True, choices=INITS,
                         help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
                              "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
-    parser.add_argument("--out", required=True, help="destination dir (native checkpoint, written atomically)")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="destination dir (native checkpoint, written atomically)")
     parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
                         help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> official)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random gate init (ignored by identity)")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="seed of the random gate init (ignored by identity)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
 
 

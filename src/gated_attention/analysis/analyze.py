@@ -378,8 +378,9 @@ def load_model(model_dir: str | os.PathLike, attn_implementation: str = "sdpa", 
     import gated_attention  # noqa: F401  registers our model with the Auto classes
 
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json; pass a local HF model directory (save_pretrained output)")
+    from gated_attention.io import check_hf_dir
+
+    check_hf_dir(path, "model folder")  # folder, config.json parses, weights present and intact (else one line)
     conf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     kind = model_kind(conf)
     cls = transformers.AutoModelForCausalLM if kind == "causal" else transformers.AutoModel

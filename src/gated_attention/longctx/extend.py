@@ -183,20 +183,22 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
 
 
 def configure(parser) -> None:
-    parser.add_argument("dir", help="source HF checkpoint directory (config.json with rope_parameters)")
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
+    parser.add_argument("dir", type=E.existing_dir, help="source HF checkpoint directory (config.json with rope_parameters)")
     parser.add_argument("--method", choices=METHODS, default="yarn", help="RoPE scaling method (default: yarn)")
-    parser.add_argument("--factor", type=float, default=4.0, help="context extension factor, >= 1 (default: 4)")
-    parser.add_argument("--rope-theta", type=float, default=None,
+    parser.add_argument("--factor", type=E.positive_float, default=4.0, help="context extension factor, >= 1 (default: 4)")
+    parser.add_argument("--rope-theta", type=E.positive_float, default=None,
                         help="new RoPE base (e.g. 1e6, the paper's base change); default: keep the checkpoint's")
-    parser.add_argument("--original-max-position-embeddings", type=int, default=None,
+    parser.add_argument("--original-max-position-embeddings", type=E.positive_int, default=None,
                         help="trained context length; default: the checkpoint's max_position_embeddings")
-    parser.add_argument("--out", required=True, help="destination directory for the extended checkpoint")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="destination directory for the extended checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it already has files")
-    parser.add_argument("--finetune-steps", type=int, default=0,
+    parser.add_argument("--finetune-steps", type=E.nonneg_int, default=0,
                         help="continue training the extended model for N steps at --seq-len (0 = training-free); "
                              "the run (log, checkpoints) goes to OUT.finetune/ and resumes there if killed")
-    parser.add_argument("--seq-len", type=int, default=None, help="training length for --finetune-steps (tokens)")
-    parser.add_argument("--data-dir", default=None,
+    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length for --finetune-steps (tokens)")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
                         help="corpus for --finetune-steps (default: the source run's, else ./data)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="training override for --finetune-steps, as in `gattn train --set` (e.g. lr=1e-3); "
@@ -205,7 +207,10 @@ def configure(parser) -> None:
 
 def run(args) -> int:
     if args.finetune_steps:
-        res = finetune_checkpoint(args.dir, args.out, args.finetune_steps, args.seq_len, args.method, args.factor,
+        from gated_attention.io import lock_dir
+
+        with lock_dir(args.out, "gattn extend"):
+            res = finetune_checkpoint(args.dir, args.out, args.finetune_steps, args.seq_len, args.method, args.factor,
                                   args.rope_theta, args.original_max_position_embeddings, args.data_dir, args.sets,
                                   args.overwrite)
         print(f"wrote {args.out}: rope_parameters={json.dumps(res['config']['rope_parameters'])}, fine-tuned "
@@ -214,8 +219,11 @@ def run(args) -> int:
         return 0
     if args.seq_len is not None or args.sets:
         raise ValueError("--seq-len and --set only apply with --finetune-steps N")
-    new = extend_checkpoint(args.dir, args.out, args.method, args.factor, args.rope_theta,
-                            args.original_max_position_embeddings, args.overwrite)
+    from gated_attention.io import lock_dir
+
+    with lock_dir(args.out, "gattn extend"):  # one writer per output folder
+        new = extend_checkpoint(args.dir, args.out, args.method, args.factor, args.rope_theta,
+                                args.original_max_position_embeddings, args.overwrite)
     print(f"wrote {args.out}: rope_parameters={json.dumps(new['rope_parameters'])} "
           f"max_position_embeddings={new['max_position_embeddings']}")
     return 0

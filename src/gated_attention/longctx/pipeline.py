@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from gated_attention.io import json_dumps
 from gated_attention.longctx import ruler
 
 # training tasks mixed in by default: the noise-haystack retrieval tasks a few-M-parameter model can learn in minutes
@@ -507,7 +508,7 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseli
                                                   data_dir, seed, log)
     rep = build_report(results, b, lengths, factor, gates)
     md = format_markdown(rep)
-    _write_json(json.loads(json.dumps(rep)), out / "report.json")  # int length keys become strings, as JSON has them
+    _write_json(json.loads(json_dumps(rep)), out / "report.json")  # int length keys become strings, as JSON has them
     tmp = out / f".report.md.{os.getpid()}.tmp"  # per process: one-gate runs in parallel share OUT
     tmp.write_text(md)
     os.replace(tmp, out / "report.md")
@@ -518,27 +519,32 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseli
 
 
 def configure(parser) -> None:
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
     parser.add_argument("--budget", choices=list(BUDGETS), default="default",
                         help="cost preset: small (tiny model, seconds-minutes, for tests) or default (3-layer model on "
                              "a 1k-vocab corpus, 2400 steps per model: ~35-50 min per model on a busy 2-core CPU; "
                              "run one --gates per process in parallel into the same --out, then once with both to "
                              "combine the cached stages)")
-    parser.add_argument("--out", default="runs/longctx", help="output folder; finished stages in it are reused")
-    parser.add_argument("--data-dir", default=None,
+    parser.add_argument("--out", type=E.out_dir, default="runs/longctx", help="output folder; finished stages in it are reused")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
                         help="prepared corpus (gattn data prepare); default: the budget's (prepared if missing)")
     parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"],
                         help="gate variants to compare (default: baseline sdpa_elementwise)")
-    parser.add_argument("--factor", type=int, default=4, help="YaRN extension factor, a power of two (default 4)")
-    parser.add_argument("--seq-len", type=int, default=None, help="training length L (default: the budget's)")
-    parser.add_argument("--steps", type=int, default=None, help="training steps per model (default: the budget's)")
-    parser.add_argument("--samples", type=int, default=None, help="RULER samples per task and length")
+    parser.add_argument("--factor", type=E.positive_int, default=4, help="YaRN extension factor, a power of two (default 4)")
+    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length L (default: the budget's)")
+    parser.add_argument("--steps", type=E.positive_int, default=None, help="training steps per model (default: the budget's)")
+    parser.add_argument("--samples", type=E.positive_int, default=None, help="RULER samples per task and length")
     parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                         help=f"RULER tasks trained on and scored (no-corpus ones: {', '.join(ruler.NO_CORPUS_TASKS)})")
-    parser.add_argument("--retrieval-mix", type=float, default=None,
+    parser.add_argument("--retrieval-mix", type=E.nonneg_float, default=None,
                         help="fraction of training rows replaced by retrieval samples (default: the budget's)")
-    parser.add_argument("--seed", type=int, default=0, help="training and sample seed")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="training and sample seed")
 
 
 def run(args) -> int:
-    run_pipeline(args.out, budget_from_args(args), args.data_dir, args.gates, args.factor, args.seed)
+    from gated_attention.io import lock_dir
+
+    with lock_dir(args.out, "gattn longctx"):  # one writer per output folder
+        run_pipeline(args.out, budget_from_args(args), args.data_dir, args.gates, args.factor, args.seed)
     return 0

@@ -50,23 +50,24 @@ def plot(result: dict, path: Path) -> None:
 
 
 def write_json(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+    from gated_attention.io import atomic_write_json
+
+    atomic_write_json(path, obj, indent=2)  # strict JSON: a NaN score is null + "nonfinite"
 
 
 def configure(parser) -> None:
-    parser.add_argument("dir", help="HF checkpoint directory (model + tokenizer)")
-    parser.add_argument("--lengths", type=int, nargs="+", required=True, help="target prompt lengths in tokens")
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
+    parser.add_argument("dir", type=E.existing_dir, help="HF checkpoint directory (model + tokenizer)")
+    parser.add_argument("--lengths", type=E.positive_int, nargs="+", required=True, help="target prompt lengths in tokens")
     parser.add_argument("--tasks", nargs="+", default=list(ruler.NO_CORPUS_TASKS), choices=list(ruler.TASKS),
                         metavar="TASK", help=f"tasks (default: all that need no corpus). Valid: {', '.join(ruler.TASKS)}")
-    parser.add_argument("--samples", type=int, default=10, help="samples per task and length (default: 10)")
-    parser.add_argument("--out", required=True, help="output directory for ruler.json and ruler.png")
-    parser.add_argument("--seed", type=int, default=0, help="sample seed (same seed = same prompts)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
+    parser.add_argument("--samples", type=E.positive_int, default=10, help="samples per task and length (default: 10)")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="output directory for ruler.json and ruler.png")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="sample seed (same seed = same prompts)")
+    parser.add_argument("--max-new-tokens", type=E.positive_int, default=None,
                         help="generation budget; default: per task family (niah 64, vt 32, cwe 96, fwe 40, passkey 16)")
-    parser.add_argument("--haystack-file", default=None,
+    parser.add_argument("--haystack-file", type=E.existing_file, default=None,
                         help="text file used as the haystack of the corpus tasks (niah_single_2/3, multikey_1, ...)")
     parser.add_argument("--metric", choices=list(ruler.METRICS), default="all",
                         help="string match: all = fraction of answers found (RULER default), part = any found")
@@ -81,7 +82,10 @@ def run(args) -> int:
 
     import gated_attention  # noqa: F401  (registers the gated model classes with the Auto factories)
 
-    corpus = Path(args.haystack_file).read_text() if args.haystack_file else None
+    from gated_attention.io import check_hf_dir
+
+    check_hf_dir(args.dir)
+    corpus = Path(args.haystack_file).read_text(encoding="utf-8") if args.haystack_file else None
     tokenizer = AutoTokenizer.from_pretrained(args.dir)
     model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=getattr(torch, args.dtype)).to(args.device)
     out = Path(args.out)

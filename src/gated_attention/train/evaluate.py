@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..io import atomic_write_json, json_dumps
+
 
 def autocast_for(device: torch.device, precision: str):
     if precision == "bf16":
@@ -58,14 +60,16 @@ def domain_losses(model, source, *, seq_len: int, max_batches: int, batch_size: 
 # ---------------------------------------------------------------- gattn eval
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", help="a training run folder (its final/ model is used) or a save_pretrained folder")
-    parser.add_argument("--data-dir", default=None, help="corpus folder (default: the run's own setting)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's seq_len)")
-    parser.add_argument("--batches", type=int, default=8, help="validation batches per domain")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
+    parser.add_argument("dir", type=E.existing_dir, help="a training run folder (its final/ model is used) or a save_pretrained folder")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="corpus folder (default: the run's own setting)")
+    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="tokens per sequence (default: the run's seq_len)")
+    parser.add_argument("--batches", type=E.positive_int, default=8, help="validation batches per domain")
+    parser.add_argument("--batch-size", type=E.positive_int, default=8, help="sequences per validation batch")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast precision")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file (atomically)")
+    parser.add_argument("--out", type=E.out_file, default=None, help="also write the JSON result to this file (atomically)")
 
 
 def _position_summary(pos: list[float], points: int = 8) -> list[tuple[int, float]]:
@@ -87,8 +91,12 @@ def run(args) -> int:
     model_dir = root / "final" if (root / "final" / "config.json").exists() else root
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"no model in {root} (expected {root}/final/config.json or {root}/config.json)")
+    from ..io import check_hf_dir, read_json_object
+
+    check_hf_dir(model_dir, "model folder")
     cfg_path = root / "train_config.json"
-    cfg = TrainConfig.from_dict(json.loads(cfg_path.read_text())) if cfg_path.exists() else TrainConfig()
+    cfg = (TrainConfig.from_dict(read_json_object(cfg_path, "run settings", "restore it or pass --data-dir"))
+           if cfg_path.exists() else TrainConfig())
     if args.data_dir is not None:
         cfg.data_dir, cfg.data = args.data_dir, "corpus"
     seq_len = args.seq_len or cfg.seq_len
@@ -99,11 +107,9 @@ def run(args) -> int:
                         device=device, precision=args.precision, positions=True)
     res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size})
     if args.out:
-        tmp = Path(args.out).with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1))
-        os.replace(tmp, args.out)
+        atomic_write_json(args.out, res)
     if args.json:
-        print(json.dumps(res, indent=1))
+        print(json_dumps(res, indent=1))
         return 0
     print(f"model: {model_dir}   seq_len {seq_len}, {args.batches} x {args.batch_size} sequences per domain")
     print(f"{'domain':<20} {'loss':>8} {'ppl':>10}")

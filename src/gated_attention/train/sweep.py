@@ -14,13 +14,15 @@ from .config import TRAIN_PRESETS
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
+    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
+
     parser.add_argument("--preset", default="small-stress", choices=list(TRAIN_PRESETS), help="training preset")
     parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"], help="gate variants to compare")
-    parser.add_argument("--lrs", nargs="+", type=float, required=True, help="peak learning rates to try")
+    parser.add_argument("--lrs", type=E.positive_float, nargs="+", required=True, help="peak learning rates to try")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="TrainConfig / model.* overrides applied to every run; repeatable")
-    parser.add_argument("--out", required=True, help="sweep folder: one sub-folder per run, results.md, results.json")
-    parser.add_argument("--data-dir", default=None, help="prepared corpus folder")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="sweep folder: one sub-folder per run, results.md, results.json")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder")
 
 
 def run_dir_name(gate: str, lr: float) -> str:

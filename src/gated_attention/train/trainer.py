@@ -69,9 +69,9 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
     from gated_attention.gates import canonical_name
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    if not (Path(cfg.init_from) / "config.json").is_file():
-        raise FileNotFoundError(f"init_from={cfg.init_from}: no config.json there (pass a save_pretrained dir, "
-                                "e.g. RUN/final or a `gattn retrofit` output)")
+    from gated_attention.io import check_hf_dir
+
+    check_hf_dir(cfg.init_from, "init_from")  # a folder, config.json parses, weights present and intact
     config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)
     if canonical_name(cfg.gate) != config.gate:
         raise ValueError(f"init_from={cfg.init_from} holds gate {config.gate!r} but the run says gate={cfg.gate!r}; "
