@@ -100,6 +100,17 @@ def _first_nonfinite(v: Any) -> str | None:
     return None
 
 
+def nonfinite_paths(obj: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of every non-finite float in `obj` (to report a NaN metric, not just null it)."""
+    if isinstance(obj, float):
+        return [] if math.isfinite(obj) else [prefix or "<root>"]
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in nonfinite_paths(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in nonfinite_paths(v, f"{prefix}[{i}]")]
+    return []
+
+
 def json_dumps(obj: Any, **kw) -> str:
     """json.dumps that a strict parser accepts (no NaN/Infinity tokens; see `to_strict`)."""
     return json.dumps(to_strict(obj), allow_nan=False, **kw)
@@ -315,7 +326,7 @@ def check_hf_dir(folder: str | os.PathLike, what: str = "checkpoint folder") -> 
     return config
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "to_strict", "json_dumps", "jsonl_line",
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "to_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
            "strict_loads", "read_json", "read_json_object", "lock_path_for", "lock_dir", "SAFE_WEIGHTS", "SAFE_INDEX",
            "PICKLE_SUFFIXES", "hf_weight_files", "verify_safetensors", "load_safetensors", "load_hf_state",
            "check_hf_dir"]

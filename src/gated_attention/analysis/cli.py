@@ -69,7 +69,13 @@ def run(args) -> int:
     result = {"model": str(args.model_dir), **analyze_model(model, batches, cfg, kind)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from ..io import atomic_write_json, json_dumps
+    from ..io import atomic_write_json, json_dumps, nonfinite_paths
+
+    bad = nonfinite_paths({k: v for k, v in result.items() if k != "attention_maps"})
+    if bad:  # reported, not hidden: the JSON holds null + "nonfinite", stderr says where
+        result["nonfinite_metrics"] = bad
+        print(f"gattn analyze: warning: {len(bad)} non-finite metric(s) (the model produced NaN/Inf): "
+              f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}", file=sys.stderr)
 
     text = json_dumps(result, indent=1)  # strict JSON: a NaN metric is null + "nonfinite", never a bare NaN
     atomic_write_json(out / "analysis.json", result)

@@ -105,6 +105,10 @@ def run(args) -> int:
     source = make_source(cfg, model.config.vocab_size)
     res = domain_losses(model, source, seq_len=seq_len, max_batches=args.batches, batch_size=args.batch_size,
                         device=device, precision=args.precision, positions=True)
+    if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
+        from ..errors import UserError
+
+        raise UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")
     res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size})
     if args.out:
         atomic_write_json(args.out, res)

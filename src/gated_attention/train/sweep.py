@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from ..io import json_dumps
 from .config import TRAIN_PRESETS
 
 
@@ -31,28 +32,27 @@ def run_dir_name(gate: str, lr: float) -> str:
 
 def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets: list[str] = (),
           data_dir: str | None = None) -> list[dict]:
-    from .checkpoint import latest_checkpoint
+    from ..io import lock_dir
     from .cli import config_from_args
-    from .trainer import train
+    from .trainer import train_or_reuse
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for gate in gates:
-        for lr in lrs:
-            rdir = out / run_dir_name(gate, lr)
-            cfg = config_from_args(preset, gate, list(sets) + [f"lr={lr!r}", f"min_lr={min(lr / 100, lr)!r}"], data_dir)
-            summary_path = rdir / "summary.json"
-            if summary_path.exists():
-                summary = json.loads(summary_path.read_text())  # finished: reuse
-            else:
-                summary = train(cfg, rdir, resume=latest_checkpoint(rdir) is not None)
-            rows.append({"gate": gate, "lr": lr, "final_loss": summary.get("final_loss_avg10"),
-                         "avg_ppl": summary.get("avg_ppl"), "spikes": summary.get("spikes"),
-                         "skipped_steps": summary.get("skipped_steps"), "diverged": summary.get("diverged"),
-                         "dir": str(rdir)})
-    _write(out / "results.json", json.dumps(rows, indent=1))
-    _write(out / "results.md", table(rows))
+    with lock_dir(out, "gattn sweep"):  # one writer per sweep folder (each run also locks its own)
+        out.mkdir(parents=True, exist_ok=True)
+        for gate in gates:
+            for lr in lrs:
+                rdir = out / run_dir_name(gate, lr)
+                cfg = config_from_args(preset, gate, list(sets) + [f"lr={lr!r}", f"min_lr={min(lr / 100, lr)!r}"],
+                                       data_dir)
+                # finished: reused only if its saved settings equal these (else an error); unfinished: resumed
+                summary = train_or_reuse(cfg, rdir)
+                rows.append({"gate": gate, "lr": lr, "final_loss": summary.get("final_loss_avg10"),
+                             "avg_ppl": summary.get("avg_ppl"), "spikes": summary.get("spikes"),
+                             "skipped_steps": summary.get("skipped_steps"), "diverged": summary.get("diverged"),
+                             "dir": str(rdir)})
+        _write(out / "results.json", json_dumps(rows, indent=1))
+        _write(out / "results.md", table(rows))
     return rows
 
 
@@ -70,9 +70,9 @@ def table(rows: list[dict]) -> str:
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    from ..io import atomic_write_text
+
+    atomic_write_text(path, text)
 
 
 def run(args) -> int:

@@ -209,6 +209,34 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
         D.teardown()
 
 
+def saved_settings_diff(run_dir: str | Path, cfg: TrainConfig) -> list[str]:
+    """Settings of the run saved in run_dir/train_config.json that differ from `cfg` (those that change the
+    numbers; a key missing from an older file counts as its default). [] when equal or nothing is saved."""
+    path = Path(run_dir) / "train_config.json"
+    if not path.exists():
+        return []
+    saved = read_json_object(path, "saved run settings", "delete that run folder or use a new --out")
+    defaults = TrainConfig().to_dict()
+    return [f"{k}: saved {saved.get(k, defaults[k])!r} vs requested {v!r}" for k, v in cfg.to_dict().items()
+            if k not in _RESUMABLE_CHANGES and saved.get(k, defaults[k]) != v]
+
+
+def train_or_reuse(cfg: TrainConfig, run_dir: str | Path, log=None) -> dict:
+    """The summary of the run in run_dir: reused when finished with the same settings, resumed when interrupted,
+    trained when absent. A finished or started run with other settings is an error, never silently reused."""
+    run_dir = Path(run_dir)
+    diff = saved_settings_diff(run_dir, cfg)
+    if diff:
+        raise UserError(f"{run_dir} holds a run with other settings ({'; '.join(diff)}); use a new --out or delete "
+                        "that folder")
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists() and (run_dir / "train_config.json").exists():
+        if log:
+            log(f"reusing finished run {run_dir}")
+        return read_json_object(summary_path, "run summary", "delete that run folder to retrain it")
+    return train(cfg, run_dir, resume=ckpt_mod.latest_checkpoint(run_dir) is not None)
+
+
 def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> Path | None:
     """Rank 0: check the run folder against the request and pick the checkpoint to resume from (None = start)."""
     if out.exists() and not out.is_dir():
