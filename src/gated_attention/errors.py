@@ -33,6 +33,9 @@ DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 def user_message(exc: BaseException) -> str | None:
     """The one-line message for a user-facing exception, or None when `exc` is a bug that must keep its traceback."""
+    for e in (exc.__cause__, exc.__context__):  # e.g. torch's RuntimeError wrapping the write's OSError
+        if isinstance(e, OSError) and e.errno in DISK_FULL_ERRNOS and not isinstance(exc, OSError):
+            return user_message(e)
     if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
         where = f" writing {exc.filename}" if exc.filename else ""
         return f"disk full{where} ({os.strerror(exc.errno)}); free space (or raise the file-size limit) and rerun"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle  # only for its exception type: torch.load(weights_only=True) raises UnpicklingError
 import re
 import shutil
 import signal
@@ -98,10 +99,14 @@ def write_files(tmp: Path, files: dict[str, object]) -> None:
             if name.endswith(".json"):
                 path.write_text(json_dumps(obj, indent=1, sort_keys=True))
             else:
-                torch.save(obj, path)
+                with open(path, "wb") as fh:  # a Python file: a full disk surfaces as OSError, not a bare iostream error
+                    torch.save(obj, fh)
             _fsync_file(path)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        cause = exc.__context__
+        if isinstance(exc, RuntimeError) and isinstance(cause, OSError):  # torch wraps the write's OSError
+            raise cause from None
         raise
     if "state.pt" in files:
         _writes_done += 1
@@ -201,7 +206,7 @@ def load_files(ckpt: Path, rank: int) -> tuple[dict, dict, dict | None]:
         meta = json.loads((ckpt / "meta.json").read_text())
         rng_path = ckpt / f"rng_rank{rank}.pt"
         rng = torch.load(rng_path, map_location="cpu", weights_only=True) if rng_path.exists() else None
-    except (OSError, RuntimeError, ValueError, EOFError) as exc:  # damaged after verify, or not our format
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:  # damaged, or not ours
         raise UserError(f"checkpoint {ckpt} could not be loaded ({type(exc).__name__}: {exc}); delete it to resume "
                         "from an older one") from None
     return state, meta, rng

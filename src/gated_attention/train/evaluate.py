@@ -102,6 +102,12 @@ def run(args) -> int:
     seq_len = args.seq_len or cfg.seq_len
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GatedQwen3ForCausalLM.from_pretrained(model_dir).to(device)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and seq_len > max_pos:
+        from ..errors import UserError
+
+        raise UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower --seq-len "
+                        "(or extend the model first with `gattn extend`)")
     source = make_source(cfg, model.config.vocab_size)
     res = domain_losses(model, source, seq_len=seq_len, max_batches=args.batches, batch_size=args.batch_size,
                         device=device, precision=args.precision, positions=True)
