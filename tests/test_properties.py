@@ -225,7 +225,7 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
         mod, fn = STUBS[cmd]
         m = importlib.import_module(mod)
         stub = {"run_compare": lambda *a, **k: {"rows": {}, "wall_time_s": 0.0},
-                "run_pipeline": lambda *a, **k: None, "lm_eval_main": lambda argv: 2}[fn]
+                "run_pipeline": lambda *a, **k: None, "lm_eval_main": lambda argv: 0}[fn]
         monkeypatch.setattr(m, fn, stub)
         if cmd == "compare":
             monkeypatch.setattr("gated_attention.report.render_table", lambda res: "")

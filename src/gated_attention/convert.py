@@ -505,6 +505,7 @@ def convert_state_dict(config: dict, state: dict, src_format: str, dst_format: s
 # ----------------------------------------------------------------------------------------------- files
 def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
     """(config.json dict, state dict) from a checkpoint directory; safetensors only, pickles refused."""
+    from .errors import UserError
     from .io import load_hf_state, read_json_object
 
     path = Path(path)
@@ -518,8 +519,11 @@ def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConversionError(f"{path} has no config.json")
-    config = read_json_object(cfg_file, "config", "pass a checkpoint folder written by save_pretrained")
-    state = load_hf_state(path)  # model.safetensors or the index's shards (confined to the folder), verified
+    try:
+        config = read_json_object(cfg_file, "config", "pass a checkpoint folder written by save_pretrained")
+        state = load_hf_state(path)  # model.safetensors or the index's shards (confined to the folder), verified
+    except UserError as exc:
+        raise ConversionError(str(exc)) from None
     return config, state
 
 
