@@ -96,6 +96,9 @@ def check_number(name: str, value, *, kind: type = float, min: float | None = No
     if kind is int and float(value) != int(value):
         raise UserError(f"{name}={value!r} is not an integer; give a whole number")
     value = kind(value)
+    if min is not None and max is not None and not ((value > min if min_open else value >= min) and value <= max):
+        lo = "(" if min_open else "["
+        raise UserError(f"{name}={value} must be in {lo}{min:g}, {max:g}]; set {name} inside that range")
     if min is not None and (value <= min if min_open else value < min):
         rel = ">" if min_open else ">="
         raise UserError(f"{name}={value} must be {rel} {min:g}; set {name} to a value {rel} {min:g}")
