@@ -154,6 +154,23 @@ def test_extra_files_never_skipped_silently(tmp_path, capsys):
     assert "hello utf sixteen" in raw
 
 
+def test_debug_traceback_and_bugs_still_raise(tmp_path, capsys, monkeypatch):
+    import gated_attention.gates_cli as gc
+
+    monkeypatch.setenv("GATTN_DEBUG", "1")
+    assert main(["eval", str(tmp_path)]) == 2  # a user error: the line, plus the traceback on request
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("gattn eval: error:")
+    monkeypatch.delenv("GATTN_DEBUG")
+
+    def bug(args):
+        raise TypeError("an internal bug")
+
+    monkeypatch.setattr(gc, "run", bug)
+    with pytest.raises(TypeError, match="internal bug"):  # bugs are not dressed up as user errors
+        main(["gates"])
+
+
 # ------------------------------------------------------------------------------------------------ resume consistency
 
 def test_resume_with_other_gate_or_data_dir(run_dir, tmp_path, capsys):
@@ -466,3 +483,26 @@ def test_agree_stops_every_rank(tmp_path):
     outs = [p.communicate(timeout=120)[0] for p in ps]
     assert [p.returncode for p in ps] == [3, 3]
     assert "No space left" in outs[0] and "rank 0 stopped" in outs[1]
+
+
+@pytest.mark.slow
+def test_disk_full_under_ddp_stops_every_rank(tmp_path):
+    """torchrun, 2 gloo ranks, a file-size limit only rank 0's state.pt exceeds: both ranks exit, none hangs."""
+    run = tmp_path / "run"
+    ref = tmp_path / "ref"
+    train(apply_overrides(tiny(), ["steps=2", "ckpt_every=0", "eval_batches=1"]), ref)
+    size = (ckpt_mod.latest_checkpoint(ref) / "state.pt").stat().st_size
+    code = textwrap.dedent(f"""
+        import os, resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited by torchrun and both ranks
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({size // 2}, {size // 2}))
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                 "-m", "gated_attention.cli", "train", "--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2",
+                 "--set", "precision=fp32", "--out", {str(run)!r}])
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "gattn train: error: disk full" in p.stderr and "rank 0 stopped with an error" in p.stderr, p.stderr[-3000:]
+    assert ckpt_mod.list_checkpoints(run) == []
+    assert not [x.name for x in (run / "checkpoints").iterdir()]  # the temp folder was removed
