@@ -420,6 +420,11 @@ def test_strict_json_helper():
     assert s == {"loss": None, "g": None, "acts": [1.0, None], "ok": 1.5, "n": {"x": None, "nonfinite": {"x": "nan"}},
                  "nonfinite": {"loss": "nan", "g": "inf", "acts": "-inf"}}
     assert strict_loads(json_dumps(obj)) == s
+    from gated_attention.io import from_strict
+
+    back = from_strict(s)
+    assert back["loss"] != back["loss"] and back["g"] == float("inf") and back["acts"][1] == float("-inf")
+    assert back["n"]["x"] != back["n"]["x"] and "nonfinite" not in back
     with pytest.raises(ValueError):
         strict_loads('{"a": NaN}')
 

@@ -100,6 +100,24 @@ def _first_nonfinite(v: Any) -> str | None:
     return None
 
 
+def from_strict(obj: Any) -> Any:
+    """Inverse of `to_strict` for dict values: null + "nonfinite": {key: reason} becomes float(reason) again (a
+    list value gets its null elements back as that reason). For state that must round-trip, e.g. checkpoint meta."""
+    if isinstance(obj, list):
+        return [from_strict(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    reasons = obj.get("nonfinite") if isinstance(obj.get("nonfinite"), dict) else {}
+    out = {k: from_strict(v) for k, v in obj.items() if not (k == "nonfinite" and reasons)}
+    for k, why in reasons.items():
+        if k in out and why in ("nan", "inf", "-inf"):
+            if out[k] is None:
+                out[k] = float(why)
+            elif isinstance(out[k], list):
+                out[k] = [float(why) if v is None else v for v in out[k]]
+    return out
+
+
 def nonfinite_paths(obj: Any, prefix: str = "") -> list[str]:
     """Dotted paths of every non-finite float in `obj` (to report a NaN metric, not just null it)."""
     if isinstance(obj, float):
@@ -326,7 +344,7 @@ def check_hf_dir(folder: str | os.PathLike, what: str = "checkpoint folder") -> 
     return config
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "to_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "to_strict", "from_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
            "strict_loads", "read_json", "read_json_object", "lock_path_for", "lock_dir", "SAFE_WEIGHTS", "SAFE_INDEX",
            "PICKLE_SUFFIXES", "hf_weight_files", "verify_safetensors", "load_safetensors", "load_hf_state",
            "check_hf_dir"]

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..io import json_dumps
+from ..io import from_strict, json_dumps
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -203,7 +203,7 @@ def load_files(ckpt: Path, rank: int) -> tuple[dict, dict, dict | None]:
     execute code."""
     try:
         state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
-        meta = json.loads((ckpt / "meta.json").read_text())
+        meta = from_strict(json.loads((ckpt / "meta.json").read_text()))  # NaN state round-trips
         rng_path = ckpt / f"rng_rank{rank}.pt"
         rng = torch.load(rng_path, map_location="cpu", weights_only=True) if rng_path.exists() else None
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:  # damaged, or not ours
