@@ -9,20 +9,16 @@ from transformers import AutoModelForCausalLM
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.baselines import (BASELINES, added_params, baseline_config, expanded_config, get_baseline,
-                                       paper_report)
-from gated_attention.presets import model_config
+from gated_attention.baselines import BASELINES, expanded_config, get_baseline
+from gated_attention.presets import added_params, baseline_config, model_config, paper_report
+from harness import tiny_lm
 
 RUNTIME = [n for n, s in BASELINES.items() if s.runtime]
 BACKENDS = ["eager", "sdpa"]
 
 
 def tiny_model(baseline="none", backend="sdpa", seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = model_config("tiny", match_params=False, baseline=baseline, **kw)
-    model = GatedQwen3ForCausalLM(cfg).eval()
-    model.set_attn_implementation(backend)
-    return model
+    return tiny_lm(kw.pop("gate", "none"), backend, seed, mechanism=baseline, **kw)
 
 
 def _perturb(model, seed=1):
@@ -84,7 +80,7 @@ def test_save_load_round_trip(tmp_path, name):
     model = _perturb(tiny_model(name))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert loaded.config.baseline == name
+    assert loaded.config.mechanism == name
     x = torch.randint(0, 128, (2, 8))
     torch.testing.assert_close(loaded(x).logits, model(x).logits, atol=0, rtol=0)
 
@@ -135,7 +131,7 @@ def test_invalid_names_and_settings_fail_clearly():
         model_config("tiny", baseline="switch_q_4top4")
     with pytest.raises(ValueError, match="top_k"):
         get_baseline("switch_v_2top3")
-    with pytest.raises(ValueError, match="only used by baseline='clipped_softmax'"):
+    with pytest.raises(ValueError, match="only used by mechanism='clipped_softmax'"):
         model_config("tiny", softmax_gamma=-0.1)
     with pytest.raises(ValueError, match="zeta >= 1"):
         model_config("tiny", baseline="clipped_softmax", softmax_zeta=0.5)

@@ -3,57 +3,13 @@ finished runs, resume of a half-finished one, refusal to mix settings, and autom
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
 from gated_attention import cli
 from gated_attention import compare as C
-
-WORDS = ("the of and to in is was that he it with as his on be at by had not are but from or have an they which one "
-         "you were her all she there would their we him been has when who will more no if out so said what up its "
-         "about into than them can only other new some could time these two may then do first any my now such like")
-
-
-def _text(rng: random.Random, n_par: int) -> str:
-    words = WORDS.split()
-    pars = []
-    for _ in range(n_par):
-        sents = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 14))).capitalize() + "."
-                 for _ in range(rng.randint(2, 5))]
-        pars.append(" ".join(sents))
-    return "\n\n".join(pars)
-
-
-def _code(rng: random.Random, n_funcs: int) -> str:
-    out = []
-    for i in range(n_funcs):
-        a, b = rng.choice("xyzab"), rng.choice("uvwcd")
-        out.append(f"def f{i}({a}, {b}):\n    if {a} > {b}:\n        return {a} - {b}\n    return {a} * {rng.randint(1, 9)}\n")
-    return "\n\n".join(out)
-
-
-@pytest.fixture(scope="module")
-def tiny_corpus(tmp_path_factory) -> Path:
-    """Two domains from text files written to tmp, prepared with a 300-token BPE (seconds)."""
-    from gated_attention import data
-
-    rng = random.Random(0)
-    src = tmp_path_factory.mktemp("src")
-    (src / "prose").mkdir()
-    for i in range(4):
-        (src / "prose" / f"book{i}.txt").write_text(_text(rng, 60))
-    (src / "code").mkdir()
-    for i in range(3):
-        (src / "code" / f"mod{i}.py").write_text(_code(rng, 80))
-    d = tmp_path_factory.mktemp("data")
-    data.prepare(data.PrepareConfig(data_dir=str(d), vocab_size=300, sources=(), extra=(str(src / "prose"), str(src / "code")),
-                                    val_fraction=0.2, chunk_chars=600))
-    return d
-
 
 @pytest.fixture(scope="module")
 def small_run(tiny_corpus, tmp_path_factory):

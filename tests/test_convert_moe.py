@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-import gated_attention  # noqa: F401 - registers the Auto classes
+import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.convert import ConversionError, convert_state_dict, load_dir
-from gated_attention.presets import model_config
+from harness import tiny_lm
 
 
 def _hf_moe(seed=0, **kw) -> Qwen3MoeForCausalLM:
@@ -32,8 +32,7 @@ def _hf_moe(seed=0, **kw) -> Qwen3MoeForCausalLM:
 
 
 def _native_moe(gate="baseline", seed=1, **kw) -> GatedQwen3ForCausalLM:
-    torch.manual_seed(seed)
-    return GatedQwen3ForCausalLM(model_config("tiny-moe", gate=gate, **kw)).eval()
+    return tiny_lm(gate, backend=None, seed=seed, preset="tiny-moe", match_params=None, **kw)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -128,8 +127,8 @@ def test_unconvertible_moe_models_fail_clearly():
     model = _native_moe(shared_expert_intermediate_size=16)
     with pytest.raises(ConversionError, match="a shared expert has no qwen3-moe counterpart"):
         convert_state_dict(model.config.to_dict(), model.state_dict(), "native", "qwen3-moe")
-    model = _native_moe(baseline="clipped_softmax")
-    with pytest.raises(ConversionError, match="baseline='clipped_softmax' is a native-only mechanism"):
+    model = _native_moe(mechanism="clipped_softmax")
+    with pytest.raises(ConversionError, match="mechanism='clipped_softmax' is a native-only mechanism"):
         convert_state_dict(model.config.to_dict(), model.state_dict(), "native", "qwen3-moe")
 
 

@@ -10,17 +10,13 @@ import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GATES, GatedQwen3Config, GatedQwen3ForCausalLM
 from gated_attention.gates import Gate, GateSpec, get_gate
 from gated_attention.presets import model_config, param_report
+from harness import tiny_lm
 
 VARIANTS = list(GATES)
 BACKENDS = ["eager", "sdpa"]
 
 
-def tiny_model(gate="baseline", backend="sdpa", seed=0, **kw):
-    torch.manual_seed(seed)
-    cfg = model_config("tiny", gate, match_params=False, **kw)
-    model = GatedQwen3ForCausalLM(cfg).eval()
-    model.set_attn_implementation(backend)
-    return model
+tiny_model = tiny_lm  # the shared harness builder (tests/harness.py)
 
 
 @pytest.mark.parametrize("gate", VARIANTS)
@@ -79,7 +75,7 @@ def test_parameter_parity(preset, gate):
 
 
 def test_28l_elementwise_ffn_width():
-    assert model_config("1.7b-28l", "sdpa_elementwise").intermediate_size == 5461  # SPEC §4 derived width
+    assert model_config("1.7b-28l", "sdpa_elementwise").intermediate_size == 5461  # paper map §4 derived width
 
 
 def test_gate_starts_near_half_and_identity_init_is_identity():
@@ -109,7 +105,7 @@ def test_invalid_specs_and_names_fail_clearly():
         GateSpec(position="dense", granularity="headwise")
     with pytest.raises(ValueError, match="no heads"):
         GateSpec(position="dense", sharing="head_shared")
-    with pytest.raises(ValueError, match="valid names: baseline"):
+    with pytest.raises(ValueError, match="valid names: none"):
         get_gate("sdpa_elementwize")
     with pytest.raises(ValueError, match="unknown key"):
         GatedQwen3Config(hidden_sise=3)
@@ -201,7 +197,7 @@ def test_left_padded_batch_equals_each_alone(backend):
     torch.testing.assert_close(logits[1, 3:], model(b).logits[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gate", ["baseline", "sdpa_elementwise", "sdpa_headwise", "sdpa_input_independent", "sdpa_rmsnorm"])
+@pytest.mark.parametrize("gate", ["none", "sdpa_elementwise", "sdpa_headwise", "sdpa_input_independent", "sdpa_rmsnorm"])
 def test_save_pretrained_auto_round_trip(tmp_path, gate):
     model = tiny_model(gate)
     model.save_pretrained(tmp_path)

@@ -245,12 +245,10 @@ def test_missing_source_reported_and_skipped(small, tmp_path, monkeypatch, capsy
         D.prepare(D.PrepareConfig(data_dir=str(tmp_path / "f"), sources=("wikipedia",)))
 
 
-def test_cli_info(small, capsys):
-    from gated_attention.cli import main
-
+def test_cli_info(small, gattn_main):
     cfg, _, _ = small
-    assert main(["data", "info", "--data-dir", cfg.data_dir, "--verify"]) == 0
-    out = capsys.readouterr().out
+    rc, out, _ = gattn_main("data", "info", "--data-dir", cfg.data_dir, "--verify")
+    assert rc == 0
     assert "prose" in out and "notes" in out and "all checksums match" in out
 
 

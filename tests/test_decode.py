@@ -4,16 +4,14 @@ import pytest
 import torch
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
-from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.decode import generate_fast
 from gated_attention.fast import fuse_qkv
-from gated_attention.presets import model_config
+from harness import tiny_lm
 
 
 def tiny(gate, seed=0):
-    torch.manual_seed(seed)
     # a wide init so greedy decoding does not collapse onto one repeated token (that would make equality trivial)
-    return GatedQwen3ForCausalLM(model_config("tiny", gate, match_params=False, initializer_range=0.5)).eval()
+    return tiny_lm(gate, backend=None, seed=seed, initializer_range=0.5)
 
 
 def left_padded(seed=1):

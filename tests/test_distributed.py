@@ -21,7 +21,7 @@ def losses(run: Path) -> list[float]:
 
 def torchrun(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "gated_attention.cli", "train", "--preset", "tiny", "--out", str(out)]
+           str(Path(__file__).with_name("kill_hooks.py")), "train", "--preset", "tiny", "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
     if resume:

@@ -10,6 +10,7 @@ from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.fast import (FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul, reference_lm_loss,
                                   unfuse_qkv)
 from gated_attention.presets import model_config
+from harness import tiny_lm
 
 # G1 gates (folded into the GEMM; sigmoid ones take the fused multiply), a non-G1 gate (keeps its own projection),
 # a parameter-free transform and the baseline.
@@ -18,13 +19,8 @@ GATES = ["baseline", "sdpa_elementwise", "sdpa_headwise", "sdpa_headshared", "sd
 
 
 def tiny(gate, seed=0, **kw):
-    torch.manual_seed(seed)
-    model = GatedQwen3ForCausalLM(model_config("tiny", gate, match_params=False, **kw))
-    with torch.no_grad():  # non-trivial norms so the state-dict mapping of every tensor is exercised
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    # non-trivial norms so the state-dict mapping of every tensor is exercised; train mode, as the original builder
+    return tiny_lm(gate, backend=None, seed=seed, eval=False, perturb_norms=True, **kw)
 
 
 def grads_by_plain_name(model):
@@ -89,18 +85,13 @@ def test_fuse_qkv_fails_loudly_when_nothing_to_fuse():
 
 @pytest.mark.parametrize("headwise", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 2.0])
-def test_fused_sigmoid_mul_matches_reference(headwise, scale):
+def test_fused_sigmoid_mul_matches_reference(headwise, scale, check_reference):
     torch.manual_seed(0)
     y = torch.randn(2, 5, 3, 4, dtype=torch.float64, requires_grad=True)
     logits = torch.randn(2, 5, 3, 1 if headwise else 4, dtype=torch.float64, requires_grad=True)
     g = torch.randn(2, 5, 3, 4, dtype=torch.float64)
-    ref = y * (torch.sigmoid(logits) * scale)
-    gy_r, gl_r = torch.autograd.grad(ref, (y, logits), g)
-    out = fused_sigmoid_mul(y, logits, scale)
-    gy_f, gl_f = torch.autograd.grad(out, (y, logits), g)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(gy_f, gy_r)
-    torch.testing.assert_close(gl_f, gl_r)
+    check_reference(lambda a, b: fused_sigmoid_mul(a, b, scale), lambda a, b: a * (torch.sigmoid(b) * scale),
+                    (y, logits), upstream=g)
     assert torch.autograd.gradcheck(lambda a, b: fused_sigmoid_mul(a, b, scale), (y, logits))
 
 
@@ -160,19 +151,15 @@ def test_whole_model_compiles_without_graph_breaks(fused):
 
 @pytest.mark.parametrize("chunk", [7, 1000])  # a chunk that does not divide N, and one chunk for everything
 @pytest.mark.parametrize("num_items", [None, 50])
-def test_chunked_lm_loss_matches_reference_loss_and_grads(chunk, num_items):
+def test_chunked_lm_loss_matches_reference_loss_and_grads(chunk, num_items, check_reference):
     torch.manual_seed(0)
     h = torch.randn(3, 13, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 40, (3, 13))
     t[0, :4] = -100  # ignored positions contribute neither loss nor gradient
-    a = chunked_lm_loss(h, w, t, num_items_in_batch=num_items, chunk_tokens=chunk)
-    ga = torch.autograd.grad(3.0 * a, [h, w])  # a non-unit upstream gradient
-    b = reference_lm_loss(h, w, t, num_items_in_batch=num_items)
-    gb = torch.autograd.grad(3.0 * b, [h, w])
-    torch.testing.assert_close(a, b.to(a.dtype))
-    for x, y in zip(ga, gb):
-        torch.testing.assert_close(x, y)
+    _, ga = check_reference(lambda h_, w_: chunked_lm_loss(h_, w_, t, num_items_in_batch=num_items, chunk_tokens=chunk),
+                            lambda h_, w_: reference_lm_loss(h_, w_, t, num_items_in_batch=num_items),
+                            (h, w), upstream=3.0)  # a non-unit upstream gradient
     assert ga[0][0, :4].abs().max() == 0
 
 

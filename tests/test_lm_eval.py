@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ from gated_attention import GatedQwen3ForCausalLM  # noqa: E402
 from gated_attention.data import PrepareConfig, prepare  # noqa: E402
 from gated_attention.train.config import tiny  # noqa: E402
 from gated_attention.train.trainer import train  # noqa: E402
+from harness import run_gattn  # noqa: E402
 
 QUESTIONS = [
     {"question": "The cat sat on the", "choices": ["mat.", "moon.", "river."], "answer": 0},
@@ -88,11 +87,9 @@ def test_lm_eval_hf_on_local_task(tmp_path):
     (tasks / "gattn_tiny_mc.yaml").write_text(TASK_YAML.format(data=tasks / "data.jsonl"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(tmp_path / "hf_datasets"), "HF_HOME": str(tmp_path / "hf_home")}
-    cmd = [sys.executable, "-m", "gated_attention.cli", "lm-eval", "run", "--model", "hf",
-           "--model_args", f"pretrained={final},dtype=float32", "--tasks", "gattn_tiny_mc",
-           "--include_path", str(tasks), "--device", "cpu", "--batch_size", "1",
-           "--output_path", str(tmp_path / "out"), "--log_samples"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_gattn("lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={final},dtype=float32",
+                     "--tasks", "gattn_tiny_mc", "--include_path", tasks, "--device", "cpu", "--batch_size", "1",
+                     "--output_path", tmp_path / "out", "--log_samples", env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())

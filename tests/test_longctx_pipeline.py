@@ -13,6 +13,7 @@ import torch
 
 from gated_attention import data as D
 from gated_attention.cli import main
+from harness import prepare_text_corpus
 from gated_attention.longctx import pipeline as P
 from gated_attention.longctx import ruler
 from gated_attention.train.config import TrainConfig, tiny
@@ -37,14 +38,9 @@ def _text(seed: int, paragraphs: int) -> str:
 
 @pytest.fixture(scope="module")
 def corpus_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("src")
-    (root / "prose").mkdir()
-    for i in range(8):
-        (root / "prose" / f"doc{i}.txt").write_text(_text(i, 60), encoding="utf-8")
     out = tmp_path_factory.mktemp("data")
-    D.prepare(D.PrepareConfig(data_dir=str(out), vocab_size=600, sources=(), extra=(str(root / "prose"),),
-                              val_fraction=0.3, chunk_chars=2000))
-    return str(out)
+    return prepare_text_corpus(out, {"prose": [_text(i, 60) for i in range(8)]}, vocab_size=600,
+                               src=tmp_path_factory.mktemp("src"), val_fraction=0.3, chunk_chars=2000)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

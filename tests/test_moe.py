@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gated_attention.moe import (
     SparseMoeBlock, collect_aux_loss, moe_stats, reset_moe_balance,
 )
+from harness import tiny_lm
 
 
 def make_cfg(**overrides):
@@ -352,10 +353,7 @@ def test_global_counts_across_two_ranks(tmp_path):
 # The block inside the LM (modeling.py builds SparseMoeBlock for MoE layers and adds collect_aux_loss to the loss)
 # --------------------------------------------------------------------------------------------------------------
 def tiny_moe_lm(**overrides):
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.presets import model_config
-    cfg = model_config("tiny-moe", **overrides)
-    return GatedQwen3ForCausalLM(cfg)
+    return tiny_lm(preset="tiny-moe", backend=None, seed=None, eval=False, match_params=None, **overrides)
 
 
 def test_tiny_moe_lm_equals_hf_qwen3_moe_by_plain_state_dict_load():

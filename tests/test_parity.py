@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qw
 import gated_attention  # noqa: F401 - registers the Auto classes
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.convert import convert_checkpoint, convert_state_dict, load_dir
-from gated_attention.official_reference import official_forward
+from official_reference import official_forward
 from gated_attention.presets import model_config
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -50,7 +50,7 @@ def _ids(seq=12, batch=2, seed=3):
 
 # --------------------------------------------------------------------------------------------------------- official
 def _official_dir(path, gate: str, tied: bool, bias: bool, qk_norm: bool = True, seed: int = 0):
-    """An official-format checkpoint built from SPEC §1.5 (not from our converter): random weights, fused q_proj."""
+    """An official-format checkpoint built from paper map §1.5 (not from our converter): random weights, fused q_proj."""
     H, KV, D, d, V, inter = (TINY[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim",
                                                 "hidden_size", "vocab_size", "intermediate_size"))
     q_rows = {"none": H * D, "headwise": H * D + H, "elementwise": 2 * H * D}[gate]
@@ -91,7 +91,7 @@ def test_official_checkpoint_logits_match_official_forward(tmp_path, gate, tied,
     config, sd = _official_dir(tmp_path / "official", gate, tied, bias, qk_norm)
     convert_checkpoint(tmp_path / "official", tmp_path / "native", "official")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "native", attn_implementation=impl).eval()
-    assert model.config.gate == {"none": "baseline", "elementwise": "sdpa_elementwise",
+    assert model.config.gate == {"none": "none", "elementwise": "sdpa_elementwise",
                                  "headwise": "sdpa_headwise"}[gate]
     ids = _ids()
     with torch.no_grad():
@@ -137,7 +137,7 @@ def test_stock_qwen3_to_native(tmp_path, rope, tied):
     stock.save_pretrained(tmp_path / "stock")
     convert_checkpoint(tmp_path / "stock", tmp_path / "native", "qwen3")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
-    assert ours.config.gate == "baseline" and ours.config.rope_parameters["rope_type"] == rope["rope_type"]
+    assert ours.config.gate == "none" and ours.config.rope_parameters["rope_type"] == rope["rope_type"]
     ids = _ids(seq=40)  # past original_max_position_embeddings=16 so YaRN's extension is exercised
     with torch.no_grad():
         delta = _report(f"qwen3 -> native ({rope['rope_type']}, tied={tied})", ours(ids).logits, stock(ids).logits)

@@ -211,7 +211,7 @@ def mutated(draw, base: list[str], bad: list[str]):
 # CLI's own checks, so the fuzz covers their argument handling (their jobs are tested in their own files)
 STUBS = {"compare": ("gated_attention.compare", "run_compare"),
          "longctx": ("gated_attention.longctx.pipeline", "run_pipeline"),
-         "lm-eval": ("gated_attention.lm_eval_cli", "lm_eval_main")}
+         "lm-eval": ("gated_attention.cli.lm_eval", "lm_eval_main")}
 
 
 def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
@@ -228,7 +228,7 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
                 "run_pipeline": lambda *a, **k: None, "lm_eval_main": lambda argv: 0}[fn]
         monkeypatch.setattr(m, fn, stub)
         if cmd == "compare":
-            monkeypatch.setattr("gated_attention.report.render_table", lambda res: "")
+            monkeypatch.setattr("gated_attention.compare_report.render_table", lambda res: "")
     STATS["tried"].add((cmd, tuple(a.replace(str(w["root"]), "ROOT") for a in argv if not a.startswith(str(out)))))
     err = io.StringIO()
     try:

@@ -25,6 +25,7 @@ from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.trainer import train
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gated_attention"
+KILL_HOOKS = Path(__file__).with_name("kill_hooks.py")  # `gattn` + GATTN_TEST_KILL_* fault injection (test-only)
 TINY = ["--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2", "--set", "eval_batches=1"]
 
 
@@ -209,7 +210,7 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, capsys):
     ref = tmp_path / "ref"
     train(apply_overrides(tiny(), sets), ref)
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "gated_attention.cli", "train", "--preset", "tiny", "--out", str(run),
+    p = subprocess.run([sys.executable, str(KILL_HOOKS), "train", "--preset", "tiny", "--out", str(run),
                         *sum((["--set", s] for s in sets), [])], env={**os.environ, "GATTN_TEST_KILL_AT_STEP": "4"},
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == -9, p.stderr[-2000:]
@@ -260,7 +261,7 @@ def test_disk_full_keeps_previous_checkpoints(tmp_path):
     sets = ["steps=6", "ckpt_every=2", "keep_checkpoints=3", "eval_batches=1"]
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--out", str(run), *sum((["--set", s] for s in sets), [])]
-    p = subprocess.run([sys.executable, "-m", "gated_attention.cli", *args],
+    p = subprocess.run([sys.executable, str(KILL_HOOKS), *args],
                        env={**os.environ, "GATTN_TEST_KILL_AT_STEP": "4"}, capture_output=True, text=True, timeout=300)
     assert p.returncode == -9
     size = (run / "checkpoints" / "step_00000004" / "state.pt").stat().st_size
@@ -319,15 +320,16 @@ LOCKED_COMMANDS = {
     "train": lambda out, src: ["train", *TINY, "--out", str(out)],
     "sweep": lambda out, src: ["sweep", "--preset", "tiny", "--lrs", "1e-3", "--out", str(out)],
     "compare": lambda out, src: ["compare", "--out", str(out)],
-    "longctx": lambda out, src: ["longctx", "--out", str(out)],
+    "longctx": lambda out, src: ["longctx", "--out", str(out.parent), "--gates", out.name],
     "extend": lambda out, src: ["extend", str(src), "--out", str(out)],
 }
 
 
 @pytest.fixture
-def holder(tmp_path):
-    """Another process holding the lock on tmp_path/out (as a running command would)."""
-    out = tmp_path / "out"
+def holder(tmp_path, request):
+    """Another process holding the lock on tmp_path/out (as a running command would). For longctx the locked folder
+    is OUT/gates-<gate set> (gate sets may share OUT in parallel), so OUT=tmp_path and the gate set is "out"."""
+    out = tmp_path / ("gates-out" if "longctx" in request.node.name else "out")
     code = ("import sys, time; from gated_attention.io import lock_dir\n"
             f"with lock_dir({str(out)!r}):\n    print('locked', flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -340,6 +342,8 @@ def holder(tmp_path):
 @pytest.mark.parametrize("cmd", list(LOCKED_COMMANDS))
 def test_second_writer_gets_exit_2_naming_the_holder(holder, run_dir, capsys, cmd):
     out, pid = holder
+    if cmd == "longctx":
+        out = out.with_name("out")  # --gates out -> lock folder OUT/gates-out
     assert main(LOCKED_COMMANDS[cmd](out, run_dir / "final")) == 2
     one_line_error(capsys, cmd, "in use by another", f"PID {pid}")
 

@@ -163,10 +163,8 @@ def test_training_samples(tok):
     assert not evals & {s["prompt"] for s in samples}  # training prompts never equal evaluation prompts
 
 
-def test_ruler_cli_on_tiny_model(tmp_path, tok, capsys):
+def test_ruler_cli_on_tiny_model(tmp_path, tok, gattn_main):
     import json
-
-    from gated_attention.cli import main
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -176,12 +174,11 @@ def test_ruler_cli_on_tiny_model(tmp_path, tok, capsys):
     tok.save_pretrained(tmp_path / "ckpt")
     (tmp_path / "hay.txt").write_text(CORPUS)
     out = tmp_path / "out"
-    rc = main(["ruler", str(tmp_path / "ckpt"), "--lengths", "400", "600", "--tasks", "passkey", "niah_single_2",
-               "--samples", "1", "--max-new-tokens", "4", "--haystack-file", str(tmp_path / "hay.txt"),
-               "--out", str(out)])
+    rc, table, _ = gattn_main("ruler", tmp_path / "ckpt", "--lengths", "400", "600", "--tasks", "passkey",
+                              "niah_single_2", "--samples", "1", "--max-new-tokens", "4", "--haystack-file",
+                              tmp_path / "hay.txt", "--out", out)
     assert rc == 0
     res = json.loads((out / "ruler.json").read_text())
     assert set(res["scores"]) == {"passkey", "niah_single_2"} and set(res["scores"]["passkey"]) == {"400", "600"}
     assert len(res["records"]) == 4 and (out / "ruler.png").stat().st_size > 1000
-    table = capsys.readouterr().out
     assert "average" in table and "niah_single_2" in table

@@ -137,7 +137,8 @@ def test_spike_detector_scales_with_small_batch_noise():
 # ---------------------------------------------------------------- exact resume after SIGKILL
 
 def _gattn_train(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False):
-    cmd = [sys.executable, "-m", "gated_attention.cli", "train", "--preset", "tiny", "--out", str(out)]
+    # tests/kill_hooks.py = `gattn` plus the GATTN_TEST_KILL_* fault injection (test-only code)
+    cmd = [sys.executable, str(Path(__file__).with_name("kill_hooks.py")), "train", "--preset", "tiny", "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
     if resume:

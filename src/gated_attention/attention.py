@@ -1,6 +1,6 @@
 """The attention layer: GQA with optional QK-norm and RoPE, and the gate applied outside the kernel.
 
-Order of operations (official code, SPEC §1.3): q/k/v projections of the pre-normed input X -> [G4/G3/G2 gates on the
+Order of operations (official code, paper map §1.3): q/k/v projections of the pre-normed input X -> [G4/G3/G2 gates on the
 raw projections] -> QK-norm -> RoPE -> KV cache -> kernel (eager or sdpa) -> (B, T, H, D) -> [G1 gate] -> o_proj ->
 [G5 gate]. Because the gate never enters the kernel, every backend (ours or transformers' registered ones) works.
 The eager kernel is the plain reference that materialises probabilities; sdpa is the fast path.

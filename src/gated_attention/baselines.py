@@ -1,16 +1,17 @@
-"""The baseline registry: every mechanism the paper compares gating against (SPEC §3.1, §3.6, §6), selectable by name.
+"""The baseline registry: every mechanism the paper compares gating against (paper map §3.1, §3.6, §6), selectable by name.
 
 Like gates.py for gates: a frozen `BaselineSpec` per mechanism, `BASELINES` maps a stable name to a spec, and
-`added_params(spec, config)` gives the parameters it adds to a whole model. Two families:
+`presets.added_params(spec, config)` gives the parameters it adds to a whole model (sizing lives with the presets,
+which import this registry, never the reverse). Two families:
 
   parameter expansion  (kind=expand)  a different model SHAPE, not a module: more KV heads (paper k=8), more query
                        heads (paper q=48), +4 experts total and activated. `expanded_config(config, name)` /
-                       `baseline_config(preset, name)` derive the config; `config.baseline` never holds these names.
-  runtime mechanisms   stored in `config.baseline`, built by `build_attention_baseline` / `build_branch_transforms`:
+                       `presets.baseline_config(preset, name)` derive the config; `config.mechanism` never holds these names.
+  runtime mechanisms   stored in `config.mechanism`, built by `build_attention_baseline` / `build_branch_transforms`:
     switch_{kv,v}_EtopK  Switch Heads (Csordás et al. 2024): the value (and key) projection of every KV head is a
                          mixture of E experts, top-k by non-competitive scores s = sigmoid(x W_S) computed from the
                          layer input; K and V share one selector (both are "source side"). Expert 0 is the stock
-                         k_proj/v_proj, so "switch_v_1top1" is exactly a sigmoid headwise gate on V (SPEC §6).
+                         k_proj/v_proj, so "switch_v_1top1" is exactly a sigmoid headwise gate on V (paper map §6).
     sandwich_norm        RMSNorm on the attention and FFN outputs before the residual add (CogView).
     output_clip_C        clamp the attention and FFN outputs to [-C, C] before the residual add (paper App. A.6).
     bondarenko_gate      Bondarenko et al. 2023 conditional per-token gate: head h's output * sigmoid(w_h . x_h + b_h),
@@ -76,7 +77,7 @@ class BaselineSpec:
 
     @property
     def runtime(self) -> bool:
-        """True for mechanisms stored in config.baseline (False for 'none' and the shape expansions)."""
+        """True for mechanisms stored in config.mechanism (False for 'none' and the shape expansions)."""
         return self.kind not in (Kind.NONE, Kind.EXPAND)
 
     @property
@@ -107,15 +108,15 @@ BASELINES: dict[str, BaselineSpec] = {
     "switch_v_4top4": _switch(4, 4, False, "T6 row 4: Switch v 4top4", 13),
     "switch_v_8top2": _switch(8, 2, False, "T6 row 5: Switch v 8top2", 25),
     "switch_v_1top1": _switch(1, 1, False, "T6 row 6: Switch v 1top1 (= v headwise gate)", 3),
-    # App. A.6 stability baselines and the related attend-to-nothing mechanisms (SPEC §6)
-    "sandwich_norm": BaselineSpec(Kind.SANDWICH_NORM, paper="SPEC §6: sandwich norm (CogView)"),
+    # App. A.6 stability baselines and the related attend-to-nothing mechanisms (paper map §6)
+    "sandwich_norm": BaselineSpec(Kind.SANDWICH_NORM, paper="paper map §6: sandwich norm (CogView)"),
     "output_clip_100": BaselineSpec(Kind.OUTPUT_CLIP, clip=100.0, paper="App. A.6: clip outputs to +-100"),
     "output_clip_300": BaselineSpec(Kind.OUTPUT_CLIP, clip=300.0, paper="App. A.6: clip outputs to +-300"),
-    "bondarenko_gate": BaselineSpec(Kind.HEAD_SLICE_GATE, paper="SPEC §6: Bondarenko et al. 2023 per-token gate"),
-    "clipped_softmax": BaselineSpec(Kind.CLIPPED_SOFTMAX, paper="SPEC §6: Bondarenko et al. 2023 clipped softmax"),
-    "sink_logits": BaselineSpec(Kind.SINK, paper="SPEC §6: gpt-oss learned per-head sinks"),
-    "forgetting": BaselineSpec(Kind.FORGET, paper="SPEC §6: Forgetting Transformer forget gate, with RoPE"),
-    "forgetting_nope": BaselineSpec(Kind.FORGET, use_rope=False, paper="SPEC §6: Forgetting Transformer, no RoPE"),
+    "bondarenko_gate": BaselineSpec(Kind.HEAD_SLICE_GATE, paper="paper map §6: Bondarenko et al. 2023 per-token gate"),
+    "clipped_softmax": BaselineSpec(Kind.CLIPPED_SOFTMAX, paper="paper map §6: Bondarenko et al. 2023 clipped softmax"),
+    "sink_logits": BaselineSpec(Kind.SINK, paper="paper map §6: gpt-oss learned per-head sinks"),
+    "forgetting": BaselineSpec(Kind.FORGET, paper="paper map §6: Forgetting Transformer forget gate, with RoPE"),
+    "forgetting_nope": BaselineSpec(Kind.FORGET, use_rope=False, paper="paper map §6: Forgetting Transformer, no RoPE"),
 }
 
 # Names outside the table that follow a pattern (other expert counts / clip values) are accepted as well.
@@ -136,18 +137,18 @@ def get_baseline(name: str) -> BaselineSpec:
 
 
 def validate_config(config) -> None:
-    """Config-time checks for `config.baseline` and its numeric fields; one clear error per problem."""
-    spec = get_baseline(config.baseline)
+    """Config-time checks for `config.mechanism` and its numeric fields; one clear error per problem."""
+    spec = get_baseline(config.mechanism)
     if spec.kind is Kind.EXPAND:
-        raise ValueError(f"baseline {config.baseline!r} changes the model shape, it is not a module: build its config "
-                         f"with gated_attention.baselines.expanded_config(config, {config.baseline!r}) and keep "
-                         f"baseline='none'")
+        raise ValueError(f"baseline {config.mechanism!r} changes the model shape, it is not a module: build its config "
+                         f"with gated_attention.baselines.expanded_config(config, {config.mechanism!r}) and keep "
+                         f"mechanism='none'")
     if not config.softmax_zeta >= 1.0 or not config.softmax_gamma <= 0.0:
         raise ValueError(f"clipped softmax needs zeta >= 1 and gamma <= 0 (stretch beyond [0, 1] so exact 0/1 are "
                          f"reachable); got zeta={config.softmax_zeta}, gamma={config.softmax_gamma}")
     if spec.kind is not Kind.CLIPPED_SOFTMAX and (config.softmax_zeta, config.softmax_gamma) != (1.0, -0.03):
-        raise ValueError(f"softmax_zeta/softmax_gamma are only used by baseline='clipped_softmax' (this config has "
-                         f"baseline={config.baseline!r}): set the baseline or leave them at 1.0 / -0.03")
+        raise ValueError(f"softmax_zeta/softmax_gamma are only used by mechanism='clipped_softmax' (this config has "
+                         f"mechanism={config.mechanism!r}): set the mechanism or leave them at 1.0 / -0.03")
     if spec.kind is Kind.HEAD_SLICE_GATE and config.hidden_size != config.num_attention_heads * config.head_dim:
         raise ValueError(f"bondarenko_gate reads head h's d_head slice of the layer input, so it needs hidden_size == "
                          f"num_attention_heads * head_dim; got {config.hidden_size} != {config.num_attention_heads} * "
@@ -158,7 +159,7 @@ def validate_config(config) -> None:
 # Parameter counts and the shape expansions
 # ---------------------------------------------------------------------------------------------------------------
 
-def _per_layer(spec: BaselineSpec, config) -> int:
+def per_layer_params(spec: BaselineSpec, config) -> int:
     d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     b = int(config.attention_bias)
     if spec.kind is Kind.SWITCH:
@@ -175,21 +176,11 @@ def _per_layer(spec: BaselineSpec, config) -> int:
     return 0  # none, clipping, clipped softmax
 
 
-def added_params(spec: BaselineSpec | str, config) -> int:
-    """Parameters the baseline adds to the whole model `config` describes (config is the model WITHOUT it)."""
-    spec = get_baseline(spec) if isinstance(spec, str) else spec
-    if spec.kind is Kind.EXPAND:
-        from .presets import param_report
-
-        return param_report(expanded_config(config, spec))["total"] - param_report(config)["total"]
-    return config.num_hidden_layers * _per_layer(spec, config)
-
-
 def expanded_config(config, name: BaselineSpec | str):
     """A copy of `config` with a parameter-expansion baseline applied (more KV heads / query heads / experts)."""
     spec = get_baseline(name) if isinstance(name, str) else name
     if spec.kind is not Kind.EXPAND:
-        raise ValueError(f"{name!r} is not a parameter-expansion baseline; set config.baseline instead")
+        raise ValueError(f"{name!r} is not a parameter-expansion baseline; set config.mechanism instead")
     H, KV = config.num_attention_heads, config.num_key_value_heads
     new = {}
     if spec.kv_heads_factor != 1:
@@ -208,36 +199,6 @@ def expanded_config(config, name: BaselineSpec | str):
         new["num_experts"] = config.num_experts + spec.extra_experts
         new["num_experts_per_tok"] = config.num_experts_per_tok + spec.extra_experts
     return type(config)(**{**config.to_dict(), **new})
-
-
-def baseline_config(preset: str, name: str, gate: str = "baseline", **overrides):
-    """`presets.model_config(preset, gate, **overrides)` with baseline `name` applied, whichever family it is.
-    Baselines are compared at the parameter counts the paper reports (added on top), so no FFN shrinking here."""
-    from .presets import model_config
-
-    spec = get_baseline(name)
-    if spec.kind is Kind.EXPAND:
-        return expanded_config(model_config(preset, gate=gate, match_params=False, **overrides), spec)
-    return model_config(preset, gate=gate, match_params=False, baseline=name, **overrides)
-
-
-def paper_report(config=None) -> list[dict]:
-    """Every registered baseline with its added parameters for `config` (default: the paper's 15A2B shape) next to
-    the paper's 'Added (M)' column, where it has one. `added` is None where the mechanism cannot be built on that
-    shape (bondarenko_gate needs hidden_size == H * head_dim; the 15A2B shape has 2048 != 32 * 128)."""
-    if config is None:
-        from .presets import model_config
-
-        config = model_config("15a2b")
-    rows = []
-    for name, spec in BASELINES.items():
-        if spec.kind is Kind.NONE or (spec.kind is Kind.EXPAND and spec.extra_experts and not config.num_experts):
-            continue
-        applicable = spec.kind is not Kind.HEAD_SLICE_GATE or \
-            config.hidden_size == config.num_attention_heads * config.head_dim
-        rows.append({"name": name, "added": added_params(spec, config) if applicable else None,
-                     "paper_added_m": spec.paper_added_m, "paper": spec.paper})
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -474,7 +435,7 @@ _ATTENTION_MODULES = {Kind.SWITCH: SwitchHeads, Kind.HEAD_SLICE_GATE: HeadSliceG
 
 
 def build_attention_baseline(config) -> AttentionBaseline | None:
-    spec = get_baseline(getattr(config, "baseline", "none"))
+    spec = get_baseline(getattr(config, "mechanism", "none"))
     return _ATTENTION_MODULES[spec.kind](spec, config) if spec.in_attention else None
 
 
@@ -493,7 +454,7 @@ class Clip(nn.Module):
 def build_branch_transforms(config) -> tuple[nn.Module, nn.Module]:
     """(attention-output, FFN-output) transforms applied before each residual add: identity, RMSNorm (sandwich norm)
     or clamp to +-c (output clipping)."""
-    spec = get_baseline(getattr(config, "baseline", "none"))
+    spec = get_baseline(getattr(config, "mechanism", "none"))
     if spec.kind is Kind.SANDWICH_NORM:
         return RMSNorm(config.hidden_size, config.rms_norm_eps), RMSNorm(config.hidden_size, config.rms_norm_eps)
     if spec.kind is Kind.OUTPUT_CLIP:
@@ -501,6 +462,6 @@ def build_branch_transforms(config) -> tuple[nn.Module, nn.Module]:
     return nn.Identity(), nn.Identity()
 
 
-__all__ = ["BASELINES", "BaselineSpec", "Kind", "get_baseline", "added_params", "expanded_config", "baseline_config",
-           "paper_report", "validate_config", "build_attention_baseline", "build_branch_transforms",
+__all__ = ["BASELINES", "BaselineSpec", "Kind", "get_baseline", "per_layer_params", "expanded_config",
+           "validate_config", "build_attention_baseline", "build_branch_transforms",
            "clipped_softmax_attention", "additive_mask"]

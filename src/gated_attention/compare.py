@@ -17,17 +17,15 @@ Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `
 """
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .io import atomic_write_text, json_dumps, lock_dir, read_json_object
+from . import experiment
+from .io import atomic_write_text, json_dumps
 
+# variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
 
@@ -117,54 +115,27 @@ def budget_config(budget: str, data_dir: str, sets: list[str] | None = None):
 
 
 def check_variants(variants: list[str]) -> list[str]:
-    from gated_attention.gates import GATES
+    from gated_attention.gates import ALIASES, GATES
 
-    bad = [v for v in variants if v not in GATES]
+    bad = [v for v in variants if v not in GATES and v not in ALIASES]
     if bad:
-        raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)} (see `gattn gates`)")
+        raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)}, or an alias: {', '.join(ALIASES)} "
+                         f"(see `gattn gates`)")
     if len(set(variants)) != len(variants):
         raise ValueError(f"--variants lists a variant twice: {variants}")
     return list(variants)
 
 
 def ensure_data(data_dir: str | Path, log=print, vocab_size: int = 8192) -> Path:
-    """Prepare the default corpus in `data_dir` if it has no manifest yet (the data module caches everything)."""
-    from gated_attention import data
-
-    data_dir = Path(data_dir)
-    if not (data_dir / "manifest.json").exists():
-        log(f"[compare] {data_dir} is not prepared: running "
-            f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
-    return data_dir
+    """Prepare the default corpus in `data_dir` if it has no manifest yet (experiment.ensure_corpus)."""
+    return experiment.ensure_corpus(data_dir, vocab_size, log, "[compare]")
 
 
 # ---------------------------------------------------------------- one variant: train (or reuse), then analyse
 
-def _same_config(saved: dict, want: dict) -> list[str]:
-    from gated_attention.train.trainer import _RESUMABLE_CHANGES
-
-    keys = set(saved) | set(want)
-    return sorted(k for k in keys if k not in _RESUMABLE_CHANGES and saved.get(k) != want.get(k))
-
-
 def train_variant(cfg, run_dir: Path, log=print) -> dict:
     """Train into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's content."""
-    from gated_attention.train import checkpoint as ckpt_mod
-    from gated_attention.train.trainer import train
-
-    summary_path, cfg_path = run_dir / "summary.json", run_dir / "train_config.json"
-    if cfg_path.exists():
-        diff = _same_config(read_json_object(cfg_path, "saved run settings", "delete that run folder"), cfg.to_dict())
-        if diff:
-            raise ValueError(f"{run_dir} was trained with different settings ({', '.join(diff)}); "
-                             f"use a new --out or delete that folder")
-    if summary_path.exists() and (run_dir / "final" / "config.json").exists():
-        log(f"[compare] {cfg.gate}: reusing finished run {run_dir}")
-        return json.loads(summary_path.read_text())
-    resume = ckpt_mod.latest_checkpoint(run_dir) is not None
-    log(f"[compare] {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps -> {run_dir}")
-    return train(cfg, run_dir, resume=resume)
+    return experiment.train_or_reuse(cfg, run_dir, log, "[compare]")
 
 
 def analysis_batches(cfg, budget: Budget):
@@ -185,19 +156,16 @@ def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
     """analysis.json of the variant's final model (reused when the analysis settings match)."""
     from gated_attention.analysis import AnalysisConfig, analyze_model, load_model
 
-    path = run_dir / "analysis.json"
+    final = run_dir / "final" / "model.safetensors"
     key = {"seq_len": cfg.seq_len, "batches": len(batches), "batch_size": int(batches[0].shape[0]),
-           "map_len": budget.map_len, "final_mtime": (run_dir / "final" / "model.safetensors").stat().st_mtime
-           if (run_dir / "final" / "model.safetensors").exists() else None}
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("compare_key") == key:
-            return old
-    model, kind = load_model(run_dir / "final")
-    res = analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
-    res["compare_key"] = key
-    atomic_write_text(path, json_dumps(res))
-    return res
+           "map_len": budget.map_len, "final_mtime": final.stat().st_mtime if final.exists() else None}
+
+    def compute() -> dict:
+        model, kind = load_model(run_dir / "final")
+        return analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
+
+    return experiment.cached(run_dir / "analysis.json", key, compute, lambda m: None, "[compare]",
+                             key_field="compare_key", indent=None)
 
 
 def count_params(run_dir: Path) -> int:
@@ -261,7 +229,7 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print) -> dict:
     """Train/reuse every variant, analyse, and write compare.json, report.md, report.html and plots into `out`."""
-    from . import report
+    from . import compare_report as report
 
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
@@ -301,35 +269,3 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     atomic_write_text(out / "report.md", report.render_markdown(result))
     atomic_write_text(out / "report.html", report.render_html(result, out))
     return result
-
-
-# ---------------------------------------------------------------- CLI
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
-
-    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
-                        help=f"prepared corpus folder; prepared automatically if missing (default: the budget's, "
-                             f"{DEFAULT_DATA_DIR} with the 8k vocabulary, or data_v1k for --budget long)")
-    parser.add_argument("--out", type=E.out_dir, default="runs/compare",
-                        help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
-                             "(default runs/compare; a re-run reuses finished runs)")
-    parser.add_argument("--budget", default="default", choices=list(BUDGETS),
-                        help="; ".join(f"{k}: {v.help}" for k, v in BUDGETS.items()))
-    parser.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), metavar="NAME",
-                        help=f"gate variants to train, first one is the reference (default: {' '.join(DEFAULT_VARIANTS)}; "
-                             "names from `gattn gates`)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a training setting for every variant (e.g. steps=3000, lr=1e-2, "
-                             "model.num_hidden_layers=6); repeatable")
-
-
-def run(args) -> int:
-    from . import report
-
-    with lock_dir(args.out, "gattn compare"):  # one writer per output folder
-        res = run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
-                          log=lambda m: print(m, file=sys.stderr, flush=True))
-    print(report.render_table(res))
-    print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
-    return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

@@ -54,7 +54,7 @@ class GatedQwen3Config(PreTrainedConfig):
     eos_token_id: int | list[int] | None = None
     # --- the gate ---
     use_qk_norm: bool = True  # Qwen3 QK-norm (RMSNorm over head_dim before RoPE); switchable as in the official code
-    gate: str = "baseline"  # a name from gated_attention.gates.GATES
+    gate: str = "none"  # a name from gated_attention.gates.GATES ("none" = ungated; alias "baseline")
     gate_init: str = "normal"  # "normal": official N(0, std) init, gate ~0.5; "identity": zero weights, score 1 at start
     # --- MoE (HF Qwen3-MoE names); num_experts == 0 means a dense model ---
     num_experts: int = 0
@@ -67,12 +67,19 @@ class GatedQwen3Config(PreTrainedConfig):
     mlp_only_layers: list[int] | None = None  # layers forced dense
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert
     moe_impl: str = "grouped"  # "loop" (reference) | "grouped" (fast path)
-    # --- the paper's comparison baselines (gated_attention.baselines) ---
-    baseline: str = "none"  # a runtime mechanism from baselines.BASELINES (Switch Heads, sinks, FoX, ...), or "none"
+    # --- the paper's comparison mechanisms (gated_attention.baselines); config.json files before the rename call
+    # this key `baseline`, which is still read ---
+    mechanism: str = "none"  # a runtime mechanism from baselines.BASELINES (Switch Heads, sinks, FoX, ...), or "none"
     softmax_zeta: float = 1.0  # clipped_softmax stretch (>= 1): above 1 lets probabilities reach exactly 1
     softmax_gamma: float = -0.03  # clipped_softmax shift (<= 0): lets probabilities reach exactly 0
 
     def __post_init__(self, **kwargs):
+        if "baseline" in kwargs:  # the comparison-mechanism key's old name
+            legacy = kwargs.pop("baseline")
+            if self.mechanism not in ("none", legacy):
+                raise ValueError(f"GatedQwen3Config: both mechanism={self.mechanism!r} and its old name "
+                                 f"baseline={legacy!r} are set; keep only mechanism")
+            self.mechanism = legacy
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         unknown = sorted(k for k in kwargs if k not in _HF_KEYS and k not in GenerationConfig._get_default_generation_params())
@@ -100,7 +107,7 @@ class GatedQwen3Config(PreTrainedConfig):
         if self.layer_types is None:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         super().__post_init__(**kwargs)
-        if self.gate != "baseline":  # validate the gate/init pair now, not at model build time
+        if self.gate != "none":  # validate the gate/init pair now, not at model build time
             from .gates import Gate, get_gate
 
             Gate(get_gate(self.gate), 8, 2, 1, 4, init=self.gate_init)  # raises for an init that cannot exist

@@ -3,7 +3,7 @@
 Every conversion goes through the native layout (hub and spokes): SRC -> native (config kwargs + state dict) -> DST.
 All five formats use stock Qwen3 parameter names; they differ only in what `LAYOUTS` declares:
   native      the gate in its own module: `self_attn.gate.proj.weight` (H*D or H rows, head-major), plain RMSNorm weights
-  official    (qiuzh20/gated_attention, SPEC §1.3) gate rows fused into `q_proj` per KV group g:
+  official    (qiuzh20/gated_attention, paper map §1.3) gate rows fused into `q_proj` per KV group g:
               [query rows of heads gG..gG+G-1 | gate rows of the same heads]; flags `elementwise_attn_output_gate` /
               `headwise_attn_output_gate` (headwise wins if both), `use_qk_norm`, `qkv_bias` (also the o_proj bias)
   qwen3       stock transformers `Qwen3ForCausalLM`: no gate, QK-norm always on
@@ -39,11 +39,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .gates import canonical_name
+from .io import atomic_dir
 
 FORMATS = ("native", "official", "qwen3", "qwen3-moe", "qwen3-next")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -71,10 +73,10 @@ class Layout:
 
 
 LAYOUTS: dict[str, Layout] = {
-    "official": Layout("qwen3", "per_kv_group", ("baseline", "sdpa_elementwise", "sdpa_headwise"), False, False,
+    "official": Layout("qwen3", "per_kv_group", ("none", "sdpa_elementwise", "sdpa_headwise"), False, False,
                        "Qwen3ForCausalLM", False),
-    "qwen3": Layout("qwen3", None, ("baseline",), False, True, "Qwen3ForCausalLM", False),
-    "qwen3-moe": Layout("qwen3_moe", None, ("baseline",), False, True, "Qwen3MoeForCausalLM", False, moe=True),
+    "qwen3": Layout("qwen3", None, ("none",), False, True, "Qwen3ForCausalLM", False),
+    "qwen3-moe": Layout("qwen3_moe", None, ("none",), False, True, "Qwen3MoeForCausalLM", False, moe=True),
     "qwen3-next": Layout("qwen3_next", "per_head", ("sdpa_elementwise",), True, True, "Qwen3NextForCausalLM", True),
 }
 
@@ -88,7 +90,7 @@ EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj
 MOE_KEYS = ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "router_aux_loss_coef",
             "decoder_sparse_step", "mlp_only_layers")
 
-# Official config defaults (Qwen3Config.__init__ of the official code, SPEC §1.2) for keys a saved config may omit.
+# Official config defaults (Qwen3Config.__init__ of the official code, paper map §1.2) for keys a saved config may omit.
 OFFICIAL_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=32, head_dim=128, hidden_act="silu",
                          max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
@@ -140,7 +142,7 @@ def _unfuse(fused: torch.Tensor, idx: torch.Tensor, n_q: int) -> tuple[torch.Ten
 
 # ----------------------------------------------------------------------------------------------- configs
 def _gate_width(ncfg: dict) -> int:
-    return {"baseline": 0, "sdpa_elementwise": ncfg["head_dim"], "sdpa_headwise": 1}[ncfg.get("gate", "baseline")]
+    return {"none": 0, "sdpa_elementwise": ncfg["head_dim"], "sdpa_headwise": 1}[canonical_name(ncfg.get("gate", "none"))]
 
 
 def _fused_q_index(layout: Layout, ncfg: dict) -> torch.Tensor | None:
@@ -207,7 +209,7 @@ def config_to_native(cfg: dict, fmt: str, state: dict | None = None) -> dict:
     if fmt == "official":
         out["use_qk_norm"] = bool(cfg["use_qk_norm"])
         out["gate"] = ("sdpa_headwise" if cfg["headwise_attn_output_gate"]
-                       else "sdpa_elementwise" if cfg["elementwise_attn_output_gate"] else "baseline")
+                       else "sdpa_elementwise" if cfg["elementwise_attn_output_gate"] else "none")
         if "qkv_bias" in cfg:
             out["attention_bias"] = bool(cfg["qkv_bias"])
         else:  # the official code would raise; the weights say what the model had
@@ -215,10 +217,10 @@ def config_to_native(cfg: dict, fmt: str, state: dict | None = None) -> dict:
         return out
     out["attention_bias"] = bool(cfg.get("attention_bias", False))
     if fmt == "qwen3":
-        out["gate"] = "baseline"
+        out["gate"] = "none"
         return out
     if fmt == "qwen3-moe":
-        out["gate"] = "baseline"
+        out["gate"] = "none"
         out.update(_moe_config_to_native(cfg))
         return out
     # qwen3-next: only full-attention layers with dense MLPs have a native counterpart
@@ -316,11 +318,11 @@ def _check_native_for(ncfg: dict, fmt: str) -> None:
     if fmt == "native":
         return
     layout = _layout(fmt)
-    gate = ncfg.get("gate", "baseline")
+    gate = canonical_name(ncfg.get("gate", "none"))
     if gate not in layout.gates:
         raise ConversionError(f"gate {gate!r} has no {fmt} counterpart; {fmt} can hold: {', '.join(layout.gates)}"
                               + (" (a gated model needs --to official or native)" if fmt == "qwen3" else ""))
-    if gate != "baseline" and ncfg.get("gate_init", "normal") != "normal":
+    if gate != "none" and ncfg.get("gate_init", "normal") != "normal":
         raise ConversionError(f"gate_init={ncfg['gate_init']!r} scales the gate (2*sigmoid); {fmt} applies a plain "
                               "sigmoid, so the logits would change")
     if ncfg.get("num_experts", 0) and not layout.moe:
@@ -329,8 +331,9 @@ def _check_native_for(ncfg: dict, fmt: str) -> None:
     if ncfg.get("shared_expert_intermediate_size", 0):
         raise ConversionError(f"shared_expert_intermediate_size={ncfg['shared_expert_intermediate_size']}: a shared "
                               f"expert has no {fmt} counterpart (Qwen3-MoE has none)")
-    if ncfg.get("baseline", "none") != "none":
-        raise ConversionError(f"baseline={ncfg['baseline']!r} is a native-only mechanism with no {fmt} counterpart; "
+    mechanism = ncfg.get("mechanism", ncfg.get("baseline", "none"))  # "baseline": the key's old name
+    if mechanism != "none":
+        raise ConversionError(f"mechanism={mechanism!r} is a native-only mechanism with no {fmt} counterpart; "
                               "keep such models in the native format")
     prf = (ncfg.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
     if prf != 1.0 and not layout.partial_rope:
@@ -536,9 +539,7 @@ def save_dir(dst: str | os.PathLike, config: dict, state: dict, src: str | os.Pa
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise ConversionError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with atomic_dir(dst, overwrite=True) as tmp:  # DST is the old folder or the complete new one, never half
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         # save_file refuses shared storage; tensors from permutations are fresh, others may alias: clone those
         seen, clean = set(), {}
@@ -551,16 +552,6 @@ def save_dir(dst: str | os.PathLike, config: dict, state: dict, src: str | os.Pa
             for name in COPY_FILES:
                 if (Path(src) / name).is_file():
                     shutil.copy2(Path(src) / name, tmp / name)
-        if dst.exists():
-            old = dst.parent / f".{dst.name}.old-{os.getpid()}"
-            os.replace(dst, old)
-            os.replace(tmp, dst)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return dst
 
 
@@ -570,27 +561,6 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, src_forma
     config, state = load_dir(src)
     out_config, out_state = convert_state_dict(config, state, src_format, dst_format)
     return save_dir(dst, out_config, out_state, src=src, overwrite=overwrite)
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def configure(parser) -> None:
-    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
-
-    parser.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("dst", type=E.out_dir, help="destination directory (written atomically; must not exist unless --overwrite)")
-    parser.add_argument("--from", dest="src_format", required=True, choices=FORMATS,
-                        help="layout of SRC: official (qiuzh20/gated_attention), qwen3 / qwen3-moe (stock HF "
-                             "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms) or native")
-    parser.add_argument("--to", dest="dst_format", default="native", choices=FORMATS,
-                        help="layout to write (default: native, loadable with AutoModelForCausalLM after "
-                             "`import gated_attention`)")
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it already exists")
-
-
-def run(args) -> int:
-    out = convert_checkpoint(args.src, args.dst, args.src_format, args.dst_format, overwrite=args.overwrite)
-    print(f"wrote {args.dst_format} checkpoint to {out}")
-    return 0
 
 
 __all__ = ["FORMATS", "LAYOUTS", "Layout", "ConversionError", "fused_q_rows", "config_to_native", "config_from_native",

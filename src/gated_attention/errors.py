@@ -39,6 +39,8 @@ def user_message(exc: BaseException) -> str | None:
     if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
         where = f" writing {exc.filename}" if exc.filename else ""
         return f"disk full{where} ({os.strerror(exc.errno)}); free space (or raise the file-size limit) and rerun"
+    if isinstance(exc, FileExistsError):  # e.g. io.atomic_dir: "DST already exists; pass --overwrite"
+        return str(exc) if not exc.filename else f"{exc.filename} already exists; choose another path or remove it"
     if isinstance(exc, FileNotFoundError):
         return f"{exc.filename or exc} does not exist; check the path" if exc.filename else str(exc)
     if isinstance(exc, IsADirectoryError):

@@ -119,9 +119,10 @@ def _spec(position="sdpa", granularity="elementwise", sharing="head_specific", c
                     Activation(activation), Source(source), paper)
 
 
-# name -> spec. `None` = no gate (the baseline). Names are stable: they are written to config.json.
+# name -> spec. `None` = no gate ("none", the ungated model the paper calls the baseline). Names are stable: they are
+# written to config.json.
 GATES: dict[str, GateSpec | None] = {
-    "baseline": None,
+    "none": None,
     # Table 1
     "sdpa_elementwise": _spec(paper="T1 row 5 / T4 row 2: G1 elementwise sigmoid (the recommended gate)"),
     "value_elementwise": _spec("value", paper="T1 row 6: G2 elementwise"),
@@ -143,8 +144,9 @@ GATES: dict[str, GateSpec | None] = {
     "sdpa_elementwise_nssigmoid": _spec(activation="ns_sigmoid", paper="T4 row 7: NS-sigmoid = 0.5 + 0.5 sigmoid"),
 }
 
-# Short aliases accepted on the command line (never written to config.json: names are canonicalised).
-ALIASES = {"none": "baseline", "g1": "sdpa_elementwise", "elementwise": "sdpa_elementwise", "headwise": "sdpa_headwise",
+# Aliases accepted everywhere a gate is named (never written to config.json: names are canonicalised). "baseline" is
+# the ungated model's name before it became "none"; old config.json files and run folders still use it.
+ALIASES = {"baseline": "none", "g1": "sdpa_elementwise", "elementwise": "sdpa_elementwise", "headwise": "sdpa_headwise",
            "g2": "value_elementwise", "g3": "key_elementwise", "g4": "query_elementwise", "g5": "dense_elementwise"}
 
 

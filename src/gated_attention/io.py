@@ -1,7 +1,9 @@
-"""Files the project reads and writes, in one place.
+"""Atomic file writes, the one home for them: a reader (or a crash) never sees a half-written file or folder.
 
-- Atomic writes: a reader (or a crash) never sees a half-written file — write a temp file, fsync, rename; on any
-  failure (a full disk included) the temp file is removed and the old file stays.
+Files: write a unique temp file beside the target, fsync, rename over it (`atomic_write_bytes/text/json`).
+Folders: build everything in a temp folder beside the target, then swap it into place (`atomic_dir`).
+Temp files get the user's umask (mkstemp alone would make them 0600) and are removed if anything fails.
+
 - Strict JSON out: `json_dumps` / `atomic_write_json` / `jsonl_line` write what a strict parser accepts. A
   non-finite float becomes `null` and the dict that held it records why: `{"loss": null, "nonfinite": {"loss":
   "nan"}}` (key -> "nan" / "inf" / "-inf"; a list element is recorded under the list's key).
@@ -21,34 +23,95 @@ import fcntl
 import json
 import math
 import os
+import shutil
 import struct
+import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
 from .errors import UserError
 
+_UMASK = os.umask(0)  # read once: os.umask can only be read by setting it
+os.umask(_UMASK)
 
-# ------------------------------------------------------------------------------------------------ atomic writes
+
+def chmod_like_umask(path: str | os.PathLike) -> None:
+    """Give a file made by mkstemp/mkdtemp the mode a plain open() would have (0666 minus the umask)."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # pid: concurrent writers never share a temp file
+    # unique per call: concurrent writers (parallel runs sharing an output folder) never share a temp file
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        chmod_like_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
         raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1, *, sort_keys: bool = False,
+                      ensure_ascii: bool = True, newline: bool = False) -> None:
+    text = json_dumps(obj, indent=indent, sort_keys=sort_keys, ensure_ascii=ensure_ascii)  # strict JSON
+    atomic_write_text(path, text + ("\n" if newline else ""))
+
+
+def atomic_save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> None:
+    """matplotlib `fig.savefig` through a temp file (the format is taken from `path`'s suffix)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, **savefig_kwargs)
+        chmod_like_umask(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def atomic_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temp folder beside `dst`; on normal exit it replaces `dst` (an existing `dst` only with
+    overwrite=True, else FileExistsError before anything is written). On an exception nothing changes."""
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"{dst} already exists; pass --overwrite to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        old = None
+        if dst.exists():
+            old = dst.with_name(f".{dst.name}.{os.getpid()}.old")
+            os.replace(dst, old)
+        try:
+            os.replace(tmp, dst)
+        except BaseException:
+            if old is not None:
+                os.replace(old, dst)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------------ strict JSON
@@ -137,10 +200,6 @@ def json_dumps(obj: Any, **kw) -> str:
 def jsonl_line(obj: Any) -> str:
     """One strict JSON line (with the newline) for a .jsonl log."""
     return json_dumps(obj) + "\n"
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1, **kw) -> None:
-    atomic_write_text(path, json_dumps(obj, indent=indent, **kw))
 
 
 def _reject_constant(name: str):
@@ -344,7 +403,8 @@ def check_hf_dir(folder: str | os.PathLike, what: str = "checkpoint folder") -> 
     return config
 
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "to_strict", "from_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
+__all__ = ["chmod_like_umask", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_save_figure",
+           "atomic_dir", "to_strict", "from_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
            "strict_loads", "read_json", "read_json_object", "lock_path_for", "lock_dir", "SAFE_WEIGHTS", "SAFE_INDEX",
            "PICKLE_SUFFIXES", "hf_weight_files", "verify_safetensors", "load_safetensors", "load_hf_state",
            "check_hf_dir"]

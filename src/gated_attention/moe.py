@@ -1,6 +1,6 @@
 """Sparse Mixture-of-Experts feed-forward block (Qwen3-MoE style) with a global-batch load-balancing loss.
 
-The block replaces the dense SwiGLU FFN in MoE layers of the paper's 15A2B model (SPEC §4): fine-grained SwiGLU experts,
+The block replaces the dense SwiGLU FFN in MoE layers of the paper's 15A2B model (paper map §4): fine-grained SwiGLU experts,
 a softmax router over all experts followed by top-k (as HF Qwen3-MoE), optional renormalisation of the top-k weights,
 and an optional always-on shared expert scaled by its own sigmoid gate (as HF Qwen2-MoE).
 

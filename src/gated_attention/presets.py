@@ -1,12 +1,13 @@
 """Model shape presets (the paper's Table 7 shapes and tiny CPU shapes) and the analytic parameter count.
 
 `model_config(name, gate=...)` returns a `GatedQwen3Config`. For dense shapes, gated variants shrink the FFN width so
-the total parameter count matches the ungated model within 0.1 % (as the paper's dense runs do, SPEC §4); the MoE
+the total parameter count matches the ungated model within 0.1 % (as the paper's dense runs do, paper map §4); the MoE
 shape keeps its FFN and reports the gate as added parameters (as the paper's MoE tables do).
 """
 from __future__ import annotations
 
 from .configuration import GatedQwen3Config
+from .baselines import BASELINES, BaselineSpec, Kind, expanded_config, get_baseline, per_layer_params
 from .gates import get_gate
 
 
@@ -62,7 +63,7 @@ def param_report(config: GatedQwen3Config) -> dict:
 
     Convention (Qwen's): everything stored counts, input embedding and untied lm_head included; "activated" counts
     the router and the k routed experts in place of all E. With it the Qwen3-30B-A3B shape (this 15a2b shape at 48
-    layers) gives 30.53B / 3.35B, Qwen's published 30.5B / 3.3B. The paper's 15A2B shape (SPEC §4) gives 15.58B total
+    layers) gives 30.53B / 3.35B, Qwen's published 30.5B / 3.3B. The paper's 15A2B shape (paper map §4) gives 15.58B total
     / 1.99B activated (embedding 0.31B + lm_head 0.31B + 24 x (attention 18.9M + router 0.26M + 8 experts 37.7M);
     all 128 experts 604M per layer), consistent with its name "15A2B" but not with the 2.54B it prints. The 0.55B gap
     (23.0M per layer = 4.9 experts' worth) is not a counting convention: tying or dropping the input embedding lowers
@@ -96,7 +97,7 @@ def param_report(config: GatedQwen3Config) -> dict:
             "non_embedding": total - embed - head}
 
 
-def model_config(name: str, gate: str = "baseline", match_params: bool | None = None, **overrides) -> GatedQwen3Config:
+def model_config(name: str, gate: str = "none", match_params: bool | None = None, **overrides) -> GatedQwen3Config:
     """A preset shape with a gate. match_params (default: True for dense, False for MoE) shrinks the dense FFN so the
     total parameter count equals the ungated model's within 0.1 %."""
     if name not in PRESETS:
@@ -106,7 +107,7 @@ def model_config(name: str, gate: str = "baseline", match_params: bool | None = 
     cfg = GatedQwen3Config(**{**kw, "gate": gate})
     if match_params is None:
         match_params = base.num_experts == 0
-    if match_params and cfg.gate != "baseline":
+    if match_params and cfg.gate != "none":
         n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         if n_dense == 0:
             raise ValueError("match_params=True needs dense FFN layers to shrink; this model is all-MoE")
@@ -116,3 +117,40 @@ def model_config(name: str, gate: str = "baseline", match_params: bool | None = 
         if cfg.intermediate_size <= 0:
             raise ValueError(f"gate {gate!r} adds more parameters than the FFN of preset {name!r} can give back")
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The paper's comparison baselines at a preset's shape (baselines.py is the registry; sizing them needs the presets)
+
+def added_params(spec: BaselineSpec | str, config) -> int:
+    """Parameters the baseline adds to the whole model `config` describes (config is the model WITHOUT it)."""
+    spec = get_baseline(spec) if isinstance(spec, str) else spec
+    if spec.kind is Kind.EXPAND:
+        return param_report(expanded_config(config, spec))["total"] - param_report(config)["total"]
+    return config.num_hidden_layers * per_layer_params(spec, config)
+
+
+def baseline_config(preset: str, name: str, gate: str = "none", **overrides):
+    """`presets.model_config(preset, gate, **overrides)` with baseline `name` applied, whichever family it is.
+    Baselines are compared at the parameter counts the paper reports (added on top), so no FFN shrinking here."""
+    spec = get_baseline(name)
+    if spec.kind is Kind.EXPAND:
+        return expanded_config(model_config(preset, gate=gate, match_params=False, **overrides), spec)
+    return model_config(preset, gate=gate, match_params=False, mechanism=name, **overrides)
+
+
+def paper_report(config=None) -> list[dict]:
+    """Every registered baseline with its added parameters for `config` (default: the paper's 15A2B shape) next to
+    the paper's 'Added (M)' column, where it has one. `added` is None where the mechanism cannot be built on that
+    shape (bondarenko_gate needs hidden_size == H * head_dim; the 15A2B shape has 2048 != 32 * 128)."""
+    if config is None:
+            config = model_config("15a2b")
+    rows = []
+    for name, spec in BASELINES.items():
+        if spec.kind is Kind.NONE or (spec.kind is Kind.EXPAND and spec.extra_experts and not config.num_experts):
+            continue
+        applicable = spec.kind is not Kind.HEAD_SLICE_GATE or \
+            config.hidden_size == config.num_attention_heads * config.head_dim
+        rows.append({"name": name, "added": added_params(spec, config) if applicable else None,
+                     "paper_added_m": spec.paper_added_m, "paper": spec.paper})
+    return rows

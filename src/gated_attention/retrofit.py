@@ -25,7 +25,6 @@ the trained weights, so the model grows by the gate's parameters, as in the pape
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -86,8 +85,8 @@ def retrofit_state(config: dict, state: dict, gate: str, init: str = "identity",
     fmt = detect_format(config) if src_format == "auto" else src_format
     ncfg = config_to_native(config, fmt, state)
     nstate = state_to_native(state, ncfg, fmt)
-    have = ncfg.get("gate", "baseline")
-    if have != "baseline":
+    have = ncfg.get("gate", "none")
+    if canonical_name(have) != "none":
         raise ValueError(f"the checkpoint already has gate {have!r}; retrofit adds a gate to an UNGATED model "
                          "(train it further with `gattn train --set init_from=DIR` instead)")
     name = canonical_name(gate)
@@ -117,30 +116,6 @@ def retrofit_checkpoint(src: str | Path, dst: str | Path, gate: str, init: str =
     config, state = load_dir(src)
     out_config, out_state = retrofit_state(config, state, gate, init, seed, src_format)
     return save_dir(dst, out_config, out_state, src=src, overwrite=overwrite)
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-def configure(parser: argparse.ArgumentParser) -> None:
-    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
-
-    parser.add_argument("ckpt", help="trained UNGATED checkpoint dir (native, e.g. RUN/final; or stock Qwen3 / "
-                                     "Qwen3-MoE / ungated official), config.json + *.safetensors")
-    parser.add_argument("--gate", required=True, help="gate to add (a name from `gattn gates`, e.g. sdpa_elementwise)")
-    parser.add_argument("--init", required=True, choices=INITS,
-                        help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
-                             "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
-    parser.add_argument("--out", type=E.out_dir, required=True, help="destination dir (native checkpoint, written atomically)")
-    parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
-                        help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> official)")
-    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="seed of the random gate init (ignored by identity)")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
-
-
-def run(args) -> int:
-    out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
-    print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
-          f"gattn train --gate {args.gate} --set init_from={out} --out RUN ...")
-    return 0
 
 
 __all__ = ["INITS", "detect_format", "retrofit_state", "retrofit_checkpoint"]

@@ -2,7 +2,7 @@
 sparsity and loss by position, on our models (capture API) and on any local HF transformer (hooks).
 
 Entry points: `analyze_model(model, batches, AnalysisConfig())` -> JSON-ready dict; `load_model(dir)`;
-`gattn analyze` (cli.py); plots in plots.py.
+`gattn analyze` (gated_attention/cli/analyze.py); plots in plots.py.
 """
 from .analyze import AnalysisConfig, analysis_schema, analyze_model, load_model, load_tokenizer, token_batches
 

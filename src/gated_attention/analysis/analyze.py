@@ -1,4 +1,4 @@
-"""The analysis driver: stream token batches through a model and reduce everything SPEC §5 measures on the fly.
+"""The analysis driver: stream token batches through a model and reduce everything paper map §5 measures on the fly.
 
 `analyze_model(model, batches, config)` works on our models (through the capture API of capture.py: q/k, gate and
 SDPA outputs, and the decoder's attn/ffn outputs and residuals) and on any HF transformer (through hooks.py: q/k from
@@ -168,7 +168,7 @@ class _Collector:
             "sink_key": self.cfg.sink_key,
             "max_abs_hidden": mean_of("max_abs_hidden"),
             **{f"max_abs_{n}": mean_of(f"max_abs_{n}") for n in ACT_NAMES},
-            # entry-weighted over layers: "mean sigma over all entries, tokens and layers" (SPEC §10.10)
+            # entry-weighted over layers: "mean sigma over all entries, tokens and layers" (paper map §10 item 10)
             "gate_mean": sum(s.sum for s in self.gate.values()) / gate_n if gate_n else None,
             "gate_std": mean_of("gate_std"),
             "gate_min": _reduce(M.nanmin, (s.min for s in self.gate.values())),

@@ -1,4 +1,4 @@
-"""Pure metric functions on tensors, plus small running reducers, for the paper's analyses (SPEC §5, §10 item 10).
+"""Pure metric functions on tensors, plus small running reducers, for the paper's analyses (paper map §5, §10 item 10).
 
 Everything here is model-agnostic: functions take attention probabilities, activations or gate scores and return numbers.
 Running reducers (`RunningStats`, `LogHistogram`) let the analysis stream over many batches without keeping tensors:

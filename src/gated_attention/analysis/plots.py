@@ -4,7 +4,6 @@ attention maps of chosen layers, gate-score histograms. Each function takes one 
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
@@ -12,14 +11,15 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..io import atomic_save_figure  # noqa: E402
+
 
 def _save(fig, path: Path) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        atomic_save_figure(fig, path, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -11,19 +11,18 @@ The destination is written into a temporary sibling directory and renamed into p
 leaves a half-written checkpoint. CLI: `gattn extend DIR --method yarn --factor 4 --out DST`.
 
 `--finetune-steps N --seq-len L` then continues training the extended model at length L through the ordinary trainer
-(the paper's long-context step is `--method default --rope-theta 1e6` plus training at the longer length, SPEC 4).
+(the paper's long-context step is `--method default --rope-theta 1e6` plus training at the longer length, paper map §4).
 The run lives in the sibling folder DST.finetune/ (log, checkpoints; a killed run resumes there), and only its final
 model is published to DST, so DST never holds an untrained checkpoint that looks fine-tuned.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
+from gated_attention.io import atomic_dir
 from gated_attention.rope import compute_rope_parameters
 
 METHODS = ("default", "linear", "dynamic", "yarn")
@@ -85,9 +84,7 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
     new = extended_config(read_json_object(cfg_path, "config", "pass a checkpoint folder written by save_pretrained"),
                           method, factor, rope_theta,
                           original_max_position_embeddings)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    try:
+    with atomic_dir(dst, overwrite=True) as tmp:
         for item in src.iterdir():
             if item.name == "config.json":
                 continue
@@ -96,12 +93,6 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
             else:
                 shutil.copy2(item, tmp / item.name)
         (tmp / "config.json").write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return new
 
 
@@ -172,67 +163,6 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
         raise RuntimeError(f"the fine-tuned model saved rope_parameters={saved.get('rope_parameters')}, expected "
                            f"{new_cfg['rope_parameters']}")
     # publish: copy beside DST, then swap it in, so DST is either the old folder or the complete new one
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    old = None
-    try:
+    with atomic_dir(dst, overwrite=True) as tmp:
         shutil.copytree(final, tmp, dirs_exist_ok=True)
-        if dst.exists():
-            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-            os.replace(dst, old)
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not dst.exists():
-            os.replace(old, dst)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
     return {**summary, "config": saved, "run_dir": str(run_dir)}
-
-
-def configure(parser) -> None:
-    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
-
-    parser.add_argument("dir", type=E.existing_dir, help="source HF checkpoint directory (config.json with rope_parameters)")
-    parser.add_argument("--method", choices=METHODS, default="yarn", help="RoPE scaling method (default: yarn)")
-    parser.add_argument("--factor", type=E.positive_float, default=4.0, help="context extension factor, >= 1 (default: 4)")
-    parser.add_argument("--rope-theta", type=E.positive_float, default=None,
-                        help="new RoPE base (e.g. 1e6, the paper's base change); default: keep the checkpoint's")
-    parser.add_argument("--original-max-position-embeddings", type=E.positive_int, default=None,
-                        help="trained context length; default: the checkpoint's max_position_embeddings")
-    parser.add_argument("--out", type=E.out_dir, required=True, help="destination directory for the extended checkpoint")
-    parser.add_argument("--overwrite", action="store_true", help="replace --out if it already has files")
-    parser.add_argument("--finetune-steps", type=E.nonneg_int, default=0,
-                        help="continue training the extended model for N steps at --seq-len (0 = training-free); "
-                             "the run (log, checkpoints) goes to OUT.finetune/ and resumes there if killed")
-    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length for --finetune-steps (tokens)")
-    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
-                        help="corpus for --finetune-steps (default: the source run's, else ./data)")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="training override for --finetune-steps, as in `gattn train --set` (e.g. lr=1e-3); "
-                             "repeatable")
-
-
-def run(args) -> int:
-    if args.finetune_steps:
-        from gated_attention.io import lock_dir
-
-        with lock_dir(args.out, "gattn extend"):
-            res = finetune_checkpoint(args.dir, args.out, args.finetune_steps, args.seq_len, args.method, args.factor,
-                                  args.rope_theta, args.original_max_position_embeddings, args.data_dir, args.sets,
-                                  args.overwrite)
-        print(f"wrote {args.out}: rope_parameters={json.dumps(res['config']['rope_parameters'])}, fine-tuned "
-              f"{res['steps']} steps at {args.seq_len} tokens (final loss {res['final_loss']:.4f}; run in "
-              f"{res['run_dir']})")
-        return 0
-    if args.seq_len is not None or args.sets:
-        raise ValueError("--seq-len and --set only apply with --finetune-steps N")
-    from gated_attention.io import lock_dir
-
-    with lock_dir(args.out, "gattn extend"):  # one writer per output folder
-        new = extend_checkpoint(args.dir, args.out, args.method, args.factor, args.rope_theta,
-                                args.original_max_position_embeddings, args.overwrite)
-    print(f"wrote {args.out}: rope_parameters={json.dumps(new['rope_parameters'])} "
-          f"max_position_embeddings={new['max_position_embeddings']}")
-    return 0

@@ -1,6 +1,7 @@
-"""`gattn longctx`: the paper's Table 5 in small, plus the retrieval mixing that makes it measurable at small scale.
+"""`gattn longctx`: the paper's Table 5 in small (the stages; the report is longctx/report.py, the retrieval mixing
+that makes it measurable at small scale is training-data code, train/retrieval_mix.py).
 
-Table 5 (SPEC 3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
+Table 5 (paper map §3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
 more of its RULER score. At CPU scale:
   1. train a baseline and a gated (sdpa_elementwise) model at length L on the corpus, with a fraction of every batch
      replaced by synthetic retrieval samples (ruler.training_samples, within L) so a tiny model learns the task
@@ -18,112 +19,19 @@ baseline's attention sink forms on that fixed first token, so evaluation must fe
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from gated_attention.io import json_dumps
+from gated_attention import experiment
+from gated_attention.io import atomic_write_json, atomic_write_text
 from gated_attention.longctx import ruler
-
-# training tasks mixed in by default: the noise-haystack retrieval tasks a few-M-parameter model can learn in minutes
-DEFAULT_MIX_TASKS = ("passkey", "niah_single_1", "niah_single_word")
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Retrieval mixing (used by the trainer through TrainConfig.retrieval_mix, see train/data_source.make_source)
-class BosTokenizer:
-    """A tokenizer view whose `encode` prepends <|bos|>, so RULER prompts are fed exactly like corpus windows.
-
-    ruler.generate_sample counts tokens with `encode`, so a sample's `length` includes the bos token.
-    """
-
-    def __init__(self, tokenizer, bos_id: int):
-        self.tokenizer = tokenizer
-        self.bos_id = int(bos_id)
-
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_id] + list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def __getattr__(self, name):  # pad_token_id, eos_token_id, ...
-        return getattr(self.tokenizer, name)
-
-
-def check_mix_tasks(tasks) -> tuple[str, ...]:
-    tasks = tuple(tasks) if tasks else DEFAULT_MIX_TASKS
-    for t in tasks:
-        if t not in ruler.TASKS:
-            raise ValueError(f"retrieval task {t!r} is unknown; valid: {', '.join(ruler.TASKS)}")
-        if t in ruler.NEEDS_CORPUS:
-            raise ValueError(f"retrieval task {t!r} needs a corpus haystack, which training rows do not carry; "
-                             f"use tasks among: {', '.join(ruler.NO_CORPUS_TASKS)}")
-    return tasks
-
-
-def mix_retrieval(batch: torch.Tensor, tokenizer, fraction: float, seed: int, step: int, tasks=None,
-                  eos_id: int | None = None) -> torch.Tensor:
-    """A copy of `batch` (B, T+1) with round(fraction * B) rows (at least one if fraction > 0) replaced.
-
-    A pure function of (batch, fraction, seed, step, tasks): the rows and the samples are drawn from (seed, step), so
-    resumed and multi-rank runs see identical batches. A replaced row is the sample's prompt + answer (tokenized by
-    `tokenizer`, whose encode should add <|bos|>, see BosTokenizer), then <|eos|>, then the replaced corpus row's own
-    tokens to fill the length, so every position stays an ordinary next-token target (no padding, no loss mask).
-    """
-    if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"retrieval fraction {fraction} must be in [0, 1]")
-    B, T1 = batch.shape
-    k = min(B, max(1, round(fraction * B))) if fraction > 0 else 0
-    if k == 0:
-        return batch
-    tasks = check_mix_tasks(tasks)
-    if eos_id is None:
-        eos_id = tokenizer.eos_token_id
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, step, 0x52554C])))  # salt "RUL"
-    rows = sorted(int(r) for r in rng.choice(B, size=k, replace=False))
-    # a per-(seed, step) sample seed; collision-free while step < 1e9
-    samples = ruler.training_samples(tokenizer, k, max_len=T1 - 1, seed=seed * 1_000_000_000 + step, tasks=list(tasks))
-    out = batch.clone()
-    for row, s in zip(rows, samples):
-        ids = ruler.encode(tokenizer, s["text"]) + [eos_id]
-        ids = ids[:T1]
-        filler = batch[row, 1:1 + T1 - len(ids)]  # corpus tokens after the row's own bos
-        out[row] = torch.cat([torch.tensor(ids, dtype=batch.dtype), filler])  # (T+1,)
-    return out
-
-
-class RetrievalMixSource:
-    """Wraps a corpus training source: every train batch gets `fraction` of its rows replaced (mix_retrieval).
-
-    Everything else (eval batches, domains, tokenizer, vocab size) is the wrapped source's, so validation perplexity
-    stays pure corpus text.
-    """
-
-    def __init__(self, source, fraction: float, tasks=None):
-        corpus = getattr(source, "corpus", None)
-        if getattr(source, "tokenizer", None) is None or corpus is None:
-            raise ValueError("retrieval_mix needs the prepared corpus (data='corpus'): synthetic tokens have no "
-                             "tokenizer to write retrieval samples with")
-        self.source = source
-        self.fraction = float(fraction)
-        self.tasks = check_mix_tasks(tasks)
-        self.eos_id = corpus.eos_id
-        self.mix_tokenizer = BosTokenizer(source.tokenizer, corpus.bos_id)
-
-    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
-        batch = self.source.train_batch(batch_size, seq_len, seed, step)  # (B, T+1)
-        return mix_retrieval(batch, self.mix_tokenizer, self.fraction, seed, step, self.tasks, self.eos_id)
-
-    def __getattr__(self, name):
-        return getattr(self.source, name)
-
+from gated_attention.longctx.report import build_report, format_markdown, plot_report
+# retrieval mixing is training-data code; re-exported here for callers of the pipeline's former home
+from gated_attention.train.retrieval_mix import (DEFAULT_MIX_TASKS, BosTokenizer, RetrievalMixSource,  # noqa: F401
+                                                 check_mix_tasks, mix_retrieval)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Budgets
@@ -162,22 +70,6 @@ BUDGETS = {
 }
 
 
-def budget_from_args(args) -> Budget:
-    if args.budget not in BUDGETS:
-        raise ValueError(f"unknown budget {args.budget!r}; valid: {', '.join(BUDGETS)}")
-    b = BUDGETS[args.budget]
-    changes = {k: getattr(args, k) for k in ("seq_len", "steps", "samples") if getattr(args, k, None) is not None}
-    if getattr(args, "tasks", None):
-        changes["mix_tasks"] = tuple(args.tasks)
-    if getattr(args, "retrieval_mix", None) is not None:
-        changes["retrieval_mix"] = args.retrieval_mix
-    b = dataclasses.replace(b, **changes)
-    check_mix_tasks(b.mix_tasks)
-    if b.seq_len < 2 or b.seq_len % 2:
-        raise ValueError(f"--seq-len {b.seq_len} must be an even number (evaluation starts at L/2)")
-    return b
-
-
 def lengths_for(b: Budget, factor: int) -> list[int]:
     """L/2, L, 2L, ... up to factor*L."""
     out, L = [b.seq_len // 2], b.seq_len
@@ -189,13 +81,6 @@ def lengths_for(b: Budget, factor: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Stages
-def _write_json(obj, path: Path) -> None:
-    from gated_attention.longctx.ruler_cli import write_json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(obj, path)
-
-
 def train_config_for(b: Budget, gate: str, data_dir: str, seed: int):
     from gated_attention.train.config import TrainConfig
 
@@ -210,30 +95,11 @@ def train_config_for(b: Budget, gate: str, data_dir: str, seed: int):
 
 
 def train_stage(cfg, run_dir: Path, log=print) -> Path:
-    """Train (or reuse, or resume) one model; returns its final/ checkpoint directory."""
-    from gated_attention.train.checkpoint import latest_checkpoint
-    from gated_attention.train.trainer import train
-
-    final = run_dir / "final"
-    saved = run_dir / "train_config.json"
-    if saved.exists():
-        old = json.loads(saved.read_text())
-        new = cfg.to_dict()
-        defaults = type(cfg)().to_dict()  # a field added to TrainConfig after the run counts as its default
-        diff = sorted(k for k in new if old.get(k, defaults[k]) != new[k])
-        if diff:
-            raise ValueError(f"{run_dir} holds a run with other settings ({', '.join(diff)}); "
-                             f"use another --out or delete that folder")
-        if (run_dir / "summary.json").exists() and (final / "config.json").exists():
-            log(f"[longctx] reuse {run_dir}")
-            return final
-    resume = latest_checkpoint(run_dir) is not None if run_dir.exists() else False
-    log(f"[longctx] train {cfg.gate} at L={cfg.seq_len} for {cfg.steps} steps -> {run_dir}"
-        + (" (resuming)" if resume else ""))
-    summary = train(cfg, run_dir, resume=resume)
+    """Train (or reuse, or resume) one model (experiment.train_or_reuse); returns its final/ checkpoint directory."""
+    summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]")
     if summary.get("diverged"):
         raise ValueError(f"training {cfg.gate} diverged ({summary.get('stop_reason')}); lower the learning rate")
-    return final
+    return run_dir / "final"
 
 
 def extend_stage(final: Path, dst: Path, seq_len: int, factor: int, log=print) -> Path:
@@ -279,26 +145,21 @@ def answer_nll(model, tokenizer, sample: dict) -> float:
     return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
 
 
-def bucket_ppl(pos_loss: list[float], edges: list[int]) -> list[float]:
-    """exp(mean loss) over each [edges[i], edges[i+1]) position range."""
-    return [math.exp(sum(pos_loss[a:b]) / (b - a)) for a, b in zip(edges, edges[1:])]
-
-
 def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], data_dir: str, seed: int,
                log=print) -> dict:
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
+    settings = dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
+                    max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
+                    ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
+    return experiment.cached(out_json, settings, lambda: _evaluate(model_dir, b, lengths, data_dir, seed, log), log,
+                             "[longctx]", indent=2)
+
+
+def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:
     import gated_attention  # noqa: F401  (registers the model classes)
     from gated_attention.data import Corpus
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    settings = dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
-                    max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
-                    ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
-    if out_json.exists():
-        cached = json.loads(out_json.read_text())
-        if cached.get("settings") == settings:
-            log(f"[longctx] reuse {out_json}")
-            return cached
     corpus = Corpus(data_dir)
     tok = BosTokenizer(corpus.tokenizer, corpus.bos_id)
     device = torch.device("cpu")
@@ -333,146 +194,15 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
         got = [nll[t][str(n)] for t in b.mix_tasks if nll[t][str(n)] is not None]
         average_nll[str(n)] = sum(got) / len(got) if got else None
     pos = ppl_by_position(model, data_dir, max(lengths), b.ppl_batches, b.ppl_batch_size, device)
-    out = dict(settings=settings, scores=scores, average=average, answer_nll=nll, average_answer_nll=average_nll,
-               records=records, pos_loss=pos,
-               rope_parameters=model.config.rope_parameters)
-    _write_json(out, out_json)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Report
-VARIANTS = ("none", "yarn")
-
-
-def _label(gate: str) -> str:
-    return "Baseline" if gate == "baseline" else f"Gated ({gate})"
-
-
-def _sub(a, b):
-    return None if a is None or b is None else a - b
-
-
-def _fmt(v, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
-def build_report(results: dict, b: Budget, lengths: list[int], factor: int, gates: list[str]) -> dict:
-    L = b.seq_len
-    edges = [0, L] + [L * 2 ** i for i in range(1, int(math.log2(factor)) + 1)]
-    rows = []
-    for variant in VARIANTS:
-        for gate in gates:
-            r = results[(gate, variant)]
-            avg = {int(k): v for k, v in r["average"].items()}
-            row = dict(gate=gate, variant=variant, average=avg,
-                       drop_from_L={n: _sub(avg[n], avg[L]) for n in lengths if n > L},  # extrapolation loss
-                       tasks={t: {int(k): v for k, v in s.items()} for t, s in r["scores"].items()},
-                       answer_nll={int(k): v for k, v in r["average_answer_nll"].items()},
-                       ppl_buckets=dict(zip([f"{a}-{c}" for a, c in zip(edges, edges[1:])],
-                                            bucket_ppl(r["pos_loss"], edges))))
-            if variant == "yarn":
-                base = {int(k): v for k, v in results[(gate, "none")]["average"].items()}
-                row["delta"] = {n: _sub(avg[n], base[n]) for n in lengths}
-            rows.append(row)
-    return dict(train_length=L, factor=factor, lengths=lengths, gates=gates, budget=dataclasses.asdict(b),
-                rows=rows, pos_loss={f"{g}-{v}": results[(g, v)]["pos_loss"] for g in gates for v in VARIANTS})
-
-
-def format_markdown(rep: dict) -> str:
-    L, factor, lengths = rep["train_length"], rep["factor"], rep["lengths"]
-    b = rep["budget"]
-
-    def name(row):
-        label = _label(row["gate"])
-        return f"{label} ({L} model)" if row["variant"] == "none" else f"{label} + YaRN -> {factor * L}"
-
-    out = [f"# Table 5 in small: RULER average (%) by context length (trained at L={L})", "",
-           f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task and length; model preset "
-           f"{b['model']}{' ' + json.dumps(b['model_overrides']) if b['model_overrides'] else ''}, {b['steps']} steps x {b['batch_size']} x {L} tokens, "
-           f"retrieval mix {b['retrieval_mix']}. YaRN rows: in brackets the change against the same model without "
-           f"YaRN at that length (the paper's deltas). Lengths above L are beyond the training length. Averages are over "
-           f"the tasks whose prompt fits the length; '-' = none fits.", "",
-           "| Method | " + " | ".join(str(n) for n in lengths) + " |",
-           "|---|" + "---|" * len(lengths)]
-    for row in rep["rows"]:
-        cells = []
-        for n in lengths:
-            c = _fmt(row["average"][n])
-            if row["variant"] == "yarn" and row["delta"][n] is not None:
-                c += f" ({row['delta'][n]:+.1f})"
-            cells.append(c)
-        out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
-    longer = [n for n in lengths if n > L]
-    out += ["", f"## Degradation beyond the training length: score at n minus score at L={L}", "",
-            "| Method | " + " | ".join(str(n) for n in longer) + " |", "|---|" + "---|" * len(longer)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['drop_from_L'][n], "+.1f") for n in longer) + " |")
-    out += ["", "## Answer NLL (nats/token, teacher-forced, lower is better): recall that string match cannot see",
-            "", "| Method | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['answer_nll'][n], ".3f") for n in lengths) + " |")
-    out += ["", "## Per task", "", "| Method | Task | " + " | ".join(str(n) for n in lengths) + " |",
-            "|---|---|" + "---|" * len(lengths)]
-    for row in rep["rows"]:
-        for t, s in row["tasks"].items():
-            out.append(f"| {name(row)} | {t} | " + " | ".join(_fmt(s[n]) for n in lengths) + " |")
-    buckets = list(rep["rows"][0]["ppl_buckets"])
-    out += ["", "## Perplexity by position on corpus validation text (positions beyond L are extrapolation)", "",
-            "| Method | " + " | ".join(f"pos {k}" for k in buckets) + " |", "|---|" + "---|" * len(buckets)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(f"{row['ppl_buckets'][k]:.2f}" for k in buckets) + " |")
-    return "\n".join(out) + "\n"
-
-
-def plot_report(rep: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
-    L, lengths = rep["train_length"], rep["lengths"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colors = {g: c for g, c in zip(rep["gates"], ["tab:blue", "tab:red", "tab:green", "tab:purple"])}
-    for row in rep["rows"]:
-        ls = "-" if row["variant"] == "none" else "--"
-        label = _label(row["gate"]) + (" + YaRN" if row["variant"] == "yarn" else "")
-        ax1.plot(lengths, [np.nan if row["average"][n] is None else row["average"][n] for n in lengths], ls, marker="o", color=colors[row["gate"]], label=label)
-        pos = np.asarray(rep["pos_loss"][f"{row['gate']}-{row['variant']}"])
-        w = max(1, len(pos) // 64)  # average over windows of positions: single positions are noisy
-        n = len(pos) // w
-        ax2.plot(np.arange(n) * w + w / 2, np.exp(pos[:n * w].reshape(n, w).mean(1)), ls,
-                 color=colors[row["gate"]], label=label)
-    for ax in (ax1, ax2):
-        ax.axvline(L, color="gray", lw=1, ls=":")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    ax1.set_xscale("log", base=2)
-    ax1.set_xticks(lengths, [str(n) for n in lengths])
-    ax1.set_xlabel("context length (tokens); dotted = training length")
-    ax1.set_ylabel("RULER average (%)")
-    ax1.set_ylim(-3, 103)
-    ax2.set_xlabel("position (tokens)")
-    ax2.set_ylabel("perplexity (corpus validation)")
-    ax2.set_yscale("log")
-    fig.tight_layout()
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp.png")  # per process, as the markdown's
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    return dict(scores=scores, average=average, answer_nll=nll, average_answer_nll=average_nll, records=records,
+                pos_loss=pos, rope_parameters=model.config.rope_parameters)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline
 def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
-    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (cached by the data module)."""
-    from gated_attention import data
-
-    if not (Path(data_dir) / "manifest.json").exists():
-        log(f"[longctx] {data_dir} is not prepared: running `gattn data prepare --data-dir {data_dir} "
-            f"--vocab-size {vocab_size}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
-    return str(data_dir)
+    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (experiment.ensure_corpus)."""
+    return str(experiment.ensure_corpus(data_dir, vocab_size, log, "[longctx]"))
 
 
 def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseline", "sdpa_elementwise"),
@@ -508,43 +238,9 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseli
                                                   data_dir, seed, log)
     rep = build_report(results, b, lengths, factor, gates)
     md = format_markdown(rep)
-    _write_json(json.loads(json_dumps(rep)), out / "report.json")  # int length keys become strings, as JSON has them
-    tmp = out / f".report.md.{os.getpid()}.tmp"  # per process: one-gate runs in parallel share OUT
-    tmp.write_text(md)
-    os.replace(tmp, out / "report.md")
+    atomic_write_json(out / "report.json", rep, indent=2)  # int length keys become strings, as JSON has them
+    atomic_write_text(out / "report.md", md)  # unique temp file per write: one-gate runs in parallel share OUT
     plot_report(rep, out / "report.png")
     log(md)
     log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
     return rep
-
-
-def configure(parser) -> None:
-    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
-
-    parser.add_argument("--budget", choices=list(BUDGETS), default="default",
-                        help="cost preset: small (tiny model, seconds-minutes, for tests) or default (3-layer model on "
-                             "a 1k-vocab corpus, 2400 steps per model: ~35-50 min per model on a busy 2-core CPU; "
-                             "run one --gates per process in parallel into the same --out, then once with both to "
-                             "combine the cached stages)")
-    parser.add_argument("--out", type=E.out_dir, default="runs/longctx", help="output folder; finished stages in it are reused")
-    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
-                        help="prepared corpus (gattn data prepare); default: the budget's (prepared if missing)")
-    parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"],
-                        help="gate variants to compare (default: baseline sdpa_elementwise)")
-    parser.add_argument("--factor", type=E.positive_int, default=4, help="YaRN extension factor, a power of two (default 4)")
-    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length L (default: the budget's)")
-    parser.add_argument("--steps", type=E.positive_int, default=None, help="training steps per model (default: the budget's)")
-    parser.add_argument("--samples", type=E.positive_int, default=None, help="RULER samples per task and length")
-    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
-                        help=f"RULER tasks trained on and scored (no-corpus ones: {', '.join(ruler.NO_CORPUS_TASKS)})")
-    parser.add_argument("--retrieval-mix", type=E.nonneg_float, default=None,
-                        help="fraction of training rows replaced by retrieval samples (default: the budget's)")
-    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="training and sample seed")
-
-
-def run(args) -> int:
-    from gated_attention.io import lock_dir
-
-    with lock_dir(args.out, "gattn longctx"):  # one writer per output folder
-        run_pipeline(args.out, budget_from_args(args), args.data_dir, args.gates, args.factor, args.seed)
-    return 0

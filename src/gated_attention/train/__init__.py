@@ -1,6 +1,8 @@
-"""Training harness: config and presets, LR schedules, atomic checkpoints, stability tooling, the loop, DDP/FSDP2.
+"""Training harness: config and presets, LR schedules, atomic checkpoints, stability tooling, the loop, DDP/FSDP2,
+the data sources (corpus, synthetic, retrieval mixing), evaluation and sweeps.
 
-Entry points: `train(cfg, out_dir, resume=False)` (trainer.py), `gattn train|sweep|eval` (cli.py, sweep.py, evaluate.py).
+Entry points: `train(cfg, out_dir, resume=False)` (trainer.py), `sweep(...)` (sweep.py), `domain_losses(...)`
+(evaluate.py); the commands `gattn train|sweep|eval` are in gated_attention/cli/train.py.
 """
 from .config import TRAIN_PRESETS, TrainConfig, apply_overrides, train_preset
 
@@ -8,7 +10,7 @@ __all__ = ["TrainConfig", "TRAIN_PRESETS", "train_preset", "apply_overrides", "t
 
 
 def train(*args, **kwargs):
-    """Lazy alias of trainer.train (keeps `import gated_attention.train` light)."""
+    """trainer.train, imported on first call (the loop pulls in torch.distributed, tqdm, the data layer; the\n    config alone does not). Importing any part of the package still imports gated_attention/__init__, i.e.\n    transformers and the model, which registers the Auto classes."""
     from .trainer import train as _train
 
     return _train(*args, **kwargs)

@@ -12,8 +12,8 @@ only then deletes the old one. A write that fails (a full disk) removes its temp
 checkpoint intact. Files are read back with `torch.load(weights_only=True)` (tensors and plain containers only, no
 pickle code) and JSON: nothing from a run folder can execute code.
 
-Test hook: GATTN_TEST_KILL_IN_CKPT_WRITE=N makes the process SIGKILL itself inside its N-th checkpoint write (after
-state.pt is written, before the rename), so tests can kill during a write deterministically.
+Tests kill a run inside a checkpoint write (after state.pt, before the rename) with tests/kill_hooks.py, which wraps
+`write_files`; nothing here knows about it.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import os
 import pickle  # only for its exception type: torch.load(weights_only=True) raises UnpicklingError
 import re
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -34,7 +33,6 @@ from ..io import from_strict, json_dumps
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
-_writes_done = 0  # for the test hook
 
 
 def _fsync_file(path: Path) -> None:
@@ -91,7 +89,6 @@ def write_files(tmp: Path, files: dict[str, object]) -> None:
     """Write torch objects (name.pt) or JSON (name.json) into `tmp`, each fsync'ed. Called by every rank for its
     own files (rank 0 also writes the shared state). On failure (e.g. a full disk) `tmp` is removed and the error
     re-raised: the previous checkpoints are untouched."""
-    global _writes_done
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         for name, obj in files.items():
@@ -108,11 +105,6 @@ def write_files(tmp: Path, files: dict[str, object]) -> None:
         if isinstance(exc, RuntimeError) and isinstance(cause, OSError):  # torch wraps the write's OSError
             raise cause from None
         raise
-    if "state.pt" in files:
-        _writes_done += 1
-        kill_at = os.environ.get("GATTN_TEST_KILL_IN_CKPT_WRITE")
-        if kill_at and int(kill_at) == _writes_done:
-            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _sha256(path: Path) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 class TrainConfig:
     # --- what to train
     model: str = "small"  # model preset name (gated_attention.presets.model_config)
-    gate: str = "baseline"  # gate registry name; the baseline is ungated
+    gate: str = "none"  # gate registry name; "none" (alias "baseline") is the ungated model
     model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
     init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
     # --- data
@@ -26,7 +26,7 @@ class TrainConfig:
     domains: list[str] | None = None  # train on these domains only; None = all
     seq_len: int = 256  # tokens per sequence (inputs); each sample holds seq_len+1 tokens
     retrieval_mix: float = 0.0  # share of train rows replaced by RULER retrieval samples (longctx: teaches the format)
-    retrieval_tasks: list[str] | None = None  # RULER tasks for those rows; None = longctx.pipeline.DEFAULT_MIX_TASKS
+    retrieval_tasks: list[str] | None = None  # RULER tasks for those rows; None = retrieval_mix.DEFAULT_MIX_TASKS
     batch_size: int = 16  # GLOBAL sequences per optimizer step, split over ranks then micro-batches
     grad_accum: int = 1  # micro-batches per rank per step (memory knob; does not change the math)
     steps: int = 2000  # optimizer steps in the whole run
@@ -55,7 +55,7 @@ class TrainConfig:
     eval_batch_size: int = 8  # sequences per validation batch
     stats_every: int = 50  # update/weight ratio and max |activation| per layer every N steps (0 = never)
     spike_window: int = 50  # loss-spike detector: trailing median over this many steps ...
-    spike_delta: float = 0.1  # ... exceeded by more than this many nats (SPEC 1.8: 125 baseline / 0 gated spikes)
+    spike_delta: float = 0.1  # ... exceeded by more than this many nats (paper map §1.8: 125 baseline / 0 gated spikes)
     spike_noise_k: float = 6.0  # ... or by this many robust sigmas (1.4826 MAD) of the window, if larger: small-batch noise
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
@@ -119,7 +119,7 @@ class TrainConfig:
         if self.retrieval_mix > 0:
             if self.data != "corpus":
                 bad("retrieval_mix needs data='corpus' (retrieval samples are written with the corpus tokenizer)")
-            from gated_attention.longctx.pipeline import check_mix_tasks
+            from .retrieval_mix import check_mix_tasks
 
             try:
                 check_mix_tasks(self.retrieval_tasks)
@@ -266,3 +266,57 @@ def apply_overrides(cfg: TrainConfig, sets: list[str], model_fields: dict | None
         except (ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"--set {key}={text!r}: {exc}") from None
     return replace(cfg, model_overrides=model_over, **changes).validate()
+
+
+def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: str | None) -> TrainConfig:
+    """A training preset with a gate, a corpus folder and `--set key=value` overrides (model.* keys checked)."""
+    cfg = train_preset(preset)
+    if gate is not None:
+        cfg.gate = gate
+    if data_dir is not None:
+        cfg.data_dir = data_dir
+    from gated_attention.presets import model_config
+
+    cfg = apply_overrides(cfg, sets, model_config(cfg.model, gate=cfg.gate).to_dict())
+    check_model(cfg)
+    return cfg
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """Build the model config now (cheap), so a bad model.* override fails before anything is written."""
+    if cfg.init_from:
+        return  # the checkpoint's config.json decides; checked when it is loaded
+    from gated_attention.presets import model_config
+
+    model_config(cfg.model, gate=cfg.gate, **cfg.model_overrides)
+
+
+# ---------------------------------------------------------------- "same run settings": the one rule
+
+# fields that may differ between a run and its resumption or reuse (they do not change the numbers)
+RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
+                               "grad_accum", "inject_nan_steps"})
+
+
+def changed_settings(saved: dict, want: dict) -> list[str]:
+    """The TrainConfig fields (as dicts) that differ between a saved run and the wanted one: the trainer's --resume
+    check and experiment.train_or_reuse both use this. Fields in RESUMABLE_CHANGES are ignored; a field missing from
+    `saved` (added to TrainConfig after that run) counts as its default; gate names compare canonically ("baseline"
+    is "none")."""
+    from gated_attention.gates import ALIASES
+
+    defaults = TrainConfig().to_dict()
+
+    def same(key, a, b):
+        if key == "gate" and isinstance(a, str) and isinstance(b, str):
+            return ALIASES.get(a, a) == ALIASES.get(b, b)
+        return a == b
+
+    return sorted(k for k, v in want.items() if k not in RESUMABLE_CHANGES and not same(k, saved.get(k, defaults.get(k)), v))
+
+
+def describe_changes(saved: dict, want: dict) -> str:
+    """`changed_settings` as one readable clause ("steps: saved 2 vs requested 3; lr: ..."), "" when none."""
+    defaults = TrainConfig().to_dict()
+    return "; ".join(f"{k}: saved {saved.get(k, defaults.get(k))!r} vs requested {want[k]!r}"
+                     for k in changed_settings(saved, want))

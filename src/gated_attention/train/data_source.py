@@ -69,7 +69,7 @@ def make_source(cfg, model_vocab_size: int | None = None):
         return SyntheticSource(model_vocab_size or 256)
     source = CorpusSource(cfg.data_dir, cfg.domains)
     if getattr(cfg, "retrieval_mix", 0.0) > 0:  # longctx: some rows become synthetic retrieval samples
-        from gated_attention.longctx.pipeline import RetrievalMixSource
+        from .retrieval_mix import RetrievalMixSource
 
         source = RetrievalMixSource(source, cfg.retrieval_mix, cfg.retrieval_tasks)
     return source

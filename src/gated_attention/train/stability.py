@@ -1,6 +1,6 @@
 """Stability tooling: loss-spike detector, gradient norm, update/weight ratio, max |activation| per layer.
 
-Loss-spike default (W=50, delta=0.1 nats) follows SPEC 1.8, which counted 125 points of the official 1.7B baseline
+Loss-spike default (W=50, delta=0.1 nats) follows paper map §1.8, which counted 125 points of the official 1.7B baseline
 curve above a 50-point rolling median by more than 0.1 nats and 0 for the gated run. The median here is TRAILING
 (the W losses before the step, so the detector works online) and needs a full window before it fires; early in
 training the loss falls fast, so the trailing median sits above it and nothing fires.
@@ -20,7 +20,7 @@ class SpikeDetector:
     max(delta, noise_k * 1.4826 * MAD) nats.
 
     delta = 0.1 nats is the rule that counts 125 spikes in the official baseline curve and 0 in the gated one
-    (SPEC §1.8); those curves come from 4M-token batches, whose step-to-step noise is far below 0.1. At CPU batch
+    (paper map §1.8); those curves come from 4M-token batches, whose step-to-step noise is far below 0.1. At CPU batch
     sizes the noise alone exceeds 0.1, so the threshold also scales with the robust spread of the window (MAD);
     noise_k = 0 gives the plain 0.1-nat rule.
     """

@@ -5,17 +5,17 @@ the checkpoint (weights, AdamW moments, RNG states, spike-detector window, count
 (SIGKILL, also during a checkpoint write) and resumed logs the same losses as one that never stopped. On resume,
 log.jsonl is cut back to the checkpoint's step so it describes exactly one run.
 
-Test hook: GATTN_TEST_KILL_AT_STEP=N makes the process SIGKILL itself right after step N (0-based) is logged.
+`_train` reads as the run's outline: check the folder, set up (model, optimizer, data), restore, then per step
+`_train_step` (forward/backward/update) and `_after_step` (eval, log line, divergence stop, checkpoint), then `_finish`.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import signal
 import time
 from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,7 +24,7 @@ from torch import nn
 
 from . import checkpoint as ckpt_mod
 from . import dist as D
-from .config import TrainConfig
+from .config import RESUMABLE_CHANGES, TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
 from .schedule import lr_for
@@ -32,11 +32,9 @@ from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
 from ..errors import UserError
-from ..io import atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
+from ..io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
 
-# config fields that may differ between a run and its resumption (they do not change the numbers)
-_RESUMABLE_CHANGES = {"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
-                      "grad_accum", "inject_nan_steps"}
+_RESUMABLE_CHANGES = RESUMABLE_CHANGES  # the former private name
 
 
 # ---------------------------------------------------------------- model and optimizer
@@ -209,32 +207,66 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
         D.teardown()
 
 
-def saved_settings_diff(run_dir: str | Path, cfg: TrainConfig) -> list[str]:
-    """Settings of the run saved in run_dir/train_config.json that differ from `cfg` (those that change the
-    numbers; a key missing from an older file counts as its default). [] when equal or nothing is saved."""
-    path = Path(run_dir) / "train_config.json"
-    if not path.exists():
-        return []
-    saved = read_json_object(path, "saved run settings", "delete that run folder or use a new --out")
-    defaults = TrainConfig().to_dict()
-    return [f"{k}: saved {saved.get(k, defaults[k])!r} vs requested {v!r}" for k, v in cfg.to_dict().items()
-            if k not in _RESUMABLE_CHANGES and saved.get(k, defaults[k]) != v]
+@dataclass
+class _Run:
+    """Everything one training run holds between steps (built by _setup, mutated by the step/log/checkpoint parts)."""
+
+    cfg: TrainConfig
+    out: Path
+    info: D.DistInfo
+    source: object
+    model: nn.Module  # as wrapped for DDP/FSDP (what the forward/backward runs on)
+    raw: nn.Module  # the plain module (no DDP wrapper): state dicts, stats, eval
+    fwd: object  # model, or torch.compile(model)
+    fused_loss: bool  # our LM computes CE chunk by chunk through lm_head: no fp32 (b, T, V) logits
+    optimizer: torch.optim.Optimizer
+    layers: list
+    spikes: SpikeDetector
+    st: dict  # counters saved in every checkpoint (step, tokens, skipped steps, ...)
+    per_rank: int = 0
+    micro: int = 0
+    tokens_per_step: int = 0
+    tb: object = None
+    bar: object = None
+    log_fh: object = None
+    last_ckpt_step: int = -1
+
+    @property
+    def log_path(self) -> Path:
+        return self.out / "log.jsonl"
 
 
-def train_or_reuse(cfg: TrainConfig, run_dir: str | Path, log=None) -> dict:
-    """The summary of the run in run_dir: reused when finished with the same settings, resumed when interrupted,
-    trained when absent. A finished or started run with other settings is an error, never silently reused."""
-    run_dir = Path(run_dir)
-    diff = saved_settings_diff(run_dir, cfg)
-    if diff:
-        raise UserError(f"{run_dir} holds a run with other settings ({'; '.join(diff)}); use a new --out or delete "
-                        "that folder")
-    summary_path = run_dir / "summary.json"
-    if summary_path.exists() and (run_dir / "train_config.json").exists():
-        if log:
-            log(f"reusing finished run {run_dir}")
-        return read_json_object(summary_path, "run summary", "delete that run folder to retrain it")
-    return train(cfg, run_dir, resume=ckpt_mod.latest_checkpoint(run_dir) is not None)
+def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo) -> dict:
+    latest = _check_run_dir(cfg, out, resume, info)
+    run = _setup(cfg, out, model_factory, info)
+    _restore(run, latest if resume else None)
+    _open_logs(run)
+    t_start = time.perf_counter() - run.st["wall_time"]
+    while run.st["step"] < cfg.steps:
+        t0 = time.perf_counter()
+        rec = _train_step(run, run.st["step"])
+        _after_step(run, rec, t0, t_start)
+        if run.st["diverged"]:
+            break
+    return _finish(run, t_start)
+
+
+# ---------------------------------------------------------------- setup and resume
+
+def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) -> Path | None:
+    """Validate the run folder against `resume`, write train_config.json; returns the checkpoint to resume from (the
+    newest VALID one) or None. Rank 0 decides; an error there stops every rank (D.agree)."""
+    cfg.check_world(info.world_size)
+    latest, err = None, None
+    if info.is_main:
+        try:
+            latest = _prepare_out(cfg, out, resume, out / "train_config.json")
+            atomic_write_text(out / "train_config.json", json_dumps(cfg.to_dict(), indent=1))
+        except Exception as exc:
+            err = exc
+    D.agree(info, err)
+    latest = D.broadcast_object(str(latest) if latest is not None else None, info)
+    return Path(latest) if latest is not None else None
 
 
 def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> Path | None:
@@ -253,10 +285,9 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> P
                         "a new run there")
     if cfg_path.exists():
         saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
-        diff = sorted(k for k, v in cfg.to_dict().items() if saved.get(k, v) != v and k not in _RESUMABLE_CHANGES)
+        diff = describe_changes(saved, cfg.to_dict())
         if diff:
-            details = ", ".join(f"{k}: saved {saved.get(k)!r} vs requested {getattr(cfg, k)!r}" for k in diff)
-            raise UserError(f"--resume with settings that differ from the saved run ({details}); use the original "
+            raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
                             "settings or a new --out")
     if any_ckpt is None:
         return None  # the run was stopped before its first checkpoint: it starts again from step 0
@@ -267,20 +298,8 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> P
     return latest
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo) -> dict:
-    cfg.check_world(info.world_size)
-    log_path, cfg_path = out / "log.jsonl", out / "train_config.json"
-    latest, err = None, None
-    if info.is_main:
-        try:
-            latest = _prepare_out(cfg, out, resume, cfg_path)
-            atomic_write_text(cfg_path, json_dumps(cfg.to_dict(), indent=1))
-        except Exception as exc:
-            err = exc
-    D.agree(info, err)  # every rank stops if rank 0 refused the folder
-    latest = D.broadcast_object(str(latest) if latest is not None else None, info)
-    latest = Path(latest) if latest is not None else None
-
+def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run:
+    """Data source, model (wrapped for DDP/FSDP, optionally compiled), optimizer and fresh counters."""
     # model: same seed on every rank, so replicas start identical
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -297,192 +316,229 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     model = D.wrap(model, info, layers)
     raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
     fwd = torch.compile(model) if cfg.compile else model
-    # our LM computes the loss chunk by chunk through lm_head (fast.chunked_lm_loss): no fp32 (b, T, V) logits
     from ..modeling import GatedQwen3ForCausalLM
 
-    fused_loss = isinstance(raw, GatedQwen3ForCausalLM)
     optimizer = torch.optim.AdamW(param_groups(raw, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-    spikes = SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k)
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
           "stop_reason": None, "val": {}, "last_loss": None}
-    if resume and latest is not None:
+    per_rank = cfg.batch_size // info.world_size
+    return _Run(cfg=cfg, out=out, info=info, source=source, model=model, raw=raw, fwd=fwd,
+                fused_loss=isinstance(raw, GatedQwen3ForCausalLM), optimizer=optimizer, layers=layers,
+                spikes=SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k), st=st,
+                per_rank=per_rank, micro=per_rank // cfg.grad_accum, tokens_per_step=cfg.batch_size * cfg.seq_len)
+
+
+def _restore(run: _Run, latest: Path | None) -> None:
+    """Exact resume from checkpoint `latest` (weights, AdamW moments, counters, spike window, RNG), cutting log.jsonl
+    back to its step; with no checkpoint a fresh run starts a fresh log."""
+    info = run.info
+    if latest is not None:
         shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
-        _load_full_state(raw, optimizer, shared["model"], shared["optimizer"])
-        st.update(meta["state"])
-        spikes.load_state_dict(meta["spikes"])
+        _load_full_state(run.raw, run.optimizer, shared["model"], shared["optimizer"])
+        run.st.update(meta["state"])
+        run.spikes.load_state_dict(meta["spikes"])
         if rng is not None:
             _set_rng_state(rng)
         if info.is_main:
-            _truncate_log(log_path, st["step"])
-    elif info.is_main and log_path.exists():
-        log_path.unlink()  # a fresh run (no checkpoint yet) starts a fresh log
+            _truncate_log(run.log_path, run.st["step"])
+    elif info.is_main and run.log_path.exists():
+        run.log_path.unlink()  # a fresh run (no checkpoint yet) starts a fresh log
     D.barrier(info)
 
-    tb = _TB(out, cfg.tensorboard and info.is_main)
-    bar = None
-    if cfg.progress and info.is_main:
+
+# ---------------------------------------------------------------- one optimizer step
+
+def _train_step(run: _Run, step: int) -> dict:
+    """Forward/backward over the micro-batches, clip, skip non-finite steps, optional stats; returns the log record."""
+    cfg, info, raw = run.cfg, run.info, run.raw
+    lr = lr_for(cfg, step)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    batch = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step)  # (B, T+1), same on every rank
+    mine = batch[info.rank * run.per_rank:(info.rank + 1) * run.per_rank].to(info.device)  # (B/N, T+1)
+    stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
+    before = snapshot_params(raw) if stats_step else None
+    loss_sum = torch.zeros((), device=info.device)
+    aux_sum = torch.zeros((), device=info.device)
+    for i in range(cfg.grad_accum):
+        chunk = mine[i * run.micro:(i + 1) * run.micro]  # (b, T+1)
+        x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T) each
+        last = i == cfg.grad_accum - 1
+        sync = nullcontext()
+        if info.distributed and info.mode == "ddp" and not last:
+            sync = run.model.no_sync()  # all-reduce only on the last micro-batch
+        elif info.distributed and info.mode == "fsdp":
+            run.model.set_requires_gradient_sync(last)
+        with sync:
+            with autocast_for(info.device, cfg.precision):
+                out_ = run.fwd(input_ids=x, shift_labels=y, fused_loss=True) if run.fused_loss else run.fwd(input_ids=x)
+            aux = getattr(out_, "aux_loss", None)
+            if run.fused_loss:  # out_.loss = CE + aux already; the CE alone is what gets logged
+                total = out_.loss
+                loss = total - aux.float() if aux is not None else total
+            else:
+                logits = out_.logits  # (b, T, V)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+                total = loss + (aux.float() if aux is not None else 0.0)
+            if step in cfg.inject_nan_steps:
+                total = total * float("nan")
+            (total / cfg.grad_accum).backward()
+        loss_sum += loss.detach() / cfg.grad_accum
+        if aux is not None:
+            aux_sum += aux.detach().float() / cfg.grad_accum
+        if step in cfg.inject_nan_steps:
+            loss_sum = loss_sum * float("nan")
+    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    grad_norm = float(grad_norm)
+    loss_val = float(D.reduce_mean(loss_sum, info))
+    bad = not (math.isfinite(loss_val) and math.isfinite(grad_norm))
+    st = run.st
+    if bad:
+        run.optimizer.zero_grad(set_to_none=True)  # skip: no update from a non-finite step
+        st["skipped_steps"] += 1
+        st["bad_in_a_row"] += 1
+    else:
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        st["bad_in_a_row"] = 0
+    spike = run.spikes.update(step, loss_val)
+    rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
+    if aux is not None:
+        rec["aux_loss"] = float(D.reduce_mean(aux_sum, info))
+    if stats_step and aux is not None:
+        rec["moe"] = _moe_record(raw)  # read before the probe forward below adds to the counts
+    if stats_step:
+        rec["update_ratio"] = update_weight_ratio(raw, before, sharded=info.mode == "fsdp" and info.distributed)
+        if run.layers:
+            x0 = mine[:run.micro, :-1]
+            with autocast_for(info.device, cfg.precision):
+                acts = max_activation_per_layer(raw, run.layers, lambda: raw(input_ids=x0))
+            rec["max_act"] = D.reduce_max(acts, info)
+    # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after the
+    # train-mode probe forward above, so it does not leak into the next step's load-balancing loss)
+    reset_moe_balance(raw)
+    st["step"] = step + 1
+    st["tokens"] += run.tokens_per_step
+    st["last_loss"] = loss_val
+    return rec
+
+
+def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
+    """Periodic eval, the log line, the divergence stop and periodic checkpoints, after step rec["step"]."""
+    cfg, st, step = run.cfg, run.st, rec["step"]
+    if cfg.eval_every and st["step"] % cfg.eval_every == 0 and st["step"] < cfg.steps:
+        st["val"] = _evaluate(run)
+        rec["val"] = st["val"]
+    dt = time.perf_counter() - t0
+    st["wall_time"] = time.perf_counter() - t_start
+    rec["tokens"] = st["tokens"]
+    rec["tokens_per_s"] = run.tokens_per_step / max(dt, 1e-9)
+    _log_step(run, rec)
+    if st["bad_in_a_row"] >= cfg.max_bad_steps:
+        st["diverged"] = True
+        st["stop_reason"] = (f"stopped: {st['bad_in_a_row']} non-finite steps in a row at step {step} "
+                             f"(max_bad_steps={cfg.max_bad_steps}); lower the LR or check the data")
+        if run.info.is_main:
+            print(f"gattn train: {st['stop_reason']}", flush=True)
+        return
+    if cfg.ckpt_every and st["step"] % cfg.ckpt_every == 0 and st["step"] < cfg.steps:
+        _save_checkpoint(run, st["step"])
+
+
+def _evaluate(run: _Run) -> dict:
+    cfg = run.cfg
+    res = domain_losses(run.raw, run.source, seq_len=cfg.seq_len, max_batches=cfg.eval_batches,
+                        batch_size=cfg.eval_batch_size, device=run.info.device, precision=cfg.precision)
+    return res["losses"]
+
+
+# ---------------------------------------------------------------- logging
+
+def _open_logs(run: _Run) -> None:
+    """log.jsonl (appended: a resumed run continues it), TensorBoard and the progress bar, on rank 0."""
+    main = run.info.is_main
+    run.tb = _TB(run.out, run.cfg.tensorboard and main)
+    if run.cfg.progress and main:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, initial=st["step"], unit="step", dynamic_ncols=True)
-    per_rank = cfg.batch_size // info.world_size
-    micro = per_rank // cfg.grad_accum
-    tokens_per_step = cfg.batch_size * cfg.seq_len
-    kill_at = int(os.environ.get("GATTN_TEST_KILL_AT_STEP", "-1"))
-    log_fh = open(log_path, "a") if info.is_main else None
-    last_ckpt_step = -1
+        run.bar = tqdm(total=run.cfg.steps, initial=run.st["step"], unit="step", dynamic_ncols=True)
+    run.log_fh = open(run.log_path, "a") if main else None
 
-    def evaluate() -> dict:
-        res = domain_losses(raw, source, seq_len=cfg.seq_len, max_batches=cfg.eval_batches,
-                            batch_size=cfg.eval_batch_size, device=info.device, precision=cfg.precision)
-        return res["losses"]
 
-    def save_checkpoint(next_step: int) -> None:
-        msd, osd = _full_state(raw, optimizer)  # collective
-        tmp = ckpt_mod.tmp_dir_for(out, next_step)
+def _log_step(run: _Run, rec: dict) -> None:
+    if not run.info.is_main:
+        return
+    run.log_fh.write(jsonl_line(rec))  # strict JSON: a NaN loss is null + "nonfinite"
+    run.log_fh.flush()
+    run.tb.log(rec["step"], {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
+    if run.bar is not None:
+        run.bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
+        run.bar.update(1)
 
-        def on_main(fn):  # run on rank 0; every rank raises if it failed (no rank left waiting in a barrier)
-            err = None
-            if info.is_main:
-                try:
-                    fn()
-                except Exception as exc:
-                    err = exc
-            D.agree(info, err)
 
-        meta = {"state": dict(st), "spikes": spikes.state_dict(), "world_size": info.world_size,
-                "config": cfg.to_dict()}
-        on_main(lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta}))
-        err = None
-        try:
-            ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})
-        except Exception as exc:
-            err = exc
-        D.agree(info, err)
-        on_main(lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(out, next_step, cfg.keep_checkpoints)))
+def _close_logs(run: _Run) -> None:
+    if run.bar is not None:
+        run.bar.close()
+    if run.log_fh is not None:
+        run.log_fh.close()
+    run.tb.close()
 
-    t_start = time.perf_counter() - st["wall_time"]
-    while st["step"] < cfg.steps:
-        step = st["step"]
-        t0 = time.perf_counter()
-        lr = lr_for(cfg, step)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        batch = source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step)  # (B, T+1), same on every rank
-        mine = batch[info.rank * per_rank:(info.rank + 1) * per_rank].to(info.device)  # (B/N, T+1)
-        stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
-        before = snapshot_params(raw) if stats_step else None
-        loss_sum = torch.zeros((), device=info.device)
-        aux_sum = torch.zeros((), device=info.device)
-        for i in range(cfg.grad_accum):
-            chunk = mine[i * micro:(i + 1) * micro]  # (b, T+1)
-            x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T) each
-            last = i == cfg.grad_accum - 1
-            sync = nullcontext()
-            if info.distributed and info.mode == "ddp" and not last:
-                sync = model.no_sync()  # all-reduce only on the last micro-batch
-            elif info.distributed and info.mode == "fsdp":
-                model.set_requires_gradient_sync(last)
-            with sync:
-                with autocast_for(info.device, cfg.precision):
-                    out_ = fwd(input_ids=x, shift_labels=y, fused_loss=True) if fused_loss else fwd(input_ids=x)
-                aux = getattr(out_, "aux_loss", None)
-                if fused_loss:  # out_.loss = CE + aux already; the CE alone is what gets logged
-                    total = out_.loss
-                    loss = total - aux.float() if aux is not None else total
-                else:
-                    logits = out_.logits  # (b, T, V)
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                    total = loss + (aux.float() if aux is not None else 0.0)
-                if step in cfg.inject_nan_steps:
-                    total = total * float("nan")
-                (total / cfg.grad_accum).backward()
-            loss_sum += loss.detach() / cfg.grad_accum
-            if aux is not None:
-                aux_sum += aux.detach().float() / cfg.grad_accum
-            if step in cfg.inject_nan_steps:
-                loss_sum = loss_sum * float("nan")
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        loss_val = float(D.reduce_mean(loss_sum, info))
-        bad = not (math.isfinite(loss_val) and math.isfinite(grad_norm))
-        if bad:
-            optimizer.zero_grad(set_to_none=True)  # skip: no update from a non-finite step
-            st["skipped_steps"] += 1
-            st["bad_in_a_row"] += 1
-        else:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            st["bad_in_a_row"] = 0
-        spike = spikes.update(step, loss_val)
-        rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
-        if aux is not None:
-            rec["aux_loss"] = float(D.reduce_mean(aux_sum, info))
-        if stats_step and aux is not None:
-            rec["moe"] = _moe_record(raw)  # read before the probe forward below adds to the counts
-        if stats_step:
-            rec["update_ratio"] = update_weight_ratio(raw, before, sharded=info.mode == "fsdp" and info.distributed)
-            if layers:
-                x0 = mine[:micro, :-1]
-                with autocast_for(info.device, cfg.precision):
-                    acts = max_activation_per_layer(raw, layers, lambda: raw(input_ids=x0))
-                rec["max_act"] = D.reduce_max(acts, info)
-        # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after the
-        # train-mode probe forward above, so it does not leak into the next step's load-balancing loss)
-        reset_moe_balance(raw)
-        st["step"] = step + 1
-        st["tokens"] += tokens_per_step
-        st["last_loss"] = loss_val
-        if cfg.eval_every and st["step"] % cfg.eval_every == 0 and st["step"] < cfg.steps:
-            st["val"] = evaluate()
-            rec["val"] = st["val"]
-        dt = time.perf_counter() - t0
-        st["wall_time"] = time.perf_counter() - t_start
-        rec["tokens"] = st["tokens"]
-        rec["tokens_per_s"] = tokens_per_step / max(dt, 1e-9)
-        if info.is_main:
-            log_fh.write(jsonl_line(rec))
-            log_fh.flush()
-            tb.log(step, {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
-            if bar is not None:
-                bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}", refresh=False)
-                bar.update(1)
-        if st["bad_in_a_row"] >= cfg.max_bad_steps:
-            st["diverged"] = True
-            st["stop_reason"] = (f"stopped: {st['bad_in_a_row']} non-finite steps in a row at step {step} "
-                                 f"(max_bad_steps={cfg.max_bad_steps}); lower the LR or check the data")
-            if info.is_main:
-                print(f"gattn train: {st['stop_reason']}", flush=True)
-            break
-        if cfg.ckpt_every and st["step"] % cfg.ckpt_every == 0 and st["step"] < cfg.steps:
-            save_checkpoint(st["step"])
-            last_ckpt_step = st["step"]
-        if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
 
-    if bar is not None:
-        bar.close()
-    if log_fh is not None:
-        log_fh.close()
-    tb.close()
-    st["val"] = evaluate()
-    st["wall_time"] = time.perf_counter() - t_start
-    if last_ckpt_step != st["step"]:
-        save_checkpoint(st["step"])
-    msd, _ = _full_state(raw, optimizer) if info.distributed else (None, None)
-    summary, err = None, None
+# ---------------------------------------------------------------- checkpointing and the end of the run
+
+def _save_checkpoint(run: _Run, next_step: int) -> None:
+    """An exact-resume checkpoint (collective): shared state by rank 0, each rank's RNG, then an atomic commit."""
+    info = run.info
+    msd, osd = _full_state(run.raw, run.optimizer)  # collective
+    tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
+    meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
+            "config": run.cfg.to_dict()}
+    # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
+    _on_main(info, lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd},
+                                                      "meta.json": meta}))
+    err = None
+    try:
+        ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})
+    except Exception as exc:
+        err = exc
+    D.agree(info, err)
+    _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
+                                                                          run.cfg.keep_checkpoints)))
+    run.last_ckpt_step = next_step
+
+
+def _on_main(info: D.DistInfo, fn) -> None:
+    """Run `fn` on rank 0; every rank raises if it failed (no rank left waiting in a barrier)."""
+    err = None
     if info.is_main:
         try:
-            _export_final(raw, msd, source, out / "final")
-            summary = _summary(cfg, st, spikes, log_path)
-            atomic_write_json(out / "summary.json", summary)
+            fn()
         except Exception as exc:
             err = exc
     D.agree(info, err)
-    return summary if summary is not None else {}
+
+
+def _finish(run: _Run, t_start: float) -> dict:
+    """Final eval, a last checkpoint if the final step has none, the exported model and summary.json."""
+    _close_logs(run)
+    st, info = run.st, run.info
+    st["val"] = _evaluate(run)
+    st["wall_time"] = time.perf_counter() - t_start
+    if run.last_ckpt_step != st["step"]:
+        _save_checkpoint(run, st["step"])
+    msd, _ = _full_state(run.raw, run.optimizer) if info.distributed else (None, None)
+    box = {}
+
+    def export():
+        _export_final(run.raw, msd, run.source, run.out / "final")
+        box["summary"] = _summary(run.cfg, st, run.spikes, run.log_path)
+        atomic_write_json(run.out / "summary.json", box["summary"])  # strict JSON
+
+    _on_main(info, export)
+    return box.get("summary") or {}
 
 
 def _moe_record(model: nn.Module) -> dict | None:
@@ -500,14 +556,10 @@ def _moe_record(model: nn.Module) -> dict | None:
 
 
 def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> None:
-    """save_pretrained (plus the tokenizer when there is one) into a temp folder, then rename into place."""
-    import shutil
-
+    """save_pretrained (plus the tokenizer when there is one) into a temp folder, then swapped into place."""
     if not hasattr(raw, "save_pretrained"):
         return  # stand-in test models
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with atomic_dir(dest, overwrite=True) as tmp:
         if full_sd is not None:  # sharded/replicated: rebuild a plain model from the gathered weights
             plain = type(raw)(raw.config)
             plain.load_state_dict(full_sd)
@@ -518,15 +570,6 @@ def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> N
             from gated_attention.data import save_tokenizer
 
             save_tokenizer(source.tokenizer, tmp)
-    except BaseException:  # e.g. a full disk: no half-written temp folder left, the previous final/ untouched
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = dest.with_name(f".{dest.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        os.rename(dest, old)  # the old copy goes only after the new one is in place
-    os.rename(tmp, dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _summary(cfg: TrainConfig, st: dict, spikes: SpikeDetector, log_path: Path) -> dict:

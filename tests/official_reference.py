@@ -2,7 +2,7 @@
 
 The official code is not available offline (and does not import under transformers 5.x), so the parity tests compare
 converted checkpoints against this function instead. It works directly on an official-format config dict and state
-dict and follows SPEC §1.3 step by step, sharing no code with the native model or the converter:
+dict and follows paper map §1.3 step by step, sharing no code with the native model or the converter:
   fused q_proj output viewed per KV group and split [G*D | G*gw] (the official `view(b, s, KV, -1)` + `split`),
   QK-norm (fp32 RMSNorm, cast back, * weight) before RoPE, default rotate_half RoPE over the full head_dim,
   repeat_interleave for GQA, eager softmax in fp32 with a causal mask, `y * sigmoid(gate)` on the (b, s, H, D) layout,

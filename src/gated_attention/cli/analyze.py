@@ -4,18 +4,18 @@ Writes OUT/analysis.json (schema: analyze.SCHEMA, also in the README) and PNG pl
 """
 from __future__ import annotations
 
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
-from .analyze import AnalysisConfig, analyze_model, bos_id, load_model, load_tokenizer, token_batches
+from ..io import atomic_write_text
+from ..analysis.analyze import AnalysisConfig, analyze_model, bos_id, load_model, load_tokenizer, token_batches
 
 
-def configure(p: argparse.ArgumentParser) -> None:
-    from gated_attention import errors as E  # argparse types: numbers/paths checked where they enter
-
+def configure_analyze(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_dir", type=E.existing_dir, help="local model directory (ours or any HF transformer with config.json)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", type=E.existing_file, help="a UTF-8 text file to analyse on")
@@ -43,14 +43,12 @@ def _tokens(args, tok):
         return tok(text, add_special_tokens=False)["input_ids"]
     if not args.data_dir:
         raise ValueError("--domain needs --data-dir (the prepared corpus directory)")
-    try:
-        from ..data import Corpus
-    except ImportError as exc:
-        raise ValueError("--domain needs gated_attention.data.Corpus, which this install lacks; use --text") from exc
+    from ..data import Corpus
+
     return Corpus(args.data_dir).tokens(args.domain, "val")
 
 
-def run(args) -> int:
+def run_analyze(args) -> int:
     for name in ("seq_len", "batches", "batch_size", "map_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -69,17 +67,16 @@ def run(args) -> int:
     result = {"model": str(args.model_dir), **analyze_model(model, batches, cfg, kind)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from ..io import atomic_write_json, json_dumps, nonfinite_paths
+    from ..io import json_dumps, nonfinite_paths
 
     bad = nonfinite_paths({k: v for k, v in result.items() if k != "attention_maps"})
     if bad:  # reported, not hidden: the JSON holds null + "nonfinite", stderr says where
         result["nonfinite_metrics"] = bad
         print(f"gattn analyze: warning: {len(bad)} non-finite metric(s) (the model produced NaN/Inf): "
               f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}", file=sys.stderr)
-
     text = json_dumps(result, indent=1)  # strict JSON: a NaN metric is null + "nonfinite", never a bare NaN
-    atomic_write_json(out / "analysis.json", result)
-    from .plots import plot_all
+    atomic_write_text(out / "analysis.json", text)
+    from ..analysis.plots import plot_all
     plot_all(result, out, label=Path(args.model_dir).name)
     if args.json:
         print(text)

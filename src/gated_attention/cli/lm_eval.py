@@ -6,7 +6,7 @@ and `trust_remote_code` would need modelling code shipped inside every checkpoin
 (registering the Auto classes) and then hands its arguments, unchanged, to lm-eval's own CLI in the same process.
 
     gattn lm-eval run --model hf --model_args pretrained=RUN/final,dtype=float32 --tasks TASK --device cpu
-    python -m gated_attention.lm_eval_cli --model hf ...   # the same, with lm-eval's legacy form (no `run`)
+    python -m gated_attention.cli.lm_eval --model hf ...   # the same, with lm-eval's legacy form (no `run`)
 
 (Under `gattn`, the first word must be an lm-eval subcommand, `run`, `ls` or `validate`: gattn's argument parser
 would otherwise read `--model` as one of its own options.) From Python: `import gated_attention` first, then call
@@ -22,7 +22,7 @@ import sys
 LM_EVAL_SUBCOMMANDS = ("run", "ls", "validate")
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
+def configure_lm_eval(parser: argparse.ArgumentParser) -> None:
     parser.usage = "gattn lm-eval {run,ls,validate} [lm-eval options ...]"
     parser.add_argument("lm_eval_args", nargs=argparse.REMAINDER,
                         help="passed unchanged to lm-eval: a subcommand (run, ls, validate) then its options, e.g. "
@@ -49,13 +49,13 @@ def lm_eval_main(argv: list[str]) -> int:
     return 0
 
 
-def run(args) -> int:
+def run_lm_eval(args) -> int:
     argv = list(args.lm_eval_args)
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv or argv[0] not in LM_EVAL_SUBCOMMANDS:
         raise ValueError("start with an lm-eval subcommand: gattn lm-eval run --model hf --model_args pretrained=DIR "
-                         "--tasks TASK ... (or use: python -m gated_attention.lm_eval_cli --model hf ...)")
+                         "--tasks TASK ... (or use: python -m gated_attention.cli.lm_eval --model hf ...)")
     return lm_eval_main(argv)
 
 

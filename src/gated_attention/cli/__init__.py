@@ -1,0 +1,70 @@
+"""The `gattn` command: a thin table of subcommands over library functions (the CLI layer, the top of the package).
+
+Each entry names the module of its command group here in `cli/`, which defines `configure_<name>(parser)` (adds the
+options, each with help text) and `run_<name>(args) -> int` (`-` in a command name becomes `_`). Group modules are
+imported only when one of their subcommands runs (the package itself, gated_attention/__init__, always
+loads transformers and the model to register the Auto classes). Nothing below the CLI layer imports
+from this package (tests/test_architecture.py checks it).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import Parser, handle
+
+# name -> (module, one-line help). Adding a subcommand = one row here + configure_<name>/run_<name> in the module.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "gates": ("gated_attention.cli.model", "List every gate variant and baseline with the parameters it adds."),
+    "demo": ("gated_attention.cli.model", "Build a tiny gated model and generate a few tokens (smoke demo)."),
+    "data": ("gated_attention.cli.data", "Prepare the offline corpus + BPE tokenizer (prepare), show its manifest (info)."),
+    "train": ("gated_attention.cli.train", "Train a model (preset + --set overrides); also under torchrun with DDP/FSDP2."),
+    "sweep": ("gated_attention.cli.train", "Train a grid of gates x learning rates and tabulate loss, spikes, divergence."),
+    "eval": ("gated_attention.cli.train", "Per-domain and average perplexity and loss-by-position of a trained model."),
+    "convert": ("gated_attention.cli.interop", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
+    "retrofit": ("gated_attention.cli.interop", "Add a gate to a trained ungated checkpoint (identity or random init)."),
+    "lm-eval": ("gated_attention.cli.lm_eval", "Run lm-evaluation-harness (`lm-eval run --model hf ...`) on our checkpoints."),
+    "analyze": ("gated_attention.cli.analyze", "Measure attention sinks, massive activations and gate statistics of a model."),
+    "compare": ("gated_attention.cli.compare", "Train baseline vs gated variants, analyse them, write a Table-4 style report."),
+    "extend": ("gated_attention.cli.longctx", "Extend a checkpoint's context without training (linear / dynamic / YaRN RoPE)."),
+    "ruler": ("gated_attention.cli.longctx", "RULER-style long-context scores by length: JSON, table and plot."),
+    "longctx": ("gated_attention.cli.longctx", "Table 5 in small: train baseline/gated at L, YaRN x4, RULER + PPL to 4L."),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gattn",
+        description="Gated attention for LMs (Qiu et al. 2025): models, training, analysis, long context.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.print_usage(sys.stderr)
+            print(f"gattn: unknown command {argv[0]!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
+        parser.print_help()
+        return 0
+    name = argv[0]
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown our own progress output
+    module = importlib.import_module(COMMANDS[name][0])
+    attr = name.replace("-", "_")
+    sub = Parser(prog=f"gattn {name}", description=COMMANDS[name][1])  # one-line argparse errors, exit 2
+    getattr(module, f"configure_{attr}")(sub)
+    args = sub.parse_args(argv[1:])
+    try:
+        return int(getattr(module, f"run_{attr}")(args) or 0)
+    except Exception as exc:  # user errors: one line `gattn CMD: error: ...`, exit 2; bugs re-raise (errors.handle)
+        return handle(name, exc)
+

@@ -1,0 +1,39 @@
+"""`gattn compare`: train the baseline and gated variants, analyse them, write the Table-4 style report."""
+from __future__ import annotations
+
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
+import argparse
+import sys
+from pathlib import Path
+
+from .. import compare
+from .. import compare_report as report
+
+
+def configure_compare(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
+                        help=f"prepared corpus folder; prepared automatically if missing (default: the budget's, "
+                             f"{compare.DEFAULT_DATA_DIR} with the 8k vocabulary, or data_v1k for --budget long)")
+    parser.add_argument("--out", type=E.out_dir, default="runs/compare",
+                        help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
+                             "(default runs/compare; a re-run reuses finished runs)")
+    parser.add_argument("--budget", default="default", choices=list(compare.BUDGETS),
+                        help="; ".join(f"{k}: {v.help}" for k, v in compare.BUDGETS.items()))
+    parser.add_argument("--variants", nargs="+", default=list(compare.DEFAULT_VARIANTS), metavar="NAME",
+                        help=f"gate variants to train, first one is the reference (default: {' '.join(compare.DEFAULT_VARIANTS)}; "
+                             "names from `gattn gates`)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a training setting for every variant (e.g. steps=3000, lr=1e-2, "
+                             "model.num_hidden_layers=6); repeatable")
+
+
+def run_compare(args) -> int:
+    from ..io import lock_dir
+
+    with lock_dir(args.out, "gattn compare"):  # one writer per output folder
+        res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(report.render_table(res))
+    print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
+    return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

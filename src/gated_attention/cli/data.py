@@ -1,0 +1,80 @@
+"""`gattn data prepare | info`: build (or reuse) the offline corpus, or print a prepared corpus' manifest."""
+from __future__ import annotations
+
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..data import SOURCES, Corpus, PrepareConfig, prepare
+
+
+def configure_data(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    p = sub.add_parser("prepare", help="Build (or reuse) the corpus, tokenizer and token files in a data dir.")
+    d = PrepareConfig()
+    p.add_argument("--data-dir", default=d.data_dir,
+                   help=f"where everything is written and cached (default {d.data_dir})")
+    p.add_argument("--vocab-size", type=E.positive_int, default=d.vocab_size, help=f"BPE vocabulary size (default {d.vocab_size})")
+    p.add_argument("--sources", nargs="*", default=list(d.sources), choices=list(SOURCES), metavar="SOURCE",
+                   help=f"built-in sources to include (default all: {' '.join(SOURCES)}); give none for --extra only")
+    p.add_argument("--extra", nargs="+", default=[], metavar="PATH",
+                   help="your own text/JSONL files or folders; each becomes a domain named after it (JSONL: 'text')")
+    p.add_argument("--val-fraction", type=float, default=d.val_fraction,
+                   help=f"share of chunks per domain held out for validation (default {d.val_fraction})")
+    p.add_argument("--seed", type=E.nonneg_int, default=d.seed, help=f"seed of the train/val split hash (default {d.seed})")
+    p.add_argument("--chunk-chars", type=E.positive_int, default=d.chunk_chars,
+                   help=f"documents are cut into chunks of about this many characters for the split "
+                        f"(default {d.chunk_chars})")
+    p.add_argument("--force", action="store_true", help="rebuild everything instead of reusing the cache")
+    i = sub.add_parser("info", help="Print the manifest of a prepared data dir as a table.")
+    i.add_argument("--data-dir", default=d.data_dir, help=f"prepared data dir (default {d.data_dir})")
+    i.add_argument("--verify", action="store_true", help="also recompute and check every sha256 in the manifest")
+    i.add_argument("--json", action="store_true", help="print the raw manifest JSON instead of a table")
+
+
+def format_manifest(manifest: dict[str, Any]) -> str:
+    rows = [("domain", "MB", "docs", "chunks t/v", "train tok", "val tok", "licence")]
+    tot_b = tot_t = tot_v = 0
+    for name, e in manifest["domains"].items():
+        rows.append((name, f"{e['bytes'] / 1e6:.2f}", str(e["documents"]),
+                     f"{e['chunks']['train']}/{e['chunks']['val']}", f"{e['tokens']['train']:,}",
+                     f"{e['tokens']['val']:,}", e["licence"][:48]))
+        tot_b, tot_t, tot_v = tot_b + e["bytes"], tot_t + e["tokens"]["train"], tot_v + e["tokens"]["val"]
+    rows.append(("TOTAL", f"{tot_b / 1e6:.2f}", "", "", f"{tot_t:,}", f"{tot_v:,}", ""))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) if c in (0, 6) else cell.rjust(w) for c, (cell, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    lines.append(f"vocab {manifest['vocab_size']} ({manifest['dtype']}), split seed {manifest['seed']}, "
+                 f"val fraction {manifest['val_fraction']}, built in {manifest.get('build_seconds', '?')}s")
+    for name, e in manifest["domains"].items():
+        if e.get("replaced_chars"):
+            lines.append(f"note: {name}: {e['replaced_chars']} invalid UTF-8 sequences were replaced with U+FFFD")
+        if e.get("warning"):
+            lines.append(f"warning: {name}: {e['warning']}")
+        for f in e.get("skipped_files", []):
+            lines.append(f"skipped file in {name}: {f}")
+    for name, why in manifest.get("skipped", {}).items():
+        lines.append(f"skipped {name}: {why}")
+    return "\n".join(lines)
+
+
+def run_data(args: argparse.Namespace) -> int:
+    if args.action == "prepare":
+        cfg = PrepareConfig(data_dir=args.data_dir, vocab_size=args.vocab_size, sources=tuple(args.sources),
+                            extra=tuple(args.extra), val_fraction=args.val_fraction, seed=args.seed,
+                            chunk_chars=args.chunk_chars, force=args.force)
+        print(format_manifest(prepare(cfg)))
+        return 0
+    corpus = Corpus(args.data_dir)
+    print(json.dumps(corpus.manifest, indent=2) if args.json else format_manifest(corpus.manifest))
+    if args.verify:
+        problems = corpus.verify()
+        for p in problems:
+            print(f"verify: {p}", file=sys.stderr)
+        print("verify: all checksums match" if not problems else f"verify: {len(problems)} problem(s)")
+        return 1 if problems else 0
+    return 0

@@ -1,0 +1,48 @@
+"""Interop commands: `gattn convert` (checkpoint layouts) and `gattn retrofit` (add a gate to an ungated checkpoint)."""
+from __future__ import annotations
+
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
+import argparse
+
+from ..convert import FORMATS, convert_checkpoint
+from ..retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
+
+
+def configure_convert(parser) -> None:
+    parser.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("dst", type=E.out_dir, help="destination directory (written atomically; must not exist unless --overwrite)")
+    parser.add_argument("--from", dest="src_format", required=True, choices=FORMATS,
+                        help="layout of SRC: official (qiuzh20/gated_attention), qwen3 / qwen3-moe (stock HF "
+                             "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms) or native")
+    parser.add_argument("--to", dest="dst_format", default="native", choices=FORMATS,
+                        help="layout to write (default: native, loadable with AutoModelForCausalLM after "
+                             "`import gated_attention`)")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it already exists")
+
+
+def run_convert(args) -> int:
+    out = convert_checkpoint(args.src, args.dst, args.src_format, args.dst_format, overwrite=args.overwrite)
+    print(f"wrote {args.dst_format} checkpoint to {out}")
+    return 0
+
+
+def configure_retrofit(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("ckpt", help="trained UNGATED checkpoint dir (native, e.g. RUN/final; or stock Qwen3 / "
+                                     "Qwen3-MoE / ungated official), config.json + *.safetensors")
+    parser.add_argument("--gate", required=True, help="gate to add (a name from `gattn gates`, e.g. sdpa_elementwise)")
+    parser.add_argument("--init", required=True, choices=INITS,
+                        help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
+                             "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="destination dir (native checkpoint, written atomically)")
+    parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
+                        help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> official)")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="seed of the random gate init (ignored by identity)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
+
+
+def run_retrofit(args) -> int:
+    out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
+    print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
+          f"gattn train --gate {args.gate} --set init_from={out} --out RUN ...")
+    return 0

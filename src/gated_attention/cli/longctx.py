@@ -1,0 +1,164 @@
+"""Long-context commands: `gattn extend` (RoPE scaling, optional fine-tune), `gattn ruler` (RULER scores of a
+checkpoint: OUT/ruler.json, a task x length table, OUT/ruler.png) and `gattn longctx` (the Table 5 pipeline)."""
+from __future__ import annotations
+
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
+import dataclasses
+import json
+from pathlib import Path
+
+from ..io import atomic_write_json
+from ..longctx import extend, pipeline, ruler
+from ..train.retrieval_mix import check_mix_tasks
+
+
+# ---------------------------------------------------------------- gattn extend
+
+def configure_extend(parser) -> None:
+    parser.add_argument("dir", type=E.existing_dir, help="source HF checkpoint directory (config.json with rope_parameters)")
+    parser.add_argument("--method", choices=extend.METHODS, default="yarn", help="RoPE scaling method (default: yarn)")
+    parser.add_argument("--factor", type=E.positive_float, default=4.0, help="context extension factor, >= 1 (default: 4)")
+    parser.add_argument("--rope-theta", type=E.positive_float, default=None,
+                        help="new RoPE base (e.g. 1e6, the paper's base change); default: keep the checkpoint's")
+    parser.add_argument("--original-max-position-embeddings", type=E.positive_int, default=None,
+                        help="trained context length; default: the checkpoint's max_position_embeddings")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="destination directory for the extended checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it already has files")
+    parser.add_argument("--finetune-steps", type=E.nonneg_int, default=0,
+                        help="continue training the extended model for N steps at --seq-len (0 = training-free); "
+                             "the run (log, checkpoints) goes to OUT.finetune/ and resumes there if killed")
+    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length for --finetune-steps (tokens)")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
+                        help="corpus for --finetune-steps (default: the source run's, else ./data)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="training override for --finetune-steps, as in `gattn train --set` (e.g. lr=1e-3); "
+                             "repeatable")
+
+
+def run_extend(args) -> int:
+    from ..io import lock_dir
+
+    if args.finetune_steps:
+        with lock_dir(args.out, "gattn extend"):  # one writer per output folder
+            res = extend.finetune_checkpoint(args.dir, args.out, args.finetune_steps, args.seq_len, args.method,
+                                             args.factor, args.rope_theta, args.original_max_position_embeddings,
+                                             args.data_dir, args.sets, args.overwrite)
+        print(f"wrote {args.out}: rope_parameters={json.dumps(res['config']['rope_parameters'])}, fine-tuned "
+              f"{res['steps']} steps at {args.seq_len} tokens (final loss {res['final_loss']:.4f}; run in "
+              f"{res['run_dir']})")
+        return 0
+    if args.seq_len is not None or args.sets:
+        raise ValueError("--seq-len and --set only apply with --finetune-steps N")
+    with lock_dir(args.out, "gattn extend"):  # one writer per output folder
+        new = extend.extend_checkpoint(args.dir, args.out, args.method, args.factor, args.rope_theta,
+                                       args.original_max_position_embeddings, args.overwrite)
+    print(f"wrote {args.out}: rope_parameters={json.dumps(new['rope_parameters'])} "
+          f"max_position_embeddings={new['max_position_embeddings']}")
+    return 0
+
+
+# ---------------------------------------------------------------- gattn ruler
+
+def configure_ruler(parser) -> None:
+    parser.add_argument("dir", type=E.existing_dir, help="HF checkpoint directory (model + tokenizer)")
+    parser.add_argument("--lengths", type=E.positive_int, nargs="+", required=True, help="target prompt lengths in tokens")
+    parser.add_argument("--tasks", nargs="+", default=list(ruler.NO_CORPUS_TASKS), choices=list(ruler.TASKS),
+                        metavar="TASK", help=f"tasks (default: all that need no corpus). Valid: {', '.join(ruler.TASKS)}")
+    parser.add_argument("--samples", type=E.positive_int, default=10, help="samples per task and length (default: 10)")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="output directory for ruler.json and ruler.png")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="sample seed (same seed = same prompts)")
+    parser.add_argument("--max-new-tokens", type=E.positive_int, default=None,
+                        help="generation budget; default: per task family (niah 64, vt 32, cwe 96, fwe 40, passkey 16)")
+    parser.add_argument("--haystack-file", type=E.existing_file, default=None,
+                        help="text file used as the haystack of the corpus tasks (niah_single_2/3, multikey_1, ...)")
+    parser.add_argument("--metric", choices=list(ruler.METRICS), default="all",
+                        help="string match: all = fraction of answers found (RULER default), part = any found")
+    parser.add_argument("--device", default="cpu", help="torch device for the model (default: cpu)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="model dtype (default: float32)")
+
+
+def run_ruler(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import gated_attention  # noqa: F401  (registers the gated model classes with the Auto factories)
+
+    from ..io import check_hf_dir
+
+    check_hf_dir(args.dir)  # a folder, config.json parses, weights present and intact (else one line)
+    corpus = Path(args.haystack_file).read_text(encoding="utf-8") if args.haystack_file else None
+    tokenizer = AutoTokenizer.from_pretrained(args.dir)
+    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=getattr(torch, args.dtype)).to(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def progress(task, length, value):
+        print(f"  {task} @ {length}: {value:.1f}", flush=True)
+
+    result = ruler.evaluate(model, tokenizer, args.tasks, args.lengths, args.samples, args.max_new_tokens,
+                            args.seed, corpus=corpus, metric=args.metric, progress=progress)
+    result["config"]["checkpoint"] = str(args.dir)
+    result["config"]["rope_parameters"] = getattr(model.config, "rope_parameters", None)
+    atomic_write_json(out / "ruler.json", result, indent=2)
+    ruler.plot_scores(result, out / "ruler.png")
+    print(ruler.format_table(result))
+    print(f"wrote {out / 'ruler.json'} and {out / 'ruler.png'}")
+    return 0
+
+
+# ---------------------------------------------------------------- gattn longctx
+
+def budget_from_args(args) -> pipeline.Budget:
+    if args.budget not in pipeline.BUDGETS:
+        raise ValueError(f"unknown budget {args.budget!r}; valid: {', '.join(pipeline.BUDGETS)}")
+    b = pipeline.BUDGETS[args.budget]
+    changes = {k: getattr(args, k) for k in ("seq_len", "steps", "samples") if getattr(args, k, None) is not None}
+    if getattr(args, "tasks", None):
+        changes["mix_tasks"] = tuple(args.tasks)
+    if getattr(args, "retrieval_mix", None) is not None:
+        changes["retrieval_mix"] = args.retrieval_mix
+    b = dataclasses.replace(b, **changes)
+    check_mix_tasks(b.mix_tasks)
+    if b.seq_len < 2 or b.seq_len % 2:
+        raise ValueError(f"--seq-len {b.seq_len} must be an even number (evaluation starts at L/2)")
+    return b
+
+
+def configure_longctx(parser) -> None:
+    parser.add_argument("--budget", choices=list(pipeline.BUDGETS), default="default",
+                        help="cost preset: small (tiny model, seconds-minutes, for tests) or default (3-layer model on "
+                             "a 1k-vocab corpus, 2400 steps per model: ~35-50 min per model on a busy 2-core CPU; "
+                             "run one --gates per process in parallel into the same --out, then once with both to "
+                             "combine the cached stages)")
+    parser.add_argument("--out", type=E.out_dir, default="runs/longctx", help="output folder; finished stages in it are reused")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
+                        help="prepared corpus (gattn data prepare); default: the budget's (prepared if missing)")
+    parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"],
+                        help="gate variants to compare (default: baseline sdpa_elementwise)")
+    parser.add_argument("--factor", type=E.positive_int, default=4, help="YaRN extension factor, a power of two (default 4)")
+    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length L (default: the budget's)")
+    parser.add_argument("--steps", type=E.positive_int, default=None, help="training steps per model (default: the budget's)")
+    parser.add_argument("--samples", type=E.positive_int, default=None, help="RULER samples per task and length")
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
+                        help=f"RULER tasks trained on and scored (no-corpus ones: {', '.join(ruler.NO_CORPUS_TASKS)})")
+    parser.add_argument("--retrieval-mix", type=E.nonneg_float, default=None,
+                        help="fraction of training rows replaced by retrieval samples (default: the budget's)")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="training and sample seed")
+
+
+def longctx_lock_path(out, gates) -> Path:
+    """The folder `gattn longctx` locks: one per gate set inside --out."""
+    return Path(out) / ("gates-" + "+".join(sorted(gates)))
+
+
+def run_longctx(args) -> int:
+    from ..io import lock_dir
+
+    b = budget_from_args(args)
+    # one writer per gate set: two processes with the same --gates stop here; different --gates may share --out in
+    # parallel as documented (each training run folder has its own lock in train())
+    with lock_dir(longctx_lock_path(args.out, args.gates), "gattn longctx"):
+        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed)
+    return 0

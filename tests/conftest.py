@@ -1,0 +1,75 @@
+"""Shared fixtures (the plain functions behind them live in tests/harness.py, importable as `harness`)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import harness
+
+
+@pytest.fixture
+def tiny_model():
+    """Factory: tiny_model(gate="baseline", backend="sdpa", seed=0, **config_overrides) -> a tiny eval-mode LM."""
+    return harness.tiny_lm
+
+
+@pytest.fixture
+def gattn():
+    """Run `gattn ARGS...` in a subprocess: gattn("gates", "--json") -> CompletedProcess (text stdout/stderr)."""
+    return harness.run_gattn
+
+
+@pytest.fixture
+def gattn_main(capsys):
+    """Run `gattn ARGS...` in this process: gattn_main("gates", "--json") -> (exit code, stdout, stderr)."""
+    from gated_attention.cli import main
+
+    def run(*args):
+        rc = main([str(a) for a in args])
+        cap = capsys.readouterr()
+        return rc, cap.out, cap.err
+
+    return run
+
+
+@pytest.fixture
+def check_reference():
+    """assert_matches_reference(fast, reference, inputs, ...): a fast path's outputs and gradients vs its reference."""
+    return harness.assert_matches_reference
+
+
+WORDS = ("the of and to in is was that he it with as his on be at by had not are but from or have an they which one "
+         "you were her all she there would their we him been has when who will more no if out so said what up its "
+         "about into than them can only other new some could time these two may then do first any my now such like")
+
+
+def _prose(rng, n_par: int) -> str:
+    words = WORDS.split()
+    pars = []
+    for _ in range(n_par):
+        sents = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 14))).capitalize() + "."
+                 for _ in range(rng.randint(2, 5))]
+        pars.append(" ".join(sents))
+    return "\n\n".join(pars)
+
+
+def _code(rng, n_funcs: int) -> str:
+    out = []
+    for i in range(n_funcs):
+        a, b = rng.choice("xyzab"), rng.choice("uvwcd")
+        out.append(f"def f{i}({a}, {b}):\n    if {a} > {b}:\n        return {a} - {b}\n    return {a} * {rng.randint(1, 9)}\n")
+    return "\n\n".join(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    """A prepared two-domain corpus (prose, code) from generated text files, 300-token BPE: seconds to build."""
+    import random
+
+    rng = random.Random(0)
+    prose = {f"book{i}.txt": _prose(rng, 60) for i in range(4)}
+    code = {f"mod{i}.py": _code(rng, 80) for i in range(3)}
+    out = tmp_path_factory.mktemp("tiny_corpus") / "data"
+    return Path(harness.prepare_text_corpus(out, {"prose": prose, "code": code}, vocab_size=300, val_fraction=0.2,
+                                            chunk_chars=600))

@@ -1,0 +1,99 @@
+"""The shared test harness (plain functions; tests/conftest.py exposes them as fixtures too).
+
+  tiny_lm(gate, backend, seed, ...)          a tiny GatedQwen3ForCausalLM for any gate / baseline / backend / seed
+  prepare_text_corpus(out, domains, ...)     a prepared corpus (gattn data prepare) from in-memory texts, in seconds
+  run_gattn(*args, env=...)                  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
+  assert_matches_reference(fast, ref, ...)   a fast path against its plain reference: outputs AND input gradients
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+
+def tiny_lm(gate: str = "baseline", backend: str | None = "sdpa", seed: int | None = 0, preset: str = "tiny",
+            match_params: bool | None = False, eval: bool = True, perturb_norms: bool = False,
+            perturb_biases: bool = False, **overrides):
+    """A tiny model (presets `tiny` / `tiny-moe`) with `gate` and config `overrides` (e.g. baseline="sinks").
+
+    seed=None leaves the global RNG alone; backend=None keeps the default attention implementation;
+    match_params=None uses the preset rule (shrink the dense FFN for gated variants). perturb_norms / perturb_biases
+    move norm weights / biases off their init so a dropped or shifted tensor shows in a comparison."""
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.presets import model_config
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = GatedQwen3ForCausalLM(model_config(preset, gate, match_params=match_params, **overrides))
+    if perturb_norms or perturb_biases:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if perturb_norms and name.endswith("norm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
+                elif perturb_biases and name.endswith(".bias"):
+                    p.normal_(0, 0.05)
+    if eval:
+        model.eval()
+    if backend is not None:
+        model.set_attn_implementation(backend)
+    return model
+
+
+def prepare_text_corpus(out: str | Path, domains: dict[str, Sequence[str] | dict[str, str]], vocab_size: int = 300, *,
+                        src: str | Path | None = None, **prepare_kw) -> str:
+    """Write each domain's documents as text files (one folder per domain; a list names them doc0.txt, doc1.txt, ...,
+    a dict maps file name -> text) and prepare them into `out` with only these --extra domains (no built-in
+    sources). Returns str(out)."""
+    from gated_attention import data
+
+    out = Path(out)
+    src = Path(src) if src is not None else out.with_name(out.name + "_src")
+    folders = []
+    for name, docs in domains.items():
+        d = src / name
+        d.mkdir(parents=True, exist_ok=True)
+        files = docs if isinstance(docs, dict) else {f"doc{i}.txt": text for i, text in enumerate(docs)}
+        for fname, text in files.items():
+            (d / fname).write_text(text, encoding="utf-8")
+        folders.append(str(d))
+    data.prepare(data.PrepareConfig(data_dir=str(out), vocab_size=vocab_size, sources=(), extra=tuple(folders),
+                                    **prepare_kw))
+    return str(out)
+
+
+def run_gattn(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`gattn ARGS` as a separate process (inherits PYTHONPATH), text output captured."""
+    return subprocess.run([sys.executable, "-m", "gated_attention.cli", *map(str, args)],
+                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_matches_reference(fast: Callable, reference: Callable, inputs: Sequence[torch.Tensor],
+                             grad_wrt: Sequence[int] | None = None, upstream: torch.Tensor | float | None = None,
+                             rtol: float | None = None, atol: float | None = None):
+    """Call `fast(*inputs)` and `reference(*inputs)`, assert the outputs match, then backpropagate `upstream` (a
+    tensor shaped like the output, or a scalar factor; default: a fixed random tensor) through both and assert the
+    gradients w.r.t. inputs[i] for i in grad_wrt (default: every input that requires grad) match.
+    Returns (fast output, fast gradients) for further checks."""
+    out_f, out_r = fast(*inputs), reference(*inputs)
+    torch.testing.assert_close(out_f, out_r.to(out_f.dtype), rtol=rtol, atol=atol)
+    idx = [i for i, x in enumerate(inputs) if x.requires_grad] if grad_wrt is None else list(grad_wrt)
+    if not idx:
+        return out_f, ()
+    if upstream is None:
+        g = torch.Generator().manual_seed(1234)
+        upstream = torch.randn(out_f.shape, generator=g, dtype=out_f.dtype)
+    wrt = [inputs[i] for i in idx]
+    if isinstance(upstream, torch.Tensor):
+        grads_f = torch.autograd.grad(out_f, wrt, upstream)
+        grads_r = torch.autograd.grad(out_r, wrt, upstream.to(out_r.dtype))
+    else:
+        grads_f = torch.autograd.grad(upstream * out_f, wrt)
+        grads_r = torch.autograd.grad(upstream * out_r, wrt)
+    for i, a, b in zip(idx, grads_f, grads_r):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=rtol, atol=atol, msg=lambda m, i=i: f"grad of input {i}: {m}")
+    return out_f, grads_f

@@ -1,0 +1,48 @@
+"""Run `gattn` with SIGKILL fault injection, for the crash/resume tests (test-only code, kept out of the package).
+
+    python tests/kill_hooks.py train ...          (also as the script of `torchrun ... tests/kill_hooks.py train ...`)
+
+GATTN_TEST_KILL_AT_STEP=N       SIGKILL right after step N (0-based) is finished: logged, and checkpointed if due.
+GATTN_TEST_KILL_IN_CKPT_WRITE=N SIGKILL inside the N-th checkpoint write, after state.pt is written, before the rename.
+Both wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def install() -> None:
+    from gated_attention.train import checkpoint, trainer
+
+    kill_step = int(os.environ.get("GATTN_TEST_KILL_AT_STEP", "-1"))
+    if kill_step >= 0:
+        after_step = trainer._after_step
+
+        def _after_step(run, rec, *args, **kwargs):
+            after_step(run, rec, *args, **kwargs)
+            if rec["step"] == kill_step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer._after_step = _after_step
+    kill_write = int(os.environ.get("GATTN_TEST_KILL_IN_CKPT_WRITE", "0"))
+    if kill_write > 0:
+        write_files = checkpoint.write_files
+        done = [0]
+
+        def _write_files(tmp, files):
+            write_files(tmp, files)
+            if "state.pt" in files:
+                done[0] += 1
+                if done[0] == kill_write:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        checkpoint.write_files = _write_files
+
+
+if __name__ == "__main__":
+    install()
+    from gated_attention.cli import main
+
+    sys.exit(main(sys.argv[1:]))
