@@ -156,7 +156,7 @@ def test_extra_files_never_skipped_silently(tmp_path, capsys):
 
 
 def test_debug_traceback_and_bugs_still_raise(tmp_path, capsys, monkeypatch):
-    import gated_attention.gates_cli as gc
+    import gated_attention.cli.model as gc
 
     monkeypatch.setenv("GATTN_DEBUG", "1")
     assert main(["eval", str(tmp_path)]) == 2  # a user error: the line, plus the traceback on request
@@ -167,7 +167,7 @@ def test_debug_traceback_and_bugs_still_raise(tmp_path, capsys, monkeypatch):
     def bug(args):
         raise TypeError("an internal bug")
 
-    monkeypatch.setattr(gc, "run", bug)
+    monkeypatch.setattr(gc, "run_gates", bug)
     with pytest.raises(TypeError, match="internal bug"):  # bugs are not dressed up as user errors
         main(["gates"])
 
