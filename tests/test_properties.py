@@ -110,7 +110,7 @@ BAD_VALUES = ["nan", "inf", "-inf", "-1", "0", "-0.5", "1e999", "abc", "", "[1,"
 @given(sets=st.lists(st.tuples(st.sampled_from(SET_KEYS), st.sampled_from(BAD_VALUES)), min_size=1, max_size=3),
        eq=st.booleans())
 def test_set_overrides_space(sets, eq):
-    from gated_attention.train.cli import config_from_args
+    from gated_attention.train.config import config_from_args
 
     items = [f"{k}={v}" if eq else f"{k}{v}" for k, v in sets]
     try:
