@@ -3,14 +3,16 @@
 Every variant (config x implementation x eager/compile) and a bf16 GEMM (the machine's measured peak) are timed
 round-robin in one process; the JSON holds medians, tokens/s, gate overhead (gated / ungated step time, same
 implementation and mode), speed-up over transformers (same config and mode) and MFU (model FLOP/s over the best
-GEMM FLOP/s seen in the same run). `ours_fast` = fuse_qkv + fused sigmoid-mul + the chunked lm_head/cross-entropy
-(fast.chunked_lm_loss, what the trainer uses); `ours` = the plain reference layers and loss.
+GEMM FLOP/s seen in the same run). `ours_fast` = what `gattn train` runs by default: fuse_qkv(separate_params=True)
++ fused sigmoid-mul + the chunked lm_head/cross-entropy, and in compile mode the trainer's compiled decoder-layer
+graph (train/fastpath.py); `ours` = the plain reference layers and loss; transformers compiles the whole model.
 Run: python bench/bench_train.py [--batch 16 --seq 256 --reps 5 --modes eager,compile]
      python bench/bench_train.py --hidden 768 --heads 12 --kv-heads 4 --out train_d768   (MFU at a larger shape)
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 
 import common  # noqa: F401  (puts src/ on the path)
@@ -20,6 +22,8 @@ from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.fast import fuse_qkv
 from gated_attention.gates import get_gate
 from gated_attention.presets import model_config
+from gated_attention.train import fastpath
+from gated_attention.train.stability import decoder_layers
 from hf_reference import hf_from_ours
 
 CONFIGS = {  # label -> (gate, match_params)
@@ -43,12 +47,14 @@ def train_flops(cfg, batch: int, seq: int) -> float:
     return 3.0 * fwd_per_token * batch * seq
 
 
-def make_step(model, ids, fused_loss: bool = False):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def make_step(model, ids, fused_loss: bool = False, forward_ctx=None, params=None):
+    """One train step. forward_ctx: a context manager factory around the forward (the trainer's compiled layers)."""
+    opt = torch.optim.AdamW(params if params is not None else model.parameters(), lr=1e-4)
     kw = {"fused_loss": True} if fused_loss else {}
+    ctx = forward_ctx or contextlib.nullcontext
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), ctx():
             loss = model(input_ids=ids, labels=ids, use_cache=False, **kw).loss
         loss.backward()
         opt.step()
@@ -106,17 +112,23 @@ def main(argv=None) -> dict:
         for impl in impls:
             if impl == "ours":
                 models[impl] = ours
-            elif impl == "ours_fast":
-                models[impl] = fuse_qkv(copy.deepcopy(ours))
+            elif impl == "ours_fast":  # the trainer's layout: plain Parameters, one GEMM (train/fastpath.py)
+                models[impl] = fuse_qkv(copy.deepcopy(ours), separate_params=True)
             else:
                 models[impl] = hf_from_ours(ours).train()
         for impl, m in models.items():
             for mode in modes:
                 if mode == "compile" and impl not in args.compile_impls.split(","):
                     continue
-                run = torch.compile(m) if mode == "compile" else m
                 name = f"{label}|{impl}|{mode}"
-                fns[name] = make_step(run, ids, fused_loss=impl == "ours_fast")
+                if mode == "compile" and impl == "ours_fast":
+                    # what the trainer compiles (train/fastpath.py): one decoder-layer graph shared by every layer
+                    mc = copy.deepcopy(m)
+                    plan = fastpath.SpeedPlan(True, "true", 0, True, decoder_layers(mc), torch.device("cpu"))
+                    fns[name] = make_step(mc, ids, fused_loss=True, forward_ctx=plan.training_forward)
+                else:
+                    run = torch.compile(m) if mode == "compile" else m
+                    fns[name] = make_step(run, ids, fused_loss=impl == "ours_fast", params=m.parameters())
                 meta[name] = {"config": label, "gate": gate, "match_params": parity, "impl": impl, "mode": mode,
                               "params": sum(p.numel() for p in m.parameters()),
                               "intermediate_size": cfg.intermediate_size,
@@ -130,7 +142,8 @@ def main(argv=None) -> dict:
     for name, ts in times.items():
         m = meta[name]
         med = common.median(ts)
-        rows.append({**m, "name": name, "median_s": med, "times_s": ts, "tokens_per_s": tokens / med,
+        rows.append({**m, "name": name, "median_s": med, "times_s": ts, "rel_iqr": common.rel_spread(ts),
+                     "tokens_per_s": tokens / med,
                      "mfu": m["flops"] / med / peak})
     by = {r["name"]: r for r in rows}
     for r in rows:

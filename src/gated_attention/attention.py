@@ -3,7 +3,9 @@
 Order of operations (official code, paper map §1.3): q/k/v projections of the pre-normed input X -> [G4/G3/G2 gates on the
 raw projections] -> QK-norm -> RoPE -> KV cache -> kernel (eager or sdpa) -> (B, T, H, D) -> [G1 gate] -> o_proj ->
 [G5 gate]. Because the gate never enters the kernel, every backend (ours or transformers' registered ones) works.
-The eager kernel is the plain reference that materialises probabilities; sdpa is the fast path.
+The eager kernel is the plain reference that materialises probabilities; sdpa is the fast path. The one exception is
+`triton_gated` (triton_attention.py, GPU): a flash kernel that applies a G1 sigmoid gate (elementwise or headwise) in
+its epilogue from the gate logits; every other gate stays outside it, as with the other kernels.
 """
 from __future__ import annotations
 
@@ -59,7 +61,29 @@ def sdpa_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
     return out.transpose(1, 2).contiguous(), None
 
 
-KERNELS = {"eager": eager_attention, "sdpa": sdpa_attention}
+def triton_gated_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
+    """Fused flash attention in Triton (triton_attention.py); applies a G1 sigmoid gate in its epilogue when given
+    `gate_logits=`. Imported on first use: Triton is optional and slow to import."""
+    from .triton_attention import triton_gated_kernel
+
+    return triton_gated_kernel(module, q, k, v, mask, scaling, dropout=dropout, **kwargs)
+
+
+KERNELS = {"eager": eager_attention, "sdpa": sdpa_attention, "triton_gated": triton_gated_attention}
+FUSED_GATE_KERNELS = frozenset({"triton_gated"})  # kernels that take gate_logits= and apply the G1 gate themselves
+
+
+def _register_with_transformers() -> None:
+    """Make `attn_implementation="triton_gated"` a name transformers accepts (from_pretrained, set_attn_implementation)
+    and give it sdpa's masks (4-D boolean or None), the convention every kernel here reads."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register("triton_gated", triton_gated_attention)
+    AttentionMaskInterface.register("triton_gated", sdpa_mask)
+
+
+_register_with_transformers()
 
 
 def get_kernel(name: str | None):
@@ -74,7 +98,8 @@ def get_kernel(name: str | None):
             return hf(module, q, k, v, mask, scaling=scaling, dropout=dropout, **kw)
 
         return kernel
-    raise ValueError(f"unknown attention implementation {name!r}; valid: eager, sdpa, {', '.join(ALL_ATTENTION_FUNCTIONS)}")
+    valid = ", ".join(dict.fromkeys([*KERNELS, *ALL_ATTENTION_FUNCTIONS]))
+    raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")
 
 
 class GatedAttention(nn.Module):
@@ -163,11 +188,19 @@ class GatedAttention(nn.Module):
         if self.capture is not None and getattr(self.capture, "wants_probs", False):
             impl = "eager"
         kernel = get_kernel(impl) if self.baseline is None else self.baseline.wrap(get_kernel(impl), impl)
+        # a G1 sigmoid gate goes into a kernel that fuses it (its epilogue), unless an analysis captures Y pre-gate
+        fuse_gate = (impl in FUSED_GATE_KERNELS and self.gate_position is Position.SDPA and self.baseline is None
+                     and self.capture is None and self.gate.spec.fusable_in_kernel)
+        if fuse_gate:
+            logits = gate_logits if gate_logits is not None else self.gate.logits(x)  # (B, T, width)
+            kwargs = {**kwargs, "gate_logits": logits.view(b, t, self.num_heads, -1),  # (B, T, H, D | 1)
+                      "gate_scale": self.gate.scale}
         y, probs = kernel(self, q, k, v, attention_mask, self.scaling,
                           dropout=self.attention_dropout if self.training else 0.0, **kwargs)  # (B, T, H, D)
         if probs is not None:
             self._emit("attn_probs", probs)
-        y = self._gate_sdpa(y, x, gate_logits)
+        if not fuse_gate:
+            y = self._gate_sdpa(y, x, gate_logits)
         out = self.o_proj(y.reshape(b, t, self.num_heads * self.head_dim))  # (B, T, d)
         if self.gate_position is Position.DENSE:
             out = self._maybe_gate(Position.DENSE, out, x)

@@ -4,7 +4,8 @@
   ONE GEMM against a weight concatenated at conversion time, [W_q; W_k; W_v; W_gate] -> (H*D + 2*KV*D + width, d).
   Checkpoints keep the separate-module names: `state_dict()` splits the fused weight back into `q_proj.weight`,
   `k_proj.weight`, `v_proj.weight`, `gate.proj.weight`, and `load_state_dict()` accepts those keys. `unfuse_qkv(model)`
-  converts back.
+  converts back. `fuse_qkv(model, separate_params=True)` (the trainer's choice) keeps the plain Parameters themselves
+  and concatenates them per forward: the same single GEMM, with parameter names and order untouched.
 - `fused_sigmoid_mul(y, logits, scale)`: Y * scale * sigmoid(logits) as one autograd node that saves (logits, output)
   instead of (Y, score). The output is what o_proj saves anyway, so one (B, T, H, D) activation per layer less is
   kept for backward; the backward uses d/dlogits = g * out * (1 - s) and d/dY = g * scale * s.
@@ -27,6 +28,7 @@ the autocast dtype.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .attention import GatedAttention
@@ -52,8 +54,18 @@ class _SigmoidMul(torch.autograd.Function):
         return grad_y, grad_l.to(logits.dtype), None
 
 
+OPAQUE_GATE_UNDER_COMPILE = False  # True: trace the custom Function under compile too (bench/profile_train.py --compile)
+
+
 def fused_sigmoid_mul(y: torch.Tensor, logits: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """y * scale * sigmoid(logits); logits is y's shape or broadcasts over y's last axis (headwise)."""
+    """y * scale * sigmoid(logits); logits is y's shape or broadcasts over y's last axis (headwise).
+
+    Eager: one autograd node that saves (logits, out). Under torch.compile: the plain expression, because a custom
+    autograd.Function is an opaque unit to AOT autograd's partitioner (its saved tensors and its backward are fixed),
+    while the plain ops let inductor fuse the gate into the neighbouring pointwise kernels (SDPA's output copy, the
+    o_proj input) and choose what to save or recompute (bench/profile_train.py --compile shows the difference)."""
+    if torch.compiler.is_compiling() and not OPAQUE_GATE_UNDER_COMPILE:
+        return y * (torch.sigmoid(logits) * scale)
     return _SigmoidMul.apply(y, logits, scale)
 
 
@@ -69,7 +81,7 @@ class FusedGatedAttention(GatedAttention):
     The G1 input gate's projection is folded into the GEMM; gates at other positions keep their own projection.
     """
 
-    def __init__(self, attn: GatedAttention, fused_gate_mul: bool = True):
+    def __init__(self, attn: GatedAttention, fused_gate_mul: bool = True, separate_params: bool = False):
         if getattr(attn, "baseline", None) is not None:
             raise ValueError(f"fuse_qkv: layer {attn.layer_idx} uses the comparison baseline "
                              f"{type(attn.baseline).__name__}, which changes the projections; run it unfused")
@@ -85,23 +97,29 @@ class FusedGatedAttention(GatedAttention):
         if self.fold_gate:
             parts.append(attn.gate.proj)
         self.splits = [hq, hkv, hkv] + ([attn.gate.width] if self.fold_gate else [])
-        ref = attn.q_proj.weight
-        bias = attn.q_proj.bias is not None
-        self.qkvg_proj = nn.Linear(ref.shape[1], sum(self.splits), bias=bias, device=ref.device, dtype=ref.dtype)
-        with torch.no_grad():
-            self.qkvg_proj.weight.copy_(torch.cat([p.weight for p in parts], dim=0))  # (sum(splits), d)
-            if bias:
-                self.qkvg_proj.bias.copy_(torch.cat([p.bias for p in parts], dim=0))
+        self.separate_params = separate_params
+        self._part_names = ["q_proj", "k_proj", "v_proj"] + (["gate.proj"] if self.fold_gate else [])
+        if separate_params:
+            # training: the Parameters stay the plain layer's (same names and order for optimizer state, DDP/FSDP,
+            # checkpoints); their weights are concatenated per forward, a (sum(splits), d) copy, tiny next to activations
+            self.q_proj, self.k_proj, self.v_proj = attn.q_proj, attn.k_proj, attn.v_proj
         self.o_proj = attn.o_proj
         if self.config.use_qk_norm:
             self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
         self.gate = attn.gate
-        if self.fold_gate:
-            del self.gate.proj  # its weight lives in qkvg_proj now; state_dict still writes gate.proj.*
+        if not separate_params:
+            ref = attn.q_proj.weight
+            bias = attn.q_proj.bias is not None
+            self.qkvg_proj = nn.Linear(ref.shape[1], sum(self.splits), bias=bias, device=ref.device, dtype=ref.dtype)
+            with torch.no_grad():
+                self.qkvg_proj.weight.copy_(torch.cat([p.weight for p in parts], dim=0))  # (sum(splits), d)
+                if bias:
+                    self.qkvg_proj.bias.copy_(torch.cat([p.bias for p in parts], dim=0))
+            if self.fold_gate:
+                del self.gate.proj  # its weight lives in qkvg_proj now; state_dict still writes gate.proj.*
+            self.register_state_dict_post_hook(_split_state_dict)
+            self.register_load_state_dict_pre_hook(_merge_state_dict)
         self.fused_mul = fused_gate_mul and self.fold_gate and _uses_fused_mul(self.gate)
-        self._part_names = ["q_proj", "k_proj", "v_proj"] + (["gate.proj"] if self.fold_gate else [])
-        self.register_state_dict_post_hook(_split_state_dict)
-        self.register_load_state_dict_pre_hook(_merge_state_dict)
 
     def _score_from_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Gate.score after its projection: activation, head sharing, identity-init scale. logits (B, T, H, D|1)."""
@@ -129,7 +147,14 @@ class FusedGatedAttention(GatedAttention):
 
     def _project(self, x: torch.Tensor):
         b, t, _ = x.shape
-        parts = self.qkvg_proj(x).split(self.splits, dim=-1)  # each (B, T, width)
+        if self.separate_params:
+            mods = [self.q_proj, self.k_proj, self.v_proj] + ([self.gate.proj] if self.fold_gate else [])
+            w = torch.cat([m.weight for m in mods], dim=0)  # (sum(splits), d)
+            bias = torch.cat([m.bias for m in mods], dim=0) if self.q_proj.bias is not None else None
+            qkvg = F.linear(x, w, bias)  # (B, T, sum(splits))
+        else:
+            qkvg = self.qkvg_proj(x)  # (B, T, sum(splits))
+        parts = qkvg.split(self.splits, dim=-1)  # each (B, T, width)
         q = parts[0].view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
         k = parts[1].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
         v = parts[2].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
@@ -141,6 +166,9 @@ class FusedGatedAttention(GatedAttention):
 
     def split_weights(self) -> dict[str, torch.Tensor]:
         """The fused parameters as the separate modules' tensors: {'q_proj.weight': ..., 'gate.proj.bias': ...}."""
+        if self.separate_params:
+            return {k: v.detach() for k, v in self.state_dict().items()
+                    if any(k.startswith(f"{name}.") for name in self._part_names)}
         out = {}
         for kind in ("weight", "bias"):
             p = getattr(self.qkvg_proj, kind)
@@ -169,17 +197,24 @@ def _merge_state_dict(module: FusedGatedAttention, state_dict, prefix, local_met
             state_dict[f"{prefix}qkvg_proj.{kind}"] = torch.cat([state_dict.pop(k) for k in keys], dim=0)
 
 
-def fuse_qkv(model: nn.Module, fused_gate_mul: bool = True) -> nn.Module:
+def fuse_qkv(model: nn.Module, fused_gate_mul: bool = True, separate_params: bool = False,
+             strict: bool = True) -> nn.Module:
     """Convert every plain GatedAttention in `model` (in place) to FusedGatedAttention; returns the model.
 
-    Do it after loading weights and before building the optimizer (the fused weight is a new Parameter)."""
+    separate_params=False (inference, decode): one concatenated `qkvg_proj` Parameter, built once; do it after loading
+    weights and before building the optimizer (the fused weight is a new Parameter). separate_params=True (what the
+    trainer uses): the plain layer's Parameters are kept, with their names, and concatenated in every forward, so
+    optimizer state, DDP/FSDP and checkpoints see exactly the plain model's parameters.
+    strict=False leaves layers it cannot fuse (comparison baselines) plain and converts zero layers without error."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is GatedAttention:
-                setattr(parent, name, FusedGatedAttention(child, fused_gate_mul))
+                if not strict and getattr(child, "baseline", None) is not None:
+                    continue
+                setattr(parent, name, FusedGatedAttention(child, fused_gate_mul, separate_params))
                 n += 1
-    if n == 0:
+    if n == 0 and strict:
         raise ValueError("fuse_qkv: no plain GatedAttention layer found (already fused, or not a gated_attention model)")
     return model
 

@@ -92,6 +92,13 @@ class GateSpec:
             raise ValueError("invalid gate spec: " + "; ".join(problems))
 
     @property
+    def fusable_in_kernel(self) -> bool:
+        """Y * sigmoid(X W) per head at the SDPA output (G1 elementwise or headwise, the paper's gates): what an
+        attention kernel can apply in its epilogue from the gate logits (the `triton_gated` backend)."""
+        return (self.position is Position.SDPA and self.combine is Combine.MULTIPLY and self.source is Source.INPUT
+                and self.activation is Activation.SIGMOID and self.sharing is Sharing.HEAD_SPECIFIC)
+
+    @property
     def heads_axis(self) -> str:
         """Which head count the gated tensor has: 'q' (H), 'kv' (KV) or 'model' (no heads)."""
         return {Position.SDPA: "q", Position.QUERY: "q", Position.VALUE: "kv", Position.KEY: "kv", Position.DENSE: "model"}[self.position]
@@ -211,12 +218,18 @@ class Gate(nn.Module):
         elif spec.activation is Activation.RMSNORM:
             self.norm = RMSNorm(head_dim, eps)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Pre-activation scores X W (B, T, width) of an input-dependent gate; score() = scale * act(logits)."""
+        if self.spec.source is not Source.INPUT:
+            raise ValueError(f"gate {self.extra_repr()} has no input projection, hence no logits")
+        return self.proj(x)
+
     def score(self, x: torch.Tensor, y_shape: torch.Size) -> torch.Tensor | None:
         spec = self.spec
         if spec.source is Source.NONE:
             return None
         if spec.source is Source.INPUT:
-            logits = self.proj(x)  # (B, T, width)
+            logits = self.logits(x)  # (B, T, width)
             if spec.position is not Position.DENSE:
                 logits = logits.view(*x.shape[:-1], y_shape[-2], -1)  # (B, T, heads, D or 1)
         else:

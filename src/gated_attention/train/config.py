@@ -45,7 +45,8 @@ class TrainConfig:
     grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
     # --- numerics and speed
     precision: str = "bf16"  # "bf16" autocast or "fp32"; fp16 is refused (needs loss scaling, not supported)
-    compile: bool = False  # torch.compile the model (slow first steps, faster after)
+    fast: bool = True  # fused q/k/v/gate GEMM, fused gate, chunked loss (train/fastpath.py); false = plain reference
+    compile: str = "auto"  # "auto" (compile when the run outlasts the compile cost), "true" or "false" (eager)
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
     dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
@@ -78,6 +79,12 @@ class TrainConfig:
             bad("precision='fp16' is not supported (no loss scaling); use 'bf16' or 'fp32'")
         if self.precision not in ("bf16", "fp32"):
             bad(f"precision={self.precision!r}; use 'bf16' or 'fp32'")
+        from .fastpath import compile_choice
+
+        try:
+            self.compile = compile_choice(self.compile)  # also accepts the bools older train_config.json files hold
+        except ValueError as exc:
+            bad(str(exc))
         if self.data not in ("corpus", "synthetic"):
             bad(f"data={self.data!r}; use 'corpus' or 'synthetic'")
         if self.dist not in ("ddp", "fsdp"):
@@ -294,7 +301,8 @@ def check_model(cfg: TrainConfig) -> None:
 # ---------------------------------------------------------------- "same run settings": the one rule
 
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
-RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "dist", "device",
+RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
+                               "device",
                                "grad_accum", "inject_nan_steps"})
 
 

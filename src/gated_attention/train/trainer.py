@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from torch import nn
 
 from . import checkpoint as ckpt_mod
 from . import dist as D
+from . import fastpath
 from .config import RESUMABLE_CHANGES, TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
@@ -217,8 +219,10 @@ class _Run:
     source: object
     model: nn.Module  # as wrapped for DDP/FSDP (what the forward/backward runs on)
     raw: nn.Module  # the plain module (no DDP wrapper): state dicts, stats, eval
-    fwd: object  # model, or torch.compile(model)
+    fwd: object  # the (wrapped) model; compiled decoder layers come from speed.training_forward()
     fused_loss: bool  # our LM computes CE chunk by chunk through lm_head: no fp32 (b, T, V) logits
+    speed: fastpath.SpeedPlan  # fast path and compile decision (train/fastpath.py)
+    fwd_kw: dict  # extra forward kwargs (use_cache=False for our LM: no KV cache while training)
     optimizer: torch.optim.Optimizer
     layers: list
     spikes: SpikeDetector
@@ -313,9 +317,11 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
     layers = decoder_layers(model)
+    # fast path (fused projections/gate, chunked loss) and when to compile: fastpath.py
+    speed = fastpath.prepare(cfg, model, layers, info.device)
     model = D.wrap(model, info, layers)
     raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
-    fwd = torch.compile(model) if cfg.compile else model
+    fwd = model
     from ..modeling import GatedQwen3ForCausalLM
 
     optimizer = torch.optim.AdamW(param_groups(raw, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
@@ -323,7 +329,9 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run
           "stop_reason": None, "val": {}, "last_loss": None}
     per_rank = cfg.batch_size // info.world_size
     return _Run(cfg=cfg, out=out, info=info, source=source, model=model, raw=raw, fwd=fwd,
-                fused_loss=isinstance(raw, GatedQwen3ForCausalLM), optimizer=optimizer, layers=layers,
+                fused_loss=speed.fused_loss, speed=speed,
+                fwd_kw={"use_cache": False} if isinstance(raw, GatedQwen3ForCausalLM) else {},
+                optimizer=optimizer, layers=layers,
                 spikes=SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k), st=st,
                 per_rank=per_rank, micro=per_rank // cfg.grad_accum, tokens_per_step=cfg.batch_size * cfg.seq_len)
 
@@ -351,6 +359,7 @@ def _restore(run: _Run, latest: Path | None) -> None:
 def _train_step(run: _Run, step: int) -> dict:
     """Forward/backward over the micro-batches, clip, skip non-finite steps, optional stats; returns the log record."""
     cfg, info, raw = run.cfg, run.info, run.raw
+    t0 = time.perf_counter()
     lr = lr_for(cfg, step)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
@@ -370,8 +379,9 @@ def _train_step(run: _Run, step: int) -> dict:
         elif info.distributed and info.mode == "fsdp":
             run.model.set_requires_gradient_sync(last)
         with sync:
-            with autocast_for(info.device, cfg.precision):
-                out_ = run.fwd(input_ids=x, shift_labels=y, fused_loss=True) if run.fused_loss else run.fwd(input_ids=x)
+            with autocast_for(info.device, cfg.precision), run.speed.training_forward():
+                out_ = (run.fwd(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
+                        else run.fwd(input_ids=x, **run.fwd_kw))
             aux = getattr(out_, "aux_loss", None)
             if run.fused_loss:  # out_.loss = CE + aux already; the CE alone is what gets logged
                 total = out_.loss
@@ -404,6 +414,9 @@ def _train_step(run: _Run, step: int) -> dict:
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         st["bad_in_a_row"] = 0
+    note = run.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1)
+    if note and info.is_main:
+        print(f"gattn train: {note}", file=sys.stderr, flush=True)  # stdout may carry JSON
     spike = run.spikes.update(step, loss_val)
     rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
     if aux is not None:
@@ -534,8 +547,10 @@ def _finish(run: _Run, t_start: float) -> dict:
 
     def export():
         _export_final(run.raw, msd, run.source, run.out / "final")
-        box["summary"] = _summary(run.cfg, st, run.spikes, run.log_path)
-        atomic_write_json(run.out / "summary.json", box["summary"])  # strict JSON
+        summary = _summary(run.cfg, st, run.spikes, run.log_path)
+        summary["speed"] = run.speed.describe()
+        box["summary"] = summary
+        atomic_write_json(run.out / "summary.json", summary)  # strict JSON
 
     _on_main(info, export)
     return box.get("summary") or {}

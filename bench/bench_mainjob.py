@@ -1,0 +1,126 @@
+"""The main job's training speed: `gattn compare --budget default`'s model and shape, fast path vs plain reference.
+
+Each default variant (baseline, G1 elementwise, G1 headwise) is trained for a few steps in three ways, timed
+round-robin in ONE process: `plain` (`--set fast=false compile=false`: plain layers, full-logits loss, eager), `fast`
+(the fast path, eager) and `fast_compiled` (the fast path with the compiled decoder-layer graph, what `compile=auto`
+picks for the budget's step count). The step is the trainer's: bf16 autocast forward with the trainer's arguments,
+backward, gradient clipping, AdamW. Reported: median step times, tokens/s, speed-up over plain, the one-off compile
+time (first compiled step minus a steady one), and the step count the fast path fits into the plain path's wall time
+for the budget (compile included).
+Run: python bench/bench_mainjob.py --threads 1 [--reps 7] [--budget default]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tempfile
+import time
+
+import common  # noqa: F401  (puts src/ on the path)
+import torch
+
+from gated_attention.compare import BUDGETS, DEFAULT_VARIANTS, budget_config
+from gated_attention.train import fastpath
+from gated_attention.train.stability import decoder_layers
+from gated_attention.train.trainer import build_model, param_groups
+
+MODES = {"plain": (False, "false"), "fast": (True, "false"), "fast_compiled": (True, "true")}
+
+
+def make_step(cfg, vocab: int, x, y):
+    """The trainer's step for cfg (fast / compile as set), on a fresh model with the same seed."""
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg, vocab).train()
+    layers = decoder_layers(model)
+    plan = fastpath.prepare(cfg, model, layers, torch.device("cpu"))
+    opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16), plan.training_forward():
+            if plan.fused_loss:
+                loss = model(input_ids=x, shift_labels=y, fused_loss=True, use_cache=False).loss
+            else:
+                logits = model(input_ids=x, use_cache=False).logits  # (b, T, V)
+                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, plan
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", default="default", choices=list(BUDGETS), help="compare budget whose model/shape to time")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of gates (compare's variants)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list from {list(MODES)}")
+    ap.add_argument("--reps", type=int, default=7, help="timed round-robin rounds (median taken)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default; 1 on a busy machine)")
+    ap.add_argument("--out", default="mainjob", help="results/<out>.json")
+    ap.add_argument("--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: a fresh one, "
+                    "so the compile time measured is the cold cost a first run pays)")
+    args = ap.parse_args(argv)
+    if not args.warm_cache:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gattn_inductor_")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    budget = BUDGETS[args.budget]
+    base = budget_config(args.budget, budget.data_dir)  # data is not read: random tokens have the same cost
+    vocab = budget.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (base.batch_size, base.seq_len + 1), generator=g)
+    x, y = ids[:, :-1], ids[:, 1:]  # (B, T) each
+    fns, first = {}, {}
+    for gate in args.variants.split(","):
+        for mode in args.modes.split(","):
+            fast, comp = MODES[mode]
+            cfg = dataclasses.replace(base, gate=gate, fast=fast, compile=comp).validate()
+            step, _ = make_step(cfg, vocab, x, y)
+            name = f"{gate}|{mode}"
+            t = time.perf_counter()
+            step()  # compiles here for fast_compiled
+            first[name] = time.perf_counter() - t
+            fns[name] = step
+    times = common.interleaved(fns, args.reps, warmup=1)
+    tokens = base.batch_size * base.seq_len
+    rows = []
+    for name, ts in times.items():
+        gate, mode = name.split("|")
+        med = common.median(ts)
+        plain = times.get(f"{gate}|plain")
+        rows.append({"variant": gate, "mode": mode, "median_s": med, "times_s": ts, "rel_iqr": common.rel_spread(ts),
+                     "tokens_per_s": tokens / med,
+                     "speedup_vs_plain": common.median(plain) / med if plain else None,
+                     "first_step_s": first[name], "one_off_s": max(0.0, first[name] - med)})
+    by = {(r["variant"], r["mode"]): r for r in rows}
+    summary = {}
+    variants = args.variants.split(",")
+    if all((v, "plain") in by for v in variants):
+        wall_plain = sum(base.steps * by[(v, "plain")]["median_s"] for v in variants)
+        for mode in args.modes.split(","):
+            if mode == "plain" or not all((v, mode) in by for v in variants):
+                continue
+            per_step = sum(by[(v, mode)]["median_s"] for v in variants)
+            one_off = sum(by[(v, mode)]["one_off_s"] for v in variants) if mode == "fast_compiled" else 0.0
+            summary[mode] = {
+                "speedup_vs_plain": sum(by[(v, "plain")]["median_s"] for v in variants) / per_step,
+                "one_off_s_all_variants": one_off,
+                "steps_in_plain_wall_time": int((wall_plain - one_off) / per_step),
+                "wall_speedup_at_budget_steps": wall_plain / (base.steps * per_step + one_off)}
+    result = {"bench": "mainjob", "machine": common.machine(), "budget": args.budget, "steps": base.steps,
+              "batch": base.batch_size, "seq": base.seq_len, "vocab": vocab,
+              "model_overrides": base.model_overrides, "reps": args.reps, "rows": rows, "summary": summary}
+    path = common.write_json(args.out, result)
+    print(common.md_table(rows, ["variant", "mode", "median_s", "tokens_per_s", "speedup_vs_plain", "one_off_s"]))
+    for mode, s in summary.items():
+        print(f"{mode}: {s['speedup_vs_plain']:.2f}x plain per step; {args.budget} budget ({base.steps} steps) "
+              f"wall {s['wall_speedup_at_budget_steps']:.2f}x; same wall time fits {s['steps_in_plain_wall_time']} "
+              f"steps")
+    print(f"load average {result['machine']['load_avg']}; wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The fused gated flash-attention kernel (triton_attention.py) against the eager reference, under Triton's CPU
+interpreter: forward output and the gradients of q, k, v and the gate logits on causal / GQA / padded / cached /
+packed shapes with sequence lengths that are not multiples of the block size, plus the whole model with
+attn_implementation="triton_gated" against sdpa. Shapes are tiny: the interpreter costs ~0.1 s per program."""
+import os
+
+# Triton reads TRITON_INTERPRET when a function is decorated: triton.language's own on its first import (which
+# torch.compile may do during collection: hence tests/conftest.py sets it first), our kernels when
+# gated_attention.triton_kernels is first imported. This line covers running this file without the conftest.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import copy  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton", reason="Triton not installed (pip install triton; it is in the dev extra)")
+
+from gated_attention.attention import eager_attention  # noqa: E402
+from gated_attention.fast import fuse_qkv  # noqa: E402
+from gated_attention.triton_attention import gated_flash_attention, interpreted, plan_mask  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="TRITON_INTERPRET is set to something else than 1 in this environment")
+
+
+class _Module:  # what eager_attention reads from the layer
+    training = False
+    is_causal = True
+
+
+def reference(q, k, v, mask, scale, logits, gate_scale):
+    """eager kernel + the registry's gate: Y * gate_scale * sigmoid(logits)."""
+    y, _ = eager_attention(_Module(), q, k, v, mask, scale)  # (B, T, H, D)
+    return y if logits is None else y * (torch.sigmoid(logits) * gate_scale)
+
+
+def padding_mask(lens_pad, t, s, offset):
+    """transformers-style 4-D bool mask: left padding of lens_pad[b] keys, causal with query i at key i + offset."""
+    i = torch.arange(t)[:, None]
+    j = torch.arange(s)[None, :]
+    rows = [((j <= i + offset) & (j >= p)) for p in lens_pad]
+    return torch.stack(rows)[:, None]  # (B, 1, T, S)
+
+
+def packed_mask(t, starts):
+    """Block-diagonal causal mask of sequences packed in one row (what position_ids resets produce)."""
+    seg = torch.zeros(t, dtype=torch.long)
+    for s0 in starts:
+        seg[s0:] += 1
+    i = torch.arange(t)
+    m = (seg[:, None] == seg[None, :]) & (i[None, :] <= i[:, None])
+    return m[None, None]  # (1, 1, T, T)
+
+
+# (B, H, KV, T, S, D, gate, mask kind, blocks, gate_scale)
+CASES = {
+    "causal-mha-d16-elem": (1, 2, 2, 23, 23, 16, "elementwise", None, (16, 16), 1.0),
+    "causal-gqa2-d32-head": (1, 4, 2, 37, 37, 32, "headwise", None, (16, 32), 1.0),
+    "causal-gqa4-d64-elem-scale2": (1, 4, 1, 19, 19, 64, "elementwise", None, (32, 16), 2.0),
+    "pad-gqa2-d32-elem": (2, 2, 1, 21, 21, 32, "elementwise", "pad", (16, 16), 1.0),
+    "pad-mha-d16-head": (2, 2, 2, 18, 18, 16, "headwise", "pad", (16, 16), 1.0),
+    "pad-gqa2-d64-ungated": (2, 2, 1, 20, 20, 64, None, "pad", (16, 16), 1.0),
+    "cache-chunk-gqa2-d32-elem": (2, 4, 2, 7, 30, 32, "elementwise", "pad", (16, 16), 1.0),
+    "decode-gqa2-d16-head": (2, 4, 2, 1, 25, 16, "headwise", "pad", (16, 16), 1.0),
+    "packed-mha-d32-head": (1, 2, 2, 26, 26, 32, "headwise", "packed", (16, 16), 1.0),
+    "causal-gqa2-d24-elem": (1, 2, 1, 17, 17, 24, "elementwise", None, (16, 16), 1.0),  # head_dim padded to 32
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_and_all_gradients_match_eager(case):
+    b, h, kv, t, s, d, gate, mask_kind, blocks, gate_scale = CASES[case]
+    torch.manual_seed(list(CASES).index(case))
+    q = torch.randn(b, h, t, d, requires_grad=True)
+    k = torch.randn(b, kv, s, d, requires_grad=True)
+    v = torch.randn(b, kv, s, d, requires_grad=True)
+    logits = None
+    if gate is not None:
+        logits = torch.randn(b, t, h, d if gate == "elementwise" else 1, requires_grad=True)
+    mask = None
+    if mask_kind == "pad":
+        mask = padding_mask([0, 5][:b], t, s, offset=s - t)
+    elif mask_kind == "packed":
+        mask = packed_mask(t, [9, 17])
+    scale = d ** -0.5
+    out = gated_flash_attention(q, k, v, mask, scale, logits, gate_scale, blocks=blocks)
+    ref = reference(q, k, v, mask, scale, logits, gate_scale)
+    assert out.shape == (b, t, h, d)
+    # rows that see no key (left-padding queries) output 0 in the kernel, noise in eager: compare the others and keep
+    # them out of the loss (their upstream gradient is 0 in both)
+    seen = torch.ones(b, t, dtype=torch.bool) if mask is None else mask[:, 0].any(-1).expand(b, t)  # (B, T)
+    if mask_kind == "pad" and s == t:
+        assert not seen.all()  # the case does exercise empty rows
+    torch.testing.assert_close(out[seen], ref[seen], rtol=1e-5, atol=2e-6)
+    assert torch.all(out[~seen] == 0)
+    go = torch.randn_like(out) * seen[:, :, None, None]
+    inputs = [q, k, v] + ([logits] if logits is not None else [])
+    got = torch.autograd.grad(out, inputs, go)
+    want = torch.autograd.grad(ref, inputs, go)
+    for name, g, w in zip(["dq", "dk", "dv", "dgate"], got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")
+
+
+def test_noncontiguous_layouts():
+    """The model's layouts: q/k/v as transposed views of (B, T, heads, D) slices of one fused projection, the gate
+    logits a strided view of the same GEMM output; gradients land in the right places."""
+    torch.manual_seed(1)
+    b, h, kv, t, d = 1, 4, 2, 20, 16
+    qkvg = torch.randn(b, t, h * d + 2 * kv * d + h * d, requires_grad=True)  # one fused projection's output
+    qf, kf, vf, gf = qkvg.split([h * d, kv * d, kv * d, h * d], dim=-1)  # (B, T, width) each, strided
+    q = qf.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D) view
+    k = kf.view(b, t, kv, d).transpose(1, 2)  # (B, KV, T, D) view
+    v = vf.view(b, t, kv, d).transpose(1, 2)
+    logits = gf.view(b, t, h, d)  # (B, T, H, D), non-contiguous
+    out = gated_flash_attention(q, k, v, None, d ** -0.5, logits, 1.0, blocks=(16, 16))
+    ref = reference(q, k, v, None, d ** -0.5, logits, 1.0)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+    go = torch.randn_like(ref)
+    (got,) = torch.autograd.grad(out, [qkvg], go)
+    (want,) = torch.autograd.grad(ref, [qkvg], go)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_half_precision_inputs():
+    """fp16 storage (fp32 softmax and accumulators inside) against the fp32 reference. bf16 -- what GPU training
+    uses -- cannot be checked here: Triton's interpreter does not support bf16 tl.dot (triton-lang/triton#11584)."""
+    torch.manual_seed(2)
+    b, h, kv, t, d = 1, 2, 1, 20, 32
+    leaves = [torch.randn(*shape).half().requires_grad_() for shape in
+              ((b, h, t, d), (b, kv, t, d), (b, kv, t, d), (b, t, h, 1))]
+    out = gated_flash_attention(*leaves[:3], None, d ** -0.5, leaves[3], 1.0, blocks=(16, 16))
+    assert out.dtype == torch.float16
+    ref_in = [x.detach().float().requires_grad_() for x in leaves]
+    ref = reference(*ref_in[:3], None, d ** -0.5, ref_in[3], 1.0)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=5e-3)
+    go = torch.randn_like(ref)
+    got = torch.autograd.grad(out, leaves, go.half())
+    want = torch.autograd.grad(ref, ref_in, go)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float16
+        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=1e-2)
+
+
+def test_mask_plans():
+    """Padding / cache masks become a per-key vector with causal skipping; anything else is read as a dense mask."""
+    assert interpreted()
+    p = plan_mask(None, 2, 4, 9, 9)
+    assert p.causal and p.offset == 0 and p.key_valid is None and p.dense is None
+    p = plan_mask(padding_mask([0, 3], 9, 9, 0), 2, 4, 9, 9)
+    assert p.causal and p.offset == 0 and p.key_valid.tolist()[1] == [0, 0, 0] + [1] * 6 and p.dense is None
+    p = plan_mask(padding_mask([0, 3], 4, 12, 8), 2, 4, 4, 12)  # chunk of 4 after 8 cached tokens: bottom-right
+    assert p.causal and p.offset == 8 and p.dense is None
+    p = plan_mask(padding_mask([0, 0], 9, 9, 0), 2, 4, 9, 9)  # no padding at all: no vector to read
+    assert p.causal and p.key_valid is None and p.dense is None
+    p = plan_mask(packed_mask(12, [5]), 1, 4, 12, 12)
+    assert not p.causal and p.dense is not None and p.key_valid is None
+    additive = torch.zeros(1, 1, 3, 3).masked_fill(~torch.ones(3, 3, dtype=torch.bool).tril(), float("-inf"))
+    p = plan_mask(additive, 1, 4, 3, 3)
+    assert p.causal and p.dense is None
+    with pytest.raises(ValueError, match="ALiBi"):
+        plan_mask(torch.randn(1, 1, 3, 3), 1, 4, 3, 3)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        plan_mask(torch.ones(2, 1, 3, 4, dtype=torch.bool), 2, 4, 3, 3)
+
+
+@pytest.mark.parametrize("gate,fused_qkv", [("sdpa_elementwise", False), ("sdpa_headwise", True),
+                                            ("none", False), ("value_elementwise", False)])
+def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny_model):
+    """Whole model, left-padded batch: logits on real tokens and every parameter gradient. G1 sigmoid gates run in the
+    kernel's epilogue; the ungated model and other gates run the ungated kernel with the gate outside."""
+    ref = tiny_model(gate, backend="sdpa", eval=False, perturb_norms=True)
+    fast = copy.deepcopy(ref)
+    fast.set_attn_implementation("triton_gated")
+    assert fast.config._attn_implementation == "triton_gated"
+    if fused_qkv:
+        ref, fast = fuse_qkv(ref), fuse_qkv(fast)
+    ids = torch.randint(0, 128, (2, 13))
+    attn = torch.ones(2, 13, dtype=torch.long)
+    attn[1, :4] = 0  # left padding
+    labels = ids.masked_fill(attn == 0, -100)
+    calls = []
+    layer = fast.model.layers[0].self_attn
+    import gated_attention.triton_attention as ta
+
+    real = ta.gated_flash_attention
+
+    def spy(*a, **kw):
+        calls.append(a[5] if len(a) > 5 else kw.get("gate_logits"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ta, "gated_flash_attention", spy)
+    out_f = fast(ids, attention_mask=attn, labels=labels)
+    out_r = ref(ids, attention_mask=attn, labels=labels)
+    assert len(calls) == 2  # both layers ran the kernel...
+    fused_gate = layer.gate is not None and layer.gate.spec.fusable_in_kernel
+    assert all((c is not None) == fused_gate for c in calls)  # ...with the gate in it exactly for G1 sigmoid gates
+    real_tok = attn.bool()
+    torch.testing.assert_close(out_f.logits[real_tok], out_r.logits[real_tok], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=1e-6)
+    out_f.loss.backward()
+    out_r.loss.backward()
+    gr = dict(ref.named_parameters())
+    for name, p in fast.named_parameters():
+        torch.testing.assert_close(p.grad, gr[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_generate_with_kv_cache_matches_sdpa(tiny_model):
+    """Left-padded batch generation: prefill (causal + padding) then single-token decode steps against the cache
+    (bottom-right masks), greedy tokens identical to sdpa's."""
+    model = tiny_model("sdpa_headwise")
+    ids = torch.randint(0, 128, (2, 6))
+    attn = torch.ones(2, 6, dtype=torch.long)
+    attn[0, :2] = 0
+    kw = dict(attention_mask=attn, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, **kw)
+    model.set_attn_implementation("triton_gated")
+    got = model.generate(ids, **kw)
+    assert got.tolist() == want.tolist()
+
+
+def test_refuses_dropout_clearly():
+    q = torch.randn(1, 2, 4, 16)
+    from gated_attention.triton_attention import triton_gated_kernel
+
+    with pytest.raises(ValueError, match="dropout"):
+        triton_gated_kernel(_Module(), q, q, q, None, 0.25, dropout=0.1)
+
+
+def test_clear_error_without_gpu(monkeypatch):
+    """Outside the interpreter the kernel refuses CPU tensors, naming the alternatives."""
+    import gated_attention.triton_attention as ta
+
+    monkeypatch.setattr(ta, "interpreted", lambda: False)  # as if Triton had compiled the kernels for a GPU
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU.*sdpa.*TRITON_INTERPRET=1"):
+        gated_flash_attention(q, q, q)
+
+
+def test_clear_error_without_triton(monkeypatch):
+    import gated_attention
+    import gated_attention.triton_kernels  # noqa: F401  (so that monkeypatch can restore it)
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
+    monkeypatch.delitem(sys.modules, "gated_attention.triton_kernels")
+    monkeypatch.delattr(gated_attention, "triton_kernels")
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(RuntimeError, match=r"needs Triton.*pip install 'triton==3\.7\.1'"):
+        gated_flash_attention(q, q, q)
+
+
+HOPPER_SMEM = 232448  # bytes of shared memory one block may use on H100/H200 (227 KiB)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim,dtype", [(128, "bfloat16"), (128, "float32")])
+def test_kernels_compile_for_hopper(head_dim, dtype):
+    """Without a GPU: every kernel variant, with the GPU launch config, compiles to an sm_90 cubin (Triton ships
+    ptxas) and fits Hopper's shared memory -- the GPU code path, which the interpreter never builds. Minutes."""
+    script = ("import torch; from gated_attention.triton_attention import compile_for_gpu; "
+              f"r = compile_for_gpu(90, {head_dim}, torch.{dtype}); "
+              "[print(v, k) for k, v in r.items()]")
+    env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=3600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    shared = {ln.split(" ", 1)[1]: int(ln.split(" ", 1)[0]) for ln in res.stdout.splitlines() if ln.strip()}
+    assert len(shared) == 24  # 3 gate modes x 3 mask kinds x (fwd, pre) + 3 mask kinds x (dkdv, dq)
+    too_big = {k: v for k, v in shared.items() if v > HOPPER_SMEM}
+    assert not too_big, too_big
