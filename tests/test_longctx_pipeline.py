@@ -174,9 +174,9 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         assert all(p > 1.0 for p in row["ppl_buckets"].values())
     # the two models differ in their gate, were trained with the retrieval mix, and YaRN extends over L
     for gate in ("baseline", "sdpa_elementwise"):
-        tc = json.loads((out / "runs" / gate / "train_config.json").read_text())
+        tc = json.loads((out / "runs" / gate / "seed0" / "train_config.json").read_text())
         assert tc["gate"] == gate and tc["retrieval_mix"] == b.retrieval_mix and tc["seq_len"] == 256
-        ev = json.loads((out / "eval" / f"{gate}-yarn.json").read_text())
+        ev = json.loads((out / "eval" / f"{gate}-seed0-yarn.json").read_text())
         assert ev["rope_parameters"]["rope_type"] == "yarn"
         assert ev["rope_parameters"]["original_max_position_embeddings"] == 256
         assert ev["rope_parameters"]["factor"] == 4.0
@@ -186,7 +186,7 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
     # answer NLL == cross-entropy of the answer tokens read off a full forward pass
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    model = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "baseline" / "final").eval()
+    model = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "baseline" / "seed0" / "final").eval()
     corpus = D.Corpus(corpus_dir)
     tok = P.BosTokenizer(corpus.tokenizer, corpus.bos_id)
     s = ruler.generate_sample("passkey", tok, 256, 0, 0)
@@ -196,7 +196,7 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         logits = model(input_ids=torch.tensor([prompt + answer])).logits[0]  # (T, V)
     ref = torch.nn.functional.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer))
     assert P.answer_nll(model, tok, s) == pytest.approx(float(ref), rel=1e-5)
-    ev = json.loads((out / "eval" / "baseline-none.json").read_text())
+    ev = json.loads((out / "eval" / "baseline-seed0-none.json").read_text())
     rec = next(r for r in ev["records"] if r["target_length"] == 256 and r["index"] == 0)
     assert rec["answer_nll"] == pytest.approx(float(ref), rel=1e-5)
     md = (out / "report.md").read_text()
@@ -214,6 +214,55 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         P.run_pipeline(out, dataclasses.replace(b, steps=5), corpus_dir, log=logs.append)
 
 
+def test_trainer_step_hook_stops_and_pipeline_records_steps_to_skill(corpus_dir, tmp_path, monkeypatch):
+    """The small budget with a stopper whose scorer says 'skilled' from the 3rd check: training ends at that step,
+    the final checkpoint and summary say so, a re-run reuses it, and two seeds land in the report."""
+    calls = []
+
+    class Scorer:
+        def __init__(self, tok, length, samples, seed, task="passkey"):
+            self.seed = seed
+
+        def __call__(self, model):
+            calls.append(self.seed)
+            n = sum(1 for c in calls if c == self.seed)
+            return {"exact_match": 1.0 if n >= 3 else 0.0, "answer_nll": 0.1}
+
+    from gated_attention.longctx import skill as S
+
+    monkeypatch.setattr(S, "PasskeyScorer", Scorer)
+    b = dataclasses.replace(P.BUDGETS["small"], steps=8, until_skill=0.9, skill_every=2, seeds=2,
+                            models=("baseline",))
+    out = tmp_path / "lc"
+    logs: list[str] = []
+    rep = P.run_pipeline(out, b, corpus_dir, factor=2, log=logs.append)
+    for seed in (0, 1):
+        run = out / "runs" / "baseline" / f"seed{seed}"
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["steps"] == 6 and "skill reached" in summary["stop_reason"]
+        assert (run / "final" / "model.safetensors").exists()
+        assert [c["step"] for c in S.read_skill_log(run / "skill.jsonl")] == [2, 4, 6]
+    assert [t["steps_to_skill"] for t in rep["training"]["baseline"]] == [6, 6]
+    assert rep["seeds"] == [0, 1] and rep["lengths"] == [128, 256, 512]
+    assert json.loads((out / "report.json").read_text())["claim"]["verdict"] == "not run here"  # no gated model
+    logs.clear()
+    P.run_pipeline(out, b, corpus_dir, factor=2, log=logs.append)
+    assert not any(": training " in m or ": resuming " in m for m in logs) and sum("reuse" in m for m in logs) == 2 + 2 + 4
+    with pytest.raises(ValueError, match="other settings.*stopping rule"):
+        P.run_pipeline(out, dataclasses.replace(b, until_skill=0.5), corpus_dir, factor=2, log=logs.append)
+    # a partial report: trains nothing, reports the finished baseline, lists the gated model as not started
+    (out / "runs" / "sdpa_elementwise" / "seed0").mkdir(parents=True)
+    (out / "runs" / "sdpa_elementwise" / "seed0" / "log.jsonl").write_text('{"step": 0}\n{"step": 1}\n')
+    (out / "runs" / "sdpa_elementwise" / "seed0" / "skill.jsonl").write_text('{"step": 2, "exact_match": 0.25}\n')
+    rep = P.run_pipeline(out, b, corpus_dir, gates=["baseline", "sdpa_elementwise"], factor=2, log=logs.append,
+                         report_only=True)
+    assert not rep["complete"] and {r["model"] for r in rep["rows"]} == {"baseline"}
+    assert [t["finished"] for t in rep["training"]["sdpa_elementwise"]] == [False]
+    md = (out / "report.md").read_text()
+    assert "**Partial report**" in md and "running (step 2, 25 % at step 2) | not started |" in md
+    assert not (out / "runs" / "sdpa_elementwise" / "seed0" / "train_config.json").exists()
+
+
 def test_missing_budget_corpus_is_prepared_with_its_vocabulary(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(D, "prepare", lambda cfg: calls.append(cfg))
@@ -228,8 +277,15 @@ def test_missing_budget_corpus_is_prepared_with_its_vocabulary(tmp_path, monkeyp
     assert P.BUDGETS["default"].vocab_size == 1024 and P.BUDGETS["default"].data_dir == "data_v1k"
 
 
-def test_budget_and_cli_errors(tmp_path):
+def test_budget_and_cli_errors(tmp_path, capsys):
     assert main(["longctx", "--budget", "small", "--tasks", "niah_single_2", "--out", str(tmp_path)]) == 2
     assert main(["longctx", "--budget", "small", "--factor", "3", "--out", str(tmp_path),
                  "--data-dir", str(tmp_path)]) == 2
     assert P.lengths_for(P.BUDGETS["default"], 4) == [128, 256, 512, 1024]
+    for bad, msg in ((["--gates", "baseline:identity"], "no gate to initialise"),
+                     (["--gates", "sdpa_elementwise:zeros"], "unknown gate init"),
+                     (["--until-skill", "1.5"], "must be a fraction"), (["--seeds", "0"], "--seeds 0 must be"),
+                     (["--gates", "baseline", "none"], "lists a model twice")):  # 'none' is the baseline's new name
+        capsys.readouterr()
+        assert main(["longctx", "--budget", "small", "--report-only", "--out", str(tmp_path), *bad]) == 2, bad
+        assert msg in capsys.readouterr().err, bad

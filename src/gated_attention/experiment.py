@@ -55,9 +55,10 @@ def is_finished(run_dir: str | Path) -> bool:
     return (run_dir / "summary.json").exists() and (run_dir / "final" / "config.json").exists()
 
 
-def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]") -> dict:
+def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]", step_hook=None) -> dict:
     """Train `cfg` into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's
-    content. Raises ValueError when run_dir holds a run with other settings."""
+    content. Raises ValueError when run_dir holds a run with other settings. step_hook: the trainer's (a stopping
+    rule; the caller keys run_dir on its settings too)."""
     from gated_attention.train import checkpoint, trainer  # module attributes: tests replace trainer.train
 
     run_dir = Path(run_dir)
@@ -74,7 +75,9 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
     resume = run_dir.exists() and checkpoint.latest_checkpoint(run_dir) is not None
     log(f"{tag} {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps at length {cfg.seq_len} "
         f"-> {run_dir}")
-    return trainer.train(cfg, run_dir, resume=resume)
+    if step_hook is None:  # the plain call, as tests that replace trainer.train expect it
+        return trainer.train(cfg, run_dir, resume=resume)
+    return trainer.train(cfg, run_dir, resume=resume, step_hook=step_hook)
 
 
 def cached(path: str | Path, key: Any, compute: Callable[[], dict], log: Log = print, tag: str = "[run]",

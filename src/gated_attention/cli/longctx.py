@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ..io import atomic_write_json
 from ..longctx import extend, pipeline, ruler
-from ..train.retrieval_mix import check_mix_tasks
 
 
 # ---------------------------------------------------------------- gattn extend
@@ -114,51 +113,70 @@ def budget_from_args(args) -> pipeline.Budget:
     if args.budget not in pipeline.BUDGETS:
         raise ValueError(f"unknown budget {args.budget!r}; valid: {', '.join(pipeline.BUDGETS)}")
     b = pipeline.BUDGETS[args.budget]
-    changes = {k: getattr(args, k) for k in ("seq_len", "steps", "samples") if getattr(args, k, None) is not None}
+    changes = {k: getattr(args, k) for k in ("seq_len", "steps", "samples", "seeds", "skill_every", "skill_samples")
+               if getattr(args, k, None) is not None}
     if getattr(args, "tasks", None):
         changes["mix_tasks"] = tuple(args.tasks)
     if getattr(args, "retrieval_mix", None) is not None:
         changes["retrieval_mix"] = args.retrieval_mix
-    b = dataclasses.replace(b, **changes)
-    check_mix_tasks(b.mix_tasks)
-    if b.seq_len < 2 or b.seq_len % 2:
-        raise ValueError(f"--seq-len {b.seq_len} must be an even number (evaluation starts at L/2)")
-    return b
+    if getattr(args, "until_skill", None) is not None:
+        changes["until_skill"] = None if args.until_skill <= 0 else args.until_skill  # 0 turns the rule off
+    return pipeline.check_budget(dataclasses.replace(b, **changes))
 
 
 def configure_longctx(parser) -> None:
     parser.add_argument("--budget", choices=list(pipeline.BUDGETS), default="default",
-                        help="cost preset: small (tiny model, seconds-minutes, for tests) or default (3-layer model on "
-                             "a 1k-vocab corpus, 2400 steps per model: ~35-50 min per model on a busy 2-core CPU; "
-                             "run one --gates per process in parallel into the same --out, then once with both to "
-                             "combine the cached stages)")
+                        help="cost preset: small (tiny model, seconds-minutes, for tests); default (3-layer model on "
+                             "a 1k-vocab corpus, 2400 steps per model, one seed: ~35-50 min per model on a busy 2-core "
+                             "CPU); fair (Table 5 at equal skill: every model trained until it retrieves at L, 2 "
+                             "seeds, baseline / G1 elementwise / G1 elementwise with identity gate init, 30 samples "
+                             "per cell). Run one --gates per process in parallel into the same --out, then once with "
+                             "all of them to combine the cached stages")
     parser.add_argument("--out", type=E.out_dir, default="runs/longctx", help="output folder; finished stages in it are reused")
     parser.add_argument("--data-dir", type=E.existing_dir, default=None,
                         help="prepared corpus (gattn data prepare); default: the budget's (prepared if missing)")
-    parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"],
-                        help="gate variants to compare (default: baseline sdpa_elementwise)")
+    parser.add_argument("--gates", nargs="+", default=None, metavar="GATE[:INIT]",
+                        help="models to compare: a gate name, optionally with ':identity' for the identity gate init "
+                             "(zero gate weights, score exactly 1 at the start) instead of the official ':normal' "
+                             "(gate ~0.5 at the start), e.g. baseline sdpa_elementwise sdpa_elementwise:identity "
+                             "(default: the budget's)")
     parser.add_argument("--factor", type=E.positive_int, default=4, help="YaRN extension factor, a power of two (default 4)")
     parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length L (default: the budget's)")
-    parser.add_argument("--steps", type=E.positive_int, default=None, help="training steps per model (default: the budget's)")
-    parser.add_argument("--samples", type=E.positive_int, default=None, help="RULER samples per task and length")
+    parser.add_argument("--steps", type=E.positive_int, default=None,
+                        help="training steps per model; with --until-skill the cap (default: the budget's)")
+    parser.add_argument("--until-skill", type=E.nonneg_float, default=None, metavar="FRACTION",
+                        help="stop training a model once its held-out exact match on the first task at L reaches "
+                             "FRACTION (e.g. 0.9), checked every --skill-every steps; the step is reported as "
+                             "steps-to-skill; 0 = off, train exactly --steps (default: the budget's; fair: 0.9)")
+    parser.add_argument("--skill-every", type=E.positive_int, default=None, help="steps between held-out skill checks")
+    parser.add_argument("--skill-samples", type=E.positive_int, default=None, help="held-out samples per skill check")
+    parser.add_argument("--seeds", type=E.positive_int, default=None,
+                        help="seeds per model (--seed, --seed+1, ...); the report gives mean ± std over them")
+    parser.add_argument("--samples", type=E.positive_int, default=None, help="RULER samples per task, length and seed")
     parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",
                         help=f"RULER tasks trained on and scored (no-corpus ones: {', '.join(ruler.NO_CORPUS_TASKS)})")
     parser.add_argument("--retrieval-mix", type=E.nonneg_float, default=None,
                         help="fraction of training rows replaced by retrieval samples (default: the budget's)")
-    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="training and sample seed")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="first training and sample seed")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train and evaluate nothing: write the report from the finished (model, seed) runs and "
+                             "show the progress of the others (a partial table while runs are going)")
 
 
 def longctx_lock_path(out, gates) -> Path:
-    """The folder `gattn longctx` locks: one per gate set inside --out."""
-    return Path(out) / ("gates-" + "+".join(sorted(gates)))
+    """The folder `gattn longctx` locks: one per gate set inside --out (the budget's default set when None)."""
+    return Path(out) / ("gates-" + ("+".join(sorted(gates)) if gates else "default"))
 
 
 def run_longctx(args) -> int:
     from ..io import lock_dir
 
     b = budget_from_args(args)
+    if args.report_only:  # writes only the report (atomically), meant to run while the training processes go on
+        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed, report_only=True)
+        return 0
     # one writer per gate set: two processes with the same --gates stop here; different --gates may share --out in
-    # parallel as documented (each training run folder has its own lock in train())
+    # parallel as documented (each training run folder also has its own lock in train())
     with lock_dir(longctx_lock_path(args.out, args.gates), "gattn longctx"):
-        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed)
+        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed, report_only=False)
     return 0

@@ -1,17 +1,21 @@
-"""`gattn longctx`: the paper's Table 5 in small (the stages; the report is longctx/report.py, the retrieval mixing
-that makes it measurable at small scale is training-data code, train/retrieval_mix.py).
+"""`gattn longctx`: the paper's Table 5 in small (the stages; the report is longctx/report.py, the stopping rule
+longctx/skill.py, the retrieval mixing that makes it measurable at small scale is training-data code,
+train/retrieval_mix.py).
 
 Table 5 (paper map §3.5): models trained at one length are extended 4x with YaRN and no training; the gated model keeps far
 more of its RULER score. At CPU scale:
-  1. train a baseline and a gated (sdpa_elementwise) model at length L on the corpus, with a fraction of every batch
-     replaced by synthetic retrieval samples (ruler.training_samples, within L) so a tiny model learns the task
-     format at all (a model trained on literature alone scores 0 at every length, which measures nothing);
+  1. train each model (a gate, optionally with a non-default gate init: GATE:INIT) at length L on the corpus, with a
+     fraction of every batch replaced by synthetic retrieval samples (ruler.training_samples, within L) so a tiny
+     model learns the task format at all (a model trained on literature alone scores 0 at every length); with
+     until_skill, training stops once a held-out check at L reaches the threshold (skill.SkillStop), so extension is
+     compared at equal skill and steps-to-skill is measured; every model for `seeds` seeds;
   2. extend each checkpoint 4x with YaRN (extend.extend_checkpoint, original length L), training-free;
-  3. score RULER tasks at L/2, L, 2L, 4L with and without YaRN (greedy, KV cache), and perplexity by position up to
-     4L on the corpus validation text;
-  4. write OUT/report.md (tables), OUT/report.json (every number) and OUT/report.png (score vs length, PPL vs
-     position).
-Every stage is cached under OUT (runs/<gate>/, runs/<gate>/yarn<factor>/, eval/<gate>-<variant>.json) and reused on a
+  3. score RULER tasks at L/2, L, 2L, 4L with and without YaRN (greedy, KV cache), teacher-forced answer NLL, and
+     perplexity by position up to 4L on the corpus validation text;
+  4. write OUT/report.md (tables, mean ± std over seeds), OUT/report.json (every number, plus the paper-vs-this-run
+     `claim`) and OUT/report.png (score vs length, PPL vs position); see longctx.report.
+Every stage is cached under OUT (runs/<model>/seed<k>/, runs/<model>/seed<k>/yarn<factor>/,
+eval/<model>-seed<k>-<variant>.json; <model> is the gate, plus '.identity' for the identity init) and reused on a
 re-run when its settings match; a half-finished training run resumes from its last checkpoint.
 
 Prompts and retrieval rows both start with the corpus' <|bos|>: corpus windows always do (data.sample_batch), and the
@@ -41,20 +45,34 @@ class Budget:
     model: str = "small"  # model preset (gated_attention.presets)
     model_overrides: dict = field(default_factory=dict)  # preset fields to change (narrower = faster on a CPU)
     seq_len: int = 256  # the training length L; evaluation runs at L/2, L, 2L, 4L
-    steps: int = 600  # optimizer steps per model
+    steps: int = 600  # optimizer steps per model (with until_skill: the cap, and the LR schedule's length)
     batch_size: int = 16
     lr: float = 3e-3
     warmup_steps: int = 40
     retrieval_mix: float = 0.5  # share of rows that are retrieval samples: high, so a tiny model learns the format fast
     mix_tasks: tuple = DEFAULT_MIX_TASKS  # trained on and evaluated
-    samples: int = 10  # RULER samples per task and length
+    samples: int = 10  # RULER samples per task, length and seed
     max_new_tokens: int = 12  # every default answer (a 5-7 digit number, an adjective-noun pair) fits
     ppl_batches: int = 2  # validation batches per domain for PPL by position (windows of 4L)
     ppl_batch_size: int = 4
     data_dir: str = "data"  # corpus used when --data-dir is not given; prepared (gattn data prepare) if missing
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with when missing (1024: one token per digit)
+    precision: str = "fp32"  # training autocast: fp32 is bitwise repeatable on CPU, bf16 ~2x faster
+    until_skill: float | None = None  # stop a model once its held-out exact match at L (first task) reaches this
+    skill_every: int = 100  # steps between held-out skill checks (until_skill only)
+    skill_samples: int = 32  # held-out samples per check: 32 puts one miss at ~3 %
+    seeds: int = 1  # seeds per model: seed, seed+1, ...; the report gives mean ± std over them
+    models: tuple = ("baseline", "sdpa_elementwise")  # GATE or GATE:INIT (gate_init), when --gates is not given
 
 
+# the model the earlier runs used: 3 layers x 4 heads (2 KV) of width 128
+_D128 = {"hidden_size": 128, "intermediate_size": 384, "head_dim": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+# the fair budget's model and schedule (set from the pilots in docs/experiments/long_context.md)
+# 2 layers (the fewest an induction/copy circuit needs) x 4 heads (2 KV) of width 128; L = 128 is the shortest length
+# a passkey prompt fits (97 tokens bare), so rows are almost all retrieval sample and steps are half the cost of L=256
+FAIR_MODEL = {**_D128, "num_hidden_layers": 2}
+FAIR_L, FAIR_STEPS, FAIR_LR = 128, 2000, 1e-2
 BUDGETS = {
     # seconds to a few minutes: the test and smoke budget (tiny model, a handful of steps, one task)
     "small": Budget(model="tiny", seq_len=256, steps=8, batch_size=4, warmup_steps=2, mix_tasks=("passkey",),
@@ -62,12 +80,61 @@ BUDGETS = {
     # ~30-40 minutes on two busy shared cores, the two models trained in parallel: passkey only, every training row a
     # retrieval sample (the copy signal is ~10 tokens per row, so it needs every row and thousands of steps), a
     # 1024-token BPE corpus (each digit one token, lm_head 8x cheaper than at 8k), 3 layers x 4 heads of width 128
-    "default": Budget(model="small", model_overrides={"hidden_size": 128, "intermediate_size": 384, "head_dim": 32,
-                                                      "num_hidden_layers": 3, "num_attention_heads": 4,
-                                                      "num_key_value_heads": 2},
+    "default": Budget(model="small", model_overrides=_D128,
                       seq_len=256, steps=2400, batch_size=16, lr=6e-3, warmup_steps=50, retrieval_mix=1.0,
                       mix_tasks=("passkey",), samples=10, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024),
+    # Table 5 at equal skill (issue 12): every model trained until it retrieves at L (>= 90 % held-out passkey exact
+    # match), 2 seeds, baseline vs G1 elementwise with the official (gate ~0.5) and the identity gate init, 30
+    # samples per cell; sized by pilots to learn copying in a few hundred steps (see docs/experiments/long_context.md)
+    "fair": Budget(model="small", model_overrides=FAIR_MODEL,
+                   seq_len=FAIR_L, steps=FAIR_STEPS, batch_size=16, lr=FAIR_LR, warmup_steps=50, retrieval_mix=1.0,
+                   mix_tasks=("passkey",), samples=30, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024,
+                   precision="bf16", until_skill=0.9, skill_every=50, skill_samples=32, seeds=2,
+                   models=("baseline", "sdpa_elementwise", "sdpa_elementwise:identity")),
 }
+
+
+def parse_model(spec: str) -> tuple[str, str]:
+    """'GATE' or 'GATE:INIT' -> (gate, gate_init); INIT is one of gates.GATE_INITS (normal is the default)."""
+    from gated_attention.gates import GATE_INITS, get_gate
+
+    gate, sep, init = spec.partition(":")
+    init = init if sep else "normal"
+    try:
+        has_gate = get_gate(gate) is not None
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"model {spec!r}: {exc}") from None
+    if init not in GATE_INITS:
+        raise ValueError(f"model {spec!r}: unknown gate init {init!r}; write GATE or GATE:INIT with INIT one of "
+                         f"{', '.join(GATE_INITS)}")
+    if init != "normal" and not has_gate:
+        raise ValueError(f"model {spec!r}: {gate} has no gate to initialise; drop ':{init}'")
+    return gate, init
+
+
+def model_dir_name(spec: str) -> str:
+    """runs/<name>: the gate, plus '.<init>' for a non-default gate init (no ':' in paths)."""
+    gate, init = parse_model(spec)
+    return gate if init == "normal" else f"{gate}.{init}"
+
+
+def canonical_model(spec: str) -> str:
+    gate, init = parse_model(spec)
+    return gate if init == "normal" else f"{gate}:{init}"
+
+
+def check_budget(b: Budget) -> Budget:
+    check_mix_tasks(b.mix_tasks)
+    if b.seq_len < 2 or b.seq_len % 2:
+        raise ValueError(f"--seq-len {b.seq_len} must be an even number (evaluation starts at L/2)")
+    if b.until_skill is not None and not 0.0 < b.until_skill <= 1.0:
+        raise ValueError(f"--until-skill {b.until_skill} must be a fraction in (0, 1] (e.g. 0.9), or 0 for off")
+    for name in ("seeds", "skill_every", "skill_samples", "samples", "steps"):
+        if getattr(b, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(b, name)} must be >= 1")
+    for m in b.models:
+        parse_model(m)
+    return b
 
 
 def lengths_for(b: Budget, factor: int) -> list[int]:
@@ -81,22 +148,44 @@ def lengths_for(b: Budget, factor: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Stages
-def train_config_for(b: Budget, gate: str, data_dir: str, seed: int):
+def train_config_for(b: Budget, gate: str, data_dir: str, seed: int, gate_init: str = "normal"):
     from gated_attention.train.config import TrainConfig
 
     over = {**b.model_overrides, "max_position_embeddings": b.seq_len}  # the config states the trained length
-    # fp32: CPU bf16 autocast is no faster at these widths, and fp32 keeps CPU runs bitwise repeatable
+    if gate_init != "normal":  # left out otherwise, so runs from before gate_init existed keep their cache key
+        over["gate_init"] = gate_init
     return TrainConfig(model=b.model, gate=gate, model_overrides=over, data="corpus", data_dir=str(data_dir),
                        seq_len=b.seq_len, batch_size=b.batch_size, steps=b.steps, lr=b.lr, min_lr=b.lr / 100,
-                       warmup_steps=b.warmup_steps, retrieval_mix=b.retrieval_mix, precision="fp32",
+                       warmup_steps=b.warmup_steps, retrieval_mix=b.retrieval_mix, precision=b.precision,
                        retrieval_tasks=list(b.mix_tasks), seed=seed, eval_every=0, eval_batches=2,
-                       eval_batch_size=4, stats_every=0, ckpt_every=max(1, b.steps // 4), keep_checkpoints=1,
+                       eval_batch_size=4, stats_every=0, ckpt_every=max(1, b.steps // 8), keep_checkpoints=1,
                        progress=False, tensorboard=False).validate()
 
 
-def train_stage(cfg, run_dir: Path, log=print) -> Path:
-    """Train (or reuse, or resume) one model (experiment.train_or_reuse); returns its final/ checkpoint directory."""
-    summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]")
+def skill_settings(b: Budget, seed: int) -> dict | None:
+    """What the stopping rule depends on (part of a run's cache key); None when training runs a fixed step count."""
+    if b.until_skill is None:
+        return None
+    return dict(until_skill=b.until_skill, every=b.skill_every, samples=b.skill_samples, task=b.mix_tasks[0],
+                length=b.seq_len, seed=seed)
+
+
+def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None = None) -> Path:
+    """Train (or reuse, or resume) one model (experiment.train_or_reuse); returns its final/ checkpoint directory.
+
+    stopper: a trainer step_hook (skill.SkillStop) that ends training once the model has the skill; `skill` is its
+    settings dict, kept in run_dir/skill_config.json so a run is never reused or resumed under another stopping rule
+    (a run from before the rule existed counts as "no rule").
+    """
+    skill_path = run_dir / "skill_config.json"
+    if (run_dir / "train_config.json").exists():
+        old_rule = json.loads(skill_path.read_text())["rule"] if skill_path.exists() else None
+        if old_rule != skill:
+            raise ValueError(f"{run_dir} holds a run with other settings (stopping rule {old_rule} != {skill}); "
+                             f"use a new --out or delete that folder")
+    if not skill_path.exists():
+        atomic_write_json(skill_path, {"rule": skill}, indent=1)
+    summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]", step_hook=stopper)
     if summary.get("diverged"):
         raise ValueError(f"training {cfg.gate} diverged ({summary.get('stop_reason')}); lower the learning rate")
     return run_dir / "final"
@@ -145,12 +234,25 @@ def answer_nll(model, tokenizer, sample: dict) -> float:
     return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
 
 
+def eval_settings(model_dir: Path, b: Budget, lengths: list[int], seed: int) -> dict:
+    """What an evaluation depends on (its cache key), the checkpoint's mtime included."""
+    return dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
+                max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
+                ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
+
+
+def cached_eval(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], seed: int) -> dict | None:
+    """eval_stage's cached result when it is current, else None (no work: for --report-only)."""
+    if not (out_json.exists() and (model_dir / "model.safetensors").exists()):
+        return None
+    cached = json.loads(out_json.read_text())
+    return cached if cached.get("settings") == eval_settings(model_dir, b, lengths, seed) else None
+
+
 def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], data_dir: str, seed: int,
                log=print) -> dict:
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
-    settings = dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
-                    max_new_tokens=b.max_new_tokens, seed=seed, ppl_batches=b.ppl_batches,
-                    ppl_batch_size=b.ppl_batch_size, answer_nll=True, mtime=(model_dir / "model.safetensors").stat().st_mtime)
+    settings = eval_settings(model_dir, b, lengths, seed)
     return experiment.cached(out_json, settings, lambda: _evaluate(model_dir, b, lengths, data_dir, seed, log), log,
                              "[longctx]", indent=2)
 
@@ -165,7 +267,7 @@ def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, see
     device = torch.device("cpu")
     model = GatedQwen3ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.generation_config.eos_token_id = corpus.eos_id
-    name = f"{model_dir.parent.name}/{model_dir.name}"
+    name = "/".join(model_dir.parts[-3:])  # <model>/seed<k>/final or .../yarn<factor>
     scores: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     nll: dict[str, dict[str, float | None]] = {t: {} for t in b.mix_tasks}
     records = []
@@ -205,18 +307,29 @@ def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
     return str(experiment.ensure_corpus(data_dir, vocab_size, log, "[longctx]"))
 
 
-def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseline", "sdpa_elementwise"),
-                 factor: int = 4, seed: int = 0, log=print) -> dict:
+def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, factor: int = 4, seed: int = 0,
+                 log=print, report_only: bool = False) -> dict:
     """Train, extend, evaluate and report (see the module docstring); returns the report dict.
 
+    gates: model specs GATE or GATE:INIT (None: the budget's models); seeds seed .. seed + b.seeds - 1.
+    report_only: train and evaluate nothing; report the finished, evaluated (model, seed) pairs and the progress of
+    the others (a partial report while runs are still going, or after an interrupted run).
     data_dir=None uses the budget's corpus (b.data_dir, prepared with b.vocab_size if missing).
     """
+    from gated_attention.longctx import skill as S
+
     if factor < 2 or factor & (factor - 1):
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
+    check_budget(b)
+    models = [canonical_model(m) for m in (gates or b.models)]
+    from gated_attention.gates import canonical_name
+
+    if len({(canonical_name(parse_model(m)[0]), parse_model(m)[1]) for m in models}) != len(models):  # none == baseline
+        raise ValueError(f"--gates lists a model twice: {' '.join(models)}")
+    seeds = list(range(seed, seed + b.seeds))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lengths = lengths_for(b, factor)
-    gates = list(gates)
     from gated_attention.data import Corpus
 
     data_dir = ensure_corpus(b.data_dir, b.vocab_size, log) if data_dir is None else str(data_dir)
@@ -228,19 +341,49 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=("baseli
         except ValueError as exc:
             raise ValueError(f"task {task!r} does not fit the training length {b.seq_len} ({exc}); "
                              f"use a longer --seq-len or other --tasks") from None
-    results = {}
-    for gate in gates:
-        run_dir = out / "runs" / gate
-        final = train_stage(train_config_for(b, gate, data_dir, seed), run_dir, log)
-        yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
-        for variant, model_dir in (("none", final), ("yarn", yarn)):
-            results[(gate, variant)] = eval_stage(model_dir, out / "eval" / f"{gate}-{variant}.json", b, lengths,
-                                                  data_dir, seed, log)
-    rep = build_report(results, b, lengths, factor, gates)
+    results, training = {}, {}
+    for s in seeds:  # seed-major: an interrupted run has every model at the first seed before any at the second
+        for m in models:
+            gate, init = parse_model(m)
+            run_dir = out / "runs" / model_dir_name(m) / f"seed{s}"
+            skill = skill_settings(b, s)
+            if report_only:
+                _report_only_cell(out, run_dir, m, s, b, lengths, factor, skill, results, training)
+                continue
+            stopper = None
+            if skill is not None:
+                scorer = S.PasskeyScorer(tok, b.seq_len, b.skill_samples, s, task=b.mix_tasks[0])
+                stopper = S.SkillStop(scorer, b.skill_every, b.until_skill, run_dir / "skill.jsonl", log)
+            final = train_stage(train_config_for(b, gate, data_dir, s, init), run_dir, log, stopper, skill)
+            training[(m, s)] = S.training_outcome(run_dir, skill)
+            yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
+            for variant, model_dir in (("none", final), ("yarn", yarn)):
+                results[(m, s, variant)] = eval_stage(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json",
+                                                      b, lengths, data_dir, s, log)
+    rep = build_report(results, training, b, lengths, factor, models, seeds)
     md = format_markdown(rep)
     atomic_write_json(out / "report.json", rep, indent=2)  # int length keys become strings, as JSON has them
-    atomic_write_text(out / "report.md", md)  # unique temp file per write: one-gate runs in parallel share OUT
+    atomic_write_text(out / "report.md", md)  # unique temp file per write: one-model runs in parallel share OUT
     plot_report(rep, out / "report.png")
     log(md)
     log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
     return rep
+
+
+def _report_only_cell(out: Path, run_dir: Path, m: str, s: int, b: Budget, lengths: list[int], factor: int,
+                      skill: dict | None, results: dict, training: dict) -> None:
+    from gated_attention.longctx import skill as S
+
+    final, yarn = run_dir / "final", run_dir / f"yarn{factor}"
+    if not ((run_dir / "summary.json").exists() and (final / "config.json").exists()):
+        progress = S.training_progress(run_dir, skill)
+        if progress is not None:
+            training[(m, s)] = progress
+        return
+    training[(m, s)] = S.training_outcome(run_dir, skill)
+    for variant, model_dir in (("none", final), ("yarn", yarn)):
+        got = cached_eval(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json", b, lengths, s)
+        if got is not None:
+            results[(m, s, variant)] = got
+
+

@@ -189,10 +189,13 @@ class _TB:
 
 # ---------------------------------------------------------------- the loop
 
-def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None) -> dict:
+def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None, step_hook=None) -> dict:
     """Train per `cfg` into `out_dir`; returns the summary (also written to out_dir/summary.json on rank 0).
 
-    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests)."""
+    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests).
+    step_hook(steps_done, model) -> str | None runs after every optimizer step (and that step's checkpoint) on every
+    rank with the plain model; a non-empty string stops training there with it as the summary's stop_reason (a
+    stopping rule such as longctx's --until-skill). It must give the same answer on every rank."""
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist)
     try:
@@ -204,7 +207,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
                 except Exception as exc:
                     err = exc
             D.agree(info, err)
-            return _train(cfg, Path(out_dir), resume, model_factory, info)
+            return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook)
     finally:
         D.teardown()
 
@@ -240,7 +243,7 @@ class _Run:
         return self.out / "log.jsonl"
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo) -> dict:
+def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None) -> dict:
     latest = _check_run_dir(cfg, out, resume, info)
     run = _setup(cfg, out, model_factory, info)
     _restore(run, latest if resume else None)
@@ -252,6 +255,12 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
         _after_step(run, rec, t0, t_start)
         if run.st["diverged"]:
             break
+        if step_hook is not None:
+            reason = step_hook(run.st["step"], run.raw)
+            run.raw.train()  # the hook may have switched to eval mode
+            if reason:
+                run.st["stop_reason"] = str(reason)
+                break
     return _finish(run, t_start)
 
 
