@@ -144,13 +144,13 @@ def configure_longctx(parser) -> None:
     parser.add_argument("--seq-len", type=E.positive_int, default=None, help="training length L (default: the budget's)")
     parser.add_argument("--steps", type=E.positive_int, default=None,
                         help="training steps per model; with --until-skill the cap (default: the budget's)")
-    parser.add_argument("--until-skill", type=E.nonneg_float, default=None, metavar="FRACTION",
+    parser.add_argument("--until-skill", type=float, default=None, metavar="FRACTION",
                         help="stop training a model once its held-out exact match on the first task at L reaches "
                              "FRACTION (e.g. 0.9), checked every --skill-every steps; the step is reported as "
                              "steps-to-skill; 0 = off, train exactly --steps (default: the budget's; fair: 0.9)")
-    parser.add_argument("--skill-every", type=E.positive_int, default=None, help="steps between held-out skill checks")
-    parser.add_argument("--skill-samples", type=E.positive_int, default=None, help="held-out samples per skill check")
-    parser.add_argument("--seeds", type=E.positive_int, default=None,
+    parser.add_argument("--skill-every", type=int, default=None, help="steps between held-out skill checks")
+    parser.add_argument("--skill-samples", type=int, default=None, help="held-out samples per skill check")
+    parser.add_argument("--seeds", type=int, default=None,
                         help="seeds per model (--seed, --seed+1, ...); the report gives mean ± std over them")
     parser.add_argument("--samples", type=E.positive_int, default=None, help="RULER samples per task, length and seed")
     parser.add_argument("--tasks", nargs="+", default=None, metavar="TASK",

@@ -199,14 +199,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist)
     try:
-        with ExitStack() as stack:
-            err = None
-            if info.is_main:  # one writer per run folder: a second process stops here with the holder's PID
-                try:
-                    stack.enter_context(lock_dir(out_dir, "gattn train"))
-                except Exception as exc:
-                    err = exc
-            D.agree(info, err)
+        with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
+            _on_main(info, lambda: stack.enter_context(lock_dir(out_dir, "gattn train")))
             return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook)
     finally:
         D.teardown()
@@ -270,14 +264,14 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) 
     """Validate the run folder against `resume`, write train_config.json; returns the checkpoint to resume from (the
     newest VALID one) or None. Rank 0 decides; an error there stops every rank (D.agree)."""
     cfg.check_world(info.world_size)
-    latest, err = None, None
-    if info.is_main:
-        try:
-            latest = _prepare_out(cfg, out, resume, out / "train_config.json")
-            atomic_write_text(out / "train_config.json", json_dumps(cfg.to_dict(), indent=1))
-        except Exception as exc:
-            err = exc
-    D.agree(info, err)
+    box = {}
+
+    def prepare():
+        box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json")
+        atomic_write_text(out / "train_config.json", json_dumps(cfg.to_dict(), indent=1))
+
+    _on_main(info, prepare)  # every rank stops if rank 0 refused the folder
+    latest = box.get("latest")
     latest = D.broadcast_object(str(latest) if latest is not None else None, info)
     return Path(latest) if latest is not None else None
 
@@ -521,12 +515,7 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
     # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
     _on_main(info, lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd},
                                                       "meta.json": meta}))
-    err = None
-    try:
-        ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})
-    except Exception as exc:
-        err = exc
-    D.agree(info, err)
+    D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})))
     _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
                                                                           run.cfg.keep_checkpoints)))
     run.last_ckpt_step = next_step
@@ -534,13 +523,15 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
 
 def _on_main(info: D.DistInfo, fn) -> None:
     """Run `fn` on rank 0; every rank raises if it failed (no rank left waiting in a barrier)."""
-    err = None
-    if info.is_main:
-        try:
-            fn()
-        except Exception as exc:
-            err = exc
-    D.agree(info, err)
+    D.agree(info, _error_of(fn) if info.is_main else None)
+
+
+def _error_of(fn) -> Exception | None:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _finish(run: _Run, t_start: float) -> dict:
