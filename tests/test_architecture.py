@@ -13,8 +13,8 @@ ROOT = "gated_attention"
 
 # layer -> module-name prefixes (after "gated_attention."); a module belongs to the longest matching prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("core", ("", "io", "norm", "rope", "gates", "baselines", "configuration", "attention", "moe", "modeling", "presets",
-              "fast", "decode", "capture", "triton_attention", "triton_kernels", "progress")),
+    ("core", ("", "errors", "io", "norm", "rope", "gates", "baselines", "configuration", "attention", "moe", "modeling",
+              "presets", "fast", "decode", "capture", "triton_attention", "triton_kernels", "progress")),
     ("interop", ("convert", "retrofit")),
     ("data", ("data",)),
     ("train", ("train",)),

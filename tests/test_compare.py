@@ -111,7 +111,7 @@ def test_half_finished_run_resumes(small_run, tiny_corpus, monkeypatch, tmp_path
 
 
 def test_changed_settings_fail_loudly(small_run, tiny_corpus):
-    with pytest.raises(ValueError, match=r"different settings \(lr\)"):
+    with pytest.raises(ValueError, match=r"different settings \(lr: saved"):
         C.run_compare(small_run, tiny_corpus, "small", variants=["baseline"], sets=["lr=1e-3"], log=lambda m: None)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from . import experiment
-from .io import atomic_write_text
+from .io import atomic_write_text, json_dumps
 
 # variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
@@ -301,7 +301,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)
-    atomic_write_text(out / "compare.json", json.dumps(result, indent=1))
+    atomic_write_text(out / "compare.json", json_dumps(result, indent=1))
     atomic_write_text(out / "report.md", report.render_markdown(result))
     atomic_write_text(out / "report.html", report.render_html(result, out))
     return result

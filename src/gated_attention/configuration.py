@@ -96,6 +96,7 @@ class GatedQwen3Config(PreTrainedConfig):
         self.gate = canonical_name(self.gate)
         if self.gate_init not in GATE_INITS:
             raise ValueError(f"unknown gate_init {self.gate_init!r}; valid: {', '.join(GATE_INITS)}")
+        _check_numbers(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -138,6 +139,36 @@ class GatedQwen3Config(PreTrainedConfig):
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.num_experts > 0 and layer_idx not in (self.mlp_only_layers or [])
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "decoder_sparse_step")
+_NONNEG_INTS = ("num_experts", "shared_expert_intermediate_size")
+
+
+def _check_numbers(cfg: GatedQwen3Config) -> None:
+    """Sizes >= 1, finite positive scales: a zero head count or a NaN RoPE theta fails here, by name, not as a
+    ZeroDivisionError deep in the model or a NaN config.json."""
+    from .errors import check_number
+
+    for name in _POSITIVE_INTS:
+        check_number(name, getattr(cfg, name), kind=int, min=1)
+    for name in _NONNEG_INTS:
+        check_number(name, getattr(cfg, name), kind=int, min=0)
+    check_number("initializer_range", cfg.initializer_range, min=0.0, min_open=True)
+    check_number("rms_norm_eps", cfg.rms_norm_eps, min=0.0, min_open=True)
+    check_number("attention_dropout", cfg.attention_dropout, min=0.0, max=1.0)
+    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        check_number(name, getattr(cfg, name), min=0.0)
+    if cfg.num_experts > 0:
+        check_number("num_experts_per_tok", cfg.num_experts_per_tok, kind=int, min=1, max=cfg.num_experts)
+        check_number("moe_intermediate_size", cfg.moe_intermediate_size, kind=int, min=1)
+    rp = cfg.rope_parameters
+    if isinstance(rp, dict):
+        if "rope_theta" in rp:
+            check_number("rope_theta", rp["rope_theta"], min=0.0, min_open=True)
+        if rp.get("factor") is not None:
+            check_number("rope factor", rp["factor"], min=1.0)
 
 
 __all__ = ["GatedQwen3Config"]

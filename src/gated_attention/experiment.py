@@ -31,8 +31,9 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from .io import atomic_write_json
-from .train.config import changed_settings
+from .errors import UserError
+from .io import atomic_write_json, read_json_object
+from .train.config import describe_changes
 
 Log = Callable[[str], Any]
 
@@ -63,13 +64,14 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
     run_dir = Path(run_dir)
     cfg_path = run_dir / "train_config.json"
     if cfg_path.exists():
-        diff = changed_settings(json.loads(cfg_path.read_text()), cfg.to_dict())
+        diff = describe_changes(read_json_object(cfg_path, "saved run settings", "delete that run folder"),
+                                cfg.to_dict())
         if diff:
-            raise ValueError(f"{run_dir} holds a run with other settings than requested - different settings "
-                             f"({', '.join(diff)}); use a new --out or delete that folder")
+            raise UserError(f"{run_dir} holds a run with other settings than requested - different settings "
+                            f"({diff}); use a new --out or delete that folder")
     if is_finished(run_dir):
         log(f"{tag} {cfg.gate}: reuse finished run {run_dir}")
-        return json.loads((run_dir / "summary.json").read_text())
+        return read_json_object(run_dir / "summary.json", "run summary", "delete that run folder to retrain it")
     resume = run_dir.exists() and checkpoint.latest_checkpoint(run_dir) is not None
     log(f"{tag} {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps at length {cfg.seq_len} "
         f"-> {run_dir}")

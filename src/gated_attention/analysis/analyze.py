@@ -97,7 +97,7 @@ class _Collector:
             return self.sdpa_output(layer, "out", x)
         x = self._masked(x)
         if x.numel():
-            self.act_max[(layer, name)] = max(self.act_max.get((layer, name), 0.0), M.max_abs(x))
+            self.act_max[(layer, name)] = M.nanmax(self.act_max.get((layer, name), 0.0), M.max_abs(x))
 
     def gate_scores(self, layer, g):
         g = self._masked(g)  # (N, H, D|1) per head, or (N, d) for a gate with no head axis (G5)
@@ -171,8 +171,8 @@ class _Collector:
             # entry-weighted over layers: "mean sigma over all entries, tokens and layers" (paper map §10 item 10)
             "gate_mean": sum(s.sum for s in self.gate.values()) / gate_n if gate_n else None,
             "gate_std": mean_of("gate_std"),
-            "gate_min": min((s.min for s in self.gate.values()), default=None),
-            "gate_max": max((s.max for s in self.gate.values()), default=None),
+            "gate_min": _reduce(M.nanmin, (s.min for s in self.gate.values())),
+            "gate_max": _reduce(M.nanmax, (s.max for s in self.gate.values())),
         }
         for which in ("pre", "post"):
             out[f"mean_abs_y_{which}_gate"] = mean_of(f"mean_abs_y_{which}_gate")
@@ -184,6 +184,14 @@ class _Collector:
         out["attention_maps"] = {str(k): [[round(float(v), 5) for v in row] for row in m]
                                  for k, m in sorted(self.maps.items())}
         return out
+
+
+def _reduce(fn, values):
+    """fn-fold of `values` (None when empty), NaN-propagating with nanmax/nanmin."""
+    out = None
+    for v in values:
+        out = v if out is None else fn(out, v)
+    return out
 
 
 class CaptureRecorder:
@@ -378,8 +386,9 @@ def load_model(model_dir: str | os.PathLike, attn_implementation: str = "sdpa", 
     import gated_attention  # noqa: F401  registers our model with the Auto classes
 
     path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path}: no config.json; pass a local HF model directory (save_pretrained output)")
+    from gated_attention.io import check_hf_dir
+
+    check_hf_dir(path, "model folder")  # folder, config.json parses, weights present and intact (else one line)
     conf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     kind = model_kind(conf)
     cls = transformers.AutoModelForCausalLM if kind == "causal" else transformers.AutoModel

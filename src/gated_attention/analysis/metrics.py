@@ -56,6 +56,15 @@ def uniform_first_token_attention(T: int, causal: bool = True) -> float:
     return float(sum(1.0 / (i + 1) for i in range(T)) / T)
 
 
+def nanmax(a: float, b: float) -> float:
+    """max() that propagates NaN (Python's max(0.0, nan) is 0.0: a NaN activation would vanish from M-Act)."""
+    return math.nan if (a != a or b != b) else max(a, b)
+
+
+def nanmin(a: float, b: float) -> float:
+    return math.nan if (a != a or b != b) else min(a, b)
+
+
 def max_abs(x: torch.Tensor) -> float:
     """M-Act of one tensor: max |value| over every token and channel."""
     return float(x.detach().abs().max())
@@ -98,8 +107,8 @@ class RunningStats:
         self.n += x.numel()
         self.sum += float(x.sum())
         self.sumsq += float((x * x).sum())
-        self.min = min(self.min, float(x.min()))
-        self.max = max(self.max, float(x.max()))
+        self.min = nanmin(self.min, float(x.min()))
+        self.max = nanmax(self.max, float(x.max()))
         if dim is None:
             return
         s = x.movedim(dim, 0).flatten(1)  # (slots, rest)

@@ -99,12 +99,17 @@ def plot_gate_histograms(analyses: dict[str, dict], path) -> Path | None:
     if not drawn:
         plt.close(fig)
         return None
-    lo = min(a["gate_min"] for a in analyses.values() if a.get("gate_min") is not None)
-    hi = max(a["gate_max"] for a in analyses.values() if a.get("gate_max") is not None)
+    # finite values only: a NaN gate (reported in analysis.json) must not make the axis limits NaN
+    lo = min((a["gate_min"] for a in analyses.values() if _finite(a.get("gate_min"))), default=0.0)
+    hi = max((a["gate_max"] for a in analyses.values() if _finite(a.get("gate_max"))), default=1.0)
     ax.set(xlabel="gate score", ylabel="share of gate entries", title="gate score distribution",
            xlim=(min(0.0, lo), max(1.0, hi)))
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and v == v and abs(v) != float("inf")
 
 
 def plot_all(analysis: dict, out_dir, label: str = "model") -> list[Path]:

@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from ..errors import Parser, handle
+
 # name -> (module, one-line help). Adding a subcommand = one row here + configure_<name>/run_<name> in the module.
 COMMANDS: dict[str, tuple[str, str]] = {
     "gates": ("gated_attention.cli.model", "List every gate variant and baseline with the parameters it adds."),
@@ -59,12 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown our own progress output
     module = importlib.import_module(COMMANDS[name][0])
     attr = name.replace("-", "_")
-    sub = argparse.ArgumentParser(prog=f"gattn {name}", description=COMMANDS[name][1])
+    sub = Parser(prog=f"gattn {name}", description=COMMANDS[name][1])  # one-line argparse errors, exit 2
     getattr(module, f"configure_{attr}")(sub)
     args = sub.parse_args(argv[1:])
     try:
         return int(getattr(module, f"run_{attr}")(args) or 0)
-    except (ValueError, FileNotFoundError, KeyError) as exc:  # user errors: one clear line, no traceback
-        print(f"gattn {name}: error: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # user errors: one line `gattn CMD: error: ...`, exit 2; bugs re-raise (errors.handle)
+        return handle(name, exc)
 

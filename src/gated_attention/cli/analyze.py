@@ -4,6 +4,8 @@ Writes OUT/analysis.json (schema: analyze.SCHEMA, also in the README) and PNG pl
 """
 from __future__ import annotations
 
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
 import argparse
 import json
 import sys
@@ -14,24 +16,24 @@ from ..analysis.analyze import AnalysisConfig, analyze_model, bos_id, load_model
 
 
 def configure_analyze(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_dir", help="local model directory (ours or any HF transformer with config.json)")
+    p.add_argument("model_dir", type=E.existing_dir, help="local model directory (ours or any HF transformer with config.json)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", help="a UTF-8 text file to analyse on")
+    src.add_argument("--text", type=E.existing_file, help="a UTF-8 text file to analyse on")
     src.add_argument("--domain", help="analyse on validation tokens of this corpus domain (needs --data-dir)")
-    p.add_argument("--data-dir", help="prepared corpus directory (for --domain, or the tokenizer when the model "
+    p.add_argument("--data-dir", type=E.existing_dir, help="prepared corpus directory (for --domain, or the tokenizer when the model "
                                       "directory has none)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    p.add_argument("--batches", type=int, default=4, help="number of batches to analyse (default 4)")
-    p.add_argument("--batch-size", type=int, default=2, help="windows per batch (default 2)")
+    p.add_argument("--seq-len", type=E.positive_int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--batches", type=E.positive_int, default=4, help="number of batches to analyse (default 4)")
+    p.add_argument("--batch-size", type=E.positive_int, default=2, help="windows per batch (default 2)")
     p.add_argument("--no-bos", action="store_true",
                    help="do not start each window with the tokenizer's BOS/CLS token (default: do, as in training)")
-    p.add_argument("--layers-to-plot", type=int, nargs="+",
+    p.add_argument("--layers-to-plot", type=E.nonneg_int, nargs="+",
                    help="layers whose head-averaged attention maps are plotted (default: 0, ~L/4, ~3L/4, last)")
-    p.add_argument("--map-len", type=int, default=64, help="tokens shown in each attention map (default 64)")
-    p.add_argument("--sink-eps", type=float, default=0.3, help="threshold for Sink_k^eps (default 0.3)")
+    p.add_argument("--map-len", type=E.positive_int, default=64, help="tokens shown in each attention map (default 64)")
+    p.add_argument("--sink-eps", type=E.positive_float, default=0.3, help="threshold for Sink_k^eps (default 0.3)")
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"],
                    help="attention backend to load the model with (default sdpa; results agree)")
-    p.add_argument("--out", required=True, help="output directory for analysis.json and the PNG plots")
+    p.add_argument("--out", type=E.out_dir, required=True, help="output directory for analysis.json and the PNG plots")
     p.add_argument("--json", action="store_true", help="also print analysis.json to stdout")
 
 
@@ -65,7 +67,14 @@ def run_analyze(args) -> int:
     result = {"model": str(args.model_dir), **analyze_model(model, batches, cfg, kind)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=1)
+    from ..io import json_dumps, nonfinite_paths
+
+    bad = nonfinite_paths({k: v for k, v in result.items() if k != "attention_maps"})
+    if bad:  # reported, not hidden: the JSON holds null + "nonfinite", stderr says where
+        result["nonfinite_metrics"] = bad
+        print(f"gattn analyze: warning: {len(bad)} non-finite metric(s) (the model produced NaN/Inf): "
+              f"{', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}", file=sys.stderr)
+    text = json_dumps(result, indent=1)  # strict JSON: a NaN metric is null + "nonfinite", never a bare NaN
     atomic_write_text(out / "analysis.json", text)
     from ..analysis.plots import plot_all
     plot_all(result, out, label=Path(args.model_dir).name)

@@ -1,6 +1,8 @@
 """`gattn compare`: train the baseline and gated variants, analyse them, write the Table-4 style report."""
 from __future__ import annotations
 
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
 import argparse
 import sys
 from pathlib import Path
@@ -10,10 +12,10 @@ from .. import compare_report as report
 
 
 def configure_compare(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", default=None,
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
                         help=f"prepared corpus folder; prepared automatically if missing (default: the budget's, "
                              f"{compare.DEFAULT_DATA_DIR} with the 8k vocabulary, or data_v1k for --budget long)")
-    parser.add_argument("--out", default="runs/compare",
+    parser.add_argument("--out", type=E.out_dir, default="runs/compare",
                         help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
                              "(default runs/compare; a re-run reuses finished runs)")
     parser.add_argument("--budget", default="default", choices=list(compare.BUDGETS),
@@ -38,9 +40,12 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args) -> int:
-    res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
-                              log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
-                              stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs)
+    from ..io import lock_dir
+
+    with lock_dir(args.out, "gattn compare"):  # one writer per output folder
+        res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
+                                  stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs)
     print(report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

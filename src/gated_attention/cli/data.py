@@ -1,6 +1,8 @@
 """`gattn data prepare | info`: build (or reuse) the offline corpus, or print a prepared corpus' manifest."""
 from __future__ import annotations
 
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
 import argparse
 import json
 import sys
@@ -15,15 +17,15 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
     d = PrepareConfig()
     p.add_argument("--data-dir", default=d.data_dir,
                    help=f"where everything is written and cached (default {d.data_dir})")
-    p.add_argument("--vocab-size", type=int, default=d.vocab_size, help=f"BPE vocabulary size (default {d.vocab_size})")
+    p.add_argument("--vocab-size", type=E.positive_int, default=d.vocab_size, help=f"BPE vocabulary size (default {d.vocab_size})")
     p.add_argument("--sources", nargs="*", default=list(d.sources), choices=list(SOURCES), metavar="SOURCE",
                    help=f"built-in sources to include (default all: {' '.join(SOURCES)}); give none for --extra only")
     p.add_argument("--extra", nargs="+", default=[], metavar="PATH",
                    help="your own text/JSONL files or folders; each becomes a domain named after it (JSONL: 'text')")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help=f"share of chunks per domain held out for validation (default {d.val_fraction})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"seed of the train/val split hash (default {d.seed})")
-    p.add_argument("--chunk-chars", type=int, default=d.chunk_chars,
+    p.add_argument("--seed", type=E.nonneg_int, default=d.seed, help=f"seed of the train/val split hash (default {d.seed})")
+    p.add_argument("--chunk-chars", type=E.positive_int, default=d.chunk_chars,
                    help=f"documents are cut into chunks of about this many characters for the split "
                         f"(default {d.chunk_chars})")
     p.add_argument("--force", action="store_true", help="rebuild everything instead of reusing the cache")
@@ -55,6 +57,10 @@ def format_manifest(manifest: dict[str, Any]) -> str:
     for name, e in manifest["domains"].items():
         if e.get("replaced_chars"):
             lines.append(f"note: {name}: {e['replaced_chars']} invalid UTF-8 sequences were replaced with U+FFFD")
+        if e.get("warning"):
+            lines.append(f"warning: {name}: {e['warning']}")
+        for f in e.get("skipped_files", []):
+            lines.append(f"skipped file in {name}: {f}")
     for name, why in manifest.get("skipped", {}).items():
         lines.append(f"skipped {name}: {why}")
     return "\n".join(lines)

@@ -1,6 +1,8 @@
 """Interop commands: `gattn convert` (checkpoint layouts) and `gattn retrofit` (add a gate to an ungated checkpoint)."""
 from __future__ import annotations
 
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
 import argparse
 
 from ..convert import FORMATS, convert_checkpoint
@@ -9,7 +11,7 @@ from ..retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
 
 def configure_convert(parser) -> None:
     parser.add_argument("src", help="source checkpoint directory (config.json + *.safetensors)")
-    parser.add_argument("dst", help="destination directory (written atomically; must not exist unless --overwrite)")
+    parser.add_argument("dst", type=E.out_dir, help="destination directory (written atomically; must not exist unless --overwrite)")
     parser.add_argument("--from", dest="src_format", required=True, choices=FORMATS,
                         help="layout of SRC: official (qiuzh20/gated_attention), qwen3 / qwen3-moe (stock HF "
                              "Qwen3 / Qwen3-MoE), qwen3-next (per-head [q|g] q_proj, zero-centred norms), llama / "
@@ -34,11 +36,11 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", required=True, choices=INITS,
                         help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
                              "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
-    parser.add_argument("--out", required=True, help="destination dir (native checkpoint, written atomically)")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="destination dir (native checkpoint, written atomically)")
     parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
                         help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> "
                              "official; llama, mistral, qwen2 -> those)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random gate init (ignored by identity)")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="seed of the random gate init (ignored by identity)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it already exists")
 
 

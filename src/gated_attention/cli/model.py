@@ -2,6 +2,8 @@
 `gattn demo` (build a tiny gated model, save/load it through the Auto classes, generate)."""
 from __future__ import annotations
 
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
 import json
 import tempfile
 
@@ -53,8 +55,8 @@ def run_gates(args) -> int:
 
 def configure_demo(parser):
     parser.add_argument("--gate", default="sdpa_elementwise", help="gate name from `gattn gates` (default: G1 elementwise)")
-    parser.add_argument("--tokens", type=int, default=8, help="tokens to generate (default 8)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for the untrained weights")
+    parser.add_argument("--tokens", type=E.positive_int, default=8, help="tokens to generate (default 8)")
+    parser.add_argument("--seed", type=E.nonneg_int, default=0, help="random seed for the untrained weights")
 
 
 def run_demo(args) -> int:

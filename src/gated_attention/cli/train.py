@@ -5,14 +5,16 @@ Works unchanged under `torchrun --nproc_per_node=N` (DDP by default, `--set dist
 """
 from __future__ import annotations
 
+from .. import errors as E  # argparse types: numbers and paths checked where they enter
+
 import argparse
 import json
 from pathlib import Path
 
 import torch
 
-from ..io import atomic_write_json
-from ..train.config import TRAIN_PRESETS, TrainConfig, apply_overrides, config_from_args
+from ..io import atomic_write_json, check_hf_dir, json_dumps, read_json_object
+from ..train.config import TRAIN_PRESETS, TrainConfig, apply_overrides, check_model, config_from_args
 
 
 def configure_train(parser: argparse.ArgumentParser) -> None:
@@ -23,18 +25,40 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="override a TrainConfig field (e.g. lr=1e-3) or a model field with a model. prefix "
                              "(e.g. model.num_hidden_layers=2); repeatable")
-    parser.add_argument("--out", required=True, help="run folder: log.jsonl, checkpoints/, final/, summary.json")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="run folder: log.jsonl, checkpoints/, final/, summary.json")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    parser.add_argument("--data-dir", default=None, help="prepared corpus folder (gattn data prepare)")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder (gattn data prepare)")
+
+
+def _same(key: str, value):
+    """Comparable form of a setting given again with --resume: the canonical gate name, the resolved corpus path."""
+    if value is None:
+        return None
+    if key == "gate":
+        from ..gates import canonical_name
+
+        try:
+            return canonical_name(value)
+        except ValueError:
+            return value
+    return str(Path(value).resolve())
 
 
 def run_train(args) -> int:
     from ..train.trainer import train
 
     resume_cfg = Path(args.out) / "train_config.json"
+    if args.resume and not resume_cfg.exists() and not (Path(args.out) / "checkpoints").is_dir():
+        raise E.UserError(f"nothing to resume in {args.out} (no train_config.json, no checkpoints); drop --resume to "
+                          "start a new run there")
     if args.resume and resume_cfg.exists() and args.preset is None:  # continue with the saved settings
-        cfg = TrainConfig.from_dict(json.loads(resume_cfg.read_text()))
+        cfg = TrainConfig.from_dict(read_json_object(resume_cfg, "saved run settings", "restore it or use a new --out"))
+        for flag, key, value in (("--gate", "gate", args.gate), ("--data-dir", "data_dir", args.data_dir)):
+            if value is not None and _same(key, value) != _same(key, getattr(cfg, key)):  # never silently ignored
+                raise E.UserError(f"--resume with {flag} {value} but the saved run has {key}={getattr(cfg, key)!r}; "
+                                  f"drop {flag} (or pass the saved value) or start a new --out")
         cfg = apply_overrides(cfg, args.sets)
+        check_model(cfg)
     else:
         cfg = config_from_args(args.preset or "small", args.gate, args.sets, args.data_dir)
     summary = train(cfg, args.out, resume=args.resume)
@@ -49,11 +73,11 @@ def run_train(args) -> int:
 def configure_sweep(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default="small-stress", choices=list(TRAIN_PRESETS), help="training preset")
     parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"], help="gate variants to compare")
-    parser.add_argument("--lrs", nargs="+", type=float, required=True, help="peak learning rates to try")
+    parser.add_argument("--lrs", type=E.positive_float, nargs="+", required=True, help="peak learning rates to try")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="TrainConfig / model.* overrides applied to every run; repeatable")
-    parser.add_argument("--out", required=True, help="sweep folder: one sub-folder per run, results.md, results.json")
-    parser.add_argument("--data-dir", default=None, help="prepared corpus folder")
+    parser.add_argument("--out", type=E.out_dir, required=True, help="sweep folder: one sub-folder per run, results.md, results.json")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder")
 
 
 def run_sweep(args) -> int:
@@ -67,14 +91,14 @@ def run_sweep(args) -> int:
 # ---------------------------------------------------------------- gattn eval
 
 def configure_eval(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dir", help="a training run folder (its final/ model is used) or a save_pretrained folder")
-    parser.add_argument("--data-dir", default=None, help="corpus folder (default: the run's own setting)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's seq_len)")
-    parser.add_argument("--batches", type=int, default=8, help="validation batches per domain")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per validation batch")
+    parser.add_argument("dir", type=E.existing_dir, help="a training run folder (its final/ model is used) or a save_pretrained folder")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="corpus folder (default: the run's own setting)")
+    parser.add_argument("--seq-len", type=E.positive_int, default=None, help="tokens per sequence (default: the run's seq_len)")
+    parser.add_argument("--batches", type=E.positive_int, default=8, help="validation batches per domain")
+    parser.add_argument("--batch-size", type=E.positive_int, default=8, help="sequences per validation batch")
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast precision")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    parser.add_argument("--out", default=None, help="also write the JSON result to this file (atomically)")
+    parser.add_argument("--out", type=E.out_file, default=None, help="also write the JSON result to this file (atomically)")
 
 
 def _position_summary(pos: list[float], points: int = 8) -> list[tuple[int, float]]:
@@ -97,21 +121,29 @@ def run_eval(args) -> int:
     model_dir = root / "final" if (root / "final" / "config.json").exists() else root
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"no model in {root} (expected {root}/final/config.json or {root}/config.json)")
+    check_hf_dir(model_dir, "model folder")  # config.json parses, weights present and intact
     cfg_path = root / "train_config.json"
-    cfg = TrainConfig.from_dict(json.loads(cfg_path.read_text())) if cfg_path.exists() else TrainConfig()
+    cfg = (TrainConfig.from_dict(read_json_object(cfg_path, "run settings", "restore it or pass --data-dir"))
+           if cfg_path.exists() else TrainConfig())
     if args.data_dir is not None:
         cfg.data_dir, cfg.data = args.data_dir, "corpus"
     seq_len = args.seq_len or cfg.seq_len
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = GatedQwen3ForCausalLM.from_pretrained(model_dir).to(device)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and seq_len > max_pos:
+        raise E.UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower "
+                          "--seq-len (or extend the model first with `gattn extend`)")
     source = make_source(cfg, model.config.vocab_size)
     res = domain_losses(model, source, seq_len=seq_len, max_batches=args.batches, batch_size=args.batch_size,
                         device=device, precision=args.precision, positions=True)
+    if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
+        raise E.UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")
     res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size})
     if args.out:
         atomic_write_json(args.out, res)
     if args.json:
-        print(json.dumps(res, indent=1))
+        print(json_dumps(res, indent=1))  # strict JSON, as the file
         return 0
     print(f"model: {model_dir}   seq_len {seq_len}, {args.batches} x {args.batch_size} sequences per domain")
     print(f"{'domain':<20} {'loss':>8} {'ppl':>10}")

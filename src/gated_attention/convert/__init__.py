@@ -541,7 +541,8 @@ def convert_state_dict(config: dict, state: dict, src_format: str, dst_format: s
 # ----------------------------------------------------------------------------------------------- files
 def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
     """(config.json dict, state dict) from a checkpoint directory; safetensors only, pickles refused."""
-    from safetensors.torch import load_file
+    from .errors import UserError
+    from .io import load_hf_state, read_json_object
 
     path = Path(path)
     if path.is_file():
@@ -554,23 +555,11 @@ def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConversionError(f"{path} has no config.json")
-    config = json.loads(cfg_file.read_text())
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-    if not files:
-        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        reason = (f"only pickle weights {pickles}, which are never loaded (they can run arbitrary code); re-save them "
-                  "as safetensors" if pickles else "no *.safetensors weights")
-        raise ConversionError(f"{path} has {reason}")
-    state: dict = {}
-    for name in files:
-        for k, v in load_file(path / name).items():
-            if k in state:
-                raise ConversionError(f"key {k} appears in more than one safetensors file of {path}")
-            state[k] = v
+    try:
+        config = read_json_object(cfg_file, "config", "pass a checkpoint folder written by save_pretrained")
+        state = load_hf_state(path)  # model.safetensors or the index's shards (confined to the folder), verified
+    except UserError as exc:
+        raise ConversionError(str(exc)) from None
     return config, state
 
 

@@ -26,7 +26,10 @@ class Corpus:
         path = self.data_dir / "manifest.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found; run `gattn data prepare --data-dir {data_dir}` first")
-        self.manifest: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        from ..io import read_json_object
+
+        self.manifest: dict[str, Any] = read_json_object(
+            path, "corpus manifest", f"rerun `gattn data prepare --data-dir {data_dir}`")
         if self.manifest.get("version") != MANIFEST_VERSION:
             raise ValueError(f"{path} has manifest version {self.manifest.get('version')}, this code reads "
                              f"{MANIFEST_VERSION}; re-run `gattn data prepare --force`")
@@ -40,7 +43,9 @@ class Corpus:
 
     def _check(self, domain: str, split: str) -> None:
         if domain not in self.manifest["domains"]:
-            raise KeyError(f"unknown domain {domain!r}; this corpus has: {', '.join(self.domains)}")
+            from ..errors import UserKeyError
+
+            raise UserKeyError(f"unknown domain {domain!r}; this corpus has: {', '.join(self.domains)}")
         if split not in SPLITS:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 

@@ -121,6 +121,16 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         raise ValueError(f"unknown source(s) {unknown}; valid: {', '.join(SOURCES)}")
     if not 0.0 < cfg.val_fraction < 1.0:
         raise ValueError(f"--val-fraction {cfg.val_fraction} must be in (0, 1)")
+    from ..errors import check_number
+
+    check_number("--vocab-size", cfg.vocab_size, kind=int, min=1)
+    check_number("--chunk-chars", cfg.chunk_chars, kind=int, min=1)
+    check_number("--seed", cfg.seed, kind=int, min=0)
+    for q in (Path(cfg.data_dir), *Path(cfg.data_dir).parents):
+        if q.exists():
+            if not q.is_dir():
+                raise ValueError(f"--data-dir {cfg.data_dir}: {q} is a file; pass a folder (it is created if missing)")
+            break
     data_dir = Path(cfg.data_dir)
     (data_dir / "raw").mkdir(parents=True, exist_ok=True)
     (data_dir / "tokens").mkdir(parents=True, exist_ok=True)
@@ -177,6 +187,11 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         records[domain] = read_raw(data_dir / e["raw_file"])
         labels[domain] = assign_splits(records[domain], domain, cfg.seed, cfg.val_fraction)
         e["chunks"] = {s: labels[domain].count(s) for s in ("train", "val")}
+        empty = [s for s in ("train", "val") if e["chunks"][s] == 0]
+        if empty:  # too small to split: said on stderr and recorded, not discovered later as an empty eval
+            e["warning"] = (f"only {len(labels[domain])} chunk(s), so no {' or '.join(empty)} split; add more text "
+                            f"or lower --chunk-chars (now {cfg.chunk_chars})")
+            _log(f"{domain}: warning: {e['warning']}")
 
     # 3. tokenizer, trained on the train chunks of every domain (domain order fixed by the source list)
     tok_dir = data_dir / "tokenizer"

@@ -200,10 +200,21 @@ def read_extra(path: str | os.PathLike) -> tuple[str, Documents, dict[str, Any]]
     root = path if path.is_dir() else path.parent
     docs: Documents = []
     replaced = 0
+    unreadable: list[str] = []
     for f in files:
         rel = f.relative_to(root).as_posix()
+        raw = f.read_bytes()
+        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16 with a BOM (Windows editors): decode, don't drop
+            try:
+                raw = raw.decode("utf-16").encode("utf-8")
+            except UnicodeDecodeError:
+                unreadable.append(f"{rel} (invalid UTF-16)")
+                continue
+        elif b"\x00" in raw:  # NUL bytes without a BOM: binary, or UTF-16/32 we cannot identify
+            unreadable.append(f"{rel} (NUL bytes: binary or UTF-16/32 without a BOM)")
+            continue
         if f.suffix == ".jsonl":
-            text, n = decode_utf8(f.read_bytes())
+            text, n = decode_utf8(raw)
             replaced += n
             for i, line in enumerate(text.splitlines()):
                 if not line.strip():
@@ -218,10 +229,15 @@ def read_extra(path: str | os.PathLike) -> tuple[str, Documents, dict[str, Any]]
                 replaced += n
                 docs.append((f"{rel}:{i + 1}", t))
         else:
-            d, n = _read_text_files([f], root)
-            docs.extend(d)
+            text, n = decode_utf8(raw)
+            docs.append((rel if f != root else f.name, text))
             replaced += n
+    for u in unreadable:  # never skipped without a word: stderr now, the manifest's "skipped_files" later
+        print(f"[data] --extra {path}: skipped {u}; convert it to UTF-8 text", file=sys.stderr, flush=True)
     if not docs:
-        raise SourceUnavailable(f"--extra {path}: no text found")
-    return _domain_name(path), docs, {"source": f"user files ({path.resolve()})", "licence": "user-supplied",
-                                      "replaced_chars": replaced}
+        why = f"every file was unreadable: {'; '.join(unreadable)}" if unreadable else "no text found"
+        raise SourceUnavailable(f"--extra {path}: {why}; pass UTF-8 text or JSONL files")
+    info = {"source": f"user files ({path.resolve()})", "licence": "user-supplied", "replaced_chars": replaced}
+    if unreadable:
+        info["skipped_files"] = unreadable
+    return _domain_name(path), docs, info

@@ -47,6 +47,10 @@ def extended_config(config: dict, method: str = "yarn", factor: float = 4.0, rop
     theta = rope_theta if rope_theta is not None else old.get("rope_theta")
     if theta is None:
         raise ValueError("rope_parameters has no rope_theta; pass --rope-theta")
+    from gated_attention.errors import check_number
+
+    check_number("--factor", factor, max=1e6)  # finite: inf would be written into config.json
+    check_number("--rope-theta", theta, min=0.0, min_open=True)
     rp = {"rope_type": method, "rope_theta": float(theta)}
     if method != "default":  # HF's default RoPE takes no factor
         rp["factor"] = float(factor)
@@ -75,7 +79,10 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
         raise ValueError("--out must differ from the source checkpoint (the source is kept untouched)")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise ValueError(f"{dst} exists and is not empty; choose another --out or pass --overwrite")
-    new = extended_config(json.loads(cfg_path.read_text()), method, factor, rope_theta,
+    from gated_attention.io import read_json_object
+
+    new = extended_config(read_json_object(cfg_path, "config", "pass a checkpoint folder written by save_pretrained"),
+                          method, factor, rope_theta,
                           original_max_position_embeddings)
     with atomic_dir(dst, overwrite=True) as tmp:
         for item in src.iterdir():
@@ -96,7 +103,9 @@ def _base_train_config(src: Path):
 
     for cand in (src / "train_config.json", src.parent / "train_config.json"):
         if cand.is_file():
-            return TrainConfig.from_dict(json.loads(cand.read_text()))
+            from gated_attention.io import read_json_object
+
+            return TrainConfig.from_dict(read_json_object(cand, "run settings", "restore it or remove it"))
     return train_preset("small")
 
 

@@ -5,20 +5,36 @@ temporary folder, every file fsync'ed, then the folder is renamed into place (re
 parent fsync'ed. A crash (even SIGKILL mid-write) therefore leaves either the previous checkpoints intact plus a stale
 `.tmp-*` folder (removed on the next start) or the complete new one, never a half-written `step_*`.
 
+Each checkpoint carries `manifest.json` (every other file's size and SHA-256), written LAST: a folder without a
+matching manifest is not a checkpoint. `--resume` verifies the newest and falls back to the newest valid one,
+warning which were skipped. Re-saving an existing step renames the old copy aside, puts the new one in place, and
+only then deletes the old one. A write that fails (a full disk) removes its temp folder and leaves every previous
+checkpoint intact. Files are read back with `torch.load(weights_only=True)` (tensors and plain containers only, no
+pickle code) and JSON: nothing from a run folder can execute code.
+
 Tests kill a run inside a checkpoint write (after state.pt, before the rename) with tests/kill_hooks.py, which wraps
 `write_files`; nothing here knows about it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle  # only for its exception type: torch.load(weights_only=True) raises UnpicklingError
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
+from ..errors import UserError
+from ..io import from_strict, json_dumps
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
@@ -56,6 +72,12 @@ def clean_stale(out_dir: str | Path) -> None:
         for p in root.iterdir():
             if p.name.startswith(".tmp-"):
                 shutil.rmtree(p, ignore_errors=True)
+            elif p.name.startswith(".old-step_"):  # killed between the two renames of a re-save
+                final = root / p.name[len(".old-"):]
+                if final.exists():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    os.rename(p, final)
 
 
 def tmp_dir_for(out_dir: str | Path, step: int) -> Path:
@@ -65,15 +87,85 @@ def tmp_dir_for(out_dir: str | Path, step: int) -> Path:
 
 def write_files(tmp: Path, files: dict[str, object]) -> None:
     """Write torch objects (name.pt) or JSON (name.json) into `tmp`, each fsync'ed. Called by every rank for its
-    own files (rank 0 also writes the shared state)."""
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name, obj in files.items():
-        path = tmp / name
-        if name.endswith(".json"):
-            path.write_text(json.dumps(obj, indent=1, sort_keys=True))
-        else:
-            torch.save(obj, path)
+    own files (rank 0 also writes the shared state). On failure (e.g. a full disk) `tmp` is removed and the error
+    re-raised: the previous checkpoints are untouched."""
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, obj in files.items():
+            path = tmp / name
+            if name.endswith(".json"):
+                path.write_text(json_dumps(obj, indent=1, sort_keys=True))
+            else:
+                with open(path, "wb") as fh:  # a Python file: a full disk surfaces as OSError, not a bare iostream error
+                    torch.save(obj, fh)
+            _fsync_file(path)
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = exc.__context__
+        if isinstance(exc, RuntimeError) and isinstance(cause, OSError):  # torch wraps the write's OSError
+            raise cause from None
+        raise
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(tmp: Path) -> None:
+    """Record every file's size and SHA-256 in manifest.json — the last file written into a checkpoint."""
+    try:
+        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+        path = tmp / MANIFEST
+        path.write_text(json_dumps({"version": 1, "files": files}, indent=1, sort_keys=True))
         _fsync_file(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if checkpoint folder `ckpt` is complete and intact, else the reason it is not."""
+    man = ckpt / MANIFEST
+    if not man.is_file():
+        return "no manifest.json (incomplete write or written by an older version)"
+    try:
+        files = json.loads(man.read_text())["files"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "manifest.json is unreadable"
+    for name in ("state.pt", "meta.json"):
+        if name not in files:
+            return f"manifest lists no {name}"
+    for name, rec in files.items():
+        p = ckpt / name
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != rec.get("size"):
+            return f"{name} has {p.stat().st_size} bytes, manifest says {rec.get('size')} (truncated?)"
+        if _sha256(p) != rec.get("sha256"):
+            return f"{name} checksum does not match the manifest (corrupt)"
+    return None
+
+
+def latest_valid_checkpoint(out_dir: str | Path, warn=None) -> Path | None:
+    """The newest checkpoint that passes `verify` (rank 0 only: it renames). Each newer one is renamed to
+    `corrupt-step_N` (so rotation and later resumes ignore it) and reported via `warn(message)` (default: a line on
+    stderr). None when there is no valid checkpoint."""
+    warn = warn or (lambda m: print(m, file=sys.stderr, flush=True))
+    for _, path in reversed(list_checkpoints(out_dir)):
+        reason = verify(path)
+        if reason is None:
+            return path
+        bad = path.with_name(f"corrupt-{path.name}")  # kept for inspection; no longer counts as a checkpoint
+        shutil.rmtree(bad, ignore_errors=True)
+        os.rename(path, bad)
+        warn(f"gattn: warning: skipping checkpoint {path.name}: {reason}; moved it to {bad} and falling back to an "
+             "older one")
+    return None
 
 
 def commit(out_dir: str | Path, step: int, keep: int) -> Path:
@@ -82,19 +174,31 @@ def commit(out_dir: str | Path, step: int, keep: int) -> Path:
     tmp = tmp_dir_for(out_dir, step)
     final = root / f"step_{step:08d}"
     _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. end of a resumed run): replace it
-        shutil.rmtree(final)
+    old = None
+    if final.exists():  # re-saving the same step (e.g. end of a resumed run): the old copy goes only once the new is in
+        old = root / f".old-step_{step:08d}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
     os.rename(tmp, final)
     _fsync_dir(root)
-    for _, old in list_checkpoints(out_dir)[:-keep]:
+    if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    for _, stale in list_checkpoints(out_dir)[:-keep]:
+        shutil.rmtree(stale, ignore_errors=True)
     return final
 
 
 def load_files(ckpt: Path, rank: int) -> tuple[dict, dict, dict | None]:
-    """(shared state, meta, this rank's RNG state or None if the checkpoint came from fewer ranks)."""
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=False)
-    meta = json.loads((ckpt / "meta.json").read_text())
-    rng_path = ckpt / f"rng_rank{rank}.pt"
-    rng = torch.load(rng_path, map_location="cpu", weights_only=False) if rng_path.exists() else None
+    """(shared state, meta, this rank's RNG state or None if the checkpoint came from fewer ranks).
+
+    weights_only=True: only tensors and plain containers are unpickled, so a run folder from someone else cannot
+    execute code."""
+    try:
+        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        meta = from_strict(json.loads((ckpt / "meta.json").read_text()))  # NaN state round-trips
+        rng_path = ckpt / f"rng_rank{rank}.pt"
+        rng = torch.load(rng_path, map_location="cpu", weights_only=True) if rng_path.exists() else None
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as exc:  # damaged, or not ours
+        raise UserError(f"checkpoint {ckpt} could not be loaded ({type(exc).__name__}: {exc}); delete it to resume "
+                        "from an older one") from None
     return state, meta, rng

@@ -71,7 +71,9 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         def bad(msg: str):
-            raise ValueError(f"invalid training config: {msg}")
+            from gated_attention.errors import UserError
+
+            raise UserError(f"invalid training config: {msg}")
 
         if self.schedule not in ("cosine", "wsd"):
             bad(f"schedule={self.schedule!r}; use 'cosine' or 'wsd'")
@@ -95,10 +97,30 @@ class TrainConfig:
             bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
         if self.device not in ("auto", "cpu", "cuda"):
             bad(f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'")
-        for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
-                     "keep_checkpoints", "eval_batches", "eval_batch_size"):
-            if getattr(self, name) < 1:
-                bad(f"{name}={getattr(self, name)} must be >= 1")
+        from gated_attention.errors import UserError, check_number
+
+        try:  # numbers where they enter: finite, in range, integers where counts
+            for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
+                         "keep_checkpoints", "eval_batches", "eval_batch_size"):
+                check_number(name, getattr(self, name), kind=int, min=1)
+            for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed"):
+                check_number(name, getattr(self, name), kind=int, min=0)
+            check_number("lr", self.lr, min=0.0, min_open=True)
+            for name in ("min_lr", "weight_decay", "grad_clip", "spike_delta", "spike_noise_k"):
+                check_number(name, getattr(self, name), min=0.0)
+            for name in ("beta1", "beta2"):
+                check_number(name, getattr(self, name), min=0.0, max=0.999999)
+            check_number("eps", self.eps, min=0.0, min_open=True)
+            check_number("wsd_decay_frac", self.wsd_decay_frac, min=0.0, max=1.0)
+            check_number("retrieval_mix", self.retrieval_mix, min=0.0, max=1.0)
+            for s in self.inject_nan_steps:
+                check_number("inject_nan_steps item", s, kind=int, min=0)
+        except UserError as exc:
+            bad(str(exc))
+        if not isinstance(self.model_overrides, dict):
+            bad("model_overrides must be a JSON object of model-config fields")
+        if self.data_dir is not None and not isinstance(self.data_dir, str):
+            bad(f"data_dir={self.data_dir!r} must be a path")
         if self.warmup_steps < 0:
             bad(f"warmup_steps={self.warmup_steps} must be >= 0")
         if not 0.0 <= self.wsd_decay_frac <= 1.0:
@@ -244,7 +266,10 @@ def apply_overrides(cfg: TrainConfig, sets: list[str], model_fields: dict | None
             if model_fields is not None and mkey not in model_fields:
                 raise ValueError(f"--set {key}: unknown model-config field {mkey!r}; valid: "
                                  f"{', '.join(sorted(k for k in model_fields if not k.startswith('_')))}")
-            model_over[mkey] = _convert_like(text, (model_fields or {}).get(mkey), key)
+            try:
+                model_over[mkey] = _convert_like(text, (model_fields or {}).get(mkey), key)
+            except ValueError as exc:
+                raise ValueError(f"--set {key}={text!r}: {exc}; give a value of the field's type") from None
             continue
         if key not in names or key == "model_overrides":
             raise ValueError(f"--set {key}: unknown training setting; valid: {', '.join(n for n in names if n != 'model_overrides')}"
@@ -265,7 +290,18 @@ def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: s
         cfg.data_dir = data_dir
     from gated_attention.presets import model_config
 
-    return apply_overrides(cfg, sets, model_config(cfg.model, gate=cfg.gate).to_dict())
+    cfg = apply_overrides(cfg, sets, model_config(cfg.model, gate=cfg.gate).to_dict())
+    check_model(cfg)
+    return cfg
+
+
+def check_model(cfg: TrainConfig) -> None:
+    """Build the model config now (cheap), so a bad model.* override fails before anything is written."""
+    if cfg.init_from:
+        return  # the checkpoint's config.json decides; checked when it is loaded
+    from gated_attention.presets import model_config
+
+    model_config(cfg.model, gate=cfg.gate, **cfg.model_overrides)
 
 
 # ---------------------------------------------------------------- "same run settings": the one rule
@@ -291,3 +327,10 @@ def changed_settings(saved: dict, want: dict) -> list[str]:
         return a == b
 
     return sorted(k for k, v in want.items() if k not in RESUMABLE_CHANGES and not same(k, saved.get(k, defaults.get(k)), v))
+
+
+def describe_changes(saved: dict, want: dict) -> str:
+    """`changed_settings` as one readable clause ("steps: saved 2 vs requested 3; lr: ..."), "" when none."""
+    defaults = TrainConfig().to_dict()
+    return "; ".join(f"{k}: saved {saved.get(k, defaults.get(k))!r} vs requested {want[k]!r}"
+                     for k in changed_settings(saved, want))

@@ -113,3 +113,22 @@ def broadcast_object(obj, info: DistInfo):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def agree(info: DistInfo, exc: BaseException | None) -> None:
+    """Collective error check: every rank passes the exception it hit (or None). If any rank failed, every rank
+    raises — the failing one its own error, the others a UserError naming it — so no rank waits forever in a
+    later collective (a full disk on rank 0 must not hang rank 1)."""
+    if not info.distributed:
+        if exc is not None:
+            raise exc
+        return
+    flag = torch.tensor([float(info.rank + 1) if exc is not None else 0.0], device=info.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    failed = int(flag.item())
+    if exc is not None:
+        raise exc
+    if failed:
+        from ..errors import UserError
+
+        raise UserError(f"rank {failed - 1} stopped with an error (see its message above); this rank stops too")

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 
+
 def autocast_for(device: torch.device, precision: str):
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

@@ -15,7 +15,7 @@ import math
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,98 +26,20 @@ from torch import nn
 from . import checkpoint as ckpt_mod
 from . import dist as D
 from . import fastpath
-from .config import RESUMABLE_CHANGES, TrainConfig, changed_settings
+from .config import RESUMABLE_CHANGES, TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
+# the model and optimizer set-up lives in model_setup.py; re-exported here for callers that import it from trainer
+from .model_setup import apply_trainable, build_model, build_model_config, load_init_model, param_groups  # noqa: F401
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
-from ..io import atomic_dir, atomic_write_text
+from ..errors import UserError
+from ..io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
 from ..progress import Progress
 
 _RESUMABLE_CHANGES = RESUMABLE_CHANGES  # the former private name
-
-
-# ---------------------------------------------------------------- model and optimizer
-
-def build_model_config(cfg: TrainConfig, vocab_size: int | None = None):
-    from gated_attention.presets import model_config
-
-    over = dict(cfg.model_overrides)
-    if vocab_size is not None:
-        if "vocab_size" in over and over["vocab_size"] < vocab_size:
-            raise ValueError(f"model.vocab_size={over['vocab_size']} is smaller than the tokenizer's {vocab_size}")
-        over.setdefault("vocab_size", vocab_size)
-    return model_config(cfg.model, gate=cfg.gate, **over)
-
-
-def build_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
-    import gated_attention  # noqa: F401
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-
-    if cfg.init_from:
-        return load_init_model(cfg, vocab_size)
-    return GatedQwen3ForCausalLM(build_model_config(cfg, vocab_size))
-
-
-def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
-    """Continued training: the weights of the checkpoint dir `cfg.init_from` (from_pretrained, fp32 master weights)
-    instead of a fresh init. Its config.json sets the model (cfg.model is unused); model.* overrides are applied on
-    top and must not change any weight's shape. The run's gate must name the checkpoint's (so logs say what ran)."""
-    from gated_attention.configuration import GatedQwen3Config
-    from gated_attention.gates import canonical_name
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-
-    if not (Path(cfg.init_from) / "config.json").is_file():
-        raise FileNotFoundError(f"init_from={cfg.init_from}: no config.json there (pass a save_pretrained dir, "
-                                "e.g. RUN/final or a `gattn retrofit` output)")
-    config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)
-    if canonical_name(cfg.gate) != config.gate:
-        raise ValueError(f"init_from={cfg.init_from} holds gate {config.gate!r} but the run says gate={cfg.gate!r}; "
-                         f"pass --gate {config.gate}")
-    if vocab_size is not None and config.vocab_size < vocab_size:
-        raise ValueError(f"init_from={cfg.init_from} has vocab_size {config.vocab_size}, smaller than the "
-                         f"tokenizer's {vocab_size}: use the tokenizer that checkpoint was trained with")
-    model, info = GatedQwen3ForCausalLM.from_pretrained(cfg.init_from, config=config, dtype=torch.float32,
-                                                        output_loading_info=True)
-    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    if bad:  # from_pretrained only warns; a silently re-initialised weight is not continued training
-        raise ValueError(f"init_from={cfg.init_from} does not match its model config: {bad}")
-    return model
-
-
-def apply_trainable(model: nn.Module, trainable: str) -> list[str]:
-    """Freeze what `trainable` excludes; returns the names left trainable. "gates": only the attention gates'
-    parameters (`...self_attn.gate.*`), so a retrofitted pretrained model is fine-tuned at the gate's cost."""
-    if trainable == "all":
-        return [n for n, p in model.named_parameters() if p.requires_grad]
-    names = []
-    for name, p in model.named_parameters():
-        keep = ".self_attn.gate." in f".{name}"
-        p.requires_grad_(keep)
-        if keep:
-            names.append(name)
-    if not names:
-        raise ValueError("trainable=gates but the model has no gate parameters (gate=none or a parameter-free "
-                         "gate); add one first: gattn retrofit CKPT --gate sdpa_elementwise --init identity --out DIR")
-    return names
-
-
-def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
-    """Weight decay on matrices only: norms/biases (ndim < 2) and, by default, embeddings are not decayed."""
-    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    seen = set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))  # tied weights appear once
-        if p.ndim < 2 or (id(p) in embed_ids and not cfg.wd_on_embeddings):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 # ---------------------------------------------------------------- state helpers
@@ -216,7 +138,9 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist)
     try:
-        return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook)
+        with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
+            _on_main(info, lambda: stack.enter_context(lock_dir(out_dir, "gattn train")))
+            return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook)
     finally:
         D.teardown()
 
@@ -276,22 +200,47 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
 # ---------------------------------------------------------------- setup and resume
 
 def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) -> Path | None:
-    """Validate the run folder against `resume`, write train_config.json; returns the latest checkpoint or None."""
+    """Validate the run folder against `resume`, write train_config.json; returns the checkpoint to resume from (the
+    newest VALID one) or None. Rank 0 decides; an error there stops every rank (D.agree)."""
     cfg.check_world(info.world_size)
-    cfg_path = out / "train_config.json"
-    latest = ckpt_mod.latest_checkpoint(out)
-    if info.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        ckpt_mod.clean_stale(out)
-        if latest is not None and not resume:
-            raise ValueError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
-        if resume and cfg_path.exists():
-            diff = changed_settings(json.loads(cfg_path.read_text()), cfg.to_dict())
-            if diff:
-                raise ValueError(f"--resume with settings that differ from the saved run: {diff}; "
-                                 f"use the original settings or a new --out")
-        atomic_write_text(cfg_path, json.dumps(cfg.to_dict(), indent=1))
-    D.barrier(info)
+    box = {}
+
+    def prepare():
+        box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json")
+        atomic_write_text(out / "train_config.json", json_dumps(cfg.to_dict(), indent=1))
+
+    _on_main(info, prepare)  # every rank stops if rank 0 refused the folder
+    latest = box.get("latest")
+    latest = D.broadcast_object(str(latest) if latest is not None else None, info)
+    return Path(latest) if latest is not None else None
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> Path | None:
+    """Rank 0: check the run folder against the request and pick the checkpoint to resume from (None = start)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; choose a folder for the run")
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt_mod.clean_stale(out)
+    any_ckpt = ckpt_mod.latest_checkpoint(out)
+    if any_ckpt is not None and not resume:
+        raise UserError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
+    if not resume:
+        return None
+    if any_ckpt is None and not cfg_path.exists():
+        raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
+                        "a new run there")
+    if cfg_path.exists():
+        saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
+        diff = describe_changes(saved, cfg.to_dict())
+        if diff:
+            raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
+                            "settings or a new --out")
+    if any_ckpt is None:
+        return None  # the run was stopped before its first checkpoint: it starts again from step 0
+    latest = ckpt_mod.latest_valid_checkpoint(out)
+    if latest is None:
+        raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
+                        "warnings above); start over with a new --out")
     return latest
 
 
@@ -477,7 +426,7 @@ def _open_logs(run: _Run) -> None:
 def _log_step(run: _Run, rec: dict) -> None:
     if not run.info.is_main:
         return
-    run.log_fh.write(json.dumps(rec) + "\n")
+    run.log_fh.write(jsonl_line(rec))  # strict JSON: a NaN loss is null + "nonfinite"
     run.log_fh.flush()
     run.tb.log(rec["step"], {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
     if run.bar is not None:
@@ -499,17 +448,28 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
     info = run.info
     msd, osd = _full_state(run.raw, run.optimizer)  # collective
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
-    if info.is_main:
-        meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
-                "config": run.cfg.to_dict()}
-        ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta})
-    D.barrier(info)
-    ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})
-    D.barrier(info)
-    if info.is_main:
-        ckpt_mod.commit(run.out, next_step, run.cfg.keep_checkpoints)
-    D.barrier(info)
+    meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
+            "config": run.cfg.to_dict()}
+    # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
+    _on_main(info, lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd},
+                                                      "meta.json": meta}))
+    D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})))
+    _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
+                                                                          run.cfg.keep_checkpoints)))
     run.last_ckpt_step = next_step
+
+
+def _on_main(info: D.DistInfo, fn) -> None:
+    """Run `fn` on rank 0; every rank raises if it failed (no rank left waiting in a barrier)."""
+    D.agree(info, _error_of(fn) if info.is_main else None)
+
+
+def _error_of(fn) -> Exception | None:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _finish(run: _Run, t_start: float) -> dict:
@@ -521,14 +481,17 @@ def _finish(run: _Run, t_start: float) -> dict:
     if run.last_ckpt_step != st["step"]:
         _save_checkpoint(run, st["step"])
     msd, _ = _full_state(run.raw, run.optimizer) if info.distributed else (None, None)
-    summary = None
-    if info.is_main:
+    box = {}
+
+    def export():
         _export_final(run.raw, msd, run.source, run.out / "final")
         summary = _summary(run.cfg, st, run.spikes, run.log_path)
         summary["speed"] = run.speed.describe()
-        atomic_write_text(run.out / "summary.json", json.dumps(summary, indent=1))
-    D.barrier(info)
-    return summary if summary is not None else {}
+        box["summary"] = summary
+        atomic_write_json(run.out / "summary.json", summary)  # strict JSON
+
+    _on_main(info, export)
+    return box.get("summary") or {}
 
 
 def _moe_record(model: nn.Module) -> dict | None:
@@ -566,7 +529,7 @@ def _summary(cfg: TrainConfig, st: dict, spikes: SpikeDetector, log_path: Path) 
     losses = []
     for line in log_path.read_text().splitlines():
         rec = json.loads(line)
-        if math.isfinite(rec["loss"]):
+        if rec.get("loss") is not None and math.isfinite(rec["loss"]):
             losses.append(rec["loss"])
     tail = losses[-10:]
     return {

@@ -1,0 +1,88 @@
+"""What a training run trains: the model (fresh, or continued from a checkpoint), which parameters are trainable, and
+the optimizer's parameter groups. Split from trainer.py so the loop reads on its own; trainer re-exports these names.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import TrainConfig
+
+
+def build_model_config(cfg: TrainConfig, vocab_size: int | None = None):
+    from gated_attention.presets import model_config
+
+    over = dict(cfg.model_overrides)
+    if vocab_size is not None:
+        if "vocab_size" in over and over["vocab_size"] < vocab_size:
+            raise ValueError(f"model.vocab_size={over['vocab_size']} is smaller than the tokenizer's {vocab_size}")
+        over.setdefault("vocab_size", vocab_size)
+    return model_config(cfg.model, gate=cfg.gate, **over)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    import gated_attention  # noqa: F401
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    if cfg.init_from:
+        return load_init_model(cfg, vocab_size)
+    return GatedQwen3ForCausalLM(build_model_config(cfg, vocab_size))
+
+
+def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    """Continued training: the weights of the checkpoint dir `cfg.init_from` (from_pretrained, fp32 master weights)
+    instead of a fresh init. Its config.json sets the model (cfg.model is unused); model.* overrides are applied on
+    top and must not change any weight's shape. The run's gate must name the checkpoint's (so logs say what ran)."""
+    from gated_attention.configuration import GatedQwen3Config
+    from gated_attention.gates import canonical_name
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    from gated_attention.io import check_hf_dir
+
+    check_hf_dir(cfg.init_from, "init_from")  # a folder, config.json parses, weights present and intact
+    config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)
+    if canonical_name(cfg.gate) != config.gate:
+        raise ValueError(f"init_from={cfg.init_from} holds gate {config.gate!r} but the run says gate={cfg.gate!r}; "
+                         f"pass --gate {config.gate}")
+    if vocab_size is not None and config.vocab_size < vocab_size:
+        raise ValueError(f"init_from={cfg.init_from} has vocab_size {config.vocab_size}, smaller than the "
+                         f"tokenizer's {vocab_size}: use the tokenizer that checkpoint was trained with")
+    model, info = GatedQwen3ForCausalLM.from_pretrained(cfg.init_from, config=config, dtype=torch.float32,
+                                                        output_loading_info=True)
+    bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if bad:  # from_pretrained only warns; a silently re-initialised weight is not continued training
+        raise ValueError(f"init_from={cfg.init_from} does not match its model config: {bad}")
+    return model
+
+
+def apply_trainable(model: nn.Module, trainable: str) -> list[str]:
+    """Freeze what `trainable` excludes; returns the names left trainable. "gates": only the attention gates'
+    parameters (`...self_attn.gate.*`), so a retrofitted pretrained model is fine-tuned at the gate's cost."""
+    if trainable == "all":
+        return [n for n, p in model.named_parameters() if p.requires_grad]
+    names = []
+    for name, p in model.named_parameters():
+        keep = ".self_attn.gate." in f".{name}"
+        p.requires_grad_(keep)
+        if keep:
+            names.append(name)
+    if not names:
+        raise ValueError("trainable=gates but the model has no gate parameters (gate=none or a parameter-free "
+                         "gate); add one first: gattn retrofit CKPT --gate sdpa_elementwise --init identity --out DIR")
+    return names
+
+
+def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
+    """Weight decay on matrices only: norms/biases (ndim < 2) and, by default, embeddings are not decayed."""
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    seen = set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))  # tied weights appear once
+        if p.ndim < 2 or (id(p) in embed_ids and not cfg.wd_on_embeddings):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
