@@ -230,6 +230,9 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
         if cmd == "compare":
             monkeypatch.setattr("gated_attention.compare_report.render_table", lambda res: "")
     STATS["tried"].add((cmd, tuple(a.replace(str(w["root"]), "ROOT") for a in argv if not a.startswith(str(out)))))
+    cwd = w["root"] / "cwd"  # a mutation can turn any token into a relative output path: keep it out of the repo
+    cwd.mkdir(exist_ok=True)
+    monkeypatch.chdir(cwd)
     err = io.StringIO()
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):

@@ -541,8 +541,8 @@ def convert_state_dict(config: dict, state: dict, src_format: str, dst_format: s
 # ----------------------------------------------------------------------------------------------- files
 def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
     """(config.json dict, state dict) from a checkpoint directory; safetensors only, pickles refused."""
-    from .errors import UserError
-    from .io import load_hf_state, read_json_object
+    from ..errors import UserError
+    from ..io import load_hf_state, read_json_object
 
     path = Path(path)
     if path.is_file():
