@@ -322,6 +322,8 @@ LOCKED_COMMANDS = {
     "compare": lambda out, src: ["compare", "--out", str(out)],
     "longctx": lambda out, src: ["longctx", "--out", str(out.parent), "--gates", out.name],
     "extend": lambda out, src: ["extend", str(src), "--out", str(out)],
+    "lab-sinks": lambda out, src: ["lab", "sinks", "--budget", "small", "--out", str(out)],
+    "lab-stability": lambda out, src: ["lab", "stability", "--budget", "small", "--out", str(out)],
 }
 
 
@@ -345,7 +347,7 @@ def test_second_writer_gets_exit_2_naming_the_holder(holder, run_dir, capsys, cm
     if cmd == "longctx":
         out = out.with_name("out")  # --gates out -> lock folder OUT/gates-out
     assert main(LOCKED_COMMANDS[cmd](out, run_dir / "final")) == 2
-    one_line_error(capsys, cmd, "in use by another", f"PID {pid}")
+    one_line_error(capsys, cmd.split("-")[0], "in use by another", f"PID {pid}")
 
 
 def test_two_concurrent_trainings(tmp_path):

@@ -147,4 +147,7 @@ def configure_lab(parser: argparse.ArgumentParser) -> None:
 
 
 def run_lab(args) -> int:
-    return int(LABS[args.lab][1](args) or 0)
+    from ..io import lock_dir
+
+    with lock_dir(args.out, f"gattn lab {args.lab}"):  # one writer per lab folder (its worker processes write inside)
+        return int(LABS[args.lab][1](args) or 0)
