@@ -286,8 +286,8 @@ def train_unit(job: tuple) -> dict:
     opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
     state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
     ckpt = unit_dir / "ckpt.pt"
-    if ckpt.exists():
-        saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
+        saved = torch.load(ckpt, map_location="cpu", weights_only=True)
         if saved.get("key") == key:
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["opt"])
