@@ -11,6 +11,8 @@ import html
 import math
 from pathlib import Path
 
+from .labs.common import html_table as _html_table, md_table as _md_table  # one md/html table writer for every report
+
 # (column title, row key, decimals); the first seven are the paper's Table 4 columns that we can measure
 TABLE4 = [("Variant", "variant", None), ("Params", "params", None), ("Avg PPL", "avg_ppl", 3),
           ("Mean gate", "gate_mean", 3), ("M-Act", "m_act", 1), ("F-Attn", "f_attn", 3), ("Loss spikes", "spikes", 0),
@@ -81,18 +83,6 @@ def _text_table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), "-" * len(line(head))] + [line(r) for r in rows])
-
-
-def _md_table(head: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(out)
-
-
-def _html_table(head: list[str], rows: list[list[str]]) -> str:
-    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
-    trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
 def render_table(result: dict) -> str:
