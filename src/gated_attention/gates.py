@@ -214,7 +214,9 @@ class Gate(nn.Module):
             self.proj._zero_init = init == "identity"  # read by the model's _init_weights
         elif spec.source is Source.CONSTANT:
             per_head = head_dim if spec.granularity is Granularity.ELEMENTWISE else 1
-            self.theta = nn.Parameter(torch.zeros(self.width // per_head, per_head))  # zero-init per the paper
+            # zero-init per the paper; (heads, D or 1) before o_proj, (width,) after it (G5 acts on the hidden size)
+            shape = (self.width,) if spec.position is Position.DENSE else (self.width // per_head, per_head)
+            self.theta = nn.Parameter(torch.zeros(shape))
         elif spec.activation is Activation.RMSNORM:
             self.norm = RMSNorm(head_dim, eps)
 
