@@ -17,7 +17,6 @@ Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -180,15 +179,9 @@ def count_params(run_dir: Path) -> int:
 
 
 def read_log(run_dir: Path) -> list[dict]:
-    path = run_dir / "log.jsonl"
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
+    from .io import read_jsonl
+
+    return read_jsonl(run_dir / "log.jsonl")
 
 
 # ---------------------------------------------------------------- the whole job

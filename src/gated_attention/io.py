@@ -202,6 +202,19 @@ def jsonl_line(obj: Any) -> str:
     return json_dumps(obj) + "\n"
 
 
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The objects of a .jsonl log, in order; a missing file is empty and a line cut short by a kill is skipped."""
+    path = Path(path)
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # the last line of a killed writer
+    return out
+
+
 def _reject_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
 

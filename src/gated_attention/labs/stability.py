@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..io import atomic_write_text
+from ..io import atomic_write_text, read_jsonl
 from ..experiment import ensure_corpus
 from ..gates import canonical_name
 from .common import load_unit, run_units, save_unit
@@ -239,17 +239,6 @@ def strict(obj, flags: list[str] | None = None, path: str = ""):
     return obj
 
 
-def _read_log(path: Path) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill
-    return out
-
-
 def _curve(log: list[dict], probes: list[dict], every: int) -> dict:
     """Compact training curves for the report: train loss every `every` steps, and the probe series."""
     return {"step": [r["step"] for r in log if r["step"] % every == 0],
@@ -292,7 +281,7 @@ def train_run(task: tuple) -> dict:
 
     t0, c0 = time.perf_counter(), time.process_time()
     summary = train(cfg, out, model_factory=factory)
-    log = _read_log(out / "log.jsonl")
+    log = read_jsonl(out / "log.jsonl")
     probes = holder["probe"].records
     result = {**run_metrics(summary, log, probes, holder["init"]),
               "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
