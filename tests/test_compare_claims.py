@@ -41,7 +41,9 @@ def test_verdicts_follow_the_figures(tmp_path):
     assert v["Long context (YaRN ×4, no training)"] == C.NOT_RUN
     cmds = {r["claim"]: r.get("command") for r in t}
     assert cmds["Training stability (spikes, LR tolerance)"] == "gattn lab stability --out runs/lab/stability"
-    assert cmds["Long context (YaRN ×4, no training)"] == "gattn longctx --out runs/longctx"
+    assert cmds["Long context (YaRN ×4, no training)"] == "gattn longctx --budget fair --out runs/longctx"
+    assert "docs/experiments/long_context.md" in {r["claim"]: r for r in t}["Long context (YaRN ×4, no training)"][
+        "this_run"]
 
 
 def test_weaker_effects_get_weaker_verdicts():

@@ -91,7 +91,7 @@ def test_model_specs():
     assert "gate_init" not in P.train_config_for(P.BUDGETS["small"], "sdpa_elementwise", "data", 0).model_overrides
     fair = P.BUDGETS["fair"]
     assert fair.until_skill == 0.9 and fair.seeds >= 2 and fair.samples >= 30
-    assert set(fair.models) == {"baseline", "sdpa_elementwise", "sdpa_elementwise:identity"}
+    assert {"baseline", "sdpa_elementwise", "sdpa_elementwise:identity"} <= set(fair.models)
 
 
 def _eval(avgs: dict, hits: dict, n_samples: int = 4):

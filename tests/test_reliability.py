@@ -330,8 +330,11 @@ LOCKED_COMMANDS = {
 @pytest.fixture
 def holder(tmp_path, request):
     """Another process holding the lock on tmp_path/out (as a running command would). For longctx the locked folder
-    is OUT/gates-<gate set> (gate sets may share OUT in parallel), so OUT=tmp_path and the gate set is "out"."""
-    out = tmp_path / ("gates-out" if "longctx" in request.node.name else "out")
+    is OUT/gates-<gate set>.seed<seed>x<seeds> (gate sets and seeds may share OUT in parallel), so OUT=tmp_path and
+    the gate set is "out" (seed 0, the default budget's one seed)."""
+    from gated_attention.cli.longctx import longctx_lock_path
+
+    out = longctx_lock_path(tmp_path, ["out"], 0, 1) if "longctx" in request.node.name else tmp_path / "out"
     code = ("import sys, time; from gated_attention.io import lock_dir\n"
             f"with lock_dir({str(out)!r}):\n    print('locked', flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -345,7 +348,7 @@ def holder(tmp_path, request):
 def test_second_writer_gets_exit_2_naming_the_holder(holder, run_dir, capsys, cmd):
     out, pid = holder
     if cmd == "longctx":
-        out = out.with_name("out")  # --gates out -> lock folder OUT/gates-out
+        out = out.with_name("out")  # --gates out -> lock folder OUT/gates-out.seed0x1
     assert main(LOCKED_COMMANDS[cmd](out, run_dir / "final")) == 2
     one_line_error(capsys, cmd.split("-")[0], "in use by another", f"PID {pid}")
 

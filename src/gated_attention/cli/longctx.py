@@ -169,9 +169,11 @@ def configure_longctx(parser) -> None:
                              "show the progress of the others (a partial table while runs are going)")
 
 
-def longctx_lock_path(out, gates) -> Path:
-    """The folder `gattn longctx` locks: one per gate set inside --out (the budget's default set when None)."""
-    return Path(out) / ("gates-" + ("+".join(sorted(gates)) if gates else "default"))
+def longctx_lock_path(out, gates, seed: int = 0, seeds: int | None = None) -> Path:
+    """The folder `gattn longctx` locks: one per gate set and seed range inside --out (the budget's defaults when None),
+    so one model's seeds can train in parallel processes (`--seed 1 --seeds 1` beside `--seed 0 --seeds 1`)."""
+    name = "gates-" + ("+".join(sorted(gates)) if gates else "default")
+    return Path(out) / (name + f".seed{seed}" + (f"x{seeds}" if seeds else ""))
 
 
 def run_longctx(args) -> int:
@@ -183,6 +185,6 @@ def run_longctx(args) -> int:
         return 0
     # one writer per gate set: two processes with the same --gates stop here; different --gates may share --out in
     # parallel as documented (each training run folder also has its own lock in train())
-    with lock_dir(longctx_lock_path(args.out, args.gates), "gattn longctx"):
+    with lock_dir(longctx_lock_path(args.out, args.gates, args.seed, b.seeds), "gattn longctx"):
         pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed, report_only=False)
     return 0
