@@ -144,3 +144,22 @@ def test_claim_verdicts():
     rep["rows"] = [r for r in rep["rows"] if r["model"] == "baseline"]
     assert R.claim(rep)["verdict"] == "not run here"
     assert all(v in R.VERDICTS for v in ("reproduced", "partly", "not at this scale", "not run here"))
+
+
+def test_plot_has_a_skill_panel_only_when_checks_exist(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = []
+    real = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda *a, **k: (panels.append(a[1]), real(*a, **k))[1])
+    rep = _fake_report(25.0, 50.0)  # no checks: score and PPL panels
+    R.plot_report(rep, tmp_path / "a.png")
+    for ts in rep["training"].values():
+        for t in ts:
+            t["checks"] = [{"step": 50, "exact_match": 0.0, "answer_nll": 2.0},
+                           {"step": 100, "exact_match": 0.95, "answer_nll": 0.1}]
+    R.plot_report(rep, tmp_path / "b.png")
+    assert panels == [2, 3] and (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0

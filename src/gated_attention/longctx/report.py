@@ -272,9 +272,27 @@ def plot_report(rep: dict, path: Path) -> None:
     L, lengths = rep["train_length"], rep["lengths"]
     if not rep["rows"]:
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    curves = {m: [t for t in ts if t.get("checks")] for m, ts in rep.get("training", {}).items()}
+    curves = {m: ts for m, ts in curves.items() if ts}
+    # a third panel with the held-out skill checks over training when the run used the stopping rule
+    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(18 if curves else 12, 4.5))
+    ax1, ax2 = axes[0], axes[1]
     palette = ["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
     colors = {m: c for m, c in zip(rep["models"], palette)}
+    if curves:
+        ax3 = axes[2]
+        for m, ts in curves.items():
+            for i, t in enumerate(ts):  # one line per seed: the jump happens at a different step per seed
+                ax3.plot([c["step"] for c in t["checks"]], [100 * c["exact_match"] for c in t["checks"]],
+                         color=colors.get(m, "black"), alpha=0.8, lw=1.2, label=model_label(m) if i == 0 else None)
+        if any(t.get("until_skill") for ts in curves.values() for t in ts):
+            thr = next(t["until_skill"] for ts in curves.values() for t in ts if t.get("until_skill"))
+            ax3.axhline(100 * thr, color="gray", lw=1, ls=":")
+        ax3.set_xlabel("training step (one line per seed); dotted = the stopping threshold")
+        ax3.set_ylabel(f"held-out exact match at L={L} (%)")
+        ax3.set_ylim(-3, 103)
+        ax3.grid(alpha=0.3)
+        ax3.legend(fontsize=7)
     for row in rep["rows"]:
         ls = "-" if row["variant"] == "none" else "--"
         label = model_label(row["model"]) + (" + YaRN" if row["variant"] == "yarn" else "")
