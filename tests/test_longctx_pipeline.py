@@ -214,6 +214,22 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
         P.run_pipeline(out, dataclasses.replace(b, steps=5), corpus_dir, log=logs.append)
 
 
+def test_pipeline_jobs_runs_cells_in_worker_processes_with_the_same_cache(corpus_dir, tmp_path):
+    """--jobs 2: the (model, seed) cells train and score in two spawned workers; their stages are the same cached
+    files, so a --jobs 1 re-run reuses every one and writes the same report."""
+    out, logs = tmp_path / "lc", []
+    b = dataclasses.replace(P.BUDGETS["small"], steps=2)
+    rep = P.run_pipeline(out, b, corpus_dir, log=logs.append, jobs=2, threads=1)
+    assert any("2 (model, seed) runs, 2 at a time" in m for m in logs)
+    assert {(r["gate"], r["variant"]) for r in rep["rows"]} == {(g, v) for g in ("baseline", "sdpa_elementwise")
+                                                                for v in ("none", "yarn")}
+    md = (out / "report.md").read_text()
+    logs.clear()
+    P.run_pipeline(out, b, corpus_dir, log=logs.append, jobs=1)
+    assert sum("reuse" in m for m in logs) == 2 + 2 + 4 and not any("train " in m for m in logs)
+    assert (out / "report.md").read_text() == md
+
+
 def test_trainer_step_hook_stops_and_pipeline_records_steps_to_skill(corpus_dir, tmp_path, monkeypatch):
     """The small budget with a stopper whose scorer says 'skilled' from the 3rd check: training ends at that step,
     the final checkpoint and summary say so, a re-run reuses it, and two seeds land in the report."""

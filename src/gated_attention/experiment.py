@@ -13,6 +13,10 @@ and live here once so each job only states what differs:
       field added after the run counts as its default; gate aliases are the same gate.
   cached(path, key, compute, log, tag, key_field="settings", indent=1) -> dict
       A JSON result that is recomputed only when its key (the settings that determine it) changed.
+  run_units(fn, tasks, jobs, log, threads) -> [fn(t) for t in tasks]
+      Independent units (one model each) in-process or in `jobs` spawned worker processes of `threads` torch
+      threads each (small models: one core per model beats sharing threads); `default_jobs()` is the CLIs' --jobs
+      default.
 
 Layering: this module sits above train/ and data/ (it drives them) and below the jobs and labs (they call it). Jobs
 pass `log` (a callable taking one line) and a `tag` such as "[compare]" that prefixes each line. A lab, in full:
@@ -28,6 +32,8 @@ pass `log` (a callable taking one line) and a `tag` such as "[compare]" that pre
 from __future__ import annotations
 
 import json
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,3 +102,48 @@ def cached(path: str | Path, key: Any, compute: Callable[[], dict], log: Log = p
     res[key_field] = key
     atomic_write_json(path, res, indent=indent)
     return res
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def run_units(fn: Callable, tasks: list, jobs: int = 1, log=print, threads: int = 1) -> list:
+    """[fn(t) for t in tasks], in-process for jobs=1, else in `jobs` spawned workers with `threads` torch threads
+    each. Results come back in task order; the first failure is re-raised after the others finish or fail."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1; got {jobs}")
+    if jobs == 1 or len(tasks) <= 1:
+        return [fn(t) for t in tasks]
+    import multiprocessing as mp
+
+    results: list = [None] * len(tasks)
+    errors = []
+    # spawn, not fork: a forked child of a process that already ran torch ops can deadlock in its thread pools
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=mp.get_context("spawn"),
+                             initializer=_init_worker, initargs=(threads,)) as pool:
+        futs = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
+        for fut in as_completed(futs):
+            try:
+                results[futs[fut]] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - reported after the pool drains
+                errors.append(exc)
+                log(f"a unit failed: {exc}")
+    if errors:
+        raise errors[0]
+    return results
+
+
+def cores() -> int:
+    """CPU cores this process may use (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_jobs() -> int:
+    """Worker processes when --jobs is not given: one per available core, at most 2 (the labs' reference machine)."""
+    return max(1, min(2, cores()))

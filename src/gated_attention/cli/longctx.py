@@ -165,6 +165,10 @@ def configure_longctx(parser) -> None:
     parser.add_argument("--retrieval-mix", type=E.nonneg_float, default=None,
                         help="fraction of training rows replaced by retrieval samples (default: the budget's)")
     parser.add_argument("--seed", type=E.nonneg_int, default=0, help="first training and sample seed")
+    parser.add_argument("--jobs", type=E.positive_int, default=None,
+                        help="(model, seed) runs trained and scored at a time, each in its own process with "
+                             "cores/JOBS torch threads (small models: one core per model beats sharing threads); "
+                             "default: one per core, at most 2. --jobs 1 runs them one after another in this process")
     parser.add_argument("--report-only", action="store_true",
                         help="train and evaluate nothing: write the report from the finished (model, seed) runs and "
                              "show the progress of the others (a partial table while runs are going)")
@@ -178,6 +182,7 @@ def longctx_lock_path(out, gates, seed: int = 0, seeds: int | None = None) -> Pa
 
 
 def run_longctx(args) -> int:
+    from ..experiment import cores, default_jobs
     from ..io import lock_dir
 
     b = budget_from_args(args)
@@ -186,6 +191,9 @@ def run_longctx(args) -> int:
         return 0
     # one writer per gate set: two processes with the same --gates stop here; different --gates may share --out in
     # parallel as documented (each training run folder also has its own lock in train())
+    jobs = args.jobs if args.jobs is not None else default_jobs()
+    threads = max(1, cores() // jobs)
     with lock_dir(longctx_lock_path(args.out, args.gates, args.seed, b.seeds), "gattn longctx"):
-        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed, report_only=False)
+        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed, report_only=False,
+                              jobs=jobs, threads=threads)
     return 0

@@ -5,8 +5,9 @@ result JSON atomically into its own folder together with the settings that produ
 unit whose key matches, and refuses to mix settings silently when it does not (the folder must be removed or a new
 --out chosen). Units that checkpoint themselves continue where a killed run stopped.
 
-`run_units` runs units in-process (`jobs=1`) or in a pool of `jobs` worker processes, each limited to one torch
-thread (the labs' models are tiny: one core per model is faster than sharing threads between models).
+`run_units` (experiment.run_units, re-exported) runs units in-process (`jobs=1`) or in a pool of `jobs` worker
+processes, each limited to one torch thread (the labs' models are tiny: one core per model is faster than sharing
+threads between models).
 """
 from __future__ import annotations
 
@@ -14,9 +15,7 @@ import base64
 import html
 import json
 import math
-import os
 import statistics
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -76,37 +75,8 @@ def save_unit(path: Path, key: dict, result: dict) -> dict:
 
 
 # ---------------------------------------------------------------- parallel jobs
-
-def _init_worker(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-
-
-def run_units(fn: Callable, tasks: list, jobs: int = 1, log=print, threads: int = 1) -> list:
-    """[fn(t) for t in tasks], in-process for jobs=1, else in `jobs` spawned workers with `threads` torch threads
-    each. Results come back in task order; the first failure is re-raised after the others finish or fail."""
-    if jobs < 1:
-        raise ValueError(f"--jobs must be >= 1; got {jobs}")
-    if jobs == 1 or len(tasks) <= 1:
-        return [fn(t) for t in tasks]
-    import multiprocessing as mp
-
-    results: list = [None] * len(tasks)
-    errors = []
-    # spawn, not fork: a forked child of a process that already ran torch ops can deadlock in its thread pools
-    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=mp.get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads,)) as pool:
-        futs = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
-        for fut in as_completed(futs):
-            try:
-                results[futs[fut]] = fut.result()
-            except Exception as exc:  # noqa: BLE001 - reported after the pool drains
-                errors.append(exc)
-                log(f"[lab] a unit failed: {exc}")
-    if errors:
-        raise errors[0]
-    return results
+# run_units / default_jobs are experiment plumbing (longctx uses them too); re-exported for the labs
+from gated_attention.experiment import default_jobs, run_units  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- report pages
@@ -167,12 +137,3 @@ def write_report(out_dir: Path, title: str, blocks: list[tuple]) -> None:
     md, page = render_report(title, blocks, out_dir)
     atomic_write_text(Path(out_dir) / "report.md", md)
     atomic_write_text(Path(out_dir) / "report.html", page)
-
-
-def default_jobs() -> int:
-    """Worker processes when --jobs is not given: one per available core, at most 2 (the labs' reference machine)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except AttributeError:
-        n = os.cpu_count() or 1
-    return max(1, min(2, n))

@@ -23,6 +23,7 @@ baseline's attention sink forms on that fixed first token, so evaluation must fe
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,16 +314,16 @@ def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
 
 
 def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, factor: int = 4, seed: int = 0,
-                 log=print, report_only: bool = False) -> dict:
+                 log=print, report_only: bool = False, jobs: int = 1, threads: int = 1) -> dict:
     """Train, extend, evaluate and report (see the module docstring); returns the report dict.
 
     gates: model specs GATE or GATE:INIT (None: the budget's models); seeds seed .. seed + b.seeds - 1.
     report_only: train and evaluate nothing; report the finished, evaluated (model, seed) pairs and the progress of
     the others (a partial report while runs are still going, or after an interrupted run).
     data_dir=None uses the budget's corpus (b.data_dir, prepared with b.vocab_size if missing).
+    jobs > 1 runs the (model, seed) cells in that many worker processes of `threads` torch threads each (run_cell);
+    every stage is cached per cell, so the result is the same as one after another.
     """
-    from gated_attention.longctx import skill as S
-
     if factor < 2 or factor & (factor - 1):
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
     check_budget(b)
@@ -347,24 +348,22 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
             raise ValueError(f"task {task!r} does not fit the training length {b.seq_len} ({exc}); "
                              f"use a longer --seq-len or other --tasks") from None
     results, training = {}, {}
-    for s in seeds:  # seed-major: an interrupted run has every model at the first seed before any at the second
-        for m in models:
-            gate, init = parse_model(m)
-            run_dir = out / "runs" / model_dir_name(m) / f"seed{s}"
+    cells = [(m, s) for s in seeds for m in models]  # seed-major: a killed run has every model at the first seed first
+    if report_only:
+        for m, s in cells:
             skill = skill_settings(b, s)
-            if report_only:
-                _report_only_cell(out, run_dir, m, s, b, lengths, factor, skill, results, training)
-                continue
-            stopper = None
-            if skill is not None:
-                scorer = S.PasskeyScorer(tok, b.seq_len, b.skill_samples, s, task=b.mix_tasks[0])
-                stopper = S.SkillStop(scorer, b.skill_every, b.until_skill, run_dir / "skill.jsonl", log)
-            final = train_stage(train_config_for(b, gate, data_dir, s, init), run_dir, log, stopper, skill)
-            training[(m, s)] = S.training_outcome(run_dir, skill)
-            yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
-            for variant, model_dir in (("none", final), ("yarn", yarn)):
-                results[(m, s, variant)] = eval_stage(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json",
-                                                      b, lengths, data_dir, s, log)
+            _report_only_cell(out, out / "runs" / model_dir_name(m) / f"seed{s}", m, s, b, lengths, factor, skill,
+                              results, training)
+    else:
+        jobs = max(1, min(int(jobs), len(cells)))
+        if jobs > 1:
+            log(f"[longctx] {len(cells)} (model, seed) runs, {jobs} at a time in worker processes "
+                f"({threads} torch thread(s) each)")
+        tasks = [(str(out), b, m, s, data_dir, factor, lengths, jobs > 1) for m, s in cells]
+        fn = run_cell if jobs > 1 else functools.partial(run_cell, log=log)  # workers cannot take the caller's log
+        for (m, s), (outcome, evals) in zip(cells, experiment.run_units(fn, tasks, jobs, log, threads)):
+            training[(m, s)] = outcome
+            results.update({(m, s, variant): res for variant, res in evals.items()})
     rep = build_report(results, training, b, lengths, factor, models, seeds)
     md = format_markdown(rep)
     atomic_write_json(out / "report.json", rep, indent=2)  # int length keys become strings, as JSON has them
@@ -373,6 +372,38 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
     log(md)
     log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
     return rep
+
+
+def run_cell(task: tuple, log=None) -> tuple[dict, dict]:
+    """Train (until skilled), extend and evaluate one (model, seed): (training outcome, {variant: eval result}).
+
+    Module-level and fed plain values, so experiment.run_units can run it in a worker process (--jobs); there (`tagged`)
+    its lines go to stdout prefixed with the model and seed, as cells running in parallel interleave; in-process they
+    go to `log`.
+    """
+    from gated_attention.data import Corpus
+    from gated_attention.longctx import skill as S
+
+    out, b, m, s, data_dir, factor, lengths, tagged = task
+    out = Path(out)
+    if log is None:
+        log = (lambda msg: print(f"[{m} seed{s}] {msg}", flush=True)) if tagged else print
+    corpus = Corpus(data_dir)
+    tok = BosTokenizer(corpus.tokenizer, corpus.bos_id)
+    gate, init = parse_model(m)
+    run_dir = out / "runs" / model_dir_name(m) / f"seed{s}"
+    skill = skill_settings(b, s)
+    stopper = None
+    if skill is not None:
+        scorer = S.PasskeyScorer(tok, b.seq_len, b.skill_samples, s, task=b.mix_tasks[0])
+        stopper = S.SkillStop(scorer, b.skill_every, b.until_skill, run_dir / "skill.jsonl", log)
+    final = train_stage(train_config_for(b, gate, data_dir, s, init), run_dir, log, stopper, skill)
+    outcome = S.training_outcome(run_dir, skill)
+    yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
+    evals = {variant: eval_stage(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json", b, lengths,
+                                 data_dir, s, log)
+             for variant, model_dir in (("none", final), ("yarn", yarn))}
+    return outcome, evals
 
 
 def _report_only_cell(out: Path, run_dir: Path, m: str, s: int, b: Budget, lengths: list[int], factor: int,
