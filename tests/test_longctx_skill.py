@@ -101,9 +101,9 @@ def _eval(avgs: dict, hits: dict, n_samples: int = 4):
                 average_answer_nll={str(n): 0.5 for n in avgs}, records=recs, pos_loss=[1.0] * 1024)
 
 
-def _fake_report(yarn_gated: float, yarn_base: float, reached=True):
+def _fake_report(yarn_gated: float, yarn_base: float, reached=True, models=("baseline", "sdpa_elementwise")):
     b = dataclasses.replace(P.BUDGETS["small"], until_skill=0.9, seeds=2)
-    lengths, models, seeds = [128, 256, 512, 1024], ["baseline", "sdpa_elementwise"], [0, 1]
+    lengths, models, seeds = [128, 256, 512, 1024], list(models), [0, 1]
     results, training = {}, {}
     for m in models:
         for s in seeds:
@@ -140,6 +140,10 @@ def test_claim_verdicts():
     assert _fake_report(10.0, 20.0)["claim"]["verdict"] == "not at this scale"
     c = _fake_report(60.0, 20.0, reached=False)["claim"]  # ahead, but not at equal skill
     assert c["verdict"] == "partly" and "did not reach the skill" in c["this_run"]
+    # other gated models are listed for the reader; the verdict stays on the baseline vs normal-init pair
+    c = _fake_report(10.0, 20.0, models=("baseline", "sdpa_elementwise", "sdpa_elementwise:identity"))["claim"]
+    assert c["verdict"] == "not at this scale" and "sdpa_elementwise vs baseline" in c["this_run"]
+    assert "other gated models, mean beyond L after YaRN: sdpa_elementwise:identity 16.2" in c["this_run"]  # (22.5 + 10) / 2
     rep = _fake_report(60.0, 20.0)
     rep["rows"] = [r for r in rep["rows"] if r["model"] == "baseline"]
     assert R.claim(rep)["verdict"] == "not run here"

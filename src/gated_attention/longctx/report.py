@@ -149,6 +149,10 @@ def claim(rep: dict) -> dict:
     this_run = (f"passkey exact match % after YaRN x{rep['factor']} (training-free), {gated} vs {base}, mean of "
                 f"{seeds} seed(s): {fig} (difference {diff:+.1f} points); {at_L}"
                 + (f"; did not reach the skill at L: {', '.join(unskilled)}" if unskilled else ""))
+    others = [m for m in yarn if m not in (base, gated) and all(yarn[m]["average"][n] is not None for n in longer)]
+    if others:  # the identity-init and headwise models, for the reader: the verdict stays on the paper's pair
+        this_run += "; other gated models, mean beyond L after YaRN: " + ", ".join(
+            f"{m} {_fmt(sum(yarn[m]['average'][n] for n in longer) / len(longer))}" for m in others)
     if not rep.get("complete", True):
         this_run += " (partial: not every model and seed has finished)"
     if diff >= 10 and all(g > b for g, b in zip(g_vals, b_vals)) and not unskilled:
