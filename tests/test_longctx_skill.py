@@ -113,7 +113,8 @@ def _fake_report(yarn_gated: float, yarn_base: float, reached=True, models=("bas
             results[(m, s, "yarn")] = _eval({128: 50.0, 256: 100.0, 512: y + 25 * s, 1024: y},
                                             {128: 2, 256: 4, 512: 1, 1024: 0})
             training[(m, s)] = dict(steps_run=300 + 100 * s, until_skill=0.9,
-                                    steps_to_skill=300 + 100 * s if reached or m == "baseline" else None, checks=[])
+                                    steps_to_skill=300 + 100 * s if reached or m == "baseline" or s == 0 else None,
+                                    checks=[{"step": 300 + 100 * s, "exact_match": 0.5, "answer_nll": 0.7}])
     return R.build_report(results, training, b, lengths, 4, models, seeds)
 
 
@@ -138,8 +139,17 @@ def test_claim_verdicts():
     assert c["verdict"] == "reproduced" and "sdpa_elementwise vs baseline" in c["this_run"]
     assert _fake_report(22.0, 20.0)["claim"]["verdict"] == "partly"  # ahead by 2 points only
     assert _fake_report(10.0, 20.0)["claim"]["verdict"] == "not at this scale"
-    c = _fake_report(60.0, 20.0, reached=False)["claim"]  # ahead, but not at equal skill
-    assert c["verdict"] == "partly" and "did not reach the skill" in c["this_run"]
+    rep = _fake_report(60.0, 20.0, reached=False)  # gated seed 1 never reached the skill: left out, reported
+    c = rep["claim"]
+    assert c["verdict"] == "partly" and "left out, did not reach the skill at L: sdpa_elementwise seed 1" in c["this_run"]
+    assert R.rep_row(rep["rows"], "sdpa_elementwise", "yarn")["seeds"] == [0]
+    assert R.rep_row(rep["rows"], "sdpa_elementwise", "yarn")["average"][1024] == 60.0  # seed 0 alone
+    assert [(x["model"], x["seed"]) for x in rep["excluded"]] == [("sdpa_elementwise", 1)]
+    assert rep["excluded"][0]["average"]["yarn"][512] == 85.0
+    md = R.format_markdown(rep)
+    assert ("Left out of the score tables (not at equal skill): Gated (sdpa_elementwise) seed 1 did not reach the "
+            "skill in 400 steps; held-out 50 % at its last check, step 400") in md
+    assert "| Gated (sdpa_elementwise) [seed 0 only] + YaRN -> 1024 |" in md
     # other gated models are listed for the reader; the verdict stays on the baseline vs normal-init pair
     c = _fake_report(10.0, 20.0, models=("baseline", "sdpa_elementwise", "sdpa_elementwise:identity"))["claim"]
     assert c["verdict"] == "not at this scale" and "sdpa_elementwise vs baseline" in c["this_run"]
@@ -159,7 +169,10 @@ def test_plot_has_a_skill_panel_only_when_checks_exist(tmp_path, monkeypatch):
     panels = []
     real = plt.subplots
     monkeypatch.setattr(plt, "subplots", lambda *a, **k: (panels.append(a[1]), real(*a, **k))[1])
-    rep = _fake_report(25.0, 50.0)  # no checks: score and PPL panels
+    rep = _fake_report(25.0, 50.0)
+    for ts in rep["training"].values():  # no checks (no stopping rule): score and PPL panels
+        for t in ts:
+            t["checks"] = []
     R.plot_report(rep, tmp_path / "a.png")
     for ts in rep["training"].values():
         for t in ts:

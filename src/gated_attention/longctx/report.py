@@ -64,14 +64,26 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
 
     A partial report (--report-only while runs are unfinished) lacks some results: each row then averages the seeds
     it has (row["seeds"]), a model with none has no rows, and training entries may carry finished=False.
+    With a stopping rule, a (model, seed) that never reached the skill at L is left out of the rows (extension is
+    compared at equal skill) and listed in rep["excluded"] with its scores, so it is reported, not averaged in.
     """
     L = b.seq_len
+
+    def skilled(m, s) -> bool:
+        t = training.get((m, s))
+        return t is None or not t.get("until_skill") or t.get("steps_to_skill") is not None
+
+    evaluated = [(m, s) for m in models for s in seeds if (m, s, "none") in results and (m, s, "yarn") in results]
+    excluded = [dict(model=m, seed=s, steps_run=training[(m, s)]["steps_run"],
+                     last_check=(training[(m, s)].get("checks") or [None])[-1],
+                     average={v: {n: results[(m, s, v)]["average"][str(n)] for n in lengths} for v in VARIANTS})
+                for m, s in evaluated if not skilled(m, s)]
     edges = [0, L] + [L * 2 ** i for i in range(1, int(math.log2(factor)) + 1)]
     names = [f"{a}-{c}" for a, c in zip(edges, edges[1:])]
     rows = []
     for variant in VARIANTS:
         for m in models:
-            have = [s for s in seeds if (m, s, "none") in results and (m, s, "yarn") in results]
+            have = [s for s in seeds if (m, s) in evaluated and skilled(m, s)]
             if not have:
                 continue
             per = [results[(m, s, variant)] for s in have]
@@ -102,12 +114,12 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
             rows.append(row)
     train = {m: [dict(seed=s, **training[(m, s)]) for s in seeds if (m, s) in training] for m in models}
     skill = {m: mean_spread([t["steps_to_skill"] for t in train[m]]) for m in models}
-    done = [m for m in models if any(r["model"] == m for r in rows)]
+    done = {r["model"]: r["seeds"] for r in rows}
     rep = dict(train_length=L, factor=factor, lengths=lengths, gates=models, models=models, seeds=seeds,
-               budget=_budget_dict(b), rows=rows, training=train, steps_to_skill=skill,
+               budget=_budget_dict(b), rows=rows, training=train, steps_to_skill=skill, excluded=excluded,
                complete=all((m, s, v) in results for m in models for s in seeds for v in VARIANTS),
-               pos_loss={f"{m}-{v}": np.mean([results[(m, s, v)]["pos_loss"] for s in seeds if (m, s, v) in results],
-                                             0).tolist() for m in done for v in VARIANTS})
+               pos_loss={f"{m}-{v}": np.mean([results[(m, s, v)]["pos_loss"] for s in have], 0).tolist()
+                         for m, have in done.items() for v in VARIANTS})
     rep["claim"] = claim(rep)
     return rep
 
@@ -148,7 +160,7 @@ def claim(rep: dict) -> dict:
             f"{_fmt(rep_row(rows, base, 'none')['average'][L])}")
     this_run = (f"passkey exact match % after YaRN x{rep['factor']} (training-free), {gated} vs {base}, mean of "
                 f"{seeds} seed(s): {fig} (difference {diff:+.1f} points); {at_L}"
-                + (f"; did not reach the skill at L: {', '.join(unskilled)}" if unskilled else ""))
+                + (f"; left out, did not reach the skill at L: {', '.join(unskilled)}" if unskilled else ""))
     others = [m for m in yarn if m not in (base, gated) and all(yarn[m]["average"][n] is not None for n in longer)]
     if others:  # the identity-init and headwise models, for the reader: the verdict stays on the paper's pair
         this_run += "; other gated models, mean beyond L after YaRN: " + ", ".join(
@@ -214,8 +226,17 @@ def format_markdown(rep: dict) -> str:
         sk = rep["steps_to_skill"][m]
         mean = _pm(sk, ".0f") + (f" ({sk['n']} of {len(done)} reached)" if done and sk["n"] < len(done) else "")
         out.append(f"| {model_label(m)} | " + " | ".join(cells) + f" | {mean} |")
+    for x in rep.get("excluded", []):
+        last = x["last_check"]
+        seen = f"; held-out {100 * last['exact_match']:.0f} % at its last check, step {last['step']}" if last else ""
+        out += ["", f"Left out of the score tables (not at equal skill): {model_label(x['model'])} seed {x['seed']} "
+                    f"did not reach the skill in {x['steps_run']} steps{seen}; its scores at "
+                    + ", ".join(str(n) for n in lengths) + ": "
+                    + " / ".join(_fmt(x["average"]["none"][n], ".0f") for n in lengths) + " without YaRN, "
+                    + " / ".join(_fmt(x["average"]["yarn"][n], ".0f") for n in lengths) + " with YaRN."]
     if not rep["rows"]:
-        out += ["", "No model has finished training and evaluation yet."]
+        out += ["", "No model has finished training and evaluation yet." if not rep.get("excluded") else
+                "No model has reached the skill at L yet."]
         return _claim_md(out, rep)
     out += ["", "## Score by length (mean ± std over seeds)", "", f"| Method | {head} |", "|---|" + "---|" * len(lengths)]
     for row in rep["rows"]:
