@@ -135,7 +135,7 @@ def configure_longctx(parser) -> None:
                         help="cost preset: small (tiny model, seconds-minutes, for tests); default (3-layer model on "
                              "a 1k-vocab corpus, 2400 steps per model, one seed: ~35-50 min per model on a busy 2-core "
                              "CPU); fair (Table 5 at equal skill: the default model trained until it retrieves at L "
-                             "(>= 90%% held-out, at most 4000 steps), 3 seeds, baseline / G1 elementwise / G1 "
+                             "(>= 90%% held-out, at most 4000 steps), 4 seeds, baseline / G1 elementwise / G1 "
                              "elementwise with identity gate init / G1 headwise, 30 samples per cell; ~8 min per "
                              "model and seed on one core). Run one --gates/--seed per process in parallel into the "
                              "same --out, then once with all of them to combine the cached stages")
