@@ -138,6 +138,10 @@ def test_claim_verdicts():
     assert set(c) == {"paper", "this_run", "verdict"} and "58.82" in c["paper"]
     assert c["verdict"] == "reproduced" and "sdpa_elementwise vs baseline" in c["this_run"]
     assert _fake_report(22.0, 20.0)["claim"]["verdict"] == "partly"  # ahead by 2 points only
+    weak = _fake_report(60.0, 20.0)  # ahead, but the gated model scores below the threshold at L without YaRN
+    R.rep_row(weak["rows"], "sdpa_elementwise", "none")["average"][256] = 80.0
+    c = R.claim(weak)
+    assert c["verdict"] == "partly" and "below 90 % at L without YaRN (not at equal skill): sdpa_elementwise" in c["this_run"]
     assert _fake_report(10.0, 20.0)["claim"]["verdict"] == "not at this scale"
     rep = _fake_report(60.0, 20.0, reached=False)  # gated seed 1 never reached the skill: left out, reported
     c = rep["claim"]

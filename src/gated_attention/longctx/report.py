@@ -134,8 +134,9 @@ def claim(rep: dict) -> dict:
     """{paper, this_run, verdict}: does the gated model keep more passkey retrieval after YaRN beyond L?
 
     Compared: the first baseline and the first normal-init gated model, YaRN rows, mean over seeds and over the lengths
-    above L. reproduced: the gated model is ahead by >= 10 points there, at every such length, and every model had the
-    skill at L; partly: ahead on average but not all of that; not at this scale: not ahead; not run here: no such pair.
+    above L. reproduced: the gated model is ahead by >= 10 points there, at every such length, every model reached
+    the skill at L (stopping rule) and both score >= the threshold (0.9 without a rule) at L without YaRN; partly:
+    ahead on average but not all of that; not at this scale: not ahead; not run here: no such pair.
     """
     L, rows = rep["train_length"], rep["rows"]
     yarn = {r["model"]: r for r in rows if r["variant"] == "yarn"}
@@ -156,18 +157,22 @@ def claim(rep: dict) -> dict:
     unskilled = [f"{m} seed {t['seed']}" for m, ts in rep["training"].items() for t in ts
                  if t.get("until_skill") and t["steps_to_skill"] is None and t.get("finished", True)]
     fig = "; ".join(f"{n}: {_fmt(g)} vs {_fmt(b)}" for n, g, b in zip(longer, g_vals, b_vals))
-    at_L = (f"at L={L} without YaRN {_fmt(rep_row(rows, gated, 'none')['average'][L])} vs "
-            f"{_fmt(rep_row(rows, base, 'none')['average'][L])}")
+    skill_at_L = [rep_row(rows, m, "none")["average"][L] for m in (gated, base)]
+    # equal skill also when no stopping rule ran (a fixed step count): both retrieve at L before extension
+    need = 100 * (rep.get("budget", {}).get("until_skill") or 0.9)
+    weak = [m for m, v in zip((gated, base), skill_at_L) if v is None or v < need]
+    at_L = f"at L={L} without YaRN {_fmt(skill_at_L[0])} vs {_fmt(skill_at_L[1])}"
     this_run = (f"passkey exact match % after YaRN x{rep['factor']} (training-free), {gated} vs {base}, mean of "
                 f"{seeds} seed(s): {fig} (difference {diff:+.1f} points); {at_L}"
-                + (f"; left out, did not reach the skill at L: {', '.join(unskilled)}" if unskilled else ""))
+                + (f"; left out, did not reach the skill at L: {', '.join(unskilled)}" if unskilled else "")
+                + (f"; below {need:.0f} % at L without YaRN (not at equal skill): {', '.join(weak)}" if weak else ""))
     others = [m for m in yarn if m not in (base, gated) and all(yarn[m]["average"][n] is not None for n in longer)]
     if others:  # the identity-init and headwise models, for the reader: the verdict stays on the paper's pair
         this_run += "; other gated models, mean beyond L after YaRN: " + ", ".join(
             f"{m} {_fmt(sum(yarn[m]['average'][n] for n in longer) / len(longer))}" for m in others)
     if not rep.get("complete", True):
         this_run += " (partial: not every model and seed has finished)"
-    if diff >= 10 and all(g > b for g, b in zip(g_vals, b_vals)) and not unskilled:
+    if diff >= 10 and all(g > b for g, b in zip(g_vals, b_vals)) and not unskilled and not weak:
         verdict = "reproduced"
     elif diff > 0:
         verdict = "partly"
