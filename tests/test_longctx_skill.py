@@ -130,6 +130,12 @@ def test_report_aggregates_seeds_and_pools_intervals():
     md = R.format_markdown(rep)
     assert "## Steps to reach the skill at L" in md and "| Baseline | 300 | 400 | 350 ± 71 |" in md
     assert "8/8 [" in md and "37.5 ± 17.7 (+37.5)" in md
+    fixed = dict(rep, budget={**rep["budget"], "until_skill": None},  # a fixed step count: no skill step to count
+                 training={m: [dict(t, until_skill=None, steps_to_skill=None) for t in ts]
+                           for m, ts in rep["training"].items()},
+                 steps_to_skill={m: R.mean_spread([]) for m in rep["training"]})
+    md = R.format_markdown(fixed)
+    assert "## Training steps (a fixed count" in md and "| Baseline | 300 (fixed) | 400 (fixed) | - |" in md
     json.dumps(rep)  # every number serialises
 
 

@@ -209,7 +209,9 @@ def format_markdown(rep: dict) -> str:
            f"tokens, lr {b['lr']}, {b.get('precision', 'fp32')}, retrieval mix {b['retrieval_mix']}. Cells: mean ± "
            f"standard deviation over seeds; YaRN rows: in brackets the change against the same models without YaRN "
            f"(the paper's deltas). Lengths above L are beyond the training length; '-' = the prompt does not fit.", "",
-           "## Steps to reach the skill at L", "", "| Model | " + " | ".join(f"seed {s}" for s in seeds)
+           "## Steps to reach the skill at L" if b.get("until_skill") else
+           "## Training steps (a fixed count, no stopping rule: the skill at L is the score table's L column)", "",
+           "| Model | " + " | ".join(f"seed {s}" for s in seeds)
            + " | mean ± std |", "|---|" + "---|" * (len(seeds) + 1)]
     for m, ts in rep["training"].items():
         cells = []
@@ -229,7 +231,8 @@ def format_markdown(rep: dict) -> str:
                 cells.append(f"{t['steps_run']} (fixed)")
         done = [t for t in ts if t.get("finished", True)]
         sk = rep["steps_to_skill"][m]
-        mean = _pm(sk, ".0f") + (f" ({sk['n']} of {len(done)} reached)" if done and sk["n"] < len(done) else "")
+        ruled = any(t.get("until_skill") for t in done)  # fixed-step runs have no skill step to count
+        mean = _pm(sk, ".0f") + (f" ({sk['n']} of {len(done)} reached)" if ruled and sk["n"] < len(done) else "")
         out.append(f"| {model_label(m)} | " + " | ".join(cells) + f" | {mean} |")
     for x in rep.get("excluded", []):
         last = x["last_check"]
