@@ -19,6 +19,8 @@ import statistics
 from pathlib import Path
 from typing import Callable, Iterable
 
+# run_units / default_jobs are experiment plumbing (longctx uses them too); re-exported for the labs
+from gated_attention.experiment import default_jobs, run_units  # noqa: F401
 from gated_attention.io import atomic_write_json, atomic_write_text
 
 
@@ -72,11 +74,6 @@ def save_unit(path: Path, key: dict, result: dict) -> dict:
     out = {"key": key, **result}
     atomic_write_json(path, out)
     return out
-
-
-# ---------------------------------------------------------------- parallel jobs
-# run_units / default_jobs are experiment plumbing (longctx uses them too); re-exported for the labs
-from gated_attention.experiment import default_jobs, run_units  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------- report pages

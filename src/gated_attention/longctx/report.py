@@ -154,8 +154,7 @@ def claim(rep: dict) -> dict:
     diff = sum(g_vals) / len(g_vals) - sum(b_vals) / len(b_vals)
     seeds = len(yarn[gated]["seeds"]), len(yarn[base]["seeds"])
     seeds = str(seeds[0]) if seeds[0] == seeds[1] else f"{seeds[0]}/{seeds[1]}"
-    unskilled = [f"{m} seed {t['seed']}" for m, ts in rep["training"].items() for t in ts
-                 if t.get("until_skill") and t["steps_to_skill"] is None and t.get("finished", True)]
+    unskilled = [f"{x['model']} seed {x['seed']}" for x in rep.get("excluded", [])]  # build_report's one rule
     fig = "; ".join(f"{n}: {_fmt(g)} vs {_fmt(b)}" for n, g, b in zip(longer, g_vals, b_vals))
     skill_at_L = [rep_row(rows, m, "none")["average"][L] for m in (gated, base)]
     # equal skill also when no stopping rule ran (a fixed step count): both retrieve at L before extension
@@ -305,8 +304,8 @@ def plot_report(rep: dict, path: Path) -> None:
     L, lengths = rep["train_length"], rep["lengths"]
     if not rep["rows"]:
         return
-    curves = {m: [t for t in ts if t.get("checks")] for m, ts in rep.get("training", {}).items()}
-    curves = {m: ts for m, ts in curves.items() if ts}
+    curves = {m: [t for t in ts if t.get("checks")] for m, ts in rep.get("training", {}).items()
+              if any(t.get("checks") for t in ts)}
     # a third panel with the held-out skill checks over training when the run used the stopping rule
     fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(18 if curves else 12, 4.5))
     ax1, ax2 = axes[0], axes[1]
@@ -318,8 +317,8 @@ def plot_report(rep: dict, path: Path) -> None:
             for i, t in enumerate(ts):  # one line per seed: the jump happens at a different step per seed
                 ax3.plot([c["step"] for c in t["checks"]], [100 * c["exact_match"] for c in t["checks"]],
                          color=colors.get(m, "black"), alpha=0.8, lw=1.2, label=model_label(m) if i == 0 else None)
-        if any(t.get("until_skill") for ts in curves.values() for t in ts):
-            thr = next(t["until_skill"] for ts in curves.values() for t in ts if t.get("until_skill"))
+        thr = next((t["until_skill"] for ts in curves.values() for t in ts if t.get("until_skill")), None)
+        if thr:
             ax3.axhline(100 * thr, color="gray", lw=1, ls=":")
         ax3.set_xlabel("training step (one line per seed); dotted = the stopping threshold")
         ax3.set_ylabel(f"held-out exact match at L={L} (%)")
