@@ -294,3 +294,24 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
     assert [len(v["per_seed"]) for v in lab["variants"].values()] == [2, 1]
     assert lab["variants"]["sdpa_elementwise"]["std"]["backcopy_ce"] is None  # one seed: no spread
     assert not (out / "runs" / "sdpa_elementwise" / "seed1").exists()  # nothing was trained
+
+
+def test_finished_models_are_loadable_hf_folders(small_lab):
+    """Every unit folder is a from_pretrained folder; load_run returns its model, task and settings, and the
+    model measures exactly what result.json recorded (the saved weights are the final ones)."""
+    from gated_attention.labs.sinks import is_run_dir, load_run, measure
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    out, _ = small_lab
+    unit = out / "runs" / "baseline" / "seed1"
+    assert is_run_dir(unit) and not is_run_dir(out) and not is_run_dir(out / "runs" / "baseline")
+    run = load_run(unit)
+    assert (run.variant, run.seed) == ("baseline", 1) and run.task == SMALL and run.config.hidden_size == 32
+    assert not run.model.training
+    m = measure(run.model, run.task, run.task.eval_set(run.config.eval_size))
+    for k in ("bos_attention_dormant", "backcopy_ce", "bigram_ce"):
+        assert m[k] == pytest.approx(run.result[k], rel=1e-6), k
+    plain = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "sdpa_elementwise" / "seed0")
+    assert plain.config.gate == "sdpa_elementwise"
+    with pytest.raises(ValueError, match="not a finished sink-lab run"):
+        load_run(out)

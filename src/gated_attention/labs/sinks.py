@@ -17,9 +17,12 @@ step at which backcopy CE first falls below 0.5. Headline numbers (lab.json's pe
 *backcopy head*: the (layer, head) with the largest attention on the previous token from trigger queries (in the
 default 1-layer 1-head model, the only head); the residual peak is the largest over layers.
 
-The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/result.json (+ ckpt.pt while running), lab.json, report.md, report.html,
-plots/. Finished units are reused; a killed run continues from its last checkpoint; settings that differ from an
-existing OUT fail loudly.
+The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
+unit's settings under "key", its measurements) and the finished model as a Hugging Face folder (config.json,
+model.safetensors, generation_config.json: `GatedQwen3ForCausalLM.from_pretrained(run_dir)` loads it; `load_run(run_dir)`
+returns it with its task and lab settings), + ckpt.pt while running; then lab.json, report.md, report.html, plots/.
+Finished units are reused; a killed run continues from its last checkpoint; settings that differ from an existing
+OUT fail loudly.
 """
 from __future__ import annotations
 
@@ -359,10 +362,63 @@ def train_unit(job: tuple) -> dict:
               "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0, "params": params, "backcopy_head": final["backcopy_head"],
               "per_layer": final["per_layer"], "attention_map": final["attention_map"],
               "map_active_rows": final["map_active_rows"], "curve": state["curve"]}
+    model.save_pretrained(unit_dir)  # the model first: result.json is the "finished" marker, written last
     out = save_unit(unit_dir / "result.json", key, result)
     if ckpt.exists():
         ckpt.unlink()
     return out
+
+
+@dataclass
+class SinkRun:
+    """A finished sink-lab model with everything needed to evaluate or continue it on its task."""
+
+    model: object  # GatedQwen3ForCausalLM, eval mode, fp32
+    task: BackcopyTask  # the Bigram-Backcopy settings it was trained on (task.eval_set / train_batch / masks)
+    config: SinkLabConfig  # the lab settings of its unit (variants/seeds as in its own unit: [variant], seed + 1)
+    variant: str
+    seed: int
+    result: dict  # its result.json (measurements at the end of training; "key" = the unit's settings)
+    path: Path
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True for a sink-lab unit folder OUT/runs/<variant>/seed<k> (result.json with a sink-lab key)."""
+    f = Path(path) / "result.json"
+    if not f.is_file():
+        return False
+    try:
+        key = json.loads(f.read_text()).get("key") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return "task" in key and "variant" in key and "seed" in key
+
+
+def load_run(path: str | Path) -> SinkRun:
+    """The model of a finished sink-lab unit folder (`OUT/runs/<variant>/seed<k>`), with its task and settings.
+
+    The folder is also a plain HF model folder: `GatedQwen3ForCausalLM.from_pretrained(path)` loads the same model;
+    this helper adds the task (BackcopyTask) and the lab config it was trained with."""
+    from gated_attention.io import read_json_object
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    path = Path(path)
+    if not is_run_dir(path):
+        raise ValueError(f"{path} is not a finished sink-lab run (no result.json with a sink-lab key); pass "
+                         f"OUT/runs/<variant>/seed<k> of a `gattn lab sinks` output")
+    result = read_json_object(path / "result.json", "sink-lab result")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} holds a result but no model (trained before the lab kept its models); re-run "
+                         f"`gattn lab sinks` into a new --out to get loadable models")
+    key = dict(result["key"])
+    variant, seed = key.pop("variant"), key.pop("seed")
+    key.pop("format", None)
+    known = set(SinkLabConfig.__dataclass_fields__)
+    cfg = SinkLabConfig(**{k: v for k, v in key.items() if k in known}, variants=[variant], seeds=seed + 1)
+    model = GatedQwen3ForCausalLM.from_pretrained(path)
+    model.eval()
+    return SinkRun(model=model, task=BackcopyTask(**cfg.task), config=cfg, variant=variant, seed=seed,
+                   result=result, path=path)
 
 
 def _f(v, d: int = 3) -> str:
