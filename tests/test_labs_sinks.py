@@ -315,3 +315,33 @@ def test_finished_models_are_loadable_hf_folders(small_lab):
     assert plain.config.gate == "sdpa_elementwise"
     with pytest.raises(ValueError, match="not a finished sink-lab run"):
         load_run(out)
+
+
+def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
+    """--qk-norm/--beta2/--adam-eps/--weight-decay/--decay-frac/--alpha land in the config, the model and AdamW."""
+    import argparse
+
+    from gated_attention.cli.lab import configure_sinks, sinks_config
+    from gated_attention.labs import sinks
+
+    p = argparse.ArgumentParser()
+    configure_sinks(p)
+    args = p.parse_args(["--budget", "small", "--qk-norm", "off", "--beta2", "0.99", "--adam-eps", "1e-6",
+                         "--weight-decay", "0.5", "--decay-frac", "0", "--alpha", "0.2", "--variants", "baseline"])
+    cfg = sinks_config(args)
+    assert (cfg.qk_norm, cfg.beta2, cfg.adam_eps, cfg.weight_decay, cfg.decay_frac) == (False, 0.99, 1e-6, 0.5, 0.0)
+    assert cfg.task["alpha"] == 0.2 and cfg.task["vocab"] == 16  # the budget's task, one field changed
+    assert sinks.model_config_for(cfg, "baseline").use_qk_norm is False
+    seen = {}
+    real = torch.optim.AdamW
+
+    def spy(groups, **kw):
+        seen.update(kw, wd=[g["weight_decay"] for g in groups])
+        return real(groups, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    r = sinks.train_unit((asdict(replace(cfg, steps=3, eval_every=3)), "baseline", 0, str(tmp_path / "u")))
+    assert seen["betas"] == (0.9, 0.99) and seen["eps"] == 1e-6 and 0.5 in seen["wd"] and 0.0 in seen["wd"]
+    assert r["key"]["qk_norm"] is False and r["key"]["decay_frac"] == 0.0
+    with pytest.raises(ValueError, match="--decay-frac"):
+        replace(cfg, decay_frac=1.5).validate()

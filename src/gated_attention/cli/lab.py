@@ -45,12 +45,24 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
     parser.add_argument("--schedule", choices=("cosine", "wsd"), default=None,
                         help="cosine decay, or WSD (hold the peak, decay over the last 20 %%)")
+    parser.add_argument("--decay-frac", type=float, default=None,
+                        help="WSD: share of the steps spent decaying to --min-lr at the end; 0 = constant LR after "
+                             "the warm-up")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="AdamW decoupled weight decay on matrices (embeddings, norms and biases excluded)")
+    parser.add_argument("--beta2", type=float, default=None, help="Adam second-moment decay")
+    parser.add_argument("--adam-eps", type=float, default=None, help="Adam epsilon")
+    parser.add_argument("--qk-norm", choices=("on", "off"), default=None,
+                        help="RMSNorm on q and k per head (Qwen3's QK-norm); Guo et al.'s model has none")
+    parser.add_argument("--grad-clip", type=float, default=None, help="global gradient-norm clip (0 = off)")
     parser.add_argument("--hidden-size", type=int, default=None, help="model width d (default 128)")
     parser.add_argument("--intermediate-size", type=int, default=None, help="FFN width of the ungated model")
     parser.add_argument("--eval-every", type=int, default=None, help="learning-curve interval in steps")
     parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V (default 64)")
     parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k (default 3)")
     parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS (default 128)")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="task: Dirichlet concentration of the bigram rows (lower = more predictable; default 0.3)")
     parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers (default 0)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, one core each (default: min(2, available cores))")
@@ -60,8 +72,10 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
 
 
 _SINK_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
-                "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every")
-_SINK_TASK_OPTIONS = {"vocab": "vocab", "triggers": "triggers", "seq_len": "seq_len", "task_seed": "seed"}
+                "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every",
+                "decay_frac", "weight_decay", "beta2", "adam_eps", "grad_clip")
+_SINK_TASK_OPTIONS = {"vocab": "vocab", "triggers": "triggers", "seq_len": "seq_len", "alpha": "alpha",
+                      "task_seed": "seed"}
 
 
 def sinks_config(args) -> SinkLabConfig:
@@ -71,6 +85,8 @@ def sinks_config(args) -> SinkLabConfig:
     task = {f: getattr(args, a) for a, f in _SINK_TASK_OPTIONS.items() if getattr(args, a, None) is not None}
     if task:
         over["task"] = {**cfg.task, **task}
+    if getattr(args, "qk_norm", None) is not None:
+        over["qk_norm"] = args.qk_norm == "on"
     return replace(cfg, **over).validate()
 
 

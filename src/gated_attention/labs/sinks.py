@@ -68,8 +68,13 @@ class SinkLabConfig:
     warmup_steps: int = 50
     schedule: str = "wsd"  # wsd | cosine (train.schedule): the sink grows while the LR is high; a cosine decay
     # over 800 steps stalls it (baseline 0.13 at step 600 vs 0.40-0.62 with the LR held near the peak)
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    decay_frac: float = 0.2  # WSD: share of the steps spent decaying to min_lr at the end (0 = constant LR after
+    # warm-up); cosine ignores it
+    weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices (the trainer's param_groups)
+    beta2: float = 0.95  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam epsilon
+    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none
+    grad_clip: float = 1.0  # global-norm clipping (0 = off)
     precision: str = "bf16"  # bf16 autocast (2x faster on CPU) | fp32
     compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
     eval_every: int = 100  # learning-curve resolution in steps
@@ -87,6 +92,12 @@ class SinkLabConfig:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
         if self.precision not in ("bf16", "fp32"):
             raise ValueError(f"--precision must be bf16 or fp32 (fp16 needs loss scaling); got {self.precision!r}")
+        if not 0.0 <= self.decay_frac <= 1.0:
+            raise ValueError(f"--decay-frac must be in [0, 1]; got {self.decay_frac}")
+        if not 0.0 <= self.beta2 < 1.0 or not self.adam_eps > 0:
+            raise ValueError(f"--beta2 must be in [0, 1) and --adam-eps > 0; got {self.beta2}, {self.adam_eps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"--weight-decay and --grad-clip must be >= 0; got {self.weight_decay}, {self.grad_clip}")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"--schedule must be cosine or wsd; got {self.schedule!r}")
         for v in self.variants:
@@ -144,7 +155,7 @@ def model_config_for(cfg: SinkLabConfig, variant: str):
                         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
                         head_dim=cfg.hidden_size // cfg.heads, max_position_embeddings=max(512, task.seq_len + 1),
-                        tie_word_embeddings=False, bos_token_id=0)
+                        tie_word_embeddings=False, bos_token_id=0, use_qk_norm=cfg.qk_norm)
 
 
 # ---------------------------------------------------------------- measurement
@@ -286,7 +297,7 @@ def train_unit(job: tuple) -> dict:
     model = GatedQwen3ForCausalLM(model_config_for(cfg, variant))
     model.train()
     opt_cfg = argparse.Namespace(weight_decay=cfg.weight_decay, wd_on_embeddings=False)
-    opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps)
     state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
     ckpt = unit_dir / "ckpt.pt"
     if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
@@ -326,7 +337,7 @@ def train_unit(job: tuple) -> dict:
         record(0)
     for step in range(state["step"], cfg.steps):
         lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
-                   schedule=cfg.schedule)
+                   schedule=cfg.schedule, wsd_decay_frac=cfg.decay_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         seqs = task.train_batch(cfg.batch_size, seed, step)  # (B, T+1)
