@@ -143,10 +143,49 @@ def run_stability(args) -> int:
     return 0
 
 
+def configure_streaming(parser: argparse.ArgumentParser) -> None:
+    from ..labs.streaming import DEFAULT_SINK_TOKENS
+
+    parser.add_argument("--models", nargs="+", required=True, metavar="DIR",
+                        help="model folders: a sink-lab run OUT/runs/<variant>/seed<k> (or a whole sink-lab OUT), a "
+                             "`gattn compare` OUT (its runs/<variant>/final), a trainer run folder (final/) or any "
+                             "folder with config.json")
+    parser.add_argument("--window", type=int, required=True, metavar="W",
+                        help="recent tokens the rolling KV cache keeps (the current one included)")
+    parser.add_argument("--sink-tokens", type=int, nargs="+", default=list(DEFAULT_SINK_TOKENS), metavar="K",
+                        help="first tokens kept forever, one measurement per K; 0 = a plain sliding window "
+                             f"(default: {' '.join(map(str, DEFAULT_SINK_TOKENS))})")
+    parser.add_argument("--out", default="runs/lab/streaming",
+                        help="output folder: lab.json, report.md, report.html, plots/ (default runs/lab/streaming)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per held-out sequence (default: the length each model was trained on)")
+    parser.add_argument("--sequences", type=int, default=32, help="held-out sequences per model (default 32)")
+    parser.add_argument("--text", default=None, metavar="FILE",
+                        help="score windows of this UTF-8 text file instead of the corpus (text models only)")
+    parser.add_argument("--data-dir", default=None,
+                        help="corpus of model folders whose train_config.json does not name one (default: the "
+                             "corpus each run trained on)")
+
+
+def run_streaming(args) -> int:
+    from ..labs import streaming, streaming_report
+
+    cfg = streaming.StreamingConfig(models=args.models, window=args.window, sink_tokens=args.sink_tokens,
+                                    seq_len=args.seq_len, sequences=args.sequences, text=args.text,
+                                    data_dir=args.data_dir)
+    lab = streaming.run_streaming(cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(streaming_report.text_table(lab))
+    print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
+    return 0
+
+
 # name -> (configure, run, one-line help)
 LABS = {
     "sinks": (configure_sinks, run_sinks,
               "Bigram-Backcopy sink lab (Guo et al. 2024): BOS attention of idle heads, baseline vs gates, in minutes."),
+    "streaming": (configure_streaming, run_streaming,
+                  "Sliding-window decoding with and without sink tokens (StreamingLLM): loss of full attention vs a "
+                  "rolling KV window keeping the first K tokens, per model and position."),
     "stability": (configure_stability, run_stability,
                   "LR sweeps with/without QK-norm (Wortsman et al. 2023 proxies): loss, divergence, spikes, logit "
                   "growth, LR sensitivity."),

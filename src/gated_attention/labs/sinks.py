@@ -405,6 +405,12 @@ def is_run_dir(path: str | Path) -> bool:
     return "task" in key and "variant" in key and "seed" in key
 
 
+def load_run_meta(path: str | Path) -> dict:
+    """{"variant", "seed", "task"} of a finished unit folder without loading its model."""
+    key = json.loads((Path(path) / "result.json").read_text())["key"]
+    return {"variant": key["variant"], "seed": key["seed"], "task": key["task"]}
+
+
 def load_run(path: str | Path) -> SinkRun:
     """The model of a finished sink-lab unit folder (`OUT/runs/<variant>/seed<k>`), with its task and settings.
 
