@@ -345,3 +345,19 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     assert r["key"]["qk_norm"] is False and r["key"]["decay_frac"] == 0.0
     with pytest.raises(ValueError, match="--decay-frac"):
         replace(cfg, decay_frac=1.5).validate()
+
+
+def test_help_states_the_budgets_true_defaults():
+    import argparse
+
+    from gated_attention.cli.lab import configure_sinks
+    from gated_attention.labs.sinks import BUDGETS, SinkLabConfig
+
+    p = argparse.ArgumentParser()
+    configure_sinks(p)
+    helps = {a.dest: " ".join(a.help.split()) for a in p._actions if a.help}
+    d = replace(SinkLabConfig(), **BUDGETS["default"][1])
+    assert f"{d.lr:g} with --budget default" in helps["lr"] or helps["lr"].endswith(f"(default {d.lr:g})")
+    assert f"{d.steps} with --budget default" in helps["steps"]
+    assert "on with --budget default" in helps["compile"] and "off with --budget small" in helps["compile"]
+    assert helps["qk_norm"].endswith(f"(default {'on' if d.qk_norm else 'off'})")

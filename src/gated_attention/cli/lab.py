@@ -18,33 +18,32 @@ from ..labs import stability as stab
 
 def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/lab/sinks",
-                        help="output folder: runs/<variant>/seed<k>/, lab.json, report.md, report.html, plots/ "
-                             "(default runs/lab/sinks; a re-run reuses finished models and continues killed ones)")
+                        help="output folder: runs/<variant>/seed<k>/ (result.json + the finished model as a "
+                             "from_pretrained folder), lab.json, report.md, report.html, plots/ (default "
+                             "runs/lab/sinks; a re-run reuses finished models and continues killed ones)")
     parser.add_argument("--budget", default="default", choices=list(BUDGETS),
-                        help="; ".join(f"{k}: {v[0]}" for k, v in BUDGETS.items()))
+                        help="; ".join(f"{k}: {v[0]}" for k, v in BUDGETS.items()) + " (default: default)")
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                        help=f"gate names (`gattn gates`) and baseline mechanisms (sink_logits, bondarenko_gate, "
-                             f"clipped_softmax, forgetting, ...); default: {' '.join(DEFAULT_VARIANTS)}")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers, 1-3 (default 1)")
-    parser.add_argument("--heads", type=int, default=None, help="attention heads per layer (default 1)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per model (budget's by default)")
+                        help="gate names (`gattn gates`) and baseline mechanisms (sink_logits, bondarenko_gate, "
+                             "clipped_softmax, forgetting, ...)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers, 1-3")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads per layer")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per model")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds 0..N-1 per variant: model init and data order, the same for every variant")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW; default 3e-3)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
     parser.add_argument("--gate-init", choices=("normal", "identity"), default=None,
-                        help="normal: the official N(0, 0.02) init, gate ~0.5 at start (default); identity: gate == 1 "
-                             "at start")
+                        help="normal: the official N(0, 0.02) init, gate ~0.5 at start; identity: gate == 1 at start")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                        help="training numerics: bf16 autocast (default, ~2x faster on CPU) or fp32; measurements "
-                             "always run in fp32")
+                        help="training numerics: bf16 autocast (~2x faster on CPUs with AVX512-BF16, far slower "
+                             "without) or fp32; measurements always run in fp32")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the training forward (default on for --budget default: ~2x faster "
-                             "after ~10 s of compiling; off for small)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32)")
+                        help="torch.compile the training forward (~2x faster after ~10 s of compiling)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step")
     parser.add_argument("--min-lr", type=float, default=None, help="learning rate at the end of the decay")
     parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
     parser.add_argument("--schedule", choices=("cosine", "wsd"), default=None,
-                        help="cosine decay, or WSD (hold the peak, decay over the last 20 %%)")
+                        help="cosine decay, or WSD (hold the peak, decay over the last --decay-frac of the steps)")
     parser.add_argument("--decay-frac", type=float, default=None,
                         help="WSD: share of the steps spent decaying to --min-lr at the end; 0 = constant LR after "
                              "the warm-up")
@@ -55,20 +54,43 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--qk-norm", choices=("on", "off"), default=None,
                         help="RMSNorm on q and k per head (Qwen3's QK-norm); Guo et al.'s model has none")
     parser.add_argument("--grad-clip", type=float, default=None, help="global gradient-norm clip (0 = off)")
-    parser.add_argument("--hidden-size", type=int, default=None, help="model width d (default 128)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="model width d")
     parser.add_argument("--intermediate-size", type=int, default=None, help="FFN width of the ungated model")
     parser.add_argument("--eval-every", type=int, default=None, help="learning-curve interval in steps")
-    parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V (default 64)")
-    parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k (default 3)")
-    parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS (default 128)")
+    parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V")
+    parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k")
+    parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS")
     parser.add_argument("--alpha", type=float, default=None,
-                        help="task: Dirichlet concentration of the bigram rows (lower = more predictable; default 0.3)")
-    parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers (default 0)")
+                        help="task: Dirichlet concentration of the bigram rows (lower = more predictable)")
+    parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers")
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, one core each (default: min(2, available cores))")
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: write lab.json and the report from the models already finished in "
                              "--out with these settings (a run stopped early; seeds per variant as available)")
+    _state_budget_defaults(parser)
+
+
+def _state_budget_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append each option's true default, read from the budgets themselves, to its help (so it cannot go stale)."""
+    cfgs = {name: replace(SinkLabConfig(), **changes) for name, (_, changes) in BUDGETS.items()}
+    task_fields = {a: f for a, f in _SINK_TASK_OPTIONS.items()}
+
+    def value(cfg, dest):
+        v = cfg.task[task_fields[dest]] if dest in task_fields else getattr(cfg, dest)
+        if dest == "qk_norm" or isinstance(v, bool):
+            return "on" if v else "off"
+        return " ".join(map(str, v)) if isinstance(v, list) else f"{v:g}" if isinstance(v, float) else str(v)
+
+    for action in parser._actions:
+        dest = action.dest
+        if dest not in _SINK_OPTIONS + ("qk_norm",) and dest not in task_fields:
+            continue
+        vals = {name: value(cfg, dest) for name, cfg in cfgs.items()}
+        if len(set(vals.values())) == 1:
+            action.help += f" (default {vals['default']})"
+        else:
+            action.help += " (default: " + "; ".join(f"{v} with --budget {n}" for n, v in vals.items()) + ")"
 
 
 _SINK_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
