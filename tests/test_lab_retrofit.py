@@ -20,19 +20,20 @@ from gated_attention.labs.backcopy import BackcopyTask
 TASK = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 
 
-def _sink_start(root, seed: int = 0, steps: int = 40, model: bool = True):
-    """A sink-lab unit folder (result.json + model/) holding a tiny random ungated model on TASK."""
+def _sink_start(root, seed: int = 0, steps: int = 40, model: bool = True, variant: str = "baseline"):
+    """A sink-lab unit folder (result.json + the model's HF files, as `gattn lab sinks` keeps it) holding a tiny
+    random model on TASK."""
     from gated_attention.labs.sinks import BUDGETS, SinkLabConfig, model_config_for
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "steps": steps, "variants": ["baseline"]})
-    unit = root / "runs" / "baseline" / f"seed{seed}"
+    cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "steps": steps, "variants": [variant]})
+    unit = root / "runs" / variant / f"seed{seed}"
     unit.mkdir(parents=True)
     if model:
         torch.manual_seed(seed)
-        GatedQwen3ForCausalLM(model_config_for(cfg, "baseline")).save_pretrained(unit / "model")
-    key = {**asdict(cfg), "variant": "baseline", "seed": seed, "format": 1}
-    (unit / "result.json").write_text(json.dumps({"key": key, "variant": "baseline", "seed": seed}))
+        GatedQwen3ForCausalLM(model_config_for(cfg, variant)).save_pretrained(unit)
+    key = {**asdict(cfg), "variant": variant, "seed": seed, "format": 1}
+    (unit / "result.json").write_text(json.dumps({"key": key, "variant": variant, "seed": seed}))
     return unit
 
 
@@ -65,7 +66,7 @@ def test_each_recipe_trains_what_it_says(sink_start, tmp_path, name):
     recipe = R.get_recipe(name)
     cfg = _cfg(sink_start)
     res = RL.train_unit(_job(cfg, sink_start, name, tmp_path / name))
-    before = _weights(sink_start / "model")
+    before = _weights(sink_start)
     after = _weights(tmp_path / name / "model")
     gate_keys = [k for k in after if R.is_gate_param(k)]
     assert bool(gate_keys) == (recipe.gate is not None)
@@ -103,14 +104,14 @@ def test_gates_first_phase_freezes_the_rest(sink_start, tmp_path, monkeypatch):
         RL.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "u"))
     saved = torch.load(tmp_path / "u" / "ckpt.pt", weights_only=True)
     assert saved["state"]["step"] == 2
-    before = _weights(sink_start / "model")
+    before = _weights(sink_start)
     gates = [k for k in saved["model"] if R.is_gate_param(k)]
     assert all(torch.equal(saved["model"][k], before[k]) for k in before)
     assert any(not torch.equal(saved["model"][k], torch.zeros_like(saved["model"][k])) for k in gates)
 
 
 def test_param_groups_split_gates_and_rest_with_the_decay_rule(sink_start):
-    model = S.build_model(str(sink_start / "model"), "sdpa_elementwise", "identity", 0)
+    model = S.build_model(str(sink_start), "sdpa_elementwise", "identity", 0)
     groups = R.param_groups(model, R.get_recipe("bos-penalty"), lr=1e-2, weight_decay=0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     for g in groups:
@@ -253,24 +254,17 @@ def test_control_and_recipes_see_the_same_batches(sink_start, tmp_path, monkeypa
     assert not torch.equal(seen["seed1"][0][1], ref[0][1])  # another seed: another data order
 
 
-def test_window_loss_equals_position_by_position_reference():
+def test_streaming_losses_read_the_streaming_lab():
+    """K=0 evicts the first token, K=1 keeps it, full attention is the reference; all on the positions t >= W."""
+    from gated_attention.decode import stream_nll
+
     model = _tiny_gated(3).eval()
-    seqs = torch.randint(1, 128, (2, 15), generator=torch.Generator().manual_seed(4))  # (B, T+1), T = 14
-    W = 5
-    for K in (0, 1):
-        total, n = 0.0, 0
-        with torch.no_grad():
-            for b in range(2):
-                for t in range(W, 14):
-                    ctx = seqs[b, t - W + 1:t + 1]
-                    if K:
-                        ctx = torch.cat([seqs[b, :1], ctx])
-                    logit = model(input_ids=ctx[None]).logits[0, -1]
-                    total += float(F.cross_entropy(logit[None], seqs[b, t + 1:t + 2]))
-                    n += 1
-        assert S.window_loss(model, seqs, W, K, max_tokens=20) == pytest.approx(total / n, rel=1e-5)
-    with pytest.raises(ValueError, match="window"):
-        S.window_loss(model, seqs, 14)
+    seqs = torch.randint(1, 128, (2, 15), generator=torch.Generator().manual_seed(4))  # (B, T+1)
+    got = S.streaming_losses(model, seqs, 5)
+    assert got["streaming_loss"] == pytest.approx(float(stream_nll(model, seqs, 5, 0)[:, 5:].mean()), rel=1e-6)
+    assert got["streaming_loss_kept"] == pytest.approx(float(stream_nll(model, seqs, 5, 1)[:, 5:].mean()), rel=1e-6)
+    assert got["window_full_loss"] == pytest.approx(float(stream_nll(model, seqs, None)[:, 5:].mean()), rel=1e-6)
+    assert got["streaming_loss"] != got["window_full_loss"]
 
 
 def test_interval_uses_student_t():
@@ -294,21 +288,35 @@ def test_gate_split_on_hand_built_masks():
 # ---------------------------------------------------------------- starting points
 
 def test_start_resolution_and_clear_errors(sink_start, tmp_path, tiny_corpus):
-    s = S.resolve_start(sink_start)
+    (s,) = S.resolve_starts([sink_start])
     assert s.kind == "sink" and s.label == "baseline_seed0" and s.trained_steps == 40 and s.task["vocab"] == 16
+    assert s.model_dir == str(sink_start) and s.train_lr and s.batch_size
     bare = _sink_start(tmp_path / "old", model=False)
     with pytest.raises(ValueError, match="kept no model"):
-        S.resolve_start(bare)
+        S.resolve_starts([bare])
+    hf = tmp_path / "hf"
+    import shutil
+
+    shutil.copytree(sink_start, hf)
+    (hf / "result.json").unlink()  # a plain HF folder now
     with pytest.raises(ValueError, match="needs --data-dir"):
-        S.resolve_start(sink_start / "model")
-    hf = S.resolve_start(sink_start / "model", data_dir=str(tiny_corpus))
-    assert hf.kind == "text" and hf.source == "HF checkpoint" and hf.seq_len == 256
+        S.resolve_starts([hf])
+    (t,) = S.resolve_starts([hf], data_dir=str(tiny_corpus))
+    assert t.kind == "text" and t.source == "HF checkpoint" and t.seq_len == 256 and t.trained_steps is None
     with pytest.raises(ValueError, match="mixes"):
-        S.resolve_starts([sink_start, sink_start / "model"], data_dir=str(tiny_corpus))
+        S.resolve_starts([sink_start, hf], data_dir=str(tiny_corpus))
     two = S.resolve_starts([sink_start, sink_start])
     assert [x.label for x in two] == ["baseline_seed0", "baseline_seed0-2"]
     with pytest.raises(ValueError, match="not a folder"):
-        S.resolve_start(tmp_path / "missing")
+        S.resolve_starts([tmp_path / "missing"])
+    # a whole sink-lab OUT: its ungated units only
+    out = tmp_path / "lab"
+    for seed in (0, 1):
+        _sink_start(out, seed=seed)
+        _sink_start(out, seed=seed, variant="sdpa_elementwise")
+    logged = []
+    assert [x.label for x in S.resolve_starts([out], log=logged.append)] == ["baseline_seed0", "baseline_seed1"]
+    assert "2 ungated model(s) of 4" in logged[0]
 
 
 def test_gated_start_is_refused(tmp_path):

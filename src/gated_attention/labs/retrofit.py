@@ -371,7 +371,7 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    starts = resolve_starts(cfg.starts, cfg.data_dir, cfg.seq_len)
+    starts = resolve_starts(cfg.starts, cfg.data_dir, cfg.seq_len, log)
     names = [CONTROL] + [r for r in cfg.recipes if r != CONTROL]
     befores = {}
     for s in starts:

@@ -20,9 +20,10 @@ Measurements (all in fp32, eval mode, on a fixed held-out set):
                 mean gate score on dormant vs active queries: sink task = non-trigger vs trigger queries at the
                 backcopy head; text = the (layer, head, query) triples where the STARTING model put >= 0.3 of its
                 attention on the first token (it parked there) vs the others (queries t >= 1)
-  streaming_loss  next-token CE with a sliding window of W tokens and the first token evicted (no sink tokens), over
-                the positions t >= W; `streaming_loss_kept` keeps the first token (StreamingLLM's fix), `window_full_loss`
-                is full attention on the same positions. Positions inside the window count from 0 (StreamingLLM's).
+  streaming_loss  next-token CE decoded through a rolling KV window of the last W tokens with the first token
+                evicted (no sink tokens), over the positions t >= W; `streaming_loss_kept` keeps the first token
+                (StreamingLLM's fix), `window_full_loss` is full attention on the same positions (`gattn lab
+                streaming`'s measure_model: decode.py's SinkWindowCache, StreamingLLM cache positions).
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ import torch.nn.functional as F
 
 DATA_SEED = 7919  # retrofit batches: a stream no pretraining run used (sink lab / compare train on seeds 0..n)
 SINK_QUERY = 0.3  # text: a (layer, head, query) of the starting model "parks" when >= this much goes to token 0
-MODEL_SUBDIRS = ("", "model", "final", "hf")  # where a run folder keeps its loadable HF model
 
 
 @dataclass
@@ -59,66 +59,74 @@ class Start:
         return asdict(self)
 
 
-def _model_folder(d: Path) -> Path | None:
-    for sub in MODEL_SUBDIRS:
-        f = d / sub if sub else d
-        if (f / "config.json").is_file():
-            return f
-    return None
-
-
 def _fingerprint(model_dir: Path) -> list:
     from gated_attention.io import hf_weight_files
 
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in hf_weight_files(model_dir)]
 
 
-def resolve_start(path: str | Path, data_dir: str | None = None, seq_len: int | None = None) -> Start:
-    """What kind of starting point `path` is, where its model is, and what it was trained with."""
+def _ungated(model_dir: Path) -> bool:
+    """config.json names no gate and no attention mechanism (foreign formats: retrofit's own checks decide)."""
+    import json
+
+    c = json.loads((model_dir / "config.json").read_text())
+    if c.get("model_type") != "gated_qwen3":
+        return True
+    return c.get("gate") in (None, "none", "baseline") and c.get("mechanism") in (None, "none")
+
+
+def _start(entry, data_dir: str | None, seq_len: int | None) -> Start:
+    """A Start from one model of `gattn lab streaming`'s resolver (labs.streaming.resolve_models)."""
     from gated_attention.io import read_json_object
 
-    p = Path(path)
-    if not p.is_dir():
-        raise ValueError(f"--from {path}: not a folder (give a sink-lab run folder OUT/runs/baseline/seed0, a "
-                         "training run or its final/ folder, or an HF checkpoint folder)")
-    result = p / "result.json"
-    if result.is_file():  # a sink-lab unit
-        res = read_json_object(result, "sink-lab result", "re-run `gattn lab sinks`")
-        key = res.get("key") or {}
-        if "task" not in key:
-            raise ValueError(f"--from {path}: result.json is not a sink-lab unit's (no task in its key)")
-        model_dir = _model_folder(p)
-        if model_dir is None:
-            raise ValueError(f"--from {path}: this sink-lab unit kept no model folder (config.json + model.safetensors "
-                             "in the unit, or in its model/ subfolder); re-run `gattn lab sinks` with a version that "
-                             "keeps its models")
-        return Start(label=f"{key.get('variant', p.parent.name)}_seed{key.get('seed', 0)}", path=str(path),
-                     model_dir=str(model_dir), kind="sink", source="sink-lab run", trained_steps=key.get("steps"),
-                     train_lr=key.get("lr"), batch_size=key.get("batch_size"), task=dict(key["task"]),
-                     fingerprint=_fingerprint(model_dir))
-    run = p if (p / "train_config.json").is_file() else p.parent if (p.parent / "train_config.json").is_file() else None
-    if run is not None and _model_folder(run / "final" if run == p else p) is not None:
-        tc = read_json_object(run / "train_config.json", "training settings", "delete that run folder")
-        model_dir = _model_folder(run / "final") if run == p else p
-        if tc.get("data") != "corpus" and data_dir is None:
-            raise ValueError(f"--from {path}: that run trained on {tc.get('data')!r} data; give --data-dir")
-        return Start(label=run.name, path=str(path), model_dir=str(model_dir), kind="text", source="training run",
-                     trained_steps=tc.get("steps"), train_lr=tc.get("lr"), batch_size=tc.get("batch_size"),
-                     data_dir=data_dir or tc.get("data_dir") or "data", seq_len=seq_len or tc.get("seq_len"),
-                     fingerprint=_fingerprint(model_dir))
-    model_dir = _model_folder(p)
-    if model_dir is None:
-        raise ValueError(f"--from {path}: no config.json there (nor in model/ or final/); not a model folder")
-    if data_dir is None:
+    from . import sinks
+
+    path = Path(entry.path)
+    label = entry.label.replace("/", "_").replace(":", "_")
+    if entry.kind == "sink_lab":
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--from {path}: this sink-lab unit kept no model (trained before the lab kept its "
+                             "models); re-run `gattn lab sinks` into a new --out")
+        key = read_json_object(path / "result.json", "sink-lab result").get("key") or {}
+        return Start(label=label, path=str(path), model_dir=str(path), kind="sink", source="sink-lab run",
+                     trained_steps=key.get("steps"), train_lr=key.get("lr"), batch_size=key.get("batch_size"),
+                     task=dict(sinks.load_run_meta(path)["task"]), fingerprint=_fingerprint(path))
+    run = next((d for d in (path, path.parent) if (d / "train_config.json").is_file()), None)
+    tc = read_json_object(run / "train_config.json", "training settings") if run is not None else {}
+    if run is not None and tc.get("data") not in (None, "corpus") and data_dir is None:
+        raise ValueError(f"--from {path}: that run trained on {tc.get('data')!r} data; give --data-dir")
+    data_dir = data_dir or tc.get("data_dir") or entry.data_dir
+    if not data_dir:
         raise ValueError(f"--from {path}: an HF checkpoint needs --data-dir, a corpus in its vocabulary "
                          f"(gattn data prepare --tokenizer {path} --data-dir D)")
-    return Start(label=p.name, path=str(path), model_dir=str(model_dir), kind="text", source="HF checkpoint",
-                 data_dir=data_dir, seq_len=seq_len or 256, fingerprint=_fingerprint(model_dir))
+    return Start(label=label, path=str(path), model_dir=str(path), kind="text",
+                 source="training run" if run is not None else "HF checkpoint", trained_steps=tc.get("steps"),
+                 train_lr=tc.get("lr"), batch_size=tc.get("batch_size"), data_dir=str(data_dir),
+                 seq_len=seq_len or tc.get("seq_len") or 256, fingerprint=_fingerprint(path))
 
 
-def resolve_starts(paths: list, data_dir: str | None = None, seq_len: int | None = None) -> list[Start]:
-    """Every --from, labels made unique; all of one kind (a lab averages over its starts)."""
-    starts = [resolve_start(p, data_dir, seq_len) for p in paths]
+def resolve_starts(paths: list, data_dir: str | None = None, seq_len: int | None = None,
+                   log=lambda m: None) -> list[Start]:
+    """Every starting model the --from folders hold (the streaming lab's resolver: a sink-lab unit, a whole sink-lab
+    or compare OUT, a trainer run, an HF folder); a folder that holds several models contributes its UNGATED ones
+    (a sink-lab OUT its baseline seeds, a compare OUT its baseline). All of one kind and, for sink runs, one task."""
+    from .streaming import resolve_models
+
+    starts = []
+    for p in paths:
+        if not Path(p).is_dir():
+            raise ValueError(f"--from {p}: not a folder (give a sink-lab run OUT/runs/baseline/seed0 or a sink-lab "
+                             "OUT, a training run or its final/ folder, a compare OUT, or an HF checkpoint folder)")
+        entries = resolve_models([p])
+        if len(entries) > 1:
+            keep = [e for e in entries if _ungated(Path(e.path))]
+            if not keep:
+                raise ValueError(f"--from {p}: none of its {len(entries)} models is ungated; the retrofit lab starts "
+                                 "from an ungated model")
+            if len(keep) < len(entries):
+                log(f"--from {p}: {len(keep)} ungated model(s) of {len(entries)} ({', '.join(e.label for e in keep)})")
+            entries = keep
+        starts += [_start(e, data_dir, seq_len) for e in entries]
     kinds = {s.kind for s in starts}
     if len(kinds) > 1:
         raise ValueError("--from mixes sink-lab runs and text models; their measurements differ (sink task vs "
@@ -229,34 +237,14 @@ def make_data(start: Start, batch_size: int, eval_size: int, vocab_size: int):
 
 # ---------------------------------------------------------------- measurement
 
-@torch.no_grad()
-def window_loss(model, seqs: torch.Tensor, window: int, sink_tokens: int = 0, max_tokens: int = 2 ** 17) -> float:
-    """Mean next-token CE over positions t >= window with a rolling KV window of the last `window` tokens plus the
-    first `sink_tokens` (0 or 1) kept: each position's context is rebuilt and run from position 0 (StreamingLLM's
-    positions within the cache). seqs (B, T+1)."""
-    if sink_tokens not in (0, 1):
-        raise ValueError(f"sink_tokens must be 0 or 1 here; got {sink_tokens}")
-    inputs, targets = seqs[:, :-1], seqs[:, 1:]
-    B, T = inputs.shape
-    if not 1 <= window < T:
-        raise ValueError(f"the streaming window must be in [1, {T - 1}] for sequences of {T}; got {window}")
-    ctx = inputs.unfold(1, window, 1)[:, 1:]  # (B, T-W, W): the window ending at t = W..T-1
-    if sink_tokens:
-        ctx = torch.cat([inputs[:, :1, None].expand(B, T - window, 1), ctx], -1)  # (B, T-W, 1+W)
-    ctx = ctx.reshape(-1, ctx.shape[-1])  # (N, K+W)
-    tgt = targets[:, window:].reshape(-1)  # (N,)
-    rows = max(1, max_tokens // ctx.shape[1])
-    total = 0.0
-    for r0 in range(0, ctx.shape[0], rows):
-        logits = model(input_ids=ctx[r0:r0 + rows]).logits[:, -1].float()  # (n, V)
-        total += float(F.cross_entropy(logits, tgt[r0:r0 + rows], reduction="sum"))
-    return total / tgt.numel()
+def streaming_losses(model, seqs: torch.Tensor, window: int) -> dict:
+    """Issue 20's measurement (`gattn lab streaming`'s measure_model, decode.stream_nll's rolling KV cache): loss
+    with the first token evicted (K=0), with it kept (K=1) and with full attention, on the positions t >= window."""
+    from .streaming import measure_model
 
-
-def streaming_loss(model, seqs: torch.Tensor, window: int, sink_tokens: int = 0) -> float:
-    """Issue 20's measurement (loss with the first token evicted from a sliding window): this lab's own version
-    until `gattn lab streaming`'s function is on main; one call site, swapped then."""
-    return window_loss(model, seqs, window, sink_tokens)
+    m = measure_model(model, seqs, window, [0, 1])
+    return {"streaming_loss": m["window"]["0"]["loss"], "streaming_loss_kept": m["window"]["1"]["loss"],
+            "window_full_loss": m["full"]["loss"]}
 
 
 def start_masks(model, batches: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -347,15 +335,7 @@ def measure(model, data, masks=None, window: int | None = None, full: bool = Tru
                 out["sink"] = out["f_attn"]
         if full and window:
             seqs = torch.cat([b for _, b in data.eval_batches()]) if data.kind == "text" else data.eval_seqs
-            out.update(streaming_loss=streaming_loss(model, seqs, window, 0),
-                       streaming_loss_kept=streaming_loss(model, seqs, window, 1),
-                       window_full_loss=_full_loss_past(model, seqs, window))
+            out.update(streaming_losses(model, seqs, window))
         return out
     finally:
         model.train(was_training)
-
-
-def _full_loss_past(model, seqs: torch.Tensor, window: int) -> float:
-    """Full-attention CE over the same positions t >= window the streaming losses use."""
-    logits = model(input_ids=seqs[:, :-1]).logits[:, window:].float()  # (B, T-W, V)
-    return float(F.cross_entropy(logits.transpose(1, 2), seqs[:, 1 + window:]))
