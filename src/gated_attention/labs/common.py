@@ -76,6 +76,35 @@ def save_unit(path: Path, key: dict, result: dict) -> dict:
     return out
 
 
+def save_unit_checkpoint(path: Path, key: dict, model, opt, state: dict) -> None:
+    """A unit's resumable checkpoint (model, optimizer, the loop's state dict), written atomically."""
+    import io
+
+    import torch
+
+    from gated_attention.io import atomic_write_bytes
+
+    buf = io.BytesIO()
+    torch.save({"key": key, "model": model.state_dict(), "opt": opt.state_dict(), "state": state}, buf)
+    atomic_write_bytes(Path(path), buf.getvalue())
+
+
+def load_unit_checkpoint(path: Path, key: dict, model, opt) -> dict | None:
+    """Restore model and optimizer from a unit checkpoint made with `key` and return its loop state; None when there
+    is none (or it is of other settings: the unit then starts over and overwrites it)."""
+    import torch
+
+    path = Path(path)
+    if not path.exists():
+        return None
+    saved = torch.load(path, map_location="cpu", weights_only=True)  # no pickle code runs from a user folder
+    if saved.get("key") != key:
+        return None
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    return saved["state"]
+
+
 # ---------------------------------------------------------------- report pages
 
 def md_table(head: list[str], rows: list[list[str]]) -> str:

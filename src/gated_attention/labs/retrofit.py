@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .common import load_unit, mean_std, run_units, save_unit
+from .common import load_unit, load_unit_checkpoint, mean_std, run_units, save_unit, save_unit_checkpoint
 from .retrofit_recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
 from .retrofit_starts import Start, resolve_starts
 
@@ -154,7 +154,6 @@ def train_unit(job: tuple) -> dict:
 
     from . import retrofit_starts as S
     from .retrofit_recipes import GradTap, extra_loss, param_groups, set_phase
-    from .sinks import _save_ckpt
 
     cfg_d, start_d, name, recipe_d, seed, unit_dir = job
     cfg, start, recipe = RetrofitLabConfig(**cfg_d), Start(**start_d), recipe_from_dict(recipe_d)
@@ -175,13 +174,10 @@ def train_unit(job: tuple) -> dict:
                             eps=1e-8)
     state = {"step": 0, "curve": [], "losses": [], "extra": {}, "wall": 0.0, "cpu": 0.0}
     ckpt = unit_dir / "ckpt.pt"
-    if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
-        saved = torch.load(ckpt, map_location="cpu", weights_only=True)
-        if saved.get("key") == key:
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            state = saved["state"]
-            _log(f"{start.label} {name} seed {seed}: resuming at step {state['step']}")
+    saved = load_unit_checkpoint(ckpt, key, model, opt)
+    if saved is not None:
+        state = saved
+        _log(f"{start.label} {name} seed {seed}: resuming at step {state['step']}")
     t0, c0 = time.perf_counter() - state["wall"], time.process_time() - state["cpu"]
     gates_only_until = round(recipe.gates_first * plan.steps)
     penalty_until = round(recipe.penalty_until * plan.steps)
@@ -233,7 +229,7 @@ def train_unit(job: tuple) -> dict:
             record(step + 1)
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < plan.steps:
             state.update(step=step + 1, wall=time.perf_counter() - t0, cpu=time.process_time() - c0)
-            _save_ckpt(ckpt, {"key": key, "model": model.state_dict(), "opt": opt.state_dict(), "state": state})
+            save_unit_checkpoint(ckpt, key, model, opt, state)
     for p in model.parameters():
         p.requires_grad_(True)
     final = S.measure(model, data, masks, window=plan.window, full=True)

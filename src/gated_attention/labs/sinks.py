@@ -27,7 +27,6 @@ OUT fail loudly.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import sys
@@ -36,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .backcopy import BackcopyTask
-from .common import load_unit, mean_std, run_units, save_unit
+from .common import load_unit, load_unit_checkpoint, mean_std, run_units, save_unit, save_unit_checkpoint
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
@@ -261,16 +260,6 @@ def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
     return {**d, "variant": variant, "seed": seed, "format": 1}
 
 
-def _save_ckpt(path: Path, state: dict) -> None:
-    import torch
-
-    from gated_attention.io import atomic_write_bytes
-
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write_bytes(path, buf.getvalue())
-
-
 def train_unit(job: tuple) -> dict:
     """Train one variant x seed (or reuse / resume it) and return its result dict. job = (cfg dict, variant, seed,
     unit dir); a plain tuple so it can cross to a worker process."""
@@ -300,13 +289,10 @@ def train_unit(job: tuple) -> dict:
     opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps)
     state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
     ckpt = unit_dir / "ckpt.pt"
-    if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
-        saved = torch.load(ckpt, map_location="cpu", weights_only=True)
-        if saved.get("key") == key:
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            state = saved["state"]
-            _log(f"{variant} seed {seed}: resuming at step {state['step']}")
+    saved = load_unit_checkpoint(ckpt, key, model, opt)
+    if saved is not None:
+        state = saved
+        _log(f"{variant} seed {seed}: resuming at step {state['step']}")
     fwd = model
     if cfg.compile:
         fwd = torch.compile(model)
@@ -365,7 +351,7 @@ def train_unit(job: tuple) -> dict:
             record(step + 1)
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
             state["step"], state["wall"], state["cpu"] = step + 1, time.perf_counter() - t0, time.process_time() - c0
-            _save_ckpt(ckpt, {"key": key, "model": model.state_dict(), "opt": opt.state_dict(), "state": state})
+            save_unit_checkpoint(ckpt, key, model, opt, state)
     final = measure(model, task, eval_seqs)
     result = {"variant": variant, "seed": seed, **{k: final[k] for k in METRICS if k in final},
               "steps_to_skill": state["skill"], "null_attention_dormant": final["null_attention_dormant"],
