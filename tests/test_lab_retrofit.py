@@ -356,7 +356,10 @@ def test_lab_json_contract(small_lab):
     assert set(r["vs_control"]) == set(RL.PAIRED) and r["vs_control"]["sink_after"]["n"] == 4
     assert set(r["target"]) >= {"sink_le_target", "steps_le_target", "met"}
     assert r["per_seed"][0]["step_share"] == pytest.approx(6 / 40)
-    assert disk["config"]["resolved_precision"] == "bf16" and disk["kind"] == "sink"
+    from gated_attention.precision import resolve
+
+    assert disk["config"]["precision"] == "auto" and disk["config"]["resolved_precision"] == resolve("auto", "cpu")
+    assert disk["kind"] == "sink"
     # the sink before a gates-only retrofit cannot move: attention depends on frozen weights only
     for rec in disk["recipes"]["identity-gates"]["per_seed"]:
         assert rec["sink_after"] == pytest.approx(rec["sink_before"], abs=1e-6)

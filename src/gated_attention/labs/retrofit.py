@@ -10,7 +10,8 @@ weights' LR of the recipes) always runs: each recipe is read against it.
 
 Training: AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only, as the sink lab and the trainer),
 linear warm-up over 5 % of the steps then cosine to 10 % of the peak, global-norm clipping at 1.0 over the trainable
-parameters, bf16 autocast (measurements in fp32). The gate seed of the `random` init is the unit's seed.
+parameters, autocast in the resolved precision (gated_attention.precision: bf16 where this CPU runs it fast);
+measurements in fp32. The gate seed of the `random` init is the unit's seed.
 
 Layout of OUT: runs/<start>/start.json (the starting model's measurements, cached), runs/<start>/<recipe>/seed<k>/
 (result.json, ckpt.pt while training, model/ = the retrofitted model, loadable with AutoModelForCausalLM after
@@ -64,7 +65,7 @@ class RetrofitLabConfig:
     min_lr_frac: float = 0.1  # cosine decay to this share of the peak
     weight_decay: float = 0.1  # on matrices only (the sink lab's and the trainer's rule)
     grad_clip: float = 1.0
-    precision: str = "bf16"  # training autocast: bf16 (2x faster on CPUs with AVX512-BF16) | fp32
+    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
     eval_every: int | None = None  # learning-curve interval; None: a tenth of the steps
     eval_size: int = 64  # held-out sequences (sink task) / ~windows (text: eval_size // 32 batches of 8 per domain)
     stream_window: int | None = None  # streaming window W; None: a quarter of the sequence length
@@ -90,8 +91,9 @@ class RetrofitLabConfig:
             raise ValueError(f"--lr must be > 0; got {self.lr}")
         if not 0 < self.step_share <= 10:
             raise ValueError(f"--step-share must be in (0, 10]; got {self.step_share}")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"--precision must be bf16 or fp32; got {self.precision!r}")
+        from gated_attention.precision import check
+
+        check(self.precision, "--precision")
         return self
 
 
@@ -125,9 +127,12 @@ def _measure_key(cfg: RetrofitLabConfig, start: Start) -> dict:
 
 
 def _unit_key(cfg: RetrofitLabConfig, start: Start, name: str, recipe: dict, seed: int) -> dict:
+    from gated_attention.precision import resolve
+
     d = asdict(cfg)
     for k in ("starts", "recipes", "seeds", "ckpt_every", "keep_models"):  # a unit does not depend on these
         d.pop(k)
+    d["precision"] = resolve(cfg.precision, "cpu")  # what it resolved to here: "auto" reuses a bf16 unit, not fp32
     return {**d, **_measure_key(cfg, start), "plan": asdict(plan_for(cfg, start)), "recipe": name,
             "recipe_settings": recipe, "seed": seed}
 
@@ -198,7 +203,7 @@ def train_unit(job: tuple) -> dict:
 
     if state["step"] == 0:
         record(0)
-    amp = cfg.precision == "bf16"
+    amp = key["precision"] == "bf16"
     for step in range(state["step"], plan.steps):
         set_phase(model, recipe, gates_only=step < gates_only_until)
         f = lr_at(step, lr=1.0, min_lr=cfg.min_lr_frac, warmup_steps=warmup, steps=plan.steps, schedule="cosine")
@@ -359,6 +364,7 @@ def aggregate(units: list[dict], befores: dict[str, dict], starts: list[Start], 
 def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
     """Measure every start, train/reuse every unit, aggregate, write lab.json and the report into out."""
     from gated_attention.io import atomic_write_json
+    from gated_attention.precision import describe, resolve
 
     from . import retrofit_report
     from .retrofit_recipes import RECIPES
@@ -376,12 +382,12 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
                   str(out / "runs" / s.label / n / f"seed{seed}"))
                  for seed in range(cfg.seeds) for s in starts for n in names]
     log(f"{len(jobs_list)} units ({len(starts)} start(s) x {len(names)} recipes x {cfg.seeds} seed(s)), "
-        f"{jobs} at a time -> {out}")
+        f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
     units = run_units(train_unit, jobs_list, jobs=jobs, log=log)
     agg = aggregate(units, befores, starts, names)
     lab = {
         "kind": starts[0].kind,
-        "config": {**asdict(cfg), "recipes": names, "resolved_precision": cfg.precision,
+        "config": {**asdict(cfg), "recipes": names, "resolved_precision": resolve(cfg.precision, "cpu"),
                    "plans": {s.label: asdict(plan_for(cfg, s)) for s in starts}},
         "recipe_settings": {n: RECIPES[n].to_dict() for n in names},
         "start": {s.label: {**s.to_dict(), "before": {k: v for k, v in befores[s.label].items() if k != "key"}}
