@@ -278,10 +278,22 @@ def test_interval_uses_student_t():
 
 
 def test_gate_split_on_hand_built_masks():
-    g = torch.tensor([[[[0.1, 0.9], [0.2, 0.8], [0.3, 0.7]]]])  # (L=1, B=1, T=3, H=2); query 0 never counts
-    m = torch.tensor([[[[False, True, False], [False, False, True]]]])  # (L, B, H, T): head 0 query 1, head 1 query 2
+    g = torch.tensor([[[[0.1, 0.9], [0.2, 0.8], [0.3, 0.7], [0.4, 0.6]]]])  # (L=1, B=1, T=4, H=2)
+    m = torch.tensor([[[[-1, 1, 0, 0], [-1, 0, 1, -1]]]], dtype=torch.int8)  # (L, B, H, T); -1: left out
     d, a = S._gate_split([g], [m])
-    assert d == pytest.approx((0.2 + 0.7) / 2) and a == pytest.approx((0.3 + 0.8) / 2)
+    assert d == pytest.approx((0.2 + 0.7) / 2) and a == pytest.approx((0.3 + 0.4 + 0.8) / 3)
+
+
+def test_start_masks_mark_parking_queries():
+    """q = 0: uniform attention, 1/(t+1) on token 0: queries t < 3 are left out, every later one is active."""
+    model = _tiny_gated(4).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.zero_()
+    seqs = torch.randint(1, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    (m,) = S.start_masks(model, [("d", seqs)])
+    assert m.shape == (2, 2, 4, 8)  # (L, B, H, T)
+    assert bool((m[..., :3] == -1).all()) and bool((m[..., 3:] == 0).all())
 
 
 # ---------------------------------------------------------------- starting points
@@ -350,6 +362,7 @@ def test_lab_json_contract(small_lab):
         for k in RL.KEYS:
             assert k in entry["mean"] and k in entry["std"] and all(k in r for r in entry["per_seed"]), k
         assert entry["mean"]["steps"] == 6 and entry["per_seed"][0]["curve"]
+        assert "steps_to_sink_target" in entry["mean"]
     assert disk["control"]["mean"]["gate_dormant"] is None  # no gate: null, not 0
     assert disk["recipes"]["identity-gates"]["mean"]["gate_dormant"] is not None
     r = disk["recipes"]["bos-penalty"]
@@ -424,6 +437,31 @@ def test_text_start_from_a_training_run(tmp_path, tiny_corpus):
     assert rec["curve"][0]["skill"] == pytest.approx(rec["skill_before"], rel=1e-5)  # identity: unchanged at step 0
     assert rec["gate_dormant_start"] == pytest.approx(1.0) and rec["gate_active_start"] == pytest.approx(1.0)
     assert rec["sink_after"] == pytest.approx(rec["f_attn_after"]) and rec["streaming_loss_after"] > 0
+
+
+def test_stock_llama_start_with_its_own_corpus(tmp_path, tiny_corpus):
+    """The "bring your own checkpoint" path: a stock Llama folder + --data-dir; identity keeps its logits (the step-0
+    skill equals the start's), the kept model is a native gated checkpoint."""
+    import transformers
+
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="trained for are unknown; give --steps"):
+        RL.run_lab(RL.RetrofitLabConfig(starts=[str(tmp_path / "llama")], data_dir=str(tiny_corpus), seq_len=32,
+                                        lr=1e-2), tmp_path / "x", log=lambda m: None)
+    lab = RL.run_lab(RL.RetrofitLabConfig(starts=[str(tmp_path / "llama")], recipes=["identity-gates"], steps=2,
+                                          lr=1e-2, batch_size=2, eval_size=32, data_dir=str(tiny_corpus), seq_len=32,
+                                          ckpt_every=0).validate(), tmp_path / "lab", log=lambda m: None)
+    assert lab["start"]["llama"]["source"] == "HF checkpoint"
+    rec = lab["recipes"]["identity-gates"]["per_seed"][0]
+    assert rec["curve"][0]["skill"] == pytest.approx(rec["skill_before"], rel=1e-5)
+    model = GatedQwen3ForCausalLM.from_pretrained(tmp_path / "lab" / "runs" / "llama" / "identity-gates" / "seed0" /
+                                                  "model")
+    assert model.config.gate == "sdpa_elementwise" and model.config.gate_init == "identity"
 
 
 def test_cli_end_to_end_and_bad_input(sink_start, tmp_path, gattn_main):

@@ -230,8 +230,8 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
                              "the start's own training peak LR)")
     parser.add_argument("--batch-size", type=E.positive_int, default=None,
                         help="sequences per step (default: the start's training batch size, 16 when unknown)")
-    parser.add_argument("--weight-decay", type=E.nonneg_float, default=d.weight_decay,
-                        help=f"AdamW weight decay on matrices (default {d.weight_decay:g})")
+    parser.add_argument("--weight-decay", type=E.nonneg_float, default=None,
+                        help="AdamW weight decay on matrices (default: the start's own, 0.1 when unknown)")
     parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=d.precision,
                         help=f"training numerics (default {d.precision}: bf16 autocast where a measured bf16 GEMM "
                              "beats fp32 on this CPU, else fp32; lab.json records the resolved one); measurements "

@@ -8,7 +8,8 @@ train `--steps` steps (default: 25 % of the steps the start was trained for) on 
 (learning curves) and after. The `control` unit (the ungated model, the same steps and batches, the pretrained
 weights' LR of the recipes) always runs: each recipe is read against it.
 
-Training: AdamW (betas 0.9/0.95, eps 1e-8, weight decay 0.1 on matrices only, as the sink lab and the trainer),
+Training: AdamW (betas 0.9/0.95, eps 1e-8, the start's own weight decay on matrices only, as the sink lab and the
+trainer; the start's peak LR and batch size),
 linear warm-up over 5 % of the steps then cosine to 10 % of the peak, global-norm clipping at 1.0 over the trainable
 parameters, autocast in the resolved precision (gated_attention.precision: bf16 where this CPU runs it fast);
 measurements in fp32. The gate seed of the `random` init is the unit's seed.
@@ -39,7 +40,8 @@ EXTRA_KEYS = ("backcopy_ce_before", "backcopy_ce_after", "bigram_ce_before", "bi
               "f_attn_after", "sink_rate_before", "sink_rate_after", "m_act_before", "m_act_after",
               "residual_peak_before", "residual_peak_after", "streaming_loss_before", "streaming_loss_kept_before",
               "streaming_loss_kept_after", "window_full_loss_before", "window_full_loss_after", "gate_dormant_start",
-              "gate_active_start", "val_loss_after", "final_train_loss", "trained_steps", "step_share",
+              "gate_active_start", "val_loss_after", "final_train_loss", "steps_to_sink_target", "trained_steps",
+              "step_share",
               "trainable_params", "cpu_time_s")
 # measurement name -> lab.json key stem (before: the starting model; after: the unit's final model)
 MEASURED = {"sink": "sink", "skill": "skill", "backcopy_ce": "backcopy_ce", "bigram_ce": "bigram_ce",
@@ -63,7 +65,7 @@ class RetrofitLabConfig:
     batch_size: int | None = None  # None: the start's training batch size (16 when unknown)
     warmup_frac: float = 0.05  # linear warm-up over this share of the steps
     min_lr_frac: float = 0.1  # cosine decay to this share of the peak
-    weight_decay: float = 0.1  # on matrices only (the sink lab's and the trainer's rule)
+    weight_decay: float | None = None  # on matrices only (the trainer's rule); None: the start's own (0.1 if unknown)
     grad_clip: float = 1.0
     precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
     eval_every: int | None = None  # learning-curve interval; None: a tenth of the steps
@@ -89,6 +91,8 @@ class RetrofitLabConfig:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
         if self.lr is not None and not self.lr > 0:
             raise ValueError(f"--lr must be > 0; got {self.lr}")
+        if self.weight_decay is not None and not self.weight_decay >= 0:
+            raise ValueError(f"--weight-decay must be >= 0; got {self.weight_decay}")
         if not 0 < self.step_share <= 10:
             raise ValueError(f"--step-share must be in (0, 10]; got {self.step_share}")
         from gated_attention.precision import check
@@ -104,6 +108,7 @@ class Plan:
     steps: int
     lr: float
     batch_size: int
+    weight_decay: float
     eval_every: int
     window: int
 
@@ -118,7 +123,8 @@ def plan_for(cfg: RetrofitLabConfig, start: Start) -> Plan:
     if not lr:
         raise ValueError(f"{start.path}: its training LR is unknown; give --lr")
     seq = start.seq_len if start.kind == "text" else start.task["seq_len"]
-    return Plan(steps=steps, lr=float(lr), batch_size=cfg.batch_size or start.batch_size or 16,
+    wd = cfg.weight_decay if cfg.weight_decay is not None else start.train_wd if start.train_wd is not None else 0.1
+    return Plan(steps=steps, lr=float(lr), batch_size=cfg.batch_size or start.batch_size or 16, weight_decay=wd,
                 eval_every=cfg.eval_every or max(1, steps // 10), window=cfg.stream_window or max(1, seq // 4))
 
 
@@ -175,7 +181,7 @@ def train_unit(job: tuple) -> dict:
     masks = None
     if data.kind == "text" and recipe.gate is not None:
         masks = S.start_masks(S.build_model(start.model_dir, None, "identity", seed), data.eval_batches())
-    opt = torch.optim.AdamW(param_groups(model, recipe, plan.lr, cfg.weight_decay), lr=plan.lr, betas=(0.9, 0.95),
+    opt = torch.optim.AdamW(param_groups(model, recipe, plan.lr, plan.weight_decay), lr=plan.lr, betas=(0.9, 0.95),
                             eps=1e-8)
     state = {"step": 0, "curve": [], "losses": [], "extra": {}, "wall": 0.0, "cpu": 0.0}
     ckpt = unit_dir / "ckpt.pt"
@@ -241,6 +247,8 @@ def train_unit(job: tuple) -> dict:
     result = {"start": start.label, "recipe": name, "seed": seed, "steps": plan.steps,
               **{f"{stem}_after": final.get(k) for k, stem in MEASURED.items()},
               "gate_dormant": final.get("gate_dormant"), "gate_active": final.get("gate_active"),
+              "steps_to_sink_target": next((p["step"] for p in state["curve"] if p.get("sink") is not None
+                                            and p["sink"] <= TARGET_SINK), None),
               "gate_dormant_start": state["curve"][0].get("gate_dormant"),
               "gate_active_start": state["curve"][0].get("gate_active"), "ppl_after": final.get("ppl"),
               "f_attn_per_layer_after": final.get("f_attn_per_layer"),

@@ -94,6 +94,16 @@ RECIPES: dict[str, Recipe] = {
     "warmup-penalty": Recipe("identity init; the first 25 % of the steps only the gates train with sparsity pressure "
                              "(they learn to close on idle queries), then every parameter with the first-token penalty",
                              rest_lr=REST_LR, gates_first=0.25, gate_l1=0.1, bos_penalty=1.0),
+    "bos-penalty-release": Recipe("bos-penalty for the first half of the steps, then plain training: does the sink come "
+                                  "back once nothing asks it to stay away?", rest_lr=REST_LR, bos_penalty=1.0,
+                                  penalty_until=0.5),
+    "penalty-nogate-release": Recipe("penalty-nogate for the first half of the steps, then plain training (the "
+                                     "ungated answer to bos-penalty-release)", gate=None, rest_lr=REST_LR,
+                                     bos_penalty=1.0, penalty_until=0.5),
+    "warmup-penalty-release": Recipe("warmup-penalty with both extra terms stopped at half of the steps: does a "
+                                     "gate that has taken over the idle queries keep the sink away?",
+                                     rest_lr=REST_LR, gates_first=0.25, gate_l1=0.1, bos_penalty=1.0,
+                                     penalty_until=0.5),
 }
 DEFAULT_RECIPES = ("identity-gates", "identity-all", "normal-gates", "bos-penalty", "penalty-nogate")
 

@@ -14,7 +14,8 @@ from .retrofit_recipes import CONTROL
 COLUMNS = [("sink", "sink", 3), ("skill", "skill", 3), ("backcopy CE", "backcopy_ce", 3), ("bigram CE", "bigram_ce", 3),
            ("heads > 0.3", "sink_rate", 2), ("M-Act", "m_act", 1), ("gate dormant", "gate_dormant", 3),
            ("gate active", "gate_active", 3), ("streaming loss, BOS evicted", "streaming_loss_after", 3),
-           ("BOS kept", "streaming_loss_kept_after", 3), ("steps", "steps", 0)]
+           ("BOS kept", "streaming_loss_kept_after", 3), ("steps", "steps", 0),
+           ("steps to sink ≤ 0.2", "steps_to_sink_target", 0)]
 _SKILL = {"sink": "task CE (nats)", "text": "Avg PPL"}
 
 
@@ -88,28 +89,31 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
 
     plot_dir = Path(plot_dir)
     entries = {"variants": _entries(lab)}
+    colors = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(entries["variants"])}  # one colour per recipe
     skill_key, skill_label = (("backcopy_ce", "backcopy CE (nats)") if lab["kind"] == "sink"
                               else ("val_loss", "validation loss (nats)"))
     sink_label = "BOS attention, dormant queries" if lab["kind"] == "sink" else "F-Attn (attention on token 0)"
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
     for ax, key, ylabel in ((axes[0], "sink", sink_label), (axes[1], skill_key, skill_label),
                             (axes[2], "gate_dormant", "gate score, dormant (solid) / active (dashed)")):
         for name, (xs, ys, lo, hi) in _curves(entries, key).items():
             if not xs:
                 continue
-            line, = ax.plot(xs, ys, label=name, lw=1.5)
-            ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.12, lw=0)
+            ax.plot(xs, ys, label=name, lw=1.5, color=colors[name])
+            ax.fill_between(xs, lo, hi, color=colors[name], alpha=0.12, lw=0)
             if key == "gate_dormant":
                 xa, ya, _, _ = _curves({"variants": {name: entries["variants"][name]}}, "gate_active")[name]
-                ax.plot(xa, ya, ls="--", color=line.get_color(), lw=1.2)
+                ax.plot(xa, ya, ls="--", color=colors[name], lw=1.2)
         ax.set(xlabel="retrofit step", ylabel=ylabel)
-        ax.legend(fontsize=7)
     axes[0].set(title="the sink (band: min..max over starts x seeds)")
     if lab["kind"] == "sink":
         axes[0].axhline(lab["targets"]["sink_after_le"], ls=":", color="gray", lw=0.8)
         axes[1].set(yscale="log")
     axes[1].set(title="skill")
     axes[2].set(title="gate scores")
+    handles = [plt.Line2D([], [], color=colors[n], lw=2) for n in entries["variants"]]
+    fig.legend(handles, list(entries["variants"]), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.tight_layout()
     return {"curves": _save(fig, plot_dir / "learning_curves.png")}
 
 
@@ -117,8 +121,8 @@ def blocks(lab: dict) -> list[tuple]:
     c = lab["config"]
     starts = "; ".join(f"{k} ({v['source']}, {v['model_dir']}, trained {v.get('trained_steps') or '?'} steps)"
                        for k, v in lab["start"].items())
-    plans = "; ".join(f"{k}: {p['steps']} steps of {p['batch_size']} at lr {p['lr']:g}, window {p['window']}"
-                      for k, p in c["plans"].items())
+    plans = "; ".join(f"{k}: {p['steps']} steps of {p['batch_size']} at lr {p['lr']:g}, weight decay "
+                      f"{p['weight_decay']:g}, streaming window {p['window']}" for k, p in c["plans"].items())
     head, rows = table_cells(lab)
     out = [
         ("p", f"Question: can a gate added to a trained ungated model remove its attention sink, and at what cost? "
@@ -138,8 +142,12 @@ def blocks(lab: dict) -> list[tuple]:
     ]
     if lab["kind"] == "sink":
         out += [("h2", "Issue 21's target on the sink lab"), ("table", *target_cells(lab))]
-    out += [("h2", "Recipes"), ("table", ["recipe", "what it is"],
-                                [[n, s["help"]] for n, s in lab["recipe_settings"].items()])]
+    out += [("h2", "Recipes (LRs as multiples of the lab's peak LR; penalties stop at the given share of the steps)"),
+            ("table", ["recipe", "gate", "init", "gate LR", "rest LR", "gates alone first", "BOS penalty", "gate L1",
+                       "penalties until", "what it is"],
+             [[n, s["gate"] or "–", s["init"] if s["gate"] else "–", f"{s['gate_lr']:g}" if s["gate"] else "–",
+               f"{s['rest_lr']:g}", f"{s['gates_first']:.0%}", f"{s['bos_penalty']:g}", f"{s['gate_l1']:g}",
+               f"{s['penalty_until']:.0%}", s["help"]] for n, s in lab["recipe_settings"].items()])]
     return out
 
 

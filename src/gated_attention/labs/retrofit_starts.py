@@ -19,7 +19,8 @@ Measurements (all in fp32, eval mode, on a fixed held-out set):
   gate_dormant / gate_active
                 mean gate score on dormant vs active queries: sink task = non-trigger vs trigger queries at the
                 backcopy head; text = the (layer, head, query) triples where the STARTING model put >= 0.3 of its
-                attention on the first token (it parked there) vs the others (queries t >= 1)
+                attention on the first token (it parked there) vs the others, over the queries t >= 3 (where
+                uniform attention, 1/(t+1), stays below 0.3)
   streaming_loss  next-token CE decoded through a rolling KV window of the last W tokens with the first token
                 evicted (no sink tokens), over the positions t >= W; `streaming_loss_kept` keeps the first token
                 (StreamingLLM's fix), `window_full_loss` is full attention on the same positions (`gattn lab
@@ -50,6 +51,7 @@ class Start:
     trained_steps: int | None = None  # steps the model was trained for (None: unknown)
     train_lr: float | None = None  # its peak LR (the lab's default --lr)
     batch_size: int | None = None  # its batch size (the lab's default)
+    train_wd: float | None = None  # its weight decay (the lab's default: decay changes the sink by itself)
     task: dict | None = None  # sink: BackcopyTask fields
     data_dir: str | None = None  # text: the corpus
     seq_len: int | None = None  # text: window length
@@ -90,18 +92,24 @@ def _start(entry, data_dir: str | None, seq_len: int | None) -> Start:
         key = read_json_object(path / "result.json", "sink-lab result").get("key") or {}
         return Start(label=label, path=str(path), model_dir=str(path), kind="sink", source="sink-lab run",
                      trained_steps=key.get("steps"), train_lr=key.get("lr"), batch_size=key.get("batch_size"),
-                     task=dict(sinks.load_run_meta(path)["task"]), fingerprint=_fingerprint(path))
+                     train_wd=key.get("weight_decay"), task=dict(sinks.load_run_meta(path)["task"]),
+                     fingerprint=_fingerprint(path))
     run = next((d for d in (path, path.parent) if (d / "train_config.json").is_file()), None)
     tc = read_json_object(run / "train_config.json", "training settings") if run is not None else {}
     if run is not None and tc.get("data") not in (None, "corpus") and data_dir is None:
         raise ValueError(f"--from {path}: that run trained on {tc.get('data')!r} data; give --data-dir")
+    named = data_dir is None and (tc.get("data_dir") or entry.data_dir)
     data_dir = data_dir or tc.get("data_dir") or entry.data_dir
     if not data_dir:
         raise ValueError(f"--from {path}: an HF checkpoint needs --data-dir, a corpus in its vocabulary "
                          f"(gattn data prepare --tokenizer {path} --data-dir D)")
+    if named and not (Path(data_dir) / "manifest.json").is_file():
+        raise ValueError(f"--from {path}: its train_config.json names the corpus {data_dir!r}, which is not a prepared "
+                         "corpus from here (a relative path is read from the current folder); pass --data-dir")
     return Start(label=label, path=str(path), model_dir=str(path), kind="text",
                  source="training run" if run is not None else "HF checkpoint", trained_steps=tc.get("steps"),
-                 train_lr=tc.get("lr"), batch_size=tc.get("batch_size"), data_dir=str(data_dir),
+                 train_lr=tc.get("lr"), batch_size=tc.get("batch_size"), train_wd=tc.get("weight_decay"),
+                 data_dir=str(data_dir),
                  seq_len=seq_len or tc.get("seq_len") or 256, fingerprint=_fingerprint(path))
 
 
@@ -248,8 +256,9 @@ def streaming_losses(model, seqs: torch.Tensor, window: int) -> dict:
 
 
 def start_masks(model, batches: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """Text: per eval batch, (L, B, H, T) bool of the (layer, head, query) triples where `model` puts >= SINK_QUERY of
-    its attention on token 0 (queries t >= 1)."""
+    """Text: per eval batch, (L, B, H, T) int8 over (layer, head, query): 1 where `model` puts >= SINK_QUERY of its
+    attention on token 0 (it parks there: dormant), 0 where it does not (active), -1 for queries left out (those
+    where even uniform attention, 1/(t+1), would reach SINK_QUERY: t < 3 for 0.3)."""
     from gated_attention.analysis.sink import key_probs_chunked
     from gated_attention.capture import Recorder, capture
 
@@ -263,24 +272,22 @@ def start_masks(model, batches: list[tuple[str, torch.Tensor]]) -> list[torch.Te
             per = []
             for i in range(model.config.num_hidden_layers):
                 p, _, _ = key_probs_chunked(rec.get(i, "q"), rec.get(i, "k"), rec.get(i, "scale"), keys=(0,))
-                m = p[..., 0] >= SINK_QUERY  # (B, H, T)
-                m[:, :, 0] = False
+                m = (p[..., 0] >= SINK_QUERY).to(torch.int8)  # (B, H, T)
+                t = torch.arange(m.shape[-1])
+                m[..., 1.0 / (t + 1) >= SINK_QUERY] = -1
                 per.append(m)
             out.append(torch.stack(per))  # (L, B, H, T)
     return out
 
 
 def _gate_split(gates: list, masks: list) -> tuple[float | None, float | None]:
-    """Mean gate score over masked vs unmasked (layer, head, query t >= 1) triples."""
+    """Mean gate score over the dormant (mask 1) vs active (mask 0) (layer, head, query) triples."""
     sd = nd = sa = na = 0.0
     for g, m in zip(gates, masks):  # g (L, B, T, H) per batch, m (L, B, H, T)
         m = m.transpose(2, 3)  # (L, B, T, H)
-        valid = torch.ones_like(m)
-        valid[:, :, 0] = False
-        sd += float(g[m].sum())
-        nd += int(m.sum())
-        sa += float(g[valid & ~m].sum())
-        na += int((valid & ~m).sum())
+        dor, act = m == 1, m == 0
+        sd, nd = sd + float(g[dor].sum()), nd + int(dor.sum())
+        sa, na = sa + float(g[act].sum()), na + int(act.sum())
     return (sd / nd if nd else None), (sa / na if na else None)
 
 
