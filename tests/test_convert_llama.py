@@ -12,7 +12,7 @@ import gated_attention  # noqa: F401 - registers the Auto classes
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.configuration import GatedQwen3Config
-from gated_attention.convert import ConversionError, convert_checkpoint, convert_state_dict
+from gated_attention.interop import ConversionError, convert_checkpoint, convert_state_dict
 
 TOL = 1e-5  # the fp32 bound (measured: bit-identical)
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qw
 
 import gated_attention  # noqa: F401 - registers the Auto classes
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.convert import convert_checkpoint, convert_state_dict, load_dir
+from gated_attention.interop import convert_checkpoint, convert_state_dict, load_dir
 from official_reference import official_forward
 from gated_attention.presets import model_config
 

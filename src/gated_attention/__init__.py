@@ -5,11 +5,15 @@ transformers Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)` works 
 """
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from .util import deprecation
+
 from .configuration import GatedQwen3Config
 from .gates import GATES, GateSpec, get_gate
 from .modeling import GatedQwen3ForCausalLM, GatedQwen3Model
 
 __version__ = "0.1.0"
+
+deprecation.install()  # moved modules keep their old import paths for one release (util/deprecation.py)
 
 AutoConfig.register(GatedQwen3Config.model_type, GatedQwen3Config, exist_ok=True)
 AutoModel.register(GatedQwen3Config, GatedQwen3Model, exist_ok=True)

@@ -5,8 +5,8 @@ from .. import errors as E  # argparse types: numbers and paths checked where th
 
 import argparse
 
-from ..convert import FORMATS, convert_checkpoint
-from ..retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
+from ..interop import FORMATS, convert_checkpoint
+from ..interop.retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
 
 
 def configure_convert(parser) -> None:
