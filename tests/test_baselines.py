@@ -8,10 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
-from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.baselines import BASELINES, expanded_config, get_baseline
 from gated_attention.presets import added_params, baseline_config, model_config, paper_report
-from harness import tiny_lm
+from harness import build_lm, perturb, tiny_lm
 
 RUNTIME = [n for n, s in BASELINES.items() if s.runtime]
 BACKENDS = ["eager", "sdpa"]
@@ -21,16 +20,6 @@ def tiny_model(baseline="none", backend="sdpa", seed=0, **kw):
     return tiny_lm(kw.pop("gate", "none"), backend, seed, mechanism=baseline, **kw)
 
 
-def _perturb(model, seed=1):
-    """Move zero-/one-initialised parameters (biases, norm weights, sinks) off their init so formula tests and
-    gradient comparisons see every term."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
-
-
 # --- the harness -------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", RUNTIME)
@@ -38,7 +27,7 @@ def test_forward_backward_finite_and_backends_agree(name):
     x = torch.randint(0, 128, (2, 9))
     grads = {}
     for backend in BACKENDS:
-        model = _perturb(tiny_model(name, backend)).train()
+        model = perturb(tiny_model(name, backend)).train()
         out = model(x, labels=x)
         assert torch.isfinite(out.loss)
         out.loss.backward()
@@ -54,7 +43,7 @@ def test_forward_backward_finite_and_backends_agree(name):
 @pytest.mark.parametrize("name", RUNTIME)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cached_generation_equals_uncached(name, backend):
-    model = _perturb(tiny_model(name, backend))
+    model = perturb(tiny_model(name, backend))
     prompt = torch.randint(0, 128, (1, 5))
     out = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=0)
@@ -66,7 +55,7 @@ def test_cached_generation_equals_uncached(name, backend):
 @pytest.mark.parametrize("name", ["sink_logits", "forgetting", "clipped_softmax", "switch_kv_4top4"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_left_padded_row_equals_the_row_alone(name, backend):
-    model = _perturb(tiny_model(name, backend))
+    model = perturb(tiny_model(name, backend))
     b = torch.randint(1, 128, (1, 4))
     batch = torch.cat([torch.randint(1, 128, (1, 7)), torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
     mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)]).long()
@@ -77,7 +66,7 @@ def test_left_padded_row_equals_the_row_alone(name, backend):
 
 @pytest.mark.parametrize("name", RUNTIME)
 def test_save_load_round_trip(tmp_path, name):
-    model = _perturb(tiny_model(name))
+    model = perturb(tiny_model(name))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.mechanism == name
@@ -91,8 +80,8 @@ def test_save_load_round_trip(tmp_path, name):
 def test_added_params_equal_the_built_model(name):
     preset = "tiny-moe" if name == "more_experts" else "tiny"
     base = model_config(preset, match_params=False)
-    n0 = sum(p.numel() for p in GatedQwen3ForCausalLM(base).parameters())
-    n1 = sum(p.numel() for p in GatedQwen3ForCausalLM(baseline_config(preset, name)).parameters())
+    n0 = sum(p.numel() for p in build_lm(base).parameters())
+    n1 = sum(p.numel() for p in build_lm(baseline_config(preset, name)).parameters())
     assert n1 - n0 == added_params(name, base)
 
 
@@ -188,7 +177,7 @@ def _plain_attention(attn, x, cos, sin, *, k=None, v=None, rope=True, logit_bias
 
 def _check(name, make_reference, **kw):
     for backend in BACKENDS:
-        model = _perturb(tiny_model(name, backend, **kw))
+        model = perturb(tiny_model(name, backend, **kw))
         attn = model.model.layers[0].self_attn
         x, cos, sin = _layer_inputs(model)
         out, _ = attn(x, (cos, sin), None)
@@ -281,7 +270,7 @@ def _rms(z, w, eps):
 
 @pytest.mark.parametrize("name", ["sandwich_norm", "output_clip_0.02"])
 def test_branch_transforms_formula(name):
-    model = _perturb(tiny_model(name))
+    model = perturb(tiny_model(name))
     layer = model.model.layers[0]
     x, cos, sin = _layer_inputs(model)
     eps = model.config.rms_norm_eps
@@ -318,7 +307,7 @@ def test_forget_decay_is_exact_when_queries_are_not_the_last_keys():
 
 @pytest.mark.parametrize("name", ["forgetting", "sink_logits", "clipped_softmax", "switch_v_8top2"])
 def test_static_cache_generation_equals_uncached(name):
-    model = _perturb(tiny_model(name, "sdpa"))
+    model = perturb(tiny_model(name, "sdpa"))
     prompt = torch.randint(0, 128, (1, 5))
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=0, cache_implementation="static")
@@ -329,8 +318,7 @@ def test_static_cache_generation_equals_uncached(name):
 
 @pytest.mark.parametrize("name", ["sandwich_norm", "switch_kv_4top4", "forgetting"])
 def test_baselines_on_the_tiny_moe(name):
-    torch.manual_seed(0)
-    model = GatedQwen3ForCausalLM(baseline_config("tiny-moe", name)).train()
+    model = build_lm(baseline_config("tiny-moe", name), eval=False)
     x = torch.randint(0, 128, (2, 9))
     out = model(x, labels=x)
     out.loss.backward()

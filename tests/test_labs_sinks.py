@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from dataclasses import asdict, replace
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 from gated_attention.labs import sink_metrics as M
 from gated_attention.labs.backcopy import BOS, BackcopyTask
 from gated_attention.labs.common import mean_std
+from harness import build_lm, run_gattn
 
 SMALL = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 
@@ -145,12 +144,10 @@ def test_mean_std_over_seeds():
 def test_measure_reads_the_model_through_capture():
     """q = k = 0 makes every head attend uniformly: BOS attention from query t is exactly 1/(t+1)."""
     from gated_attention.labs.sinks import BUDGETS, SinkLabConfig, measure, model_config_for
-    from gated_attention.modeling import GatedQwen3ForCausalLM
 
     cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "variants": ["sdpa_headwise"], "layers": 2, "heads": 2})
     task = BackcopyTask(**cfg.task)
-    torch.manual_seed(0)
-    model = GatedQwen3ForCausalLM(model_config_for(cfg, "sdpa_headwise"))
+    model = build_lm(model_config_for(cfg, "sdpa_headwise"), eval=False)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.zero_()
@@ -216,15 +213,10 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- end to end through the CLI
 
-def _gattn(*args):
-    return subprocess.run([sys.executable, "-m", "gated_attention.cli", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
 @pytest.fixture(scope="module")
 def small_lab(tmp_path_factory):
     out = tmp_path_factory.mktemp("sinks")
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
                "--jobs", "1")
     assert r.returncode == 0, r.stderr
     return out, r
@@ -262,20 +254,20 @@ def test_small_lab_writes_everything(small_lab):
 def test_rerun_reuses_and_changed_settings_fail(small_lab):
     out, _ = small_lab
     before = (out / "runs" / "baseline" / "seed0" / "result.json").read_text()
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--seeds", "1",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--seeds", "1",
                "--jobs", "1")
     assert r.returncode == 0, r.stderr
     assert "reusing 1 finished model" in r.stderr
     assert (out / "runs" / "baseline" / "seed0" / "result.json").read_text() == before
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--lr", "5e-3",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--lr", "5e-3",
                "--jobs", "1")
     assert r.returncode == 2 and "different settings" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path):
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--variants", "nope")
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--variants", "nope")
     assert r.returncode == 2 and "unknown variant 'nope'" in r.stderr and "Traceback" not in r.stderr
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--layers", "4")
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--layers", "4")
     assert r.returncode == 2 and "--layers" in r.stderr
 
 
@@ -286,7 +278,7 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
     shutil.copytree(small_lab[0], out)
     shutil.rmtree(out / "runs" / "sdpa_elementwise" / "seed1")  # as if the run was stopped before that model
     (out / "lab.json").unlink()
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
                "--report-only")
     assert r.returncode == 0, r.stderr
     assert "left out: sdpa_elementwise seed 1" in r.stderr

@@ -172,7 +172,7 @@ def test_mask_plans():
 def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny_model):
     """Whole model, left-padded batch: logits on real tokens and every parameter gradient. G1 sigmoid gates run in the
     kernel's epilogue; the ungated model and other gates run the ungated kernel with the gate outside."""
-    ref = tiny_model(gate, backend="sdpa", eval=False, perturb_norms=True)
+    ref = tiny_model(gate, backend="sdpa", eval=False, perturbed=True)
     fast = copy.deepcopy(ref)
     fast.set_attn_implementation("triton_gated")
     assert fast.config._attn_implementation == "triton_gated"
