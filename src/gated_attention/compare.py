@@ -18,7 +18,7 @@ Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import experiment
@@ -40,7 +40,11 @@ class Budget:
     data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with
     # the small sink lab compare runs after the LM variants: a `gattn lab sinks` budget name plus changes to it
+    # (its share of the job's time: seeds, steps, ...)
     sink_lab: tuple = ("default", {"seeds": 1})
+    # the streaming check on this run's models (`gattn lab streaming`): window = this fraction of each model's
+    # training length, these sink-token counts (0 = a plain window), this many held-out sequences per model
+    streaming: dict = field(default_factory=lambda: {"window_frac": 0.25, "sink_tokens": (0, 4), "sequences": 16})
 
 
 # Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the
@@ -245,13 +249,64 @@ def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
             "plots": {k: str((lab_dir / p).relative_to(out)) for k, p in lab.get("plots", {}).items()}}
 
 
+def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | None, log=print) -> dict:
+    """`gattn lab streaming` on this run's text models (OUT/streaming/text) and, when the sink lab ran, on its models
+    (OUT/streaming/sink_lab); returns what compare.json keeps (streaming_summary)."""
+    from gated_attention.labs import streaming
+
+    s = budget.streaming
+    runs = {"text": ([str(out)], seq_len)}
+    if lab:
+        runs["sink lab"] = ([str(out / "sink_lab")], lab["task"]["seq_len"])
+    labs = {}
+    for src, (models, length) in runs.items():
+        cfg = streaming.StreamingConfig(models=models, window=max(1, int(length * s["window_frac"])),
+                                        sink_tokens=list(s["sink_tokens"]), sequences=s["sequences"])
+        labs[src] = streaming.run_streaming(cfg, out / "streaming" / src.replace(" ", "_"),
+                                            log=lambda m: log(f"[compare] {m}"))
+    return streaming_summary(labs, out)
+
+
+def streaming_summary(labs: dict, out: Path) -> dict:
+    """compare.json's "streaming": per source (text / sink lab) its window, every model's loss/ppl (no curves),
+    the sink lab's by-variant means, one table and the plots (paths relative to out)."""
+    from gated_attention.labs import streaming_report
+
+    models, head, rows = {}, None, []
+    for src, lab in labs.items():
+        for name, m in lab["models"].items():
+            models[name] = {"kind": m["kind"], "variant": m["variant"], "seq_len": m["seq_len"],
+                            "full": {k: v for k, v in m["full"].items() if k != "per_position"},
+                            "window": {k: {a: b for a, b in w.items() if a != "per_position"}
+                                       for k, w in m["window"].items()}}
+        h, r = streaming_report.table(lab)
+        head = h if head is None or len(h) > len(head) else head
+        rows += [x + [""] * (len(head) - len(x)) for x in r]
+    text = [m for m in models.values() if m["kind"] == "text"]
+    text_summary = ", ".join(
+        f"{m['variant'].removeprefix('sdpa_')} {m['window']['0']['loss'] - m['full']['loss']:+.3f}"
+        for m in text if "0" in m["window"])
+    first = next(iter(labs.values()))
+    return {"dir": "streaming", "window": {src: lab["config"]["window"] for src, lab in labs.items()},
+            "sink_tokens": first["config"]["sink_tokens"], "models": models,
+            "by_variant": (labs.get("sink lab") or {}).get("by_variant") or {},
+            "text_summary": f"plain-window Δloss {text_summary}" if text_summary else "",
+            "table": {"head": head, "rows": rows},
+            "plots": {f"{src} per-position loss": str(((out / "streaming" / src.replace(" ", "_")) / p).relative_to(out))
+                      for src, lab in labs.items() for p in lab.get("plots", {}).values()},
+            "cpu_time_s": sum(lab["cpu_time_s"] for lab in labs.values())}
+
+
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print,
                 sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
-                longctx: str | Path | None = "runs/longctx", jobs: int | None = None) -> dict:
+                longctx: str | Path | None = "runs/longctx", jobs: int | None = None,
+                streaming: bool = True, sink_lab_changes: dict | None = None) -> dict:
     """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
     and plots into `out`; the report opens with the "Paper claims vs this run" table (compare_claims.py), which also
-    reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist."""
+    reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
+    run the streaming check (sliding window with and without sink tokens) on the models. sink_lab_changes: changes
+    to the budget's sink-lab settings (e.g. {"seeds": 3})."""
     from . import compare_claims as claims
     from . import compare_report as report
 
@@ -288,8 +343,12 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     }
     lab = None
     if sink_lab:
+        if sink_lab_changes:
+            b = replace(b, sink_lab=(b.sink_lab[0], {**b.sink_lab[1], **sink_lab_changes}))
         lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log)
         result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
+    if streaming:
+        result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)
     result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
