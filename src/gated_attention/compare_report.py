@@ -232,7 +232,8 @@ def _smooth(ys: list[float], window: int) -> list[float]:
 
 def plot_loss_curves(logs: dict[str, list[dict]], path) -> Path:
     """All variants' training loss on one chart (trailing mean), spikes marked."""
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.io import save_png
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, recs in logs.items():
@@ -251,7 +252,7 @@ def plot_loss_curves(logs: dict[str, list[dict]], path) -> Path:
     if lo:  # zoom on the part of training where variants differ, not the first steps' drop
         ax.set_ylim(min(lo) - 0.05, max(lo) + 0.1)
     ax.legend(fontsize=9)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def make_plots(plot_dir, analyses: dict[str, dict], logs: dict[str, list[dict]]) -> dict[str, Path]:

@@ -257,7 +257,7 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
     settings = eval_settings(model_dir, b, lengths, seed)
     return experiment.cached(out_json, settings, lambda: _evaluate(model_dir, b, lengths, data_dir, seed, log), log,
-                             "[longctx]", indent=2)
+                             "[longctx]", key_field="settings", indent=2)
 
 
 def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:
