@@ -226,12 +226,15 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
     }
 
 
-def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print) -> dict:
-    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit)."""
+def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print,
+                 precision: str = "auto") -> dict:
+    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
+    LM runs' precision setting."""
     from gated_attention.labs import common, sinks
 
     name, changes = budget.sink_lab
-    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants)})
+    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
+                                           "precision": precision})
     log(f"[compare] sink lab ({name} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
     return sinks.run_lab(cfg, out, jobs=jobs or common.default_jobs(),
                          log=lambda m: log(f"[compare] sink lab: {m}"))
@@ -320,6 +323,10 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     batches = analysis_batches(base, b)
+    from .precision import describe
+    from .train.config import run_precision
+
+    log(f"[compare] {describe(base.precision, base.device)}")
     rows, analyses, logs = {}, {}, {}
     for v in variants:
         cfg = replace(base, gate=v).validate()
@@ -336,6 +343,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         "variants": variants,
         "data_dir": str(data_dir),
         "train_config": base.to_dict(),
+        "resolved_precision": run_precision(base.to_dict()),  # what every run trained in (runs are keyed on it)
         "analysis": {"batches": len(batches), "batch_size": int(batches[0].shape[0]), "seq_len": base.seq_len,
                      "tokens": int(sum(x.numel() for x in batches)), "first_token": "<|bos|>"},
         "rows": rows,
@@ -345,7 +353,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     if sink_lab:
         if sink_lab_changes:
             b = replace(b, sink_lab=(b.sink_lab[0], {**b.sink_lab[1], **sink_lab_changes}))
-        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log)
+        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log, precision=base.precision)
         result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
     if streaming:
         result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)

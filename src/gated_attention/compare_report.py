@@ -99,7 +99,7 @@ def _intro(result: dict) -> list[str]:
         f"Budget `{result['budget']}`: model preset `{c['model']}` ({shape or 'preset shape'}), seq_len {c['seq_len']}, "
         f"batch {c['batch_size']}, {c['steps']} steps ({c['steps'] * c['batch_size'] * c['seq_len']:,} tokens per "
         f"variant), lr {c['lr']:g} ({c['schedule']}, warm-up {c['warmup_steps']}), weight decay {c['weight_decay']:g}, "
-        f"{c['precision']}, seed {c['seed']}. Every variant sees the same batches in the same order; gated variants "
+        f"precision {c['precision']} -> {result.get('resolved_precision', c['precision'])}, seed {c['seed']}. Every variant sees the same batches in the same order; gated variants "
         f"shrink the FFN to match the baseline's parameter count.",
         f"Analysis on {a['tokens']:,} held-out tokens ({a['batches']} batches of {a['batch_size']} x {a['seq_len']}, "
         f"each window starting with {a['first_token']}). F-Attn = attention probability on token 0, mean over heads, "

@@ -34,9 +34,9 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
     parser.add_argument("--gate-init", choices=("normal", "identity"), default=None,
                         help="normal: the official N(0, 0.02) init, gate ~0.5 at start; identity: gate == 1 at start")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                        help="training numerics: bf16 autocast (~2x faster on CPUs with AVX512-BF16, far slower "
-                             "without) or fp32; measurements always run in fp32")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
+                        help="training numerics: auto (bf16 autocast where this CPU runs it faster than fp32, "
+                             "measured once; fp32 otherwise), or force bf16 / fp32; measurements always run in fp32")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training forward (~2x faster after ~10 s of compiling)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step")
@@ -149,13 +149,16 @@ def configure_stability(parser: argparse.ArgumentParser) -> None:
                              "vocabulary, prepared automatically if missing)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs trained in parallel, one thread each (default: one per core, at most 2)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="training numerics: auto (default: bf16 autocast where this CPU runs it faster than "
+                             "fp32, measured once; fp32 otherwise), or force bf16 / fp32")
 
 
 def run_stability(args) -> int:
     lab = stab.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
                          lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
                          seeds=args.seeds, seed_lrs=args.seed_lrs, data_dir=args.data_dir,
-                         jobs=args.jobs if args.jobs is not None else default_jobs())
+                         precision=args.precision, jobs=args.jobs if args.jobs is not None else default_jobs())
     res = stab.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
     from ..labs.stability_report import sensitivity_text
 

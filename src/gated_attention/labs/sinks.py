@@ -4,7 +4,7 @@ Each variant (a gate name from `gattn gates`, or a runtime baseline mechanism su
 LM (`GatedQwen3ForCausalLM` from `presets.model_config` with small-shape overrides: 1-3 layers, default 1 layer,
 1 head, d=128) trained on the task (backcopy.py) with the project's optimizer conventions (AdamW, weight decay on
 matrices only via the trainer's `param_groups`, warm-up + cosine/WSD from `train.schedule`, global-norm clipping,
-bf16 autocast). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
+autocast in the resolved precision: gated_attention.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
 starts from the same seed. A compact loop is used instead of the trainer: a 1-layer model's step is ~20 ms, where
 the trainer's per-step bookkeeping and per-domain evaluation would dominate, and the lab needs metrics *during*
 training (learning curves) that the trainer does not compute.
@@ -75,7 +75,7 @@ class SinkLabConfig:
     adam_eps: float = 1e-8  # Adam epsilon
     qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none
     grad_clip: float = 1.0  # global-norm clipping (0 = off)
-    precision: str = "bf16"  # bf16 autocast (2x faster on CPU) | fp32
+    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
     compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
     eval_every: int = 100  # learning-curve resolution in steps
     eval_size: int = 64  # held-out sequences for every measurement
@@ -90,8 +90,9 @@ class SinkLabConfig:
         for k in ("seeds", "steps", "batch_size", "eval_every", "eval_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"--precision must be bf16 or fp32 (fp16 needs loss scaling); got {self.precision!r}")
+        from gated_attention.precision import check
+
+        check(self.precision, "--precision")
         if not 0.0 <= self.decay_frac <= 1.0:
             raise ValueError(f"--decay-frac must be in [0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.beta2 < 1.0 or not self.adam_eps > 0:
@@ -255,9 +256,14 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
 # ---------------------------------------------------------------- one unit: a variant x seed
 
 def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
+    from gated_attention.precision import resolve
+
     d = asdict(cfg)
     for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
         d.pop(k)
+    # a model trained in bf16 is not the fp32 one: the key holds what the precision resolved to on this machine (so
+    # "auto" that ran in bf16 reuses a unit trained with "bf16", and never one trained in fp32)
+    d["precision"] = resolve(cfg.precision, "cpu")
     return {**d, "variant": variant, "seed": seed, "format": 1}
 
 
@@ -307,17 +313,17 @@ def train_unit(job: tuple) -> dict:
             opt.load_state_dict(saved["opt"])
             state = saved["state"]
             _log(f"{variant} seed {seed}: resuming at step {state['step']}")
+    amp = key["precision"] == "bf16"
     fwd = model
     if cfg.compile:
         fwd = torch.compile(model)
         try:  # compile errors surface at the first call: fall back to eager (same maths, slower) and say so
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 fwd(input_ids=task.train_batch(cfg.batch_size, seed, 0)[:, :-1])
         except Exception as exc:  # noqa: BLE001
             _log(f"{variant} seed {seed}: torch.compile failed ({type(exc).__name__}: {str(exc)[:120]}); "
                  "training eagerly")
             fwd = model
-    amp = cfg.precision == "bf16"
     t0 = time.perf_counter() - state["wall"]
     c0 = time.process_time() - state.get("cpu", 0.0)  # CPU seconds: comparable across a loaded and a quiet machine
     params = sum(p.numel() for p in model.parameters())
@@ -460,8 +466,10 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     # seed-major order: an interrupted lab has every variant at its first seeds, not some variants at none
     jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
                  for v in cfg.variants]
+    from gated_attention.precision import describe, resolve
+
     log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
-        f"{jobs} at a time -> {out}")
+        f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
     done = {i: load_unit(Path(j[3]) / "result.json", _unit_key(cfg, j[1], j[2])) for i, j in enumerate(jobs_list)}
     pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
     if len(pending) < len(jobs_list):
@@ -490,7 +498,7 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "task": {**task.to_dict(), "name": "bigram_backcopy", "bos_id": 0,
                  "trigger_ids": task.trigger_ids.tolist(),
                  "bigram_ce_floor": variants[cfg.variants[0]]["mean"]["bigram_ce_floor"]},
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "resolved_precision": resolve(cfg.precision, "cpu")},
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }

@@ -89,6 +89,7 @@ class LabConfig:
     seed_lrs: str = "edge"  # extra seeds at the LRs around the edge of stability ("edge") or at every LR ("all")
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
+    precision: str = "auto"  # training numerics; resolved once (gated_attention.precision) and keyed per run
 
     def validate(self) -> "LabConfig":
         from gated_attention.gates import GATES, canonical_name
@@ -118,7 +119,15 @@ class LabConfig:
                 raise ValueError(f"--{name} {v} must be >= 1")
         if self.jobs < 1:
             raise ValueError(f"--jobs {self.jobs} must be >= 1")
+        from gated_attention.precision import check
+
+        check(self.precision, "--precision")
         return self
+
+    def resolved_precision(self) -> str:
+        from gated_attention.precision import resolve
+
+        return resolve(self.precision, "cpu")
 
     @property
     def spec(self) -> StabilityBudget:
@@ -137,7 +146,8 @@ class LabConfig:
 # ---------------------------------------------------------------- one run
 
 def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr: float, seed: int):
-    """The TrainConfig of one grid point: the `small` preset with the budget's recipe (cosine to lr/100)."""
+    """The TrainConfig of one grid point: the `small` preset with the budget's recipe (cosine to lr/100), in the
+    resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one)."""
     from gated_attention.train.config import train_preset
 
     b = lab.spec
@@ -148,7 +158,7 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
         seq_len=b.seq_len, batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches,
         eval_batch_size=b.eval_batch_size, stats_every=b.stats_every, spike_window=min(b.spike_window, steps),
         ckpt_every=0, progress=True, tensorboard=False,  # progress: a line per GATTN_PROGRESS_INTERVAL off a terminal
-        model_overrides={**b.model, "use_qk_norm": qk_norm}).validate()
+        precision=lab.resolved_precision(), model_overrides={**b.model, "use_qk_norm": qk_norm}).validate()
 
 
 def run_name(variant: str, qk_norm: bool, lr: float, seed: int) -> str:
@@ -379,7 +389,7 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     lab_json = {
         "budget": lab.budget,
         "config": {**asdict(lab), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds,
-                   "data_dir": str(data_dir)},
+                   "data_dir": str(data_dir), "resolved_precision": lab.resolved_precision()},
         "train_config": {k: v for k, v in first.to_dict().items() if k not in ("gate", "lr", "min_lr", "seed")},
         "edge_lrs": {f"{v}/{'on' if qk else 'off'}": e for (v, qk), e in edges.items()},
         "runs": rows,
