@@ -15,7 +15,7 @@ from _extras import need
 
 from gated_attention.analysis import metrics as M
 from gated_attention.analysis.analyze import AnalysisConfig, analyze_model, load_model, token_batches
-from gated_attention.analysis.sink import _query_chunk, head_mean_map, key_probs_chunked
+from gated_attention.analysis.attention_sinks import _query_chunk, head_mean_map, key_probs_chunked
 
 
 # --- metrics with known answers ------------------------------------------------------------------------------------

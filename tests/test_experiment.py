@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gated_attention.errors import UserError
+from gated_attention.util.errors import UserError
 from gated_attention.experiment import cache, report, runs, stats
 
 
@@ -48,6 +48,17 @@ def test_a_setting_added_later_counts_as_its_default(tmp_path):
         cache.load(path, {"lr": 0.1, "beta2": 0.9}, defaults={"beta2": 0.95})
     with pytest.raises(cache.StaleResult, match="beta2: saved null"):  # no default given: absent is not 0.95
         cache.load(path, {"lr": 0.1, "beta2": 0.95})
+
+
+def test_a_changed_input_makes_the_result_obsolete_not_stale(tmp_path):
+    path = tmp_path / "r.json"
+    cache.cached(path, {"samples": 10, "model_mtime": 1.0}, lambda: {"v": 1}, inputs=("model_mtime",))
+    lines = []
+    got = cache.cached(path, {"samples": 10, "model_mtime": 2.0}, lambda: {"v": 2}, lines.append, "[t]",
+                       inputs=("model_mtime",))  # the model was trained again: recompute, no question asked
+    assert got["v"] == 2 and "earlier version of its input" in lines[0]
+    with pytest.raises(cache.StaleResult, match="samples: saved 10 vs requested 20"):  # a setting still stops it
+        cache.cached(path, {"samples": 20, "model_mtime": 3.0}, lambda: {"v": 3}, inputs=("model_mtime",))
 
 
 def test_missing_or_unreadable_result_is_computed(tmp_path):

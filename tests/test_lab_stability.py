@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gated_attention.labs import stability as S
-from gated_attention.labs.stability_probe import StabilityProbe, max_attention_logit
+from gated_attention.labs.stability import lab as S
+from gated_attention.labs.stability.probe import StabilityProbe, max_attention_logit
 
 NAN = float("nan")
 

@@ -10,8 +10,8 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from gated_attention.labs import sink_metrics as M
-from gated_attention.labs.backcopy import BOS, BackcopyTask
+from gated_attention.labs.sinks import metrics as M
+from gated_attention.labs.sinks.backcopy import BOS, BackcopyTask
 from gated_attention.labs.common import mean_std
 from harness import build_lm, run_gattn
 
@@ -143,7 +143,7 @@ def test_mean_std_over_seeds():
 
 def test_measure_reads_the_model_through_capture():
     """q = k = 0 makes every head attend uniformly: BOS attention from query t is exactly 1/(t+1)."""
-    from gated_attention.labs.sinks import BUDGETS, SinkLabConfig, measure, model_config_for
+    from gated_attention.labs.sinks.lab import BUDGETS, SinkLabConfig, measure, model_config_for
 
     cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "variants": ["sdpa_headwise"], "layers": 2, "heads": 2})
     task = BackcopyTask(**cfg.task)
@@ -172,7 +172,7 @@ def test_measure_reads_the_model_through_capture():
 
 
 def test_baseline_mechanisms_and_gate_init_build():
-    from gated_attention.labs.sinks import SinkLabConfig, model_config_for, resolve_variant
+    from gated_attention.labs.sinks.lab import SinkLabConfig, model_config_for, resolve_variant
 
     assert resolve_variant("g1") == ("sdpa_elementwise", "none")
     assert resolve_variant("sink_logits") == ("none", "sink_logits")
@@ -186,7 +186,7 @@ def test_baseline_mechanisms_and_gate_init_build():
 # ---------------------------------------------------------------- units: exact resume
 
 def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
-    from gated_attention.labs import sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS["small"][1], "variants": ["sdpa_elementwise"],
                                             "steps": 40, "ckpt_every": 15, "eval_every": 20})
@@ -223,7 +223,7 @@ def small_lab(tmp_path_factory):
 
 
 def test_small_lab_writes_everything(small_lab):
-    from gated_attention.labs.sinks import METRICS
+    from gated_attention.labs.sinks.lab import METRICS
 
     out, r = small_lab
     lab = json.loads((out / "lab.json").read_text())
@@ -291,7 +291,7 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
 def test_finished_models_are_loadable_hf_folders(small_lab):
     """Every unit folder is a from_pretrained folder; load_run returns its model, task and settings, and the
     model measures exactly what result.json recorded (the saved weights are the final ones)."""
-    from gated_attention.labs.sinks import is_run_dir, load_run, measure
+    from gated_attention.labs.sinks.lab import is_run_dir, load_run, measure
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     out, _ = small_lab
@@ -314,7 +314,7 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     import argparse
 
     from gated_attention.cli.lab import configure_sinks, sinks_config
-    from gated_attention.labs import sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     p = argparse.ArgumentParser()
     configure_sinks(p)
@@ -343,7 +343,7 @@ def test_help_states_the_budgets_true_defaults():
     import argparse
 
     from gated_attention.cli.lab import configure_sinks
-    from gated_attention.labs.sinks import BUDGETS, SinkLabConfig
+    from gated_attention.labs.sinks.lab import BUDGETS, SinkLabConfig
 
     p = argparse.ArgumentParser()
     configure_sinks(p)

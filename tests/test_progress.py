@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from gated_attention.progress import Progress, format_duration
+from gated_attention.util.progress import Progress, format_duration
 from harness import run_gattn
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gated_attention.cli import main
-from gated_attention.io import json_dumps, lock_dir, strict_loads, to_strict
+from gated_attention.util.io import json_dumps, lock_dir, strict_loads, to_strict
 from gated_attention.train import checkpoint as ckpt_mod
 from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.trainer import train
@@ -425,7 +425,7 @@ def test_strict_json_helper():
     assert s == {"loss": None, "g": None, "acts": [1.0, None], "ok": 1.5, "n": {"x": None, "nonfinite": {"x": "nan"}},
                  "nonfinite": {"loss": "nan", "g": "inf", "acts": "-inf"}}
     assert strict_loads(json_dumps(obj)) == s
-    from gated_attention.io import from_strict
+    from gated_attention.util.io import from_strict
 
     back = from_strict(s)
     assert back["loss"] != back["loss"] and back["g"] == float("inf") and back["acts"][1] == float("-inf")
@@ -455,7 +455,7 @@ def test_nan_in_analysis_is_reported(run_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from gated_attention.analysis import AnalysisConfig, analyze_model, load_model
-    from gated_attention.io import atomic_write_json, nonfinite_paths
+    from gated_attention.util.io import atomic_write_json, nonfinite_paths
 
     m = _copy(run_dir / "final", tmp_path / "m")
     sd = load_file(m / "model.safetensors")

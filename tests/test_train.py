@@ -11,7 +11,7 @@ import torch
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import TrainConfig, apply_overrides, tiny
 from gated_attention.train.schedule import lr_at
-from gated_attention.train.stability import SpikeDetector
+from gated_attention.train.monitors import SpikeDetector
 from gated_attention.train.trainer import param_groups, train
 from harness import run_gattn
 
@@ -191,7 +191,7 @@ def test_eval_cli(tmp_path, capsys):
 
 
 def test_sweep_tabulates_and_reuses(tmp_path):
-    from gated_attention.train.sweep import sweep
+    from gated_attention.experiment.sweep import sweep
 
     rows = sweep("tiny", ["baseline", "sdpa_headwise"], [3e-3], tmp_path, sets=["steps=4"])
     assert [(r["gate"], r["lr"]) for r in rows] == [("baseline", 3e-3), ("sdpa_headwise", 3e-3)]

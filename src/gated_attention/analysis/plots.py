@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..io import save_png  # noqa: E402
+from ..util.io import save_png  # noqa: E402
 
 
 def _series(a: dict, key: str):

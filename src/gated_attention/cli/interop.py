@@ -1,7 +1,7 @@
 """Interop commands: `gattn convert` (checkpoint layouts) and `gattn retrofit` (add a gate to an ungated checkpoint)."""
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import argparse
 

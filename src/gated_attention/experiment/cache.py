@@ -2,18 +2,21 @@
 
 A result (a training run folder, a lab unit's result.json, an analysis or evaluation JSON, an extended checkpoint)
 is stored together with its *key*: every setting that changes it, including the precision it computed in as resolved
-on the machine (`with_precision`), and the identity of what it was computed from (`fingerprint` of a checkpoint).
+on the machine (`resolved_precision`), and the identity of the inputs it was computed from (the model file it
+measured: its modification time). The policy, the same everywhere:
 
-The policy, the same everywhere:
   - no stored result (or an unreadable one: writes are atomic, so only a hand edit makes one): compute and store it;
-  - the stored key equals the requested key: reuse it (a training run that was interrupted resumes);
-  - the keys differ: stop before computing anything, with one message that names every differing setting (stored
+  - the same key: reuse it (a training run that was interrupted resumes);
+  - a different setting: stop before computing anything, with one message that names every differing setting (saved
     vs requested) and the two ways out, a new --out or deleting that result. Nothing is silently recomputed,
-    overwritten or mixed.
+    overwritten or mixed;
+  - only the inputs differ (the model it measured was trained again since): the stored result is obsolete, not in
+    conflict; it is recomputed from the current input.
 
 `check` applies the policy to two keys, `load` / `save` / `cached` to a JSON result file. A key is a JSON object;
-its values compare as JSON values (tuples and lists alike). A job whose key gains a setting passes `defaults` (the
-value every older result was computed with), so results stored before it stay reusable.
+its values compare as JSON values (tuples and lists alike); `inputs` names the key fields that identify inputs. A job
+whose key gains a setting passes `defaults` (the value every older result was computed with), so results stored
+before it stay reusable.
 """
 from __future__ import annotations
 
@@ -21,8 +24,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import UserError
-from ..io import atomic_write_text, json_dumps, to_strict
+from ..util.errors import UserError
+from ..util.io import atomic_write_text, json_dumps, to_strict
 
 Log = Callable[[str], Any]
 
@@ -69,9 +72,10 @@ def check(where: str | Path, stored: dict, wanted: dict, defaults: dict | None =
         raise StaleResult(stale_message(where, diffs))
 
 
-def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | None = None) -> dict | None:
-    """The stored result at `path` if it was made with `key`; None when there is none (or it is unreadable);
-    StaleResult when it was made with another key."""
+def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | None = None,
+         inputs: tuple[str, ...] = ()) -> dict | None:
+    """The stored result at `path` if it was made with `key`; None when there is none, it is unreadable, or only its
+    `inputs` fields differ (obsolete: recompute it); StaleResult when a setting differs."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -81,7 +85,11 @@ def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | N
         return None  # writes are atomic, so a file that does not parse was edited by hand: recompute it
     if not isinstance(old, dict) or key_field not in old:
         return None  # not one of our results (or written before it carried a key): recompute it
-    check(path, old[key_field], key, defaults)
+    stored = old[key_field] if isinstance(old[key_field], dict) else {}
+    settings = [k for k in set(stored) | set(key) if k not in inputs]
+    check(path, {k: stored[k] for k in settings if k in stored}, {k: key[k] for k in settings if k in key}, defaults)
+    if differences({k: stored.get(k) for k in inputs}, {k: key.get(k) for k in inputs}):
+        return None  # computed from an earlier version of its input: obsolete
     return old
 
 
@@ -95,12 +103,15 @@ def save(path: str | Path, key: dict, result: dict, key_field: str = "key", inde
 
 
 def cached(path: str | Path, key: dict, compute: Callable[[], dict], log: Log = print, tag: str = "[run]",
-           key_field: str = "key", indent: int | None = 1, defaults: dict | None = None) -> dict:
+           key_field: str = "key", indent: int | None = 1, defaults: dict | None = None,
+           inputs: tuple[str, ...] = ()) -> dict:
     """The result at `path` for `key`: reused when stored with that key, else `compute()`d and stored (the policy
-    above: a result stored with another key stops the job)."""
-    got = load(path, key, key_field, defaults)
+    above: a result stored with other settings stops the job; one from an earlier input is recomputed)."""
+    got = load(path, key, key_field, defaults, inputs)
     if got is not None:
         log(f"{tag} reuse {path}")
         return got
+    if Path(path).is_file():
+        log(f"{tag} recompute {path}: made from an earlier version of its input (or unreadable)")
     return save(path, key, compute(), key_field, indent)
 

@@ -23,7 +23,7 @@ import math
 import re
 from pathlib import Path
 
-from ..io import atomic_write_text
+from ..util.io import atomic_write_text
 
 CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
        "table{border-collapse:collapse;margin:1em 0;font-size:14px}"

@@ -20,7 +20,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable
 
-from ..io import read_json_object
+from ..util.io import read_json_object
 from ..train.config import describe_changes
 from . import cache
 

@@ -9,8 +9,8 @@ import os
 import shutil
 from pathlib import Path
 
-from ..errors import UserError
-from ..io import PICKLE_SUFFIXES, atomic_dir, load_hf_state, read_json_object
+from ..util.errors import UserError
+from ..util.io import PICKLE_SUFFIXES, atomic_dir, load_hf_state, read_json_object
 from .configs import check_native_for, config_from_native, config_to_native
 from .layouts import FORMATS, ConversionError
 from .states import state_from_native, state_to_native

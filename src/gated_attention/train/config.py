@@ -49,7 +49,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
     # --- numerics and speed
-    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: precision.py), "bf16", "fp32"
+    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: util/precision.py), "bf16", "fp32"
     fast: bool = True  # fused q/k/v/gate GEMM, fused gate, chunked loss (train/fastpath.py); false = plain reference
     compile: str = "auto"  # "auto" (compile when the run outlasts the compile cost), "true" or "false" (eager)
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
@@ -66,13 +66,13 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
-    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (progress.py)
+    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
     inject_nan_steps: list[int] = field(default_factory=list)  # fault injection for tests: make these steps' loss NaN
 
     def validate(self) -> "TrainConfig":
         def bad(msg: str):
-            from gated_attention.errors import UserError
+            from gated_attention.util.errors import UserError
 
             raise UserError(f"invalid training config: {msg}")
 
@@ -80,7 +80,7 @@ class TrainConfig:
             bad(f"schedule={self.schedule!r}; use 'cosine' or 'wsd'")
         if self.wsd_decay_shape not in ("linear", "sqrt"):
             bad(f"wsd_decay_shape={self.wsd_decay_shape!r}; use 'linear' or 'sqrt'")
-        from gated_attention import precision as P
+        from gated_attention.util import precision as P
 
         try:
             P.check(self.precision)
@@ -100,7 +100,7 @@ class TrainConfig:
             bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
         if self.device not in ("auto", "cpu", "cuda"):
             bad(f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'")
-        from gated_attention.errors import UserError, check_number
+        from gated_attention.util.errors import UserError, check_number
 
         try:  # numbers where they enter: finite, in range, integers where counts
             for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
@@ -325,7 +325,7 @@ def run_precision(d: dict) -> str:
     asked = d.get("precision", "auto")
     if asked in ("bf16", "fp32"):
         return asked
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     return resolve(asked, d.get("device", "auto"))
 

@@ -37,7 +37,7 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
     from gated_attention.gates import canonical_name
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    from gated_attention.io import check_hf_dir
+    from gated_attention.util.io import check_hf_dir
 
     check_hf_dir(cfg.init_from, "init_from")  # a folder, config.json parses, weights present and intact
     config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)

@@ -38,11 +38,11 @@ from .evaluate import autocast_for, domain_losses
 from .model_setup import apply_trainable, build_model, build_model_config, load_init_model, param_groups  # noqa: F401
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
-from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
+from .monitors import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
-from ..errors import UserError
-from ..io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
-from ..progress import Progress
+from ..util.errors import UserError
+from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
+from ..util.progress import Progress
 
 _RESUMABLE_CHANGES = RESUMABLE_CHANGES  # the former private name
 
@@ -88,6 +88,9 @@ def _to_cpu(obj):
 def _load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    from ..mechanisms import rename_legacy_keys  # a checkpoint from before `baseline` was named `mechanism`
+
+    msd, osd = rename_legacy_keys(msd), rename_legacy_keys(osd)
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True))
 
@@ -214,7 +217,7 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) 
     box = {}
 
     def prepare():
-        from ..precision import describe, resolve
+        from ..util.precision import describe, resolve
 
         box["precision"] = resolve(cfg.precision, info.device)
         print(f"gattn train: {describe(cfg.precision, info.device)}", file=sys.stderr, flush=True)

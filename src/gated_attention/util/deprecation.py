@@ -19,6 +19,24 @@ import warnings
 MOVED: dict[str, str] = {
     "gated_attention.convert": "gated_attention.interop",
     "gated_attention.retrofit": "gated_attention.interop.retrofit",
+    "gated_attention.errors": "gated_attention.util.errors",
+    "gated_attention.io": "gated_attention.util.io",
+    "gated_attention.progress": "gated_attention.util.progress",
+    "gated_attention.precision": "gated_attention.util.precision",
+    "gated_attention.baselines": "gated_attention.mechanisms",
+    "gated_attention.triton_attention": "gated_attention.kernels.triton_attention",
+    "gated_attention.triton_kernels": "gated_attention.kernels.triton_jit",
+    "gated_attention.compare_report": "gated_attention.compare.report",
+    "gated_attention.compare_claims": "gated_attention.compare.claims",
+    "gated_attention.train.stability": "gated_attention.train.monitors",
+    "gated_attention.train.sweep": "gated_attention.experiment.sweep",
+    "gated_attention.analysis.sink": "gated_attention.analysis.attention_sinks",
+    "gated_attention.labs.backcopy": "gated_attention.labs.sinks.backcopy",
+    "gated_attention.labs.sink_metrics": "gated_attention.labs.sinks.metrics",
+    "gated_attention.labs.sinks_report": "gated_attention.labs.sinks.report",
+    "gated_attention.labs.stability_probe": "gated_attention.labs.stability.probe",
+    "gated_attention.labs.stability_report": "gated_attention.labs.stability.report",
+    "gated_attention.labs.streaming_report": "gated_attention.labs.streaming.report",
 }
 
 
@@ -65,6 +83,20 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 _FINDER = _MovedFinder()
+
+
+def renamed_attributes(module_name: str, namespace: dict, renames: dict[str, str]):
+    """A module-level `__getattr__` that still answers renamed attributes for one release: `renames` maps an old name
+    to its new one in the same module (`namespace` is the module's globals()); each use warns once per call site."""
+
+    def __getattr__(name: str):
+        if name in renames:
+            warnings.warn(f"{module_name}.{name} is now {module_name}.{renames[name]} (the old name goes in the next "
+                          "release)", DeprecationWarning, stacklevel=2)
+            return namespace[renames[name]]
+        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def install() -> None:

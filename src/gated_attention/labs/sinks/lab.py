@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .backcopy import BackcopyTask
-from .common import load_unit, mean_std, run_units, save_unit
+from ..common import load_unit, mean_std, run_units, save_unit
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
@@ -90,7 +90,7 @@ class SinkLabConfig:
         for k in ("seeds", "steps", "batch_size", "eval_every", "eval_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
-        from gated_attention.precision import check
+        from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
         if not 0.0 <= self.decay_frac <= 1.0:
@@ -125,7 +125,7 @@ BUDGETS: dict[str, tuple[str, dict]] = {
 def resolve_variant(name: str) -> tuple[str, str]:
     """(gate, baseline) of a variant name: a gate from `gattn gates` (ungated = `baseline`), or a runtime baseline
     mechanism (sink_logits, bondarenko_gate, clipped_softmax, forgetting, ...) on the ungated model."""
-    from gated_attention.baselines import get_baseline
+    from gated_attention.mechanisms import get_mechanism
     from gated_attention.gates import GATES, canonical_name
 
     try:
@@ -135,13 +135,13 @@ def resolve_variant(name: str) -> tuple[str, str]:
     except (ValueError, KeyError):
         pass
     try:
-        spec = get_baseline(name)
+        spec = get_mechanism(name)
     except ValueError:
         spec = None
     if spec is None or not spec.runtime:
-        from gated_attention.baselines import BASELINES
+        from gated_attention.mechanisms import MECHANISMS
 
-        runtime = [n for n, s in BASELINES.items() if s.runtime]
+        runtime = [n for n, s in MECHANISMS.items() if s.runtime]
         raise ValueError(f"unknown variant {name!r}; valid: a gate ({', '.join(GATES)}) or a baseline mechanism "
                          f"({', '.join(runtime)}); see `gattn gates`")
     return "none", name
@@ -175,10 +175,10 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
     """Every lab metric of `model` on held-out sequences seqs (B, T+1): headline scalars + per-layer lists."""
     import torch
 
-    from gated_attention.baselines import HeadSliceGate
+    from gated_attention.mechanisms import HeadSliceGate
     from gated_attention.capture import Recorder, capture
 
-    from . import sink_metrics as M
+    from . import metrics as M
 
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
     masks = task.masks(inputs)
@@ -186,7 +186,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
     rec = Recorder(names={"attn_probs", "v", "gate", "ffn_residual"}, wants_probs=True)
     layer_in, hooks = {}, []
     for i, layer in enumerate(model.model.layers):  # Bondarenko's gate is not a registry gate: read its input
-        if isinstance(layer.self_attn.baseline, HeadSliceGate):
+        if isinstance(layer.self_attn.mechanism, HeadSliceGate):
             hooks.append(layer.self_attn.register_forward_pre_hook(
                 lambda _m, args, i=i: layer_in.__setitem__(i, args[0].detach())))
     was_training = model.training
@@ -204,7 +204,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
         probs = rec.get(i, "attn_probs").float()  # (B, H, T, S)
         gate = rec.get(i, "gate")
         if i in layer_in:
-            gate = model.model.layers[i].self_attn.baseline.score(layer_in[i]).unsqueeze(-1)  # (B, T, H, 1)
+            gate = model.model.layers[i].self_attn.mechanism.score(layer_in[i]).unsqueeze(-1)  # (B, T, H, 1)
         elif gate is not None and gate.dim() == 3:
             gate = gate.unsqueeze(-2)  # G5 after o_proj: (B, T, 1, d), one "head"
         dormant_rows = probs.sum(-1)  # (B, H, T): < 1 where probability went to no key (learned sink, clipping)
@@ -256,7 +256,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
 # ---------------------------------------------------------------- one unit: a variant x seed
 
 def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     d = asdict(cfg)
     for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
@@ -270,7 +270,7 @@ def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
 def _save_ckpt(path: Path, state: dict) -> None:
     import torch
 
-    from gated_attention.io import atomic_write_bytes
+    from gated_attention.util.io import atomic_write_bytes
 
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -287,7 +287,7 @@ def train_unit(job: tuple) -> dict:
     from gated_attention.train.schedule import lr_at
     from gated_attention.train.trainer import param_groups
 
-    from .sink_metrics import trailing_mean
+    from .metrics import trailing_mean
 
     cfg_d, variant, seed, unit_dir = job
     cfg = SinkLabConfig(**cfg_d)
@@ -422,7 +422,7 @@ def load_run(path: str | Path) -> SinkRun:
 
     The folder is also a plain HF model folder: `GatedQwen3ForCausalLM.from_pretrained(path)` loads the same model;
     this helper adds the task (BackcopyTask) and the lab config it was trained with."""
-    from gated_attention.io import read_json_object
+    from gated_attention.util.io import read_json_object
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     path = Path(path)
@@ -457,7 +457,7 @@ def _log(msg: str) -> None:
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
-    from . import sinks_report
+    from . import report
 
     cfg.validate()
     out = Path(out)
@@ -466,7 +466,7 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     # seed-major order: an interrupted lab has every variant at its first seeds, not some variants at none
     jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
                  for v in cfg.variants]
-    from gated_attention.precision import describe, resolve
+    from gated_attention.util.precision import describe, resolve
 
     log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
         f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
@@ -502,9 +502,9 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in sinks_report.make_plots(out / "plots", lab).items()}
-    from gated_attention.io import atomic_write_text
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    from gated_attention.util.io import atomic_write_text
 
     atomic_write_text(out / "lab.json", json.dumps(lab, indent=1))
-    sinks_report.write(out, lab)
+    report.write(out, lab)
     return lab

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..compare_report import fmt
-from ..gates import canonical_name
-from .common import md_table, write_report
+from ...experiment.report import fmt
+from ...gates import canonical_name
+from ..common import md_table, write_report
 
 _NAMES = {"baseline": "baseline", "none": "baseline (none)", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
@@ -44,7 +44,7 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
     from gated_attention.analysis.plots import plt
-    from gated_attention.io import save_png
+    from gated_attention.util.io import save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     inits = []
@@ -74,7 +74,7 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
     from gated_attention.analysis.plots import plt
-    from gated_attention.io import save_png
+    from gated_attention.util.io import save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {}
@@ -99,7 +99,7 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss and max attention logit over steps at one LR, every setting (seed 0)."""
     from gated_attention.analysis.plots import plt
-    from gated_attention.io import save_png
+    from gated_attention.util.io import save_png
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     drawn = False

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import experiment
-from .io import atomic_write_text, json_dumps
+from .. import experiment
+from ..util.io import atomic_write_text, json_dumps
 
 # variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
@@ -171,7 +171,7 @@ def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
         return analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
 
     return experiment.cached(run_dir / "analysis.json", key, compute, lambda m: None, "[compare]",
-                             key_field="compare_key", indent=None)
+                             key_field="compare_key", indent=None, inputs=("final_mtime",))
 
 
 def count_params(run_dir: Path) -> int:
@@ -183,7 +183,7 @@ def count_params(run_dir: Path) -> int:
 
 
 def read_log(run_dir: Path) -> list[dict]:
-    from .io import read_jsonl
+    from ..util.io import read_jsonl
 
     return read_jsonl(run_dir / "log.jsonl")
 
@@ -230,19 +230,19 @@ def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | Non
                  precision: str = "auto") -> dict:
     """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
     LM runs' precision setting."""
-    from gated_attention.labs import common, sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     name, changes = budget.sink_lab
     cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
                                            "precision": precision})
     log(f"[compare] sink lab ({name} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
-    return sinks.run_lab(cfg, out, jobs=jobs or common.default_jobs(),
+    return sinks.run_lab(cfg, out, jobs=jobs or experiment.default_jobs(),
                          log=lambda m: log(f"[compare] sink lab: {m}"))
 
 
 def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
     """What compare.json keeps of its sink lab: per-variant means/stds, the table and plot paths (relative to out)."""
-    from gated_attention.labs import sinks_report
+    from gated_attention.labs.sinks import report as sinks_report
 
     head, rows = sinks_report.table_cells(lab)
     return {"dir": str(lab_dir.relative_to(out)), "task": lab["task"], "config": lab["config"],
@@ -255,7 +255,7 @@ def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
 def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | None, log=print) -> dict:
     """`gattn lab streaming` on this run's text models (OUT/streaming/text) and, when the sink lab ran, on its models
     (OUT/streaming/sink_lab); returns what compare.json keeps (streaming_summary)."""
-    from gated_attention.labs import streaming
+    from gated_attention.labs.streaming import lab as streaming
 
     s = budget.streaming
     runs = {"text": ([str(out)], seq_len)}
@@ -273,7 +273,7 @@ def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | Non
 def streaming_summary(labs: dict, out: Path) -> dict:
     """compare.json's "streaming": per source (text / sink lab) its window, every model's loss/ppl (no curves),
     the sink lab's by-variant means, one table and the plots (paths relative to out)."""
-    from gated_attention.labs import streaming_report
+    from gated_attention.labs.streaming import report as streaming_report
 
     models, head, rows = {}, None, []
     for src, lab in labs.items():
@@ -306,12 +306,12 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
                 longctx: str | Path | None = "runs/longctx", jobs: int | None = None,
                 streaming: bool = True, sink_lab_changes: dict | None = None) -> dict:
     """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
-    and plots into `out`; the report opens with the "Paper claims vs this run" table (compare_claims.py), which also
+    and plots into `out`; the report opens with the "Paper claims vs this run" table (claims.py), which also
     reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
     run the streaming check (sliding window with and without sink tokens) on the models. sink_lab_changes: changes
     to the budget's sink-lab settings (e.g. {"seeds": 3})."""
-    from . import compare_claims as claims
-    from . import compare_report as report
+    from . import claims
+    from . import report
 
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
@@ -323,8 +323,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     batches = analysis_batches(base, b)
-    from .precision import describe
-    from .train.config import run_precision
+    from ..util.precision import describe
+    from ..train.config import run_precision
 
     log(f"[compare] {describe(base.precision, base.device)}")
     rows, analyses, logs = {}, {}, {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import fmt_mean_std, write_report
+from ..common import fmt_mean_std, write_report
 
 # (column title, metric key, decimals) of the main table
 COLUMNS = [("BOS attn, dormant", "bos_attention_dormant", 3), ("BOS attn, active", "bos_attention_active", 3),
@@ -57,7 +57,7 @@ def _curves(lab: dict, key: str):
 
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     from gated_attention.analysis.plots import plt
-    from gated_attention.io import save_png
+    from gated_attention.util.io import save_png
 
     plot_dir = Path(plot_dir)
     files = {}
