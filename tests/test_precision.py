@@ -156,3 +156,20 @@ def test_stability_runs_carry_a_concrete_precision(cpu_kind):
     assert (fast.precision, slow.precision) == ("bf16", "fp32")  # the run's key (its TrainConfig dict) differs
     with pytest.raises(ValueError, match="fp16"):
         stab.LabConfig(precision="fp16").validate()
+
+
+def _worker_resolution(_):
+    return P.bf16_speedup("cpu"), P.resolve("auto", "cpu")
+
+
+def test_worker_processes_adopt_the_parents_measurement(cpu_kind, monkeypatch):
+    """Every unit of one job resolves "auto" alike: spawned workers (experiment.run_units) take the parent's measured
+    speed-up instead of timing a GEMM on whatever core they land on (a loaded core could flip the answer)."""
+    from gated_attention import experiment
+
+    cpu_kind(None)
+    monkeypatch.setattr(P, "_cache", {"cpu": 0.37})  # as if this process had measured an emulated-bf16 CPU
+    assert P.shared_measurement() == 0.37
+    assert experiment.run_units(_worker_resolution, [0, 1], jobs=2) == [(0.37, "fp32")] * 2
+    P.adopt_measurement(None)  # nothing measured in the parent: the worker keeps its own (measures if asked)
+    assert P.shared_measurement() == 0.37

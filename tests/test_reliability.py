@@ -333,7 +333,7 @@ def holder(tmp_path, request):
     from gated_attention.cli.longctx import longctx_lock_path
 
     out = longctx_lock_path(tmp_path, ["out"], 0, 1) if "longctx" in request.node.name else tmp_path / "out"
-    code = ("import sys, time; from gated_attention.io import lock_dir\n"
+    code = ("import sys, time; from gated_attention.util.io import lock_dir\n"
             f"with lock_dir({str(out)!r}):\n    print('locked', flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"
@@ -376,7 +376,7 @@ def test_two_concurrent_trainings(tmp_path):
 
 def test_lock_released_when_holder_dies(tmp_path):
     out = tmp_path / "o"
-    code = f"from gated_attention.io import lock_dir\nimport os\nwith lock_dir({str(out)!r}):\n    os._exit(0)"
+    code = f"from gated_attention.util.io import lock_dir\nimport os\nwith lock_dir({str(out)!r}):\n    os._exit(0)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     with lock_dir(out):  # the kernel dropped the dead process's lock
         with lock_dir(out):  # re-entrant in one process (compare -> train)

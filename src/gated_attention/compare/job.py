@@ -17,6 +17,8 @@ Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `
 """
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -226,16 +228,23 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
     }
 
 
+def sink_lab_config(budget: Budget, variants: list[str], precision: str = "auto"):
+    """The budget's `gattn lab sinks` settings on compare's variants, in the LM runs' precision setting."""
+    from gated_attention.labs.sinks import lab as sinks
+
+    name, changes = budget.sink_lab
+    return replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
+                                            "precision": precision})
+
+
 def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print,
                  precision: str = "auto") -> dict:
     """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
     LM runs' precision setting."""
     from gated_attention.labs.sinks import lab as sinks
 
-    name, changes = budget.sink_lab
-    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
-                                           "precision": precision})
-    log(f"[compare] sink lab ({name} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
+    cfg = sink_lab_config(budget, variants, precision)
+    log(f"[compare] sink lab ({budget.sink_lab[0]} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
     return sinks.run_lab(cfg, out, jobs=jobs or experiment.default_jobs(),
                          log=lambda m: log(f"[compare] sink lab: {m}"))
 
@@ -300,6 +309,36 @@ def streaming_summary(labs: dict, out: Path) -> dict:
             "cpu_time_s": sum(lab["cpu_time_s"] for lab in labs.values())}
 
 
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _unit(task: tuple, log=_stderr):
+    """One model of the job, in a worker process or in-process: ("lm", (cfg, run_dir, budget)) trains (or reuses /
+    resumes) an LM variant and analyses it -> (summary, analysis); ("sink", job) trains one sink-lab unit."""
+    kind, payload = task
+    if kind == "sink":
+        from gated_attention.labs.sinks import lab as sinks
+
+        return sinks.train_unit(payload)
+    cfg, run_dir, budget = payload
+    summary = train_variant(cfg, run_dir, log)
+    return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
+
+
+def schedule_units(out: Path, base, variants: list[str], budget: Budget, sink_cfg) -> list[tuple]:
+    """The job's models still to train as `_unit` tasks, longest first: the LM variants, then the sink lab's units
+    (short ones that fill the second core while the last LM variant trains). Finished ones need no worker."""
+    tasks = [("lm", (replace(base, gate=v).validate(), out / "runs" / v, budget)) for v in variants
+             if not experiment.is_finished(out / "runs" / v)]
+    if sink_cfg is not None:
+        from gated_attention.labs.sinks import lab as sinks
+
+        jobs_list, done = sinks.unit_jobs(sink_cfg, out / "sink_lab")
+        tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
+    return tasks
+
+
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print,
                 sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
@@ -309,7 +348,13 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     and plots into `out`; the report opens with the "Paper claims vs this run" table (claims.py), which also
     reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
     run the streaming check (sliding window with and without sink tokens) on the models. sink_lab_changes: changes
-    to the budget's sink-lab settings (e.g. {"seeds": 3})."""
+    to the budget's sink-lab settings (e.g. {"seeds": 3}).
+
+    Layout (measured on the 2-core reference machine: compare's models train 1.15-1.2x faster two at a time with one
+    thread each than one after the other with two threads): the LM variants and the sink lab's models are
+    independent units, trained `jobs` at a time (default min(2, cores)) in worker processes of cores/jobs threads
+    (experiment.run_units), longest first, so the sink lab's short models fill the core the last LM variant leaves
+    free; each LM unit also runs its analysis. jobs=1: one after another in this process, with all its threads."""
     from . import claims
     from . import report
 
@@ -326,13 +371,26 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     from ..util.precision import describe
     from ..train.config import run_precision
 
-    log(f"[compare] {describe(base.precision, base.device)}")
+    log(f"[compare] {describe(base.precision, base.device)}")  # measured here once; the workers adopt it
+    if sink_lab and sink_lab_changes:
+        b = replace(b, sink_lab=(b.sink_lab[0], {**b.sink_lab[1], **sink_lab_changes}))
+    sink_cfg = sink_lab_config(b, variants, base.precision) if sink_lab else None
+    jobs = jobs or experiment.default_jobs()
+    tasks = schedule_units(out, base, variants, b, sink_cfg)
+    threads = max(1, experiment.cores() // jobs)
+    lm = [t[1][1].name for t in tasks if t[0] == "lm"]  # the variants to train (run folder = variant name)
+    if tasks:
+        log(f"[compare] {len(tasks)} models to train ({len(lm)} LM variants, {len(tasks) - len(lm)} sink-lab units), "
+            f"{jobs} at a time" + (f", {threads} thread(s) each" if jobs > 1 and len(tasks) > 1 else ""))
+    fn = _unit if jobs > 1 and len(tasks) > 1 else functools.partial(_unit, log=log)  # in-process: the caller's log
+    t_models = time.perf_counter()
+    trained = dict(zip(lm, experiment.run_units(fn, tasks, jobs=jobs, log=log, threads=threads)))
+    timings = {"setup": t_models - t0, "models": time.perf_counter() - t_models}
     rows, analyses, logs = {}, {}, {}
     for v in variants:
-        cfg = replace(base, gate=v).validate()
         run_dir = out / "runs" / v
-        summary = train_variant(cfg, run_dir, log)
-        analysis = analyze_variant(run_dir, cfg, b, batches)
+        # a finished run is reused here (a file read; its analysis too, when cached)
+        summary, analysis = trained.get(v) or _unit(("lm", (replace(base, gate=v).validate(), run_dir, b)), log)
         rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
         analyses[v], logs[v] = analysis, read_log(run_dir)
         r = rows[v]
@@ -347,20 +405,27 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         "analysis": {"batches": len(batches), "batch_size": int(batches[0].shape[0]), "seq_len": base.seq_len,
                      "tokens": int(sum(x.numel() for x in batches)), "first_token": "<|bos|>"},
         "rows": rows,
+        "layout": {"jobs": jobs, "threads_per_job": threads if jobs > 1 else None, "trained": len(tasks)},
         "wall_time_s": None,
     }
     lab = None
-    if sink_lab:
-        if sink_lab_changes:
-            b = replace(b, sink_lab=(b.sink_lab[0], {**b.sink_lab[1], **sink_lab_changes}))
+    t = time.perf_counter()
+    if sink_lab:  # every unit is trained by now: this aggregates them and writes the lab's report
         lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log, precision=base.precision)
         result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
+    timings["sink_lab_report"], t = time.perf_counter() - t, time.perf_counter()
     if streaming:
         result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)
+    timings["streaming"], t = time.perf_counter() - t, time.perf_counter()
     result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
-    result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)
+    timings["report"] = time.perf_counter() - t
+    # where this invocation's wall time went (reused runs cost nothing): setup (corpus check, precision), models
+    # (every LM variant + its analysis and the sink lab's units, `jobs` at a time), the sink lab's report, the
+    # streaming check, the claims table and plots
+    result["timings_s"] = timings
+    result["wall_time_s"] = time.perf_counter() - t0
     atomic_write_text(out / "compare.json", json_dumps(result, indent=1))
     atomic_write_text(out / "report.md", report.render_markdown(result))
     atomic_write_text(out / "report.html", report.render_html(result, out))

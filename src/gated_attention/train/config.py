@@ -13,8 +13,9 @@ import typing
 from dataclasses import dataclass, field, replace
 
 
-TRAINABLE = ("all", "gates")
-RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields  # what the optimizer updates (train.trainer.apply_trainable)
+TRAINABLE = ("all", "gates")  # what the optimizer updates (train.trainer.apply_trainable)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
+RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 
 
 @dataclass
@@ -52,6 +53,8 @@ class TrainConfig:
     precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: util/precision.py), "bf16", "fp32"
     fast: bool = True  # fused q/k/v/gate GEMM, fused gate, chunked loss (train/fastpath.py); false = plain reference
     compile: str = "auto"  # "auto" (compile when the run outlasts the compile cost), "true" or "false" (eager)
+    attn_implementation: str = "sdpa"  # attention kernel: "sdpa", "eager" (the reference), or "triton_gated" (CUDA +
+    # Triton: the G1 gate fused into a flash-attention kernel's epilogue); the same math, so a run may switch on resume
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
     dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
@@ -94,6 +97,9 @@ class TrainConfig:
             self.compile = compile_choice(self.compile)  # also accepts the bools older train_config.json files hold
         except ValueError as exc:
             bad(str(exc))
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            bad(f"attn_implementation={self.attn_implementation!r}; use one of {', '.join(ATTN_IMPLEMENTATIONS)} "
+                "(triton_gated needs a CUDA GPU)")
         if self.data not in ("corpus", "synthetic"):
             bad(f"data={self.data!r}; use 'corpus' or 'synthetic'")
         if self.dist not in ("ddp", "fsdp"):
@@ -312,14 +318,14 @@ def check_model(cfg: TrainConfig) -> None:
 
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
-                               "device",
+                               "device", "attn_implementation",
                                "grad_accum", "inject_nan_steps"})
 
 
 def run_precision(d: dict) -> str:
     """The precision a run computes in, from its settings dict (train_config.json, or a TrainConfig's to_dict()):
     the `resolved_precision` recorded beside the settings, else the setting resolved on this machine now
-    (gated_attention.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
+    (gated_attention.util.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
     if d.get("resolved_precision"):
         return d["resolved_precision"]
     asked = d.get("precision", "auto")

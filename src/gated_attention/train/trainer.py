@@ -1,6 +1,6 @@
 """The training loop: AdamW + schedule, accumulation, clipping, autocast, NaN skipping, spikes, eval, checkpoints.
 
-Numerics: `precision` ("auto" by default) is resolved once per run on rank 0 (gated_attention.precision: bf16 autocast
+Numerics: `precision` ("auto" by default) is resolved once per run on rank 0 (gated_attention.util.precision: bf16 autocast
 only where this machine runs it fast), logged, broadcast, written as `resolved_precision` beside the settings in
 train_config.json, in every checkpoint's meta.json and in summary.json; a run is never resumed or reused in another
 resolved precision (train.config.changed_settings).
@@ -35,7 +35,8 @@ from .config import RESUMABLE_CHANGES, TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
 # the model and optimizer set-up lives in model_setup.py; re-exported here for callers that import it from trainer
-from .model_setup import apply_trainable, build_model, build_model_config, load_init_model, param_groups  # noqa: F401
+from .model_setup import (apply_trainable, build_model, build_model_config, check_attn_implementation,  # noqa: F401
+                          load_init_model, param_groups)
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .monitors import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
@@ -263,6 +264,7 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path, want
 
 def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run:
     """Data source, model (wrapped for DDP/FSDP, optionally compiled), optimizer and fresh counters."""
+    check_attn_implementation(cfg.attn_implementation, info.device)  # triton_gated: a GPU, or one clear line
     # model: same seed on every rank, so replicas start identical
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)

@@ -101,6 +101,19 @@ def bf16_speedup(device=None) -> float | None:
     return _cache[dev.type]
 
 
+def shared_measurement() -> float | None:
+    """This process's measured CPU bf16 speed-up, if it has measured one (else None): a job hands it to its worker
+    processes (experiment.run_units), so every model of one job resolves "auto" alike, whatever the load on the
+    core each worker happens to time its GEMM on."""
+    return _cache.get("cpu")
+
+
+def adopt_measurement(ratio: float | None) -> None:
+    """Use a parent process's measurement (shared_measurement) instead of timing again; None leaves this one alone."""
+    if ratio is not None:
+        _cache["cpu"] = float(ratio)
+
+
 def resolve(precision: str = "auto", device=None) -> str:
     """'bf16' or 'fp32' for a requested precision on `device` (None/'auto': cuda if present, else cpu)."""
     check(precision)

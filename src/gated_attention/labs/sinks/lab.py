@@ -4,7 +4,7 @@ Each variant (a gate name from `gattn gates`, or a runtime baseline mechanism su
 LM (`GatedQwen3ForCausalLM` from `presets.model_config` with small-shape overrides: 1-3 layers, default 1 layer,
 1 head, d=128) trained on the task (backcopy.py) with the project's optimizer conventions (AdamW, weight decay on
 matrices only via the trainer's `param_groups`, warm-up + cosine/WSD from `train.schedule`, global-norm clipping,
-autocast in the resolved precision: gated_attention.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
+autocast in the resolved precision: gated_attention.util.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
 starts from the same seed. A compact loop is used instead of the trainer: a 1-layer model's step is ~20 ms, where
 the trainer's per-step bookkeeping and per-domain evaluation would dominate, and the lab needs metrics *during*
 training (learning curves) that the trainer does not compute.
@@ -454,6 +454,17 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- the lab
 
+def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[int, dict | None]]:
+    """Every variant x seed unit of the lab as a `train_unit` job, seed-major (an interrupted lab has every variant
+    at its first seeds, not some variants at none), and the finished ones' results by index (None = still to train).
+    `gattn compare` trains the pending ones in its own worker pool next to its LM variants."""
+    out = Path(out)
+    jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
+                 for v in cfg.variants]
+    return jobs_list, {i: load_unit(Path(j[3]) / "result.json", _unit_key(cfg, j[1], j[2]))
+                       for i, j in enumerate(jobs_list)}
+
+
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
@@ -463,14 +474,11 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    # seed-major order: an interrupted lab has every variant at its first seeds, not some variants at none
-    jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
-                 for v in cfg.variants]
+    jobs_list, done = unit_jobs(cfg, out)
     from gated_attention.util.precision import describe, resolve
 
     log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
         f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
-    done = {i: load_unit(Path(j[3]) / "result.json", _unit_key(cfg, j[1], j[2])) for i, j in enumerate(jobs_list)}
     pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
     if len(pending) < len(jobs_list):
         log(f"reusing {len(jobs_list) - len(pending)} finished model(s)")

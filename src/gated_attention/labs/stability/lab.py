@@ -89,7 +89,7 @@ class LabConfig:
     seed_lrs: str = "edge"  # extra seeds at the LRs around the edge of stability ("edge") or at every LR ("all")
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
-    precision: str = "auto"  # training numerics; resolved once (gated_attention.precision) and keyed per run
+    precision: str = "auto"  # training numerics; resolved once (gated_attention.util.precision) and keyed per run
 
     def validate(self) -> "LabConfig":
         from gated_attention.gates import GATES, canonical_name
