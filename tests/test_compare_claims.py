@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gated_attention import compare_claims as C
+from gated_attention.compare import claims as C
 
 
 def _rows(base_ppl=20.0, g_ppl=(18.0, 18.5), f=(0.08, 0.025, 0.026), u=0.024, mact=(300.0, 100.0, 120.0),

@@ -4,7 +4,7 @@ Each variant (a gate name from `gattn gates`, or a runtime baseline mechanism su
 LM (`GatedQwen3ForCausalLM` from `presets.model_config` with small-shape overrides: 1-3 layers, default 1 layer,
 1 head, d=128) trained on the task (backcopy.py) with the project's optimizer conventions (AdamW, weight decay on
 matrices only via the trainer's `param_groups`, warm-up + cosine/WSD from `train.schedule`, global-norm clipping,
-autocast in the resolved precision: gated_attention.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
+autocast in the resolved precision: gated_attention.util.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
 starts from the same seed. A compact loop is used instead of the trainer: a 1-layer model's step is ~20 ms, where
 the trainer's per-step bookkeeping and per-domain evaluation would dominate, and the lab needs metrics *during*
 training (learning curves) that the trainer does not compute.
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .backcopy import BackcopyTask
-from .common import load_unit, mean_std, run_units, save_unit
+from ..common import load_unit, mean_std, run_units, save_unit
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
@@ -96,7 +96,7 @@ class SinkLabConfig:
         for k in ("seeds", "steps", "batch_size", "eval_every", "eval_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
-        from gated_attention.precision import check
+        from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
         if not 0.0 <= self.decay_frac <= 1.0:
@@ -131,7 +131,7 @@ BUDGETS: dict[str, tuple[str, dict]] = {
 def resolve_variant(name: str) -> tuple[str, str]:
     """(gate, baseline) of a variant name: a gate from `gattn gates` (ungated = `baseline`), or a runtime baseline
     mechanism (sink_logits, bondarenko_gate, clipped_softmax, forgetting, ...) on the ungated model."""
-    from gated_attention.baselines import get_baseline
+    from gated_attention.mechanisms import get_mechanism
     from gated_attention.gates import GATES, canonical_name
 
     try:
@@ -141,13 +141,13 @@ def resolve_variant(name: str) -> tuple[str, str]:
     except (ValueError, KeyError):
         pass
     try:
-        spec = get_baseline(name)
+        spec = get_mechanism(name)
     except ValueError:
         spec = None
     if spec is None or not spec.runtime:
-        from gated_attention.baselines import BASELINES
+        from gated_attention.mechanisms import MECHANISMS
 
-        runtime = [n for n, s in BASELINES.items() if s.runtime]
+        runtime = [n for n, s in MECHANISMS.items() if s.runtime]
         raise ValueError(f"unknown variant {name!r}; valid: a gate ({', '.join(GATES)}) or a baseline mechanism "
                          f"({', '.join(runtime)}); see `gattn gates`")
     return "none", name
@@ -181,10 +181,10 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
     """Every lab metric of `model` on held-out sequences seqs (B, T+1): headline scalars + per-layer lists."""
     import torch
 
-    from gated_attention.baselines import HeadSliceGate
+    from gated_attention.mechanisms import HeadSliceGate
     from gated_attention.capture import Recorder, capture
 
-    from . import sink_metrics as M
+    from . import metrics as M
 
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
     masks = task.masks(inputs)
@@ -192,7 +192,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
     rec = Recorder(names={"attn_probs", "v", "gate", "ffn_residual"}, wants_probs=True)
     layer_in, hooks = {}, []
     for i, layer in enumerate(model.model.layers):  # Bondarenko's gate is not a registry gate: read its input
-        if isinstance(layer.self_attn.baseline, HeadSliceGate):
+        if isinstance(layer.self_attn.mechanism, HeadSliceGate):
             hooks.append(layer.self_attn.register_forward_pre_hook(
                 lambda _m, args, i=i: layer_in.__setitem__(i, args[0].detach())))
     was_training = model.training
@@ -210,7 +210,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
         probs = rec.get(i, "attn_probs").float()  # (B, H, T, S)
         gate = rec.get(i, "gate")
         if i in layer_in:
-            gate = model.model.layers[i].self_attn.baseline.score(layer_in[i]).unsqueeze(-1)  # (B, T, H, 1)
+            gate = model.model.layers[i].self_attn.mechanism.score(layer_in[i]).unsqueeze(-1)  # (B, T, H, 1)
         elif gate is not None and gate.dim() == 3:
             gate = gate.unsqueeze(-2)  # G5 after o_proj: (B, T, 1, d), one "head"
         dormant_rows = probs.sum(-1)  # (B, H, T): < 1 where probability went to no key (learned sink, clipping)
@@ -262,7 +262,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
 # ---------------------------------------------------------------- one unit: a variant x seed
 
 def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     d = asdict(cfg)
     for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
@@ -276,7 +276,7 @@ def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
 def _save_ckpt(path: Path, state: dict) -> None:
     import torch
 
-    from gated_attention.io import atomic_write_bytes
+    from gated_attention.util.io import atomic_write_bytes
 
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -293,7 +293,7 @@ def train_unit(job: tuple) -> dict:
     from gated_attention.train.schedule import lr_at
     from gated_attention.train.trainer import param_groups
 
-    from .sink_metrics import trailing_mean
+    from .metrics import trailing_mean
 
     cfg_d, variant, seed, unit_dir = job
     cfg = SinkLabConfig(**cfg_d)
@@ -428,7 +428,7 @@ def load_run(path: str | Path) -> SinkRun:
 
     The folder is also a plain HF model folder: `GatedQwen3ForCausalLM.from_pretrained(path)` loads the same model;
     this helper adds the task (BackcopyTask) and the lab config it was trained with."""
-    from gated_attention.io import read_json_object
+    from gated_attention.util.io import read_json_object
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     path = Path(path)
@@ -474,14 +474,14 @@ def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[in
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
-    from . import sinks_report
+    from . import report
 
     cfg.validate()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     jobs_list, done = unit_jobs(cfg, out)
-    from gated_attention.precision import describe, resolve
+    from gated_attention.util.precision import describe, resolve
 
     log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
         f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
@@ -516,9 +516,9 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in sinks_report.make_plots(out / "plots", lab).items()}
-    from gated_attention.io import atomic_write_text
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    from gated_attention.util.io import atomic_write_text
 
     atomic_write_text(out / "lab.json", json.dumps(lab, indent=1))
-    sinks_report.write(out, lab)
+    report.write(out, lab)
     return lab
