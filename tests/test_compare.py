@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from gated_attention import cli
-from gated_attention import compare as C
+from gated_attention.compare import job as C
 
 @pytest.fixture(scope="module")
 def small_run(tiny_corpus, tmp_path_factory):
@@ -199,3 +199,20 @@ def test_small_budget_on_default_corpus(tmp_path):
     res = json.loads((out / "compare.json").read_text())
     assert set(res["rows"]) == set(C.DEFAULT_VARIANTS)
     assert (out / "report.html").exists() and (out / "report.md").exists()
+
+
+def test_units_are_scheduled_longest_first_and_finished_ones_skipped(small_run, tiny_corpus, tmp_path):
+    """compare's layout: the LM variants to train first (each unit also analyses its model), then the sink lab's
+    pending units, which fill the second worker while the last LM variant trains; finished models get no worker."""
+    from dataclasses import replace
+
+    b = C.BUDGETS["small"]
+    base = C.budget_config("small", str(tiny_corpus))
+    sink_cfg = C.sink_lab_config(b, list(C.DEFAULT_VARIANTS), base.precision)
+    fresh = C.schedule_units(tmp_path / "new", base, list(C.DEFAULT_VARIANTS), b, sink_cfg)
+    assert [t[0] for t in fresh] == ["lm"] * 3 + ["sink"] * 3 * sink_cfg.seeds
+    assert [t[1][0].gate for t in fresh[:3]] == list(C.DEFAULT_VARIANTS)
+    assert [t[1][1] for t in fresh[3:6]] == list(C.DEFAULT_VARIANTS)  # (cfg, variant, seed, dir): seed-major
+    assert C.schedule_units(small_run, base, list(C.DEFAULT_VARIANTS), b, sink_cfg) == []  # all finished
+    assert len(C.schedule_units(tmp_path / "new", base, ["baseline"], b, None)) == 1  # --no-sink-lab
+    assert replace(base, gate="baseline").validate() == fresh[0][1][0]

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from gated_attention import precision as P
+from gated_attention.util import precision as P
 from gated_attention.train.config import TrainConfig, changed_settings, describe_changes, run_precision, tiny
 
 FAST, SLOW = "2.0", "0.02"  # fp32 time / bf16 time: an AMX/AVX512-BF16 CPU, and an AVX2-only one (emulated bf16)
@@ -114,7 +114,7 @@ def _tiny_cfg(**kw):
 
 def test_trainer_records_and_refuses_another_resolution(cpu_kind, tmp_path, capsys):
     from gated_attention import experiment
-    from gated_attention.errors import UserError
+    from gated_attention.util.errors import UserError
 
     cpu_kind(SLOW)
     run = tmp_path / "run"
@@ -133,7 +133,7 @@ def test_trainer_records_and_refuses_another_resolution(cpu_kind, tmp_path, caps
 
 
 def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
-    from gated_attention.labs.sinks import SinkLabConfig, _unit_key
+    from gated_attention.labs.sinks.lab import SinkLabConfig, _unit_key
 
     cfg = SinkLabConfig()
     assert cfg.precision == "auto"
@@ -146,7 +146,7 @@ def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
 
 
 def test_stability_runs_carry_a_concrete_precision(cpu_kind):
-    from gated_attention.labs import stability as stab
+    from gated_attention.labs.stability import lab as stab
 
     lab = stab.LabConfig(budget="small").validate()
     cpu_kind(FAST)
@@ -156,3 +156,20 @@ def test_stability_runs_carry_a_concrete_precision(cpu_kind):
     assert (fast.precision, slow.precision) == ("bf16", "fp32")  # the run's key (its TrainConfig dict) differs
     with pytest.raises(ValueError, match="fp16"):
         stab.LabConfig(precision="fp16").validate()
+
+
+def _worker_resolution(_):
+    return P.bf16_speedup("cpu"), P.resolve("auto", "cpu")
+
+
+def test_worker_processes_adopt_the_parents_measurement(cpu_kind, monkeypatch):
+    """Every unit of one job resolves "auto" alike: spawned workers (experiment.run_units) take the parent's measured
+    speed-up instead of timing a GEMM on whatever core they land on (a loaded core could flip the answer)."""
+    from gated_attention import experiment
+
+    cpu_kind(None)
+    monkeypatch.setattr(P, "_cache", {"cpu": 0.37})  # as if this process had measured an emulated-bf16 CPU
+    assert P.shared_measurement() == 0.37
+    assert experiment.run_units(_worker_resolution, [0, 1], jobs=2) == [(0.37, "fp32")] * 2
+    P.adopt_measurement(None)  # nothing measured in the parent: the worker keeps its own (measures if asked)
+    assert P.shared_measurement() == 0.37

@@ -13,8 +13,9 @@ import typing
 from dataclasses import dataclass, field, replace
 
 
-TRAINABLE = ("all", "gates")
-RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields  # what the optimizer updates (train.trainer.apply_trainable)
+TRAINABLE = ("all", "gates")  # what the optimizer updates (train.trainer.apply_trainable)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
+RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 
 
 @dataclass
@@ -49,9 +50,11 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
     # --- numerics and speed
-    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: precision.py), "bf16", "fp32"
+    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: util/precision.py), "bf16", "fp32"
     fast: bool = True  # fused q/k/v/gate GEMM, fused gate, chunked loss (train/fastpath.py); false = plain reference
     compile: str = "auto"  # "auto" (compile when the run outlasts the compile cost), "true" or "false" (eager)
+    attn_implementation: str = "sdpa"  # attention kernel: "sdpa", "eager" (the reference), or "triton_gated" (CUDA +
+    # Triton: the G1 gate fused into a flash-attention kernel's epilogue); the same math, so a run may switch on resume
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
     dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
@@ -66,13 +69,13 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
-    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (progress.py)
+    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
     inject_nan_steps: list[int] = field(default_factory=list)  # fault injection for tests: make these steps' loss NaN
 
     def validate(self) -> "TrainConfig":
         def bad(msg: str):
-            from gated_attention.errors import UserError
+            from gated_attention.util.errors import UserError
 
             raise UserError(f"invalid training config: {msg}")
 
@@ -80,7 +83,7 @@ class TrainConfig:
             bad(f"schedule={self.schedule!r}; use 'cosine' or 'wsd'")
         if self.wsd_decay_shape not in ("linear", "sqrt"):
             bad(f"wsd_decay_shape={self.wsd_decay_shape!r}; use 'linear' or 'sqrt'")
-        from gated_attention import precision as P
+        from gated_attention.util import precision as P
 
         try:
             P.check(self.precision)
@@ -94,13 +97,16 @@ class TrainConfig:
             self.compile = compile_choice(self.compile)  # also accepts the bools older train_config.json files hold
         except ValueError as exc:
             bad(str(exc))
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            bad(f"attn_implementation={self.attn_implementation!r}; use one of {', '.join(ATTN_IMPLEMENTATIONS)} "
+                "(triton_gated needs a CUDA GPU)")
         if self.data not in ("corpus", "synthetic"):
             bad(f"data={self.data!r}; use 'corpus' or 'synthetic'")
         if self.dist not in ("ddp", "fsdp"):
             bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
         if self.device not in ("auto", "cpu", "cuda"):
             bad(f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'")
-        from gated_attention.errors import UserError, check_number
+        from gated_attention.util.errors import UserError, check_number
 
         try:  # numbers where they enter: finite, in range, integers where counts
             for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
@@ -312,20 +318,20 @@ def check_model(cfg: TrainConfig) -> None:
 
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
-                               "device",
+                               "device", "attn_implementation",
                                "grad_accum", "inject_nan_steps"})
 
 
 def run_precision(d: dict) -> str:
     """The precision a run computes in, from its settings dict (train_config.json, or a TrainConfig's to_dict()):
     the `resolved_precision` recorded beside the settings, else the setting resolved on this machine now
-    (gated_attention.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
+    (gated_attention.util.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
     if d.get("resolved_precision"):
         return d["resolved_precision"]
     asked = d.get("precision", "auto")
     if asked in ("bf16", "fp32"):
         return asked
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     return resolve(asked, d.get("device", "auto"))
 

@@ -1,0 +1,432 @@
+"""`gattn compare`: the main job. Train the ungated baseline and gated variants on the same data, seed and parameter
+budget, evaluate per-domain perplexity, measure attention sinks / massive activations / gate statistics, and write a
+report in the form of the paper's Table 4 (report.md, a self-contained report.html, compare.json, PNG plots).
+
+Layout of OUT (default runs/compare):
+
+  OUT/runs/<variant>/    one trainer run per variant (log.jsonl, checkpoints/, final/, summary.json) + analysis.json
+  OUT/plots/*.png        loss curves, per-layer F-Attn/M-Act, attention maps, gate histograms
+  OUT/compare.json       every number in the report
+  OUT/report.md, OUT/report.html
+
+Re-running reuses work: a variant whose summary.json exists (with the same settings) is not retrained, a run that was
+interrupted resumes from its last checkpoint (the trainer's exact resume), and analysis.json is reused when its
+settings match. Changing a setting for an existing OUT fails loudly instead of silently mixing runs.
+
+Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `--set` overrides them further.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from .. import experiment
+from ..util.io import atomic_write_text, json_dumps
+
+# variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
+DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
+DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
+
+
+@dataclass
+class Budget:
+    """A named training budget: changes over the `small` training preset, plus analysis size."""
+
+    help: str
+    train: dict  # TrainConfig fields (model_overrides = model-config fields)
+    analysis_batches: int = 4  # val batches (of eval_batch_size windows) per domain fed to the analysis
+    map_len: int = 64  # tokens shown in the attention-map plots
+    data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
+    vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with
+    # the small sink lab compare runs after the LM variants: a `gattn lab sinks` budget name plus changes to it
+    # (its share of the job's time: seeds, steps, ...)
+    sink_lab: tuple = ("default", {"seeds": 1})
+    # the streaming check on this run's models (`gattn lab streaming`): window = this fraction of each model's
+    # training length, these sink-token counts (0 = a plain window), this many held-out sequences per model
+    streaming: dict = field(default_factory=lambda: {"window_frac": 0.25, "sink_tokens": (0, 4), "sequences": 16})
+
+
+# Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the
+# time budget, the fixed <|bos|> first token (the data sampler's default) so a sink has something to form on, a high
+# peak LR with weight decay 0.1 (both make sinks appear sooner, Gu et al. 2024). The baseline's massive activations
+# (`default`: M-Act ~300 against ~170 gated; `long`: 80 vs 30 at 1.2M tokens, 131 vs 56 at the end) and the gated
+# models' lower PPL show within ~1M tokens. A first-token sink does not: F-Attn stays at the uniform-attention level
+# (1/(t+1) averaged over queries) for the first ~2.5M tokens and then grows steadily, mostly in layer 0 (measured with
+# `long` on a 1024-token-vocabulary corpus: baseline F-Attn 1.25x uniform at 4.3M tokens, 1.63x at 8.6M, 1.79x at the
+# end (12.3M; layer 0 3.7x), while G1 elementwise, same tokens, ends at 1.15x with layer 0 at 1.4x, and 5 % lower val
+# PPL). No head passes Gu et al.'s 0.3 threshold at this size, and the growth flattens as the cosine LR decays.
+# Turning QK-norm off, or a higher LR/weight decay on code only, did not make it appear sooner. Hence `long`: windows
+# of 256 (a lower uniform level, more keys to park on) and ~12M tokens. A 1024-token vocabulary makes each token ~2x
+# cheaper (the LM head dominates this model) and is what `long` was measured with. `default` = `long`'s setting for
+# 1400 steps with a WSD schedule (the growth slowed exactly when the cosine LR fell, so WSD holds the peak): measured
+# baseline F-Attn 0.037 = 1.54x uniform at 5.7M tokens (docs/experiments/sink_emergence.md). `quick` = the earlier
+# 1.2M-token default: massive activations and the PPL gain, no sink yet.
+_CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
+BUDGETS: dict[str, Budget] = {
+    "small": Budget(
+        help="CI smoke run: a ~0.6M-parameter 2-layer model, 60 steps per variant (a minute or two on 2 cores)",
+        train=dict(seq_len=64, batch_size=8, steps=60, lr=3e-3, min_lr=3e-4, warmup_steps=6, eval_every=0,
+                   eval_batches=2, eval_batch_size=4, stats_every=20, spike_window=20, ckpt_every=30,
+                   model_overrides=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
+        analysis_batches=1, map_len=32, sink_lab=("small", {"seeds": 1})),
+    "quick": Budget(
+        help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model (8k-vocabulary corpus, windows of 128): "
+             "about 5 minutes for three variants on 2 quiet CPU cores; shows the massive activations and the PPL "
+             "gain, not yet a first-token sink",
+        train=dict(seq_len=128, batch_size=16, steps=600, lr=6e-3, min_lr=6e-5, warmup_steps=30, weight_decay=0.1,
+                   eval_every=0, eval_batches=4, eval_batch_size=8, stats_every=50, spike_window=50,
+                   ckpt_every=100, model_overrides=dict(_CPU_SHAPE))),
+    "default": Budget(
+        help="~5.7M tokens per variant in windows of 256 on the same model, WSD schedule (holds the peak LR, where "
+             "the sink grows), on the default sources with a 1024-token vocabulary (prepared automatically in "
+             "data_v1k unless --data-dir is given): about 15 minutes for three variants on 2 quiet CPU cores; the "
+             "baseline's first-token sink is visible (F-Attn 1.5x uniform) and the gated models stay near uniform",
+        train=dict(seq_len=256, batch_size=16, steps=1400, lr=6e-3, min_lr=6e-5, warmup_steps=50, weight_decay=0.1,
+                   schedule="wsd", eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200,
+                   spike_window=50, ckpt_every=700, model_overrides=dict(_CPU_SHAPE)),
+        data_dir="data_v1k", vocab_size=1024),
+    "long": Budget(
+        help="the budget that shows the first-token sink forming: ~12M tokens per variant in windows of 256 (same "
+             "model, cosine schedule) on the 1024-token-vocabulary corpus: about 40 minutes for three variants on 2 "
+             "quiet CPU cores; the sink is clearer (baseline 1.8x uniform, layer 0 3.7x)",
+        train=dict(seq_len=256, batch_size=16, steps=3000, lr=6e-3, min_lr=6e-5, warmup_steps=100, weight_decay=0.1,
+                   eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200, spike_window=50,
+                   ckpt_every=500, model_overrides=dict(_CPU_SHAPE)),
+        data_dir="data_v1k", vocab_size=1024),
+}
+
+
+# ---------------------------------------------------------------- configuration
+
+def budget_config(budget: str, data_dir: str, sets: list[str] | None = None):
+    """The TrainConfig shared by every variant (gate = baseline) for a budget, with `--set` overrides applied."""
+    from gated_attention.presets import model_config
+    from gated_attention.train.config import apply_overrides, train_preset
+
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
+    b = BUDGETS[budget]
+    # each run reports progress (a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL s otherwise); TensorBoard
+    # files are noise here
+    cfg = replace(train_preset("small"), **b.train, data="corpus", data_dir=str(data_dir), gate="baseline",
+                  progress=True, tensorboard=False)
+    fields = model_config(cfg.model, gate="baseline").to_dict()
+    cfg = apply_overrides(cfg, list(sets or []), fields)
+    if cfg.gate != "baseline":
+        raise ValueError("--set gate=... is not allowed in compare; choose gates with --variants")
+    return cfg
+
+
+def check_variants(variants: list[str]) -> list[str]:
+    from gated_attention.gates import ALIASES, GATES
+
+    bad = [v for v in variants if v not in GATES and v not in ALIASES]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)}, or an alias: {', '.join(ALIASES)} "
+                         f"(see `gattn gates`)")
+    if len(set(variants)) != len(variants):
+        raise ValueError(f"--variants lists a variant twice: {variants}")
+    return list(variants)
+
+
+def ensure_data(data_dir: str | Path, log=print, vocab_size: int = 8192) -> Path:
+    """Prepare the default corpus in `data_dir` if it has no manifest yet (experiment.ensure_corpus)."""
+    return experiment.ensure_corpus(data_dir, vocab_size, log, "[compare]")
+
+
+# ---------------------------------------------------------------- one variant: train (or reuse), then analyse
+
+def train_variant(cfg, run_dir: Path, log=print) -> dict:
+    """Train into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's content."""
+    return experiment.train_or_reuse(cfg, run_dir, log, "[compare]")
+
+
+def analysis_batches(cfg, budget: Budget):
+    """Val windows of every domain, each starting with <|bos|> as in training: a list of (b, T) LongTensors."""
+    from gated_attention import data
+
+    corpus = data.Corpus(cfg.data_dir)
+    batches = []
+    for domain in corpus.domains:
+        for b in data.eval_batches(corpus, domain, cfg.seq_len, budget.analysis_batches, cfg.eval_batch_size):
+            batches.append(b[:, :-1])  # (b, T): inputs only
+    if not batches:
+        raise ValueError(f"no validation windows of {cfg.seq_len} tokens in {cfg.data_dir}; lower seq_len")
+    return batches
+
+
+def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
+    """analysis.json of the variant's final model (reused when the analysis settings match)."""
+    from gated_attention.analysis import AnalysisConfig, analyze_model, load_model
+
+    final = run_dir / "final" / "model.safetensors"
+    key = {"seq_len": cfg.seq_len, "batches": len(batches), "batch_size": int(batches[0].shape[0]),
+           "map_len": budget.map_len, "final_mtime": final.stat().st_mtime if final.exists() else None}
+
+    def compute() -> dict:
+        model, kind = load_model(run_dir / "final")
+        return analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
+
+    return experiment.cached(run_dir / "analysis.json", key, compute, lambda m: None, "[compare]",
+                             key_field="compare_key", indent=None, inputs=("final_mtime",))
+
+
+def count_params(run_dir: Path) -> int:
+    from gated_attention.presets import param_report
+    from gated_attention.configuration import GatedQwen3Config
+
+    conf = GatedQwen3Config.from_pretrained(run_dir / "final")
+    return int(param_report(conf)["total"])
+
+
+def read_log(run_dir: Path) -> list[dict]:
+    from ..util.io import read_jsonl
+
+    return read_jsonl(run_dir / "log.jsonl")
+
+
+# ---------------------------------------------------------------- the whole job
+
+def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
+    """The numbers compare.json keeps per variant (Table 4 columns first)."""
+    a = analysis
+    return {
+        "variant": name,
+        "params": params,
+        "avg_ppl": summary.get("avg_ppl"),
+        "gate_mean": a.get("gate_mean"),
+        "m_act": a.get("max_abs_hidden"),
+        "f_attn": a.get("first_token_attention"),
+        "f_attn_max_layer": max((e.get("first_token_attention") or 0.0 for e in a.get("layers", [])), default=None),
+        "spikes": summary.get("spikes"),
+        "uniform_f_attn": a.get("uniform_first_token_attention"),
+        "sink_rate": a.get("sink_rate"),
+        "val_ppl": summary.get("val_ppl"),
+        "val_losses": summary.get("val_losses"),
+        "final_loss_avg10": summary.get("final_loss_avg10"),
+        "skipped_steps": summary.get("skipped_steps"),
+        "diverged": summary.get("diverged"),
+        "tokens": summary.get("tokens"),
+        "train_wall_time_s": summary.get("wall_time_s"),
+        "analysis_loss": a.get("loss"),
+        "max_abs_attn_output": a.get("max_abs_attn_output"),
+        "max_abs_ffn_output": a.get("max_abs_ffn_output"),
+        "mean_abs_y_pre_gate": a.get("mean_abs_y_pre_gate"),
+        "mean_abs_y_post_gate": a.get("mean_abs_y_post_gate"),
+        **{k: a.get(k) for k in ("sparsity_pre_gate_0.01", "sparsity_post_gate_0.01",
+                                 "sparsity_pre_gate_x_mean_gate_0.01")},
+        "per_layer": {
+            "f_attn": [e.get("first_token_attention") for e in a.get("layers", [])],
+            "m_act": [e.get("max_abs_hidden") for e in a.get("layers", [])],
+            "gate_mean": [e.get("gate_mean") for e in a.get("layers", [])],
+        },
+    }
+
+
+def sink_lab_config(budget: Budget, variants: list[str], precision: str = "auto"):
+    """The budget's `gattn lab sinks` settings on compare's variants, in the LM runs' precision setting."""
+    from gated_attention.labs.sinks import lab as sinks
+
+    name, changes = budget.sink_lab
+    return replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
+                                            "precision": precision})
+
+
+def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print,
+                 precision: str = "auto") -> dict:
+    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
+    LM runs' precision setting."""
+    from gated_attention.labs.sinks import lab as sinks
+
+    cfg = sink_lab_config(budget, variants, precision)
+    log(f"[compare] sink lab ({budget.sink_lab[0]} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
+    return sinks.run_lab(cfg, out, jobs=jobs or experiment.default_jobs(),
+                         log=lambda m: log(f"[compare] sink lab: {m}"))
+
+
+def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
+    """What compare.json keeps of its sink lab: per-variant means/stds, the table and plot paths (relative to out)."""
+    from gated_attention.labs.sinks import report as sinks_report
+
+    head, rows = sinks_report.table_cells(lab)
+    return {"dir": str(lab_dir.relative_to(out)), "task": lab["task"], "config": lab["config"],
+            "variants": {v: {"mean": x["mean"], "std": x["std"], "seeds": len(x["per_seed"])}
+                         for v, x in lab["variants"].items()},
+            "table": {"head": head, "rows": rows},
+            "plots": {k: str((lab_dir / p).relative_to(out)) for k, p in lab.get("plots", {}).items()}}
+
+
+def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | None, log=print) -> dict:
+    """`gattn lab streaming` on this run's text models (OUT/streaming/text) and, when the sink lab ran, on its models
+    (OUT/streaming/sink_lab); returns what compare.json keeps (streaming_summary)."""
+    from gated_attention.labs.streaming import lab as streaming
+
+    s = budget.streaming
+    runs = {"text": ([str(out)], seq_len)}
+    if lab:
+        runs["sink lab"] = ([str(out / "sink_lab")], lab["task"]["seq_len"])
+    labs = {}
+    for src, (models, length) in runs.items():
+        cfg = streaming.StreamingConfig(models=models, window=max(1, int(length * s["window_frac"])),
+                                        sink_tokens=list(s["sink_tokens"]), sequences=s["sequences"])
+        labs[src] = streaming.run_streaming(cfg, out / "streaming" / src.replace(" ", "_"),
+                                            log=lambda m: log(f"[compare] {m}"))
+    return streaming_summary(labs, out)
+
+
+def streaming_summary(labs: dict, out: Path) -> dict:
+    """compare.json's "streaming": per source (text / sink lab) its window, every model's loss/ppl (no curves),
+    the sink lab's by-variant means, one table and the plots (paths relative to out)."""
+    from gated_attention.labs.streaming import report as streaming_report
+
+    models, head, rows = {}, None, []
+    for src, lab in labs.items():
+        for name, m in lab["models"].items():
+            models[name] = {"kind": m["kind"], "variant": m["variant"], "seq_len": m["seq_len"],
+                            "full": {k: v for k, v in m["full"].items() if k != "per_position"},
+                            "window": {k: {a: b for a, b in w.items() if a != "per_position"}
+                                       for k, w in m["window"].items()}}
+        h, r = streaming_report.table(lab)
+        head = h if head is None or len(h) > len(head) else head
+        rows += [x + [""] * (len(head) - len(x)) for x in r]
+    text = [m for m in models.values() if m["kind"] == "text"]
+    text_summary = ", ".join(
+        f"{m['variant'].removeprefix('sdpa_')} {m['window']['0']['loss'] - m['full']['loss']:+.3f}"
+        for m in text if "0" in m["window"])
+    first = next(iter(labs.values()))
+    return {"dir": "streaming", "window": {src: lab["config"]["window"] for src, lab in labs.items()},
+            "sink_tokens": first["config"]["sink_tokens"], "models": models,
+            "by_variant": (labs.get("sink lab") or {}).get("by_variant") or {},
+            "text_summary": f"plain-window Δloss {text_summary}" if text_summary else "",
+            "table": {"head": head, "rows": rows},
+            "plots": {f"{src} per-position loss": str(((out / "streaming" / src.replace(" ", "_")) / p).relative_to(out))
+                      for src, lab in labs.items() for p in lab.get("plots", {}).values()},
+            "cpu_time_s": sum(lab["cpu_time_s"] for lab in labs.values())}
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _unit(task: tuple, log=_stderr):
+    """One model of the job, in a worker process or in-process: ("lm", (cfg, run_dir, budget)) trains (or reuses /
+    resumes) an LM variant and analyses it -> (summary, analysis); ("sink", job) trains one sink-lab unit."""
+    kind, payload = task
+    if kind == "sink":
+        from gated_attention.labs.sinks import lab as sinks
+
+        return sinks.train_unit(payload)
+    cfg, run_dir, budget = payload
+    summary = train_variant(cfg, run_dir, log)
+    return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
+
+
+def schedule_units(out: Path, base, variants: list[str], budget: Budget, sink_cfg) -> list[tuple]:
+    """The job's models still to train as `_unit` tasks, longest first: the LM variants, then the sink lab's units
+    (short ones that fill the second core while the last LM variant trains). Finished ones need no worker."""
+    tasks = [("lm", (replace(base, gate=v).validate(), out / "runs" / v, budget)) for v in variants
+             if not experiment.is_finished(out / "runs" / v)]
+    if sink_cfg is not None:
+        from gated_attention.labs.sinks import lab as sinks
+
+        jobs_list, done = sinks.unit_jobs(sink_cfg, out / "sink_lab")
+        tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
+    return tasks
+
+
+def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
+                variants: list[str] | None = None, sets: list[str] | None = None, log=print,
+                sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
+                longctx: str | Path | None = "runs/longctx", jobs: int | None = None,
+                streaming: bool = True, sink_lab_changes: dict | None = None) -> dict:
+    """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
+    and plots into `out`; the report opens with the "Paper claims vs this run" table (claims.py), which also
+    reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
+    run the streaming check (sliding window with and without sink tokens) on the models. sink_lab_changes: changes
+    to the budget's sink-lab settings (e.g. {"seeds": 3}).
+
+    Layout (measured on the 2-core reference machine: compare's models train 1.15-1.2x faster two at a time with one
+    thread each than one after the other with two threads): the LM variants and the sink lab's models are
+    independent units, trained `jobs` at a time (default min(2, cores)) in worker processes of cores/jobs threads
+    (experiment.run_units), longest first, so the sink lab's short models fill the core the last LM variant leaves
+    free; each LM unit also runs its analysis. jobs=1: one after another in this process, with all its threads."""
+    from . import claims
+    from . import report
+
+    t0 = time.perf_counter()
+    variants = check_variants(list(variants or DEFAULT_VARIANTS))
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
+    b = BUDGETS[budget]
+    data_dir = ensure_data(data_dir or b.data_dir, log, b.vocab_size)
+    base = budget_config(budget, str(data_dir), sets)
+    out = Path(out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    batches = analysis_batches(base, b)
+    from ..util.precision import describe
+    from ..train.config import run_precision
+
+    log(f"[compare] {describe(base.precision, base.device)}")  # measured here once; the workers adopt it
+    if sink_lab and sink_lab_changes:
+        b = replace(b, sink_lab=(b.sink_lab[0], {**b.sink_lab[1], **sink_lab_changes}))
+    sink_cfg = sink_lab_config(b, variants, base.precision) if sink_lab else None
+    jobs = jobs or experiment.default_jobs()
+    tasks = schedule_units(out, base, variants, b, sink_cfg)
+    threads = max(1, experiment.cores() // jobs)
+    lm = [t[1][1].name for t in tasks if t[0] == "lm"]  # the variants to train (run folder = variant name)
+    if tasks:
+        log(f"[compare] {len(tasks)} models to train ({len(lm)} LM variants, {len(tasks) - len(lm)} sink-lab units), "
+            f"{jobs} at a time" + (f", {threads} thread(s) each" if jobs > 1 and len(tasks) > 1 else ""))
+    fn = _unit if jobs > 1 and len(tasks) > 1 else functools.partial(_unit, log=log)  # in-process: the caller's log
+    t_models = time.perf_counter()
+    trained = dict(zip(lm, experiment.run_units(fn, tasks, jobs=jobs, log=log, threads=threads)))
+    timings = {"setup": t_models - t0, "models": time.perf_counter() - t_models}
+    rows, analyses, logs = {}, {}, {}
+    for v in variants:
+        run_dir = out / "runs" / v
+        # a finished run is reused here (a file read; its analysis too, when cached)
+        summary, analysis = trained.get(v) or _unit(("lm", (replace(base, gate=v).validate(), run_dir, b)), log)
+        rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
+        analyses[v], logs[v] = analysis, read_log(run_dir)
+        r = rows[v]
+        log(f"[compare] {v}: Avg PPL {report.fmt(r['avg_ppl'], 3)}  F-Attn {report.fmt(r['f_attn'], 3)}  "
+            f"M-Act {report.fmt(r['m_act'], 1)}  gate {report.fmt(r['gate_mean'], 3)}  spikes {r['spikes']}")
+    result = {
+        "budget": budget,
+        "variants": variants,
+        "data_dir": str(data_dir),
+        "train_config": base.to_dict(),
+        "resolved_precision": run_precision(base.to_dict()),  # what every run trained in (runs are keyed on it)
+        "analysis": {"batches": len(batches), "batch_size": int(batches[0].shape[0]), "seq_len": base.seq_len,
+                     "tokens": int(sum(x.numel() for x in batches)), "first_token": "<|bos|>"},
+        "rows": rows,
+        "layout": {"jobs": jobs, "threads_per_job": threads if jobs > 1 else None, "trained": len(tasks)},
+        "wall_time_s": None,
+    }
+    lab = None
+    t = time.perf_counter()
+    if sink_lab:  # every unit is trained by now: this aggregates them and writes the lab's report
+        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log, precision=base.precision)
+        result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
+    timings["sink_lab_report"], t = time.perf_counter() - t, time.perf_counter()
+    if streaming:
+        result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)
+    timings["streaming"], t = time.perf_counter() - t, time.perf_counter()
+    result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
+    plots = report.make_plots(out / "plots", analyses, logs)
+    result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
+    timings["report"] = time.perf_counter() - t
+    # where this invocation's wall time went (reused runs cost nothing): setup (corpus check, precision), models
+    # (every LM variant + its analysis and the sink lab's units, `jobs` at a time), the sink lab's report, the
+    # streaming check, the claims table and plots
+    result["timings_s"] = timings
+    result["wall_time_s"] = time.perf_counter() - t0
+    atomic_write_text(out / "compare.json", json_dumps(result, indent=1))
+    atomic_write_text(out / "report.md", report.render_markdown(result))
+    atomic_write_text(out / "report.html", report.render_html(result, out))
+    return result

@@ -1,0 +1,270 @@
+"""Rendering of a `gattn compare` result: the Table-4 style table (text, Markdown, HTML), the loss-curve plot, and a
+self-contained report.html whose PNG plots are embedded as base64 data URIs (one file to mail or archive).
+
+The per-layer, attention-map and gate-histogram plots come from gated_attention.analysis.plots; only the loss-curve
+plot (which needs the training logs) lives here.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import math
+from pathlib import Path
+
+from ..experiment.report import html_table as _html_table, md_table as _md_table
+
+# (column title, row key, decimals); the first seven are the paper's Table 4 columns that we can measure
+TABLE4 = [("Variant", "variant", None), ("Params", "params", None), ("Avg PPL", "avg_ppl", 3),
+          ("Mean gate", "gate_mean", 3), ("M-Act", "m_act", 1), ("F-Attn", "f_attn", 3), ("Loss spikes", "spikes", 0),
+          ("F-Attn max layer", "f_attn_max_layer", 3), ("uniform F-Attn", "uniform_f_attn", 3),
+          ("Sink rate", "sink_rate", 2)]
+
+
+def fmt(v, digits: int | None = 3) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return str(v)
+    if isinstance(v, int) and digits in (None, 0):
+        return f"{v:,}"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return f"{v:.{digits}f}" if digits is not None else str(v)
+
+
+def _table4_cells(result: dict) -> tuple[list[str], list[list[str]]]:
+    head = [t for t, _, _ in TABLE4]
+    rows = [[fmt(r.get(k), d) if k != "variant" else r["variant"] for _, k, d in TABLE4]
+            for r in result["rows"].values()]
+    return head, rows
+
+
+def _domain_cells(result: dict) -> tuple[list[str], list[list[str]]]:
+    domains = []
+    for r in result["rows"].values():
+        for d in (r.get("val_ppl") or {}):
+            if d not in domains:
+                domains.append(d)
+    head = ["Variant"] + domains + ["Avg PPL"]
+    rows = [[r["variant"]] + [fmt((r.get("val_ppl") or {}).get(d), 2) for d in domains] + [fmt(r.get("avg_ppl"), 3)]
+            for r in result["rows"].values()]
+    return head, rows
+
+
+def _extra_cells(result: dict) -> tuple[list[str], list[list[str]]]:
+    cols = [("Variant", "variant", None), ("tokens", "tokens", 0), ("train s", "train_wall_time_s", 0),
+            ("final loss", "final_loss_avg10", 3), ("max |attn out|", "max_abs_attn_output", 1),
+            ("max |ffn out|", "max_abs_ffn_output", 1), ("mean |Y| pre gate", "mean_abs_y_pre_gate", 3),
+            ("mean |Y| post gate", "mean_abs_y_post_gate", 3), ("|Y|<1e-2 pre", "sparsity_pre_gate_0.01", 3),
+            ("|Y|<1e-2 post", "sparsity_post_gate_0.01", 3), ("|Y|<1e-2 pre×mean gate", "sparsity_pre_gate_x_mean_gate_0.01", 3),
+            ("skipped steps", "skipped_steps", 0)]
+    head = [c for c, _, _ in cols]
+    rows = []
+    for r in result["rows"].values():
+        row = []
+        for _, k, d in cols:
+            v = r.get(k)
+            row.append(r["variant"] if k == "variant" else fmt(int(v) if d == 0 and isinstance(v, float) else v, d))
+        rows.append(row)
+    return head, rows
+
+
+def _layer_cells(result: dict) -> tuple[list[str], list[list[str]]]:
+    n = max((len(r["per_layer"]["f_attn"]) for r in result["rows"].values()), default=0)
+    head = ["Variant", "metric"] + [f"L{i}" for i in range(n)]
+    rows = []
+    for r in result["rows"].values():
+        rows.append([r["variant"], "F-Attn"] + [fmt(v, 3) for v in r["per_layer"]["f_attn"]])
+        rows.append([r["variant"], "M-Act"] + [fmt(v, 1) for v in r["per_layer"]["m_act"]])
+    return head, rows
+
+
+def _text_table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), "-" * len(line(head))] + [line(r) for r in rows])
+
+
+def render_table(result: dict) -> str:
+    """The Table-4 style table as aligned text (what `gattn compare` prints)."""
+    return _text_table(*_table4_cells(result))
+
+
+def _intro(result: dict) -> list[str]:
+    c = result["train_config"]
+    mo = c.get("model_overrides") or {}
+    shape = ", ".join(f"{k}={v}" for k, v in mo.items())
+    a = result["analysis"]
+    return [
+        f"Budget `{result['budget']}`: model preset `{c['model']}` ({shape or 'preset shape'}), seq_len {c['seq_len']}, "
+        f"batch {c['batch_size']}, {c['steps']} steps ({c['steps'] * c['batch_size'] * c['seq_len']:,} tokens per "
+        f"variant), lr {c['lr']:g} ({c['schedule']}, warm-up {c['warmup_steps']}), weight decay {c['weight_decay']:g}, "
+        f"precision {c['precision']} -> {result.get('resolved_precision', c['precision'])}, seed {c['seed']}. Every variant sees the same batches in the same order; gated variants "
+        f"shrink the FFN to match the baseline's parameter count.",
+        f"Analysis on {a['tokens']:,} held-out tokens ({a['batches']} batches of {a['batch_size']} x {a['seq_len']}, "
+        f"each window starting with {a['first_token']}). F-Attn = attention probability on token 0, mean over heads, "
+        f"queries and layers (\"uniform F-Attn\" is its value with uniform causal attention: no sink). M-Act = mean over "
+        f"layers of the max |hidden state| a layer outputs. Mean gate = mean gate score over all entries and tokens. "
+        f"Sink rate = share of heads whose mean attention on token 0 exceeds 0.3. Loss spikes: steps whose loss exceeds "
+        f"the trailing {c['spike_window']}-step median by more than max({c['spike_delta']:g} nats, "
+        f"{c.get('spike_noise_k', 0):g} robust sigmas of that window).",
+        f"Wall time of this invocation: {result['wall_time_s']:.0f} s (reused runs cost nothing).",
+    ]
+
+
+_PLOT_TITLES = {"loss": "Training loss", "layers": "Per-layer F-Attn and M-Act", "gates": "Gate-score histograms"}
+
+
+def _plot_title(key: str) -> str:
+    if key.startswith("maps_"):
+        return f"Attention maps (head average): {key[5:]}"
+    return _PLOT_TITLES.get(key, key)
+
+
+def _claims_cells(result: dict):
+    from .claims import claims_cells
+
+    return claims_cells(result.get("claims") or [])
+
+
+_CLAIMS_NOTE = ("Each row: the paper's figure (Qiu et al. 2025; 15A2B MoE at 400B tokens unless stated), this run's "
+                "figure, and a verdict with the rule written in gated_attention/compare/claims.py. 'not at this scale' = "
+                "measured here without the paper's effect; 'not run here' names the command that measures it.")
+
+
+def _sink_lab_intro(result: dict) -> str:
+    lab = result["sink_lab"]
+    t, c = lab["task"], lab["config"]
+    return (f"`gattn lab sinks` on the same variants (lab.json in {lab['dir']}/): Bigram-Backcopy, V={t['vocab']}, "
+            f"k={t['triggers']} triggers, T={t['seq_len']}; {c['layers']} layer x {c['heads']} head, "
+            f"d={c['hidden_size']}, {c['steps']} steps at lr {c['lr']:g}, {c['seeds']} seed(s). Attention on BOS "
+            f"from dormant (non-trigger) queries is the sink; read it next to backcopy CE (the task's skill).")
+
+
+def _streaming_intro(result: dict) -> str:
+    st = result["streaming"]
+    w = ", ".join(f"{src} models W={x}" for src, x in st["window"].items())
+    return (f"`gattn lab streaming` on this run's models (lab.json in {st['dir']}/): next-token loss with full "
+            f"attention vs a rolling KV window ({w}) that keeps the first K tokens (K = "
+            f"{', '.join(map(str, st['sink_tokens']))}; K=0 = a plain window, the first token evicted), StreamingLLM "
+            f"cache positions, on the positions past the window; Δ = window minus full.")
+
+
+def _lab_sections(result: dict) -> list[tuple[str, str, list[str], list[list[str]], dict]]:
+    """(title, intro, table head, rows, plots) of the labs compare ran: the sink lab, the streaming check."""
+    out = []
+    if result.get("sink_lab"):
+        lab = result["sink_lab"]
+        out.append(("Sink lab (Bigram-Backcopy)", _sink_lab_intro(result), lab["table"]["head"],
+                    lab["table"]["rows"], lab.get("plots", {})))
+    if result.get("streaming"):
+        st = result["streaming"]
+        out.append(("Streaming check (sliding window, with and without sink tokens)", _streaming_intro(result),
+                    st["table"]["head"], st["table"]["rows"], st.get("plots", {})))
+    return out
+
+
+def render_markdown(result: dict) -> str:
+    parts = ["# gattn compare: gated attention vs baseline", ""]
+    if result.get("claims"):
+        parts += ["## Paper claims vs this run", "", _md_table(*_claims_cells(result)), "", _CLAIMS_NOTE, ""]
+    parts += [p + "\n" for p in _intro(result)]
+    parts += ["## Table 4 form", "", _md_table(*_table4_cells(result)), "",
+              "## Per-domain perplexity (held-out)", "", _md_table(*_domain_cells(result)), "",
+              "## Per-layer F-Attn and M-Act", "", _md_table(*_layer_cells(result)), "",
+              "## More measurements", "", _md_table(*_extra_cells(result)), ""]
+    for title, intro, head, rows, plots in _lab_sections(result):
+        parts += [f"## {title}", "", intro, "", _md_table(head, rows), ""]
+        for key, rel in plots.items():
+            parts += [f"### {title.split(' (')[0]}: {key}", "", f"![{key}]({rel})", ""]
+    parts += ["## Plots", ""]
+    for key, rel in result.get("plots", {}).items():
+        parts += [f"### {_plot_title(key)}", "", f"![{key}]({rel})", ""]
+    return "\n".join(parts)
+
+
+_CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
+        "table{border-collapse:collapse;margin:1em 0;font-size:14px}"
+        "th,td{border:1px solid #bbb;padding:3px 8px;text-align:right}th{background:#eee}"
+        "td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px solid #ddd}")
+
+
+def render_html(result: dict, out_dir: str | Path) -> str:
+    """One self-contained HTML page: every PNG is inlined as a base64 data URI."""
+    out_dir = Path(out_dir)
+    body = ["<h1>gattn compare: gated attention vs baseline</h1>"]
+    if result.get("claims"):
+        body += ["<h2>Paper claims vs this run</h2>", _html_table(*_claims_cells(result)),
+                 f"<p>{html.escape(_CLAIMS_NOTE)}</p>"]
+    body += [f"<p>{html.escape(p)}</p>" for p in _intro(result)]
+    body += ["<h2>Table 4 form</h2>", _html_table(*_table4_cells(result)),
+             "<h2>Per-domain perplexity (held-out)</h2>", _html_table(*_domain_cells(result)),
+             "<h2>Per-layer F-Attn and M-Act</h2>", _html_table(*_layer_cells(result)),
+             "<h2>More measurements</h2>", _html_table(*_extra_cells(result))]
+    for title, intro, head, rows, plots in _lab_sections(result):
+        body += [f"<h2>{html.escape(title)}</h2>", f"<p>{html.escape(intro)}</p>", _html_table(head, rows)]
+        for key, rel in plots.items():
+            data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
+            body += [f"<h3>{html.escape(title.split(' (')[0])}: {html.escape(key)}</h3>",
+                     f'<img alt="{html.escape(key)}" src="data:image/png;base64,{data}">']
+    body += ["<h2>Plots</h2>"]
+    for key, rel in result.get("plots", {}).items():
+        data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
+        body += [f"<h3>{html.escape(_plot_title(key))}</h3>", f'<img alt="{html.escape(key)}" '
+                 f'src="data:image/png;base64,{data}">']
+    return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>gattn compare</title>"
+            f"<style>{_CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+
+
+# ---------------------------------------------------------------- plots
+
+def _smooth(ys: list[float], window: int) -> list[float]:
+    """Trailing mean over `window` steps (raw per-step losses are too noisy to compare variants by eye)."""
+    out, acc, q = [], 0.0, []
+    for y in ys:
+        q.append(y)
+        acc += y
+        if len(q) > window:
+            acc -= q.pop(0)
+        out.append(acc / len(q))
+    return out
+
+
+def plot_loss_curves(logs: dict[str, list[dict]], path) -> Path:
+    """All variants' training loss on one chart (trailing mean), spikes marked."""
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, recs in logs.items():
+        recs = [r for r in recs if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+        if not recs:
+            continue
+        xs = [r["step"] for r in recs]
+        ys = _smooth([r["loss"] for r in recs], max(1, len(recs) // 50))
+        line, = ax.plot(xs, ys, lw=1.2, label=label)
+        sp = [r for r in recs if r.get("spike")]
+        if sp:
+            ax.scatter([r["step"] for r in sp], [r["loss"] for r in sp], s=12, color=line.get_color(), marker="x")
+    ax.set(xlabel="step", ylabel="train loss (trailing mean)", title="training loss (x = loss spike)")
+    lo = [r["loss"] for recs in logs.values() for r in recs[len(recs) // 5:]
+          if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+    if lo:  # zoom on the part of training where variants differ, not the first steps' drop
+        ax.set_ylim(min(lo) - 0.05, max(lo) + 0.1)
+    ax.legend(fontsize=9)
+    return save_png(fig, path)
+
+
+def make_plots(plot_dir, analyses: dict[str, dict], logs: dict[str, list[dict]]) -> dict[str, Path]:
+    """Every plot of the report; returns {key: path}."""
+    from gated_attention.analysis import plots as P
+
+    plot_dir = Path(plot_dir)
+    files = {"loss": plot_loss_curves(logs, plot_dir / "loss_curves.png"),
+             "layers": P.plot_layer_curves(analyses, plot_dir / "layers_fattn_mact.png")}
+    g = P.plot_gate_histograms(analyses, plot_dir / "gate_histograms.png")
+    if g is not None:
+        files["gates"] = g
+    for name, a in analyses.items():
+        files[f"maps_{name}"] = P.plot_attention_maps(a, plot_dir / f"attention_maps_{name}.png", title=name)
+    return files

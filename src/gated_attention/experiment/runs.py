@@ -1,0 +1,120 @@
+"""Runs and units: the plumbing every multi-run job shares (compare, longctx, sweep, the labs).
+
+  ensure_corpus(data_dir, vocab_size, log, tag) -> Path
+      Prepare the default corpus in `data_dir` (with `vocab_size`) if it has no manifest yet.
+  train_or_reuse(cfg, run_dir, log, tag, step_hook) -> summary
+      One trainer run per folder, under the reuse rule of cache.py: a finished run (summary.json + final/config.json)
+      is reused, an interrupted one resumes from its last checkpoint (the trainer's exact resume), a fresh folder
+      trains, and a folder holding a run with other settings stops the job. "Other settings" is the trainer's own
+      comparison (`train.config.changed_settings`, also its --resume check): every TrainConfig field except those that
+      do not change the numbers, precision by what it resolves to, a field added after the run counting as its
+      default, gate aliases being the same gate.
+  run_units(fn, tasks, jobs, log, threads) -> [fn(t) for t in tasks]
+      Independent units (one model each) in-process or in `jobs` spawned worker processes of `threads` torch
+      threads each (small models: one core per model beats sharing threads: two `gattn compare` models at once,
+      one thread each, train 1.15-1.2x faster than one after the other with two threads on the 2-core machine);
+      `default_jobs()` is the CLIs' --jobs default. Workers adopt the parent's measured bf16 speed-up, so
+      precision="auto" resolves alike in every unit of a job.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any, Callable
+
+from ..util.io import read_json_object
+from ..train.config import describe_changes
+from . import cache
+
+Log = Callable[[str], Any]
+
+
+def ensure_corpus(data_dir: str | Path, vocab_size: int = 8192, log: Log = print, tag: str = "[run]") -> Path:
+    """Prepare the default corpus in `data_dir` if it has no manifest yet (the data layer caches everything)."""
+    from gated_attention import data  # attribute access at call time: tests replace data.prepare
+
+    data_dir = Path(data_dir)
+    if not (data_dir / "manifest.json").exists():
+        log(f"{tag} {data_dir} is not prepared: running "
+            f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}` first")
+        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
+    return data_dir
+
+
+def is_finished(run_dir: str | Path) -> bool:
+    run_dir = Path(run_dir)
+    return (run_dir / "summary.json").exists() and (run_dir / "final" / "config.json").exists()
+
+
+def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]", step_hook=None) -> dict:
+    """Train `cfg` into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's
+    content. Raises cache.StaleResult when run_dir holds a run with other settings. step_hook: the trainer's (a
+    stopping rule; the caller keys run_dir on its settings too, cache.check)."""
+    from ..train import checkpoint, trainer  # module attributes: tests replace trainer.train
+
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "train_config.json"
+    if cfg_path.exists():
+        saved = read_json_object(cfg_path, "saved run settings", "delete that run folder")
+        diff = describe_changes(saved, cfg.to_dict())
+        cache.check(run_dir, saved, cfg.to_dict(), diffs=[diff] if diff else [])
+    if is_finished(run_dir):
+        log(f"{tag} {cfg.gate}: reuse finished run {run_dir}")
+        return read_json_object(run_dir / "summary.json", "run summary", "delete that run folder to retrain it")
+    resume = run_dir.exists() and checkpoint.latest_checkpoint(run_dir) is not None
+    log(f"{tag} {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps at length {cfg.seq_len} "
+        f"-> {run_dir}")
+    if step_hook is None:  # the plain call, as tests that replace trainer.train expect it
+        return trainer.train(cfg, run_dir, resume=resume)
+    return trainer.train(cfg, run_dir, resume=resume, step_hook=step_hook)
+
+
+def _init_worker(threads: int, bf16_speedup: float | None = None) -> None:
+    import torch
+
+    from ..util.precision import adopt_measurement
+
+    torch.set_num_threads(threads)
+    adopt_measurement(bf16_speedup)  # the parent's measurement: every unit of a job resolves "auto" alike
+
+
+def run_units(fn: Callable, tasks: list, jobs: int = 1, log=print, threads: int = 1) -> list:
+    """[fn(t) for t in tasks], in-process for jobs=1, else in `jobs` spawned workers with `threads` torch threads
+    each. Results come back in task order; the first failure is re-raised after the others finish or fail."""
+    if jobs < 1:
+        raise ValueError(f"--jobs must be >= 1; got {jobs}")
+    if jobs == 1 or len(tasks) <= 1:
+        return [fn(t) for t in tasks]
+    import multiprocessing as mp
+
+    from ..util.precision import shared_measurement
+
+    results: list = [None] * len(tasks)
+    errors = []
+    # spawn, not fork: a forked child of a process that already ran torch ops can deadlock in its thread pools
+    with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=mp.get_context("spawn"),
+                             initializer=_init_worker, initargs=(threads, shared_measurement())) as pool:
+        futs = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
+        for fut in as_completed(futs):
+            try:
+                results[futs[fut]] = fut.result()
+            except Exception as exc:  # noqa: BLE001 - reported after the pool drains
+                errors.append(exc)
+                log(f"a unit failed: {exc}")
+    if errors:
+        raise errors[0]
+    return results
+
+
+def cores() -> int:
+    """CPU cores this process may use (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_jobs() -> int:
+    """Worker processes when --jobs is not given: one per available core, at most 2 (the labs' reference machine)."""
+    return max(1, min(2, cores()))

@@ -1,0 +1,524 @@
+"""`gattn lab sinks`: attention sinks on the Bigram-Backcopy task, baseline vs gates, measured over seeds.
+
+Each variant (a gate name from `gattn gates`, or a runtime baseline mechanism such as `sink_logits`) is this project's
+LM (`GatedQwen3ForCausalLM` from `presets.model_config` with small-shape overrides: 1-3 layers, default 1 layer,
+1 head, d=128) trained on the task (backcopy.py) with the project's optimizer conventions (AdamW, weight decay on
+matrices only via the trainer's `param_groups`, warm-up + cosine/WSD from `train.schedule`, global-norm clipping,
+autocast in the resolved precision: gated_attention.util.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
+starts from the same seed. A compact loop is used instead of the trainer: a 1-layer model's step is ~20 ms, where
+the trainer's per-step bookkeeping and per-domain evaluation would dominate, and the lab needs metrics *during*
+training (learning curves) that the trainer does not compute.
+
+Measurements (measure(); capture.py's Recorder with eager probabilities, on a fixed held-out set), per layer and head:
+attention on BOS from dormant and from active (trigger) queries, attention on the previous token from trigger
+queries, value drain ||v_BOS|| / mean ||v_other||, residual peak ||h_BOS|| / median ||h_other|| per layer, CE on
+backcopy and bigram positions next to the chain's entropy floor, gate score on dormant vs active queries, and the
+step at which backcopy CE first falls below 0.5. Headline numbers (lab.json's per-seed scalars) are those of the
+*backcopy head*: the (layer, head) with the largest attention on the previous token from trigger queries (in the
+default 1-layer 1-head model, the only head); the residual peak is the largest over layers.
+
+The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
+unit's settings under "key", its measurements) and the finished model as a Hugging Face folder (config.json,
+model.safetensors, generation_config.json: `GatedQwen3ForCausalLM.from_pretrained(run_dir)` loads it; `load_run(run_dir)`
+returns it with its task and lab settings), + ckpt.pt while running; then lab.json, report.md, report.html, plots/.
+Finished units are reused; a killed run continues from its last checkpoint; settings that differ from an existing
+OUT fail loudly.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from .backcopy import BackcopyTask
+from ..common import load_unit, mean_std, run_units, save_unit
+
+DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
+METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
+           "residual_peak_ratio", "backcopy_ce", "bigram_ce", "bigram_ce_floor", "gate_dormant", "gate_active",
+           "steps_to_skill")
+EXTRA_METRICS = ("null_attention_dormant", "final_train_loss", "wall_time_s", "cpu_time_s", "params")
+SKILL_CE = 0.5  # "time to skill": backcopy CE below this (ln 2 ~ 0.69 would still be a coin flip between 2 tokens)
+MAP_LEN = 40  # tokens of the attention map kept per model (sequence 0 of the held-out set)
+SKILL_WINDOW = 50  # steps in the trailing mean of the training batches' backcopy CE (one batch holds ~300 triggers)
+
+
+@dataclass
+class SinkLabConfig:
+    """Every knob of a sink-lab run (one per CLI option); budgets are sets of changes to these defaults."""
+
+    variants: list = field(default_factory=lambda: list(DEFAULT_VARIANTS))
+    # BackcopyTask fields; T=64: a dormant query late in a long sequence can spread over many keys almost for free (the
+    # copied values average out), so the full BOS sink pays only where few keys precede it: at T=128 the baseline's
+    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (docs/experiments/sink_lab.md, issue 20)
+    task: dict = field(default_factory=lambda: BackcopyTask(seq_len=64).to_dict())
+    layers: int = 1  # 1-3: the task needs one head; more layers show where the sink moves
+    heads: int = 1  # query (= KV) heads per layer
+    hidden_size: int = 128  # d; head_dim = d / heads
+    intermediate_size: int = 64  # FFN width (gated variants shrink it to keep the parameter count); the bigram part
+    # needs no FFN (untied embeddings hold it), and a wide one (256) let one baseline seed in three drift off the sink
+    # (0.46-0.64, the FFN can clean up a spread head's output instead); 64 sinks in every seed
+    gate_init: str = "normal"  # normal (gate ~0.5 at start, the official init) | identity (gate == 1 at start)
+    seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
+    steps: int = 800  # at lr 1e-2 the gated models solve the backcopy in ~100 steps, the baseline in ~150-200
+    batch_size: int = 32
+    lr: float = 1e-2  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (issue 11)
+    min_lr: float = 1e-3
+    warmup_steps: int = 50
+    schedule: str = "wsd"  # wsd | cosine (train.schedule): the sink grows while the LR is high; a cosine decay
+    # over 800 steps stalls it (baseline 0.13 at step 600 vs 0.40-0.62 with the LR held near the peak)
+    decay_frac: float = 0.2  # WSD: share of the steps spent decaying to min_lr at the end (0 = constant LR after
+    # warm-up); cosine ignores it
+    weight_decay: float = 0.0  # AdamW decoupled weight decay on matrices (the trainer's param_groups); decay shrinks
+    # the QK scale (the BOS logit gap) and the copy circuit (the cost of not sinking): 1.0 -> BOS 0.05, 0 -> 0.91
+    beta2: float = 0.95  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam epsilon
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none. Off: with it the logit
+    # gap is bounded by the norm gains and the backcopy is learned worse at lr 1e-2 (CE 0.19 vs 0.002 at T=64)
+    grad_clip: float = 1.0  # global-norm clipping (0 = off)
+    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
+    compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
+    eval_every: int = 100  # learning-curve resolution in steps
+    eval_size: int = 64  # held-out sequences for every measurement
+    ckpt_every: int = 1000  # resumable checkpoint interval in steps (0 = none)
+
+    def validate(self) -> "SinkLabConfig":
+        BackcopyTask(**self.task)  # raises on a bad task
+        if not 1 <= self.layers <= 3:
+            raise ValueError(f"--layers must be 1, 2 or 3 (the task needs one head); got {self.layers}")
+        if self.heads < 1 or self.hidden_size % self.heads:
+            raise ValueError(f"--heads must divide the hidden size {self.hidden_size}; got {self.heads}")
+        for k in ("seeds", "steps", "batch_size", "eval_every", "eval_size"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
+        from gated_attention.util.precision import check
+
+        check(self.precision, "--precision")
+        if not 0.0 <= self.decay_frac <= 1.0:
+            raise ValueError(f"--decay-frac must be in [0, 1]; got {self.decay_frac}")
+        if not 0.0 <= self.beta2 < 1.0 or not self.adam_eps > 0:
+            raise ValueError(f"--beta2 must be in [0, 1) and --adam-eps > 0; got {self.beta2}, {self.adam_eps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"--weight-decay and --grad-clip must be >= 0; got {self.weight_decay}, {self.grad_clip}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"--schedule must be cosine or wsd; got {self.schedule!r}")
+        for v in self.variants:
+            resolve_variant(v)
+        if len(set(self.variants)) != len(self.variants):
+            raise ValueError(f"--variants lists a variant twice: {self.variants}")
+        model_config_for(self, self.variants[0])  # gate/init/shape incompatibilities fail before any training
+        return self
+
+
+BUDGETS: dict[str, tuple[str, dict]] = {
+    "small": ("CI smoke run: V=16, T=32, d=32, 60 steps, 2 seeds (seconds)",
+              dict(task=BackcopyTask(vocab=16, triggers=2, seq_len=32).to_dict(), hidden_size=32,
+                   intermediate_size=64, seeds=2, steps=60, batch_size=8, warmup_steps=5, eval_every=20,
+                   eval_size=8, ckpt_every=30, compile=False)),
+    "default": ("V=64, k=3, T=64, 1 layer x 1 head, d=128, FFN 64, QK-norm off, no weight decay, 800 steps of 32 "
+                "sequences at lr 1e-2 (WSD: held, then decayed to 1e-3 over the last 20 %%), 3 seeds, compiled: the "
+                "baseline forms the full BOS sink in every seed; about 30 s of CPU per model (bf16)", {}),
+}
+
+
+# ---------------------------------------------------------------- variants and models
+
+def resolve_variant(name: str) -> tuple[str, str]:
+    """(gate, baseline) of a variant name: a gate from `gattn gates` (ungated = `baseline`), or a runtime baseline
+    mechanism (sink_logits, bondarenko_gate, clipped_softmax, forgetting, ...) on the ungated model."""
+    from gated_attention.mechanisms import get_mechanism
+    from gated_attention.gates import GATES, canonical_name
+
+    try:
+        gate = canonical_name(name)
+        if gate in GATES:
+            return gate, "none"  # (gate, mechanism)
+    except (ValueError, KeyError):
+        pass
+    try:
+        spec = get_mechanism(name)
+    except ValueError:
+        spec = None
+    if spec is None or not spec.runtime:
+        from gated_attention.mechanisms import MECHANISMS
+
+        runtime = [n for n, s in MECHANISMS.items() if s.runtime]
+        raise ValueError(f"unknown variant {name!r}; valid: a gate ({', '.join(GATES)}) or a baseline mechanism "
+                         f"({', '.join(runtime)}); see `gattn gates`")
+    return "none", name
+
+
+def model_config_for(cfg: SinkLabConfig, variant: str):
+    from gated_attention.presets import model_config
+
+    gate, baseline = resolve_variant(variant)
+    task = BackcopyTask(**cfg.task)
+    return model_config("small", gate=gate, mechanism=baseline, gate_init=cfg.gate_init, vocab_size=task.model_vocab,
+                        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
+                        head_dim=cfg.hidden_size // cfg.heads, max_position_embeddings=max(512, task.seq_len + 1),
+                        tie_word_embeddings=False, bos_token_id=0, use_qk_norm=cfg.qk_norm)
+
+
+# ---------------------------------------------------------------- measurement
+
+def _headline(per_layer: list[dict]) -> tuple[int, int]:
+    """(layer, head) of the backcopy head: the largest attention on the previous token from trigger queries."""
+    best, where = -1.0, (0, 0)
+    for e in per_layer:
+        for h, v in enumerate(e["prev_attention_active"]):
+            if v is not None and v > best:
+                best, where = v, (e["layer"], h)
+    return where
+
+
+def measure(model, task: BackcopyTask, seqs) -> dict:
+    """Every lab metric of `model` on held-out sequences seqs (B, T+1): headline scalars + per-layer lists."""
+    import torch
+
+    from gated_attention.mechanisms import HeadSliceGate
+    from gated_attention.capture import Recorder, capture
+
+    from . import metrics as M
+
+    inputs, targets = seqs[:, :-1], seqs[:, 1:]
+    masks = task.masks(inputs)
+    act, dor = masks["active"], masks["dormant"]
+    rec = Recorder(names={"attn_probs", "v", "gate", "ffn_residual"}, wants_probs=True)
+    layer_in, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):  # Bondarenko's gate is not a registry gate: read its input
+        if isinstance(layer.self_attn.mechanism, HeadSliceGate):
+            hooks.append(layer.self_attn.register_forward_pre_hook(
+                lambda _m, args, i=i: layer_in.__setitem__(i, args[0].detach())))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), capture(model, rec):
+            logits = model(input_ids=inputs).logits  # (B, T, V+1), fp32: measurements are not autocast
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    per_layer = []
+    H = model.config.num_attention_heads
+    for i in range(model.config.num_hidden_layers):
+        probs = rec.get(i, "attn_probs").float()  # (B, H, T, S)
+        gate = rec.get(i, "gate")
+        if i in layer_in:
+            gate = model.model.layers[i].self_attn.mechanism.score(layer_in[i]).unsqueeze(-1)  # (B, T, H, 1)
+        elif gate is not None and gate.dim() == 3:
+            gate = gate.unsqueeze(-2)  # G5 after o_proj: (B, T, 1, d), one "head"
+        dormant_rows = probs.sum(-1)  # (B, H, T): < 1 where probability went to no key (learned sink, clipping)
+        null = (1.0 - dormant_rows) * dor[:, None, :]
+        per_layer.append({
+            "layer": i,
+            "bos_attention_dormant": M.key_attention(probs, dor),
+            "bos_attention_active": M.key_attention(probs, act),
+            "prev_attention_active": M.prev_token_attention(probs, act),
+            "null_attention_dormant": [float(x) for x in null.sum(dim=(0, 2)) / max(int(dor.sum()), 1)],
+            "value_drain_ratio": M.value_drain_ratio(rec.get(i, "v")),
+            "residual_peak_ratio": M.residual_peak_ratio(rec.get(i, "ffn_residual")),
+            "gate_dormant": M.gate_by_query(gate, dor) if gate is not None else None,
+            "gate_active": M.gate_by_query(gate, act) if gate is not None else None,
+        })
+    layer, head = _headline(per_layer)
+    e = per_layer[layer]
+
+    def at_head(vals):
+        if vals is None:
+            return None
+        if len(vals) == H:
+            return vals[head]
+        if len(vals) == 1:  # one score for the whole layer (G5 after o_proj)
+            return vals[0]
+        return vals[head * len(vals) // H]  # per KV head: query head h reads KV head h // (H / KV)
+
+    n = min(MAP_LEN, inputs.shape[1])
+    probs = rec.get(layer, "attn_probs")[0, head, :n, :n].float()  # (n, n): sequence 0, the backcopy head
+    return {
+        "bos_attention_dormant": at_head(e["bos_attention_dormant"]),
+        "bos_attention_active": at_head(e["bos_attention_active"]),
+        "prev_attention_active": at_head(e["prev_attention_active"]),
+        "null_attention_dormant": at_head(e["null_attention_dormant"]),
+        "value_drain_ratio": at_head(e["value_drain_ratio"]),
+        "residual_peak_ratio": max(x["residual_peak_ratio"] for x in per_layer),
+        "backcopy_ce": M.masked_ce(logits, targets, act),
+        "bigram_ce": M.masked_ce(logits, targets, dor),
+        "bigram_ce_floor": task.bigram_floor(inputs, dor),
+        "gate_dormant": at_head(e["gate_dormant"]),
+        "gate_active": at_head(e["gate_active"]),
+        "backcopy_head": [layer, head],
+        "per_layer": per_layer,
+        "attention_map": [[round(float(x), 4) for x in row] for row in probs],
+        "map_active_rows": [int(t) for t in act[0, :n].nonzero().flatten()],
+    }
+
+
+# ---------------------------------------------------------------- one unit: a variant x seed
+
+def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
+    from gated_attention.util.precision import resolve
+
+    d = asdict(cfg)
+    for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
+        d.pop(k)
+    # a model trained in bf16 is not the fp32 one: the key holds what the precision resolved to on this machine (so
+    # "auto" that ran in bf16 reuses a unit trained with "bf16", and never one trained in fp32)
+    d["precision"] = resolve(cfg.precision, "cpu")
+    return {**d, "variant": variant, "seed": seed, "format": 1}
+
+
+def _save_ckpt(path: Path, state: dict) -> None:
+    import torch
+
+    from gated_attention.util.io import atomic_write_bytes
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def train_unit(job: tuple) -> dict:
+    """Train one variant x seed (or reuse / resume it) and return its result dict. job = (cfg dict, variant, seed,
+    unit dir); a plain tuple so it can cross to a worker process."""
+    import torch
+    import torch.nn.functional as F
+
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.train.schedule import lr_at
+    from gated_attention.train.trainer import param_groups
+
+    from .metrics import trailing_mean
+
+    cfg_d, variant, seed, unit_dir = job
+    cfg = SinkLabConfig(**cfg_d)
+    unit_dir = Path(unit_dir)
+    key = _unit_key(cfg, variant, seed)
+    done = load_unit(unit_dir / "result.json", key)
+    if done is not None:
+        _log(f"{variant} seed {seed}: reusing {unit_dir / 'result.json'}")
+        return done
+    task = BackcopyTask(**cfg.task)
+    eval_seqs = task.eval_set(cfg.eval_size)
+    torch.manual_seed(seed)
+    model = GatedQwen3ForCausalLM(model_config_for(cfg, variant))
+    model.train()
+    opt_cfg = argparse.Namespace(weight_decay=cfg.weight_decay, wd_on_embeddings=False)
+    opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps)
+    state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
+    ckpt = unit_dir / "ckpt.pt"
+    if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
+        saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+        if saved.get("key") == key:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            state = saved["state"]
+            _log(f"{variant} seed {seed}: resuming at step {state['step']}")
+    amp = key["precision"] == "bf16"
+    fwd = model
+    if cfg.compile:
+        fwd = torch.compile(model)
+        try:  # compile errors surface at the first call: fall back to eager (same maths, slower) and say so
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                fwd(input_ids=task.train_batch(cfg.batch_size, seed, 0)[:, :-1])
+        except Exception as exc:  # noqa: BLE001
+            _log(f"{variant} seed {seed}: torch.compile failed ({type(exc).__name__}: {str(exc)[:120]}); "
+                 "training eagerly")
+            fwd = model
+    t0 = time.perf_counter() - state["wall"]
+    c0 = time.process_time() - state.get("cpu", 0.0)  # CPU seconds: comparable across a loaded and a quiet machine
+    params = sum(p.numel() for p in model.parameters())
+
+    def record(step: int) -> None:
+        m = measure(model, task, eval_seqs)
+        losses = state["losses"][-SKILL_WINDOW:]
+        point = {"step": step, **{k: m[k] for k in METRICS if k in m}, "null_attention_dormant":
+                 m["null_attention_dormant"], "train_loss": sum(losses) / len(losses) if losses else None}
+        state["curve"].append(point)
+        _log(f"{variant} seed {seed}: step {step}/{cfg.steps}  backcopy CE {_f(m['backcopy_ce'])}  bigram CE "
+             f"{_f(m['bigram_ce'])} (floor {_f(m['bigram_ce_floor'])})  BOS attn dormant "
+             f"{_f(m['bos_attention_dormant'])}  gate dormant/active {_f(m['gate_dormant'])}/"
+             f"{_f(m['gate_active'])}  ({time.perf_counter() - t0:.0f}s)")
+
+    if state["step"] == 0:
+        record(0)
+    for step in range(state["step"], cfg.steps):
+        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
+                   schedule=cfg.schedule, wsd_decay_frac=cfg.decay_frac)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        seqs = task.train_batch(cfg.batch_size, seed, step)  # (B, T+1)
+        inputs, targets = seqs[:, :-1], seqs[:, 1:]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits = fwd(input_ids=inputs).logits  # (B, T, V+1)
+        ce = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (B, T)
+        loss = ce.mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        active = task.masks(inputs)["active"]
+        state["losses"].append(float(loss.detach()))
+        state["losses"] = state["losses"][-SKILL_WINDOW:]
+        state["bc"].append(float(ce.detach()[active].mean()) if bool(active.any()) else math.nan)
+        state["bc"] = state["bc"][-SKILL_WINDOW:]
+        if state["skill"] is None and len(state["bc"]) == SKILL_WINDOW and \
+                trailing_mean(state["bc"], SKILL_WINDOW)[-1] < SKILL_CE:
+            state["skill"] = step
+        if not math.isfinite(state["losses"][-1]):
+            raise ValueError(f"{variant} seed {seed}: loss is {state['losses'][-1]} at step {step}; lower --lr")
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            record(step + 1)
+        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+            state["step"], state["wall"], state["cpu"] = step + 1, time.perf_counter() - t0, time.process_time() - c0
+            _save_ckpt(ckpt, {"key": key, "model": model.state_dict(), "opt": opt.state_dict(), "state": state})
+    final = measure(model, task, eval_seqs)
+    result = {"variant": variant, "seed": seed, **{k: final[k] for k in METRICS if k in final},
+              "steps_to_skill": state["skill"], "null_attention_dormant": final["null_attention_dormant"],
+              "final_train_loss": sum(state["losses"]) / max(len(state["losses"]), 1),
+              "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0, "params": params, "backcopy_head": final["backcopy_head"],
+              "per_layer": final["per_layer"], "attention_map": final["attention_map"],
+              "map_active_rows": final["map_active_rows"], "curve": state["curve"]}
+    model.save_pretrained(unit_dir)  # the model first: result.json is the "finished" marker, written last
+    out = save_unit(unit_dir / "result.json", key, result)
+    if ckpt.exists():
+        ckpt.unlink()
+    return out
+
+
+@dataclass
+class SinkRun:
+    """A finished sink-lab model with everything needed to evaluate or continue it on its task."""
+
+    model: object  # GatedQwen3ForCausalLM, eval mode, fp32
+    task: BackcopyTask  # the Bigram-Backcopy settings it was trained on (task.eval_set / train_batch / masks)
+    config: SinkLabConfig  # the lab settings of its unit (variants/seeds as in its own unit: [variant], seed + 1)
+    variant: str
+    seed: int
+    result: dict  # its result.json (measurements at the end of training; "key" = the unit's settings)
+    path: Path
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True for a sink-lab unit folder OUT/runs/<variant>/seed<k> (result.json with a sink-lab key)."""
+    f = Path(path) / "result.json"
+    if not f.is_file():
+        return False
+    try:
+        key = json.loads(f.read_text()).get("key") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return "task" in key and "variant" in key and "seed" in key
+
+
+def load_run_meta(path: str | Path) -> dict:
+    """{"variant", "seed", "task"} of a finished unit folder without loading its model."""
+    key = json.loads((Path(path) / "result.json").read_text())["key"]
+    return {"variant": key["variant"], "seed": key["seed"], "task": key["task"]}
+
+
+def load_run(path: str | Path) -> SinkRun:
+    """The model of a finished sink-lab unit folder (`OUT/runs/<variant>/seed<k>`), with its task and settings.
+
+    The folder is also a plain HF model folder: `GatedQwen3ForCausalLM.from_pretrained(path)` loads the same model;
+    this helper adds the task (BackcopyTask) and the lab config it was trained with."""
+    from gated_attention.util.io import read_json_object
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    path = Path(path)
+    if not is_run_dir(path):
+        raise ValueError(f"{path} is not a finished sink-lab run (no result.json with a sink-lab key); pass "
+                         f"OUT/runs/<variant>/seed<k> of a `gattn lab sinks` output")
+    result = read_json_object(path / "result.json", "sink-lab result")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} holds a result but no model (trained before the lab kept its models); re-run "
+                         f"`gattn lab sinks` into a new --out to get loadable models")
+    key = dict(result["key"])
+    variant, seed = key.pop("variant"), key.pop("seed")
+    key.pop("format", None)
+    known = set(SinkLabConfig.__dataclass_fields__)
+    cfg = SinkLabConfig(**{k: v for k, v in key.items() if k in known}, variants=[variant], seeds=seed + 1)
+    model = GatedQwen3ForCausalLM.from_pretrained(path)
+    model.eval()
+    return SinkRun(model=model, task=BackcopyTask(**cfg.task), config=cfg, variant=variant, seed=seed,
+                   result=result, path=path)
+
+
+def _f(v, d: int = 3) -> str:
+    return "–" if v is None else f"{v:.{d}f}"
+
+
+def _log(msg: str) -> None:
+    print(f"[sinks] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- the lab
+
+def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[int, dict | None]]:
+    """Every variant x seed unit of the lab as a `train_unit` job, seed-major (an interrupted lab has every variant
+    at its first seeds, not some variants at none), and the finished ones' results by index (None = still to train).
+    `gattn compare` trains the pending ones in its own worker pool next to its LM variants."""
+    out = Path(out)
+    jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
+                 for v in cfg.variants]
+    return jobs_list, {i: load_unit(Path(j[3]) / "result.json", _unit_key(cfg, j[1], j[2]))
+                       for i, j in enumerate(jobs_list)}
+
+
+def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
+    """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
+    report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
+    from . import report
+
+    cfg.validate()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    jobs_list, done = unit_jobs(cfg, out)
+    from gated_attention.util.precision import describe, resolve
+
+    log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
+        f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
+    pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
+    if len(pending) < len(jobs_list):
+        log(f"reusing {len(jobs_list) - len(pending)} finished model(s)")
+    if report_only:
+        results = [r for r in done.values() if r is not None]
+        if not results:
+            raise ValueError(f"--report-only: no finished model in {out}/runs with these settings")
+        log(f"--report-only: {len(pending)} unfinished model(s) left out: "
+            + ", ".join(f"{j[1]} seed {j[2]}" for j in pending))
+        cfg = replace(cfg, variants=[v for v in cfg.variants if any(r["variant"] == v for r in results)])
+    else:
+        fresh = iter(run_units(train_unit, pending, jobs=jobs, log=log))
+        results = [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))]
+    task = BackcopyTask(**cfg.task)
+    variants = {}
+    for v in cfg.variants:
+        per_seed = [{k: r[k] for k in r if k != "key"} for r in results if r["variant"] == v]
+        mean, std = mean_std(per_seed, METRICS + EXTRA_METRICS)
+        for k in ("gate_dormant", "gate_active", "steps_to_skill"):  # keep "not measured" distinguishable
+            if all(r.get(k) is None for r in per_seed):
+                mean[k] = std[k] = None
+        variants[v] = {"per_seed": per_seed, "mean": mean, "std": std,
+                       "skilled_seeds": sum(r.get("steps_to_skill") is not None for r in per_seed)}
+    lab = {
+        "task": {**task.to_dict(), "name": "bigram_backcopy", "bos_id": 0,
+                 "trigger_ids": task.trigger_ids.tolist(),
+                 "bigram_ce_floor": variants[cfg.variants[0]]["mean"]["bigram_ce_floor"]},
+        "config": {**asdict(cfg), "resolved_precision": resolve(cfg.precision, "cpu")},
+        "variants": variants,
+        "wall_time_s": time.perf_counter() - t0,
+    }
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    from gated_attention.util.io import atomic_write_text
+
+    atomic_write_text(out / "lab.json", json.dumps(lab, indent=1))
+    report.write(out, lab)
+    return lab
