@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gated_attention.labs import retrofit as RL
-from gated_attention.labs import retrofit_recipes as R
-from gated_attention.labs import retrofit_starts as S
-from gated_attention.labs.backcopy import BackcopyTask
+from gated_attention.labs.retrofit import lab as RL
+from gated_attention.labs.retrofit import recipes as R
+from gated_attention.labs.retrofit import starts as S
+from gated_attention.labs.sinks.backcopy import BackcopyTask
 
 TASK = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 
@@ -54,7 +54,7 @@ def _job(cfg, start, name, unit_dir, seed=0):
 
 
 def _weights(folder) -> dict:
-    from gated_attention.io import load_hf_state
+    from gated_attention.util.io import load_hf_state
 
     return load_hf_state(folder)
 
@@ -369,7 +369,7 @@ def test_lab_json_contract(small_lab):
     assert set(r["vs_control"]) == set(RL.PAIRED) and r["vs_control"]["sink_after"]["n"] == 4
     assert set(r["target"]) >= {"sink_le_target", "steps_le_target", "met"}
     assert r["per_seed"][0]["step_share"] == pytest.approx(6 / 40)
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     assert disk["config"]["precision"] == "auto" and disk["config"]["resolved_precision"] == resolve("auto", "cpu")
     assert disk["kind"] == "sink"

@@ -209,7 +209,7 @@ def run_streaming(args) -> int:
 
 def configure_retrofit(parser: argparse.ArgumentParser) -> None:
     from ..labs import retrofit as rl
-    from ..labs.retrofit_recipes import CONTROL, DEFAULT_RECIPES, RECIPES, REST_LR
+    from ..labs.retrofit.recipes import CONTROL, DEFAULT_RECIPES, RECIPES, REST_LR
 
     d = rl.RetrofitLabConfig()
     parser.add_argument("--from", dest="starts", nargs="+", required=True, metavar="DIR",
@@ -260,7 +260,7 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
 
 def run_retrofit(args) -> int:
     from ..labs import retrofit as rl
-    from ..labs import retrofit_report
+    from ..labs.retrofit import report as retrofit_report
 
     cfg = rl.RetrofitLabConfig(
         starts=list(args.starts), recipes=list(args.recipes), steps=args.steps, step_share=args.step_share,

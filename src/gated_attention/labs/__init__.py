@@ -8,8 +8,7 @@ Each lab is one module with `configure(parser)` / `run(args)` (its `gattn lab NA
                              (a BOS sink in softmax attention) and whether the G1 gate lets it switch off instead
   stability  (stability.py)  learning-rate sweeps with and without QK-norm (Wortsman et al. 2023 proxies)
   streaming  (streaming.py)  full attention vs a rolling KV window with and without sink tokens (StreamingLLM)
-  retrofit   (retrofit.py, retrofit_recipes.py, retrofit_starts.py, retrofit_report.py)
-                             gates added to a trained ungated model: which recipe, if any, removes its sink, at what
+  retrofit   (retrofit/)    gates added to a trained ungated model: which recipe, if any, removes its sink, at what
                              cost, against a control trained the same steps on the same batches
 
 Shared plumbing (per-seed aggregation, cached resumable unit results and checkpoints, parallel jobs, report rendering)

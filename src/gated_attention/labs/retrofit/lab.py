@@ -1,8 +1,8 @@
 """`gattn lab retrofit`: can gates added to a trained model remove its attention sink? Recipes measured against a
 control, over seeds (issue 21).
 
-For each starting model (`--from`: sink-lab runs or text models, retrofit_starts.py), each recipe
-(retrofit_recipes.py) and each seed, one *unit*: add the recipe's gate with `gattn retrofit`'s code (in memory),
+For each starting model (`--from`: sink-lab runs or text models, starts.py), each recipe
+(recipes.py) and each seed, one *unit*: add the recipe's gate with `gattn retrofit`'s code (in memory),
 train `--steps` steps (default: 25 % of the steps the start was trained for) on batches that are a function of
 (seed, step) only — so the control and every recipe see the same batches — and measure before, along the way
 (learning curves) and after. The `control` unit (the ungated model, the same steps and batches, the pretrained
@@ -11,27 +11,28 @@ weights' LR of the recipes) always runs: each recipe is read against it.
 Training: AdamW (betas 0.9/0.95, eps 1e-8, the start's own weight decay on matrices only, as the sink lab and the
 trainer; the start's peak LR and batch size),
 linear warm-up over 5 % of the steps then cosine to 10 % of the peak, global-norm clipping at 1.0 over the trainable
-parameters, autocast in the resolved precision (gated_attention.precision: bf16 where this CPU runs it fast);
+parameters, autocast in the resolved precision (util/precision.py: bf16 where this CPU runs it fast);
 measurements in fp32. The gate seed of the `random` init is the unit's seed.
 
 Layout of OUT: runs/<start>/start.json (the starting model's measurements, cached), runs/<start>/<recipe>/seed<k>/
 (result.json, ckpt.pt while training, model/ = the retrofitted model, loadable with AutoModelForCausalLM after
 `import gated_attention`), lab.json, report.md, report.html, plots/. Finished units are reused, a killed unit
-continues from its last checkpoint, other settings in an existing OUT fail loudly (labs/common.load_unit).
+continues from its last checkpoint, other settings in an existing OUT stop the job naming them (experiment.cache).
 """
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .common import load_unit, load_unit_checkpoint, mean_std, run_units, save_unit, save_unit_checkpoint
-from .retrofit_recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
-from .retrofit_starts import Start, resolve_starts
+from ...experiment import cache
+from ...experiment.runs import run_units
+from ...experiment.stats import mean_std, spread
+from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
+from .starts import Start, resolve_starts
 
 # the per-seed scalars lab.json aggregates (mean/std over seeds); the first eight are the issue's contract
 KEYS = ("sink_before", "sink_after", "skill_before", "skill_after", "gate_dormant", "gate_active",
@@ -49,6 +50,8 @@ MEASURED = {"sink": "sink", "skill": "skill", "backcopy_ce": "backcopy_ce", "big
             "streaming_loss": "streaming_loss", "streaming_loss_kept": "streaming_loss_kept",
             "window_full_loss": "window_full_loss", "val_loss": "val_loss"}
 PAIRED = ("sink_after", "skill_after", "backcopy_ce_after", "bigram_ce_after", "streaming_loss_after", "m_act_after")
+INPUTS = ("start",)  # the key field naming the starting model (its folder and weights' mtime): a retrained start
+# makes a stored unit obsolete (recomputed), not a conflict
 TARGET_SINK, TARGET_SKILL_MARGIN, TARGET_STEP_SHARE = 0.2, 0.05, 0.25  # issue 21's targets on the sink lab
 
 
@@ -95,7 +98,7 @@ class RetrofitLabConfig:
             raise ValueError(f"--weight-decay must be >= 0; got {self.weight_decay}")
         if not 0 < self.step_share <= 10:
             raise ValueError(f"--step-share must be in (0, 10]; got {self.step_share}")
-        from gated_attention.precision import check
+        from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
         return self
@@ -133,7 +136,7 @@ def _measure_key(cfg: RetrofitLabConfig, start: Start) -> dict:
 
 
 def _unit_key(cfg: RetrofitLabConfig, start: Start, name: str, recipe: dict, seed: int) -> dict:
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     d = asdict(cfg)
     for k in ("starts", "recipes", "seeds", "ckpt_every", "keep_models"):  # a unit does not depend on these
@@ -160,17 +163,17 @@ def train_unit(job: tuple) -> dict:
     import torch.nn.functional as F
 
     from gated_attention.capture import capture
-    from gated_attention.io import atomic_dir
+    from gated_attention.util.io import atomic_dir
     from gated_attention.train.schedule import lr_at
 
-    from . import retrofit_starts as S
-    from .retrofit_recipes import GradTap, extra_loss, param_groups, set_phase
+    from . import starts as S
+    from .recipes import GradTap, extra_loss, param_groups, set_phase
 
     cfg_d, start_d, name, recipe_d, seed, unit_dir = job
     cfg, start, recipe = RetrofitLabConfig(**cfg_d), Start(**start_d), recipe_from_dict(recipe_d)
     unit_dir = Path(unit_dir)
     key = _unit_key(cfg, start, name, recipe_d, seed)
-    done = load_unit(unit_dir / "result.json", key)
+    done = cache.load(unit_dir / "result.json", key, inputs=INPUTS)
     if done is not None:
         _log(f"{start.label} {name} seed {seed}: reusing {unit_dir / 'result.json'}")
         return done
@@ -185,9 +188,11 @@ def train_unit(job: tuple) -> dict:
                             eps=1e-8)
     state = {"step": 0, "curve": [], "losses": [], "extra": {}, "wall": 0.0, "cpu": 0.0}
     ckpt = unit_dir / "ckpt.pt"
-    saved = load_unit_checkpoint(ckpt, key, model, opt)
+    saved = cache.load_checkpoint(ckpt, key, inputs=INPUTS)
     if saved is not None:
-        state = saved
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
         _log(f"{start.label} {name} seed {seed}: resuming at step {state['step']}")
     t0, c0 = time.perf_counter() - state["wall"], time.process_time() - state["cpu"]
     gates_only_until = round(recipe.gates_first * plan.steps)
@@ -240,7 +245,7 @@ def train_unit(job: tuple) -> dict:
             record(step + 1)
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < plan.steps:
             state.update(step=step + 1, wall=time.perf_counter() - t0, cpu=time.process_time() - c0)
-            save_unit_checkpoint(ckpt, key, model, opt, state)
+            cache.save_checkpoint(ckpt, key, model=model.state_dict(), opt=opt.state_dict(), state=state)
     for p in model.parameters():
         p.requires_grad_(True)
     final = S.measure(model, data, masks, window=plan.window, full=True)
@@ -259,7 +264,7 @@ def train_unit(job: tuple) -> dict:
     if cfg.keep_models:
         with atomic_dir(unit_dir / "model", overwrite=True) as tmp:
             model.save_pretrained(tmp)
-    out = save_unit(unit_dir / "result.json", key, result)
+    out = cache.save(unit_dir / "result.json", key, result)
     if ckpt.exists():
         ckpt.unlink()
     return out
@@ -267,9 +272,7 @@ def train_unit(job: tuple) -> dict:
 
 def measure_start(cfg: RetrofitLabConfig, start: Start, out: Path, log=_log) -> dict:
     """The starting model's measurements (cached in runs/<start>/start.json)."""
-    from gated_attention import experiment
-
-    from . import retrofit_starts as S
+    from . import starts as S
 
     def compute() -> dict:
         model = S.build_model(start.model_dir, None, "identity", 0)
@@ -278,8 +281,8 @@ def measure_start(cfg: RetrofitLabConfig, start: Start, out: Path, log=_log) -> 
         m = S.measure(model, data, None, window=plan.window, full=True)
         return {"params": sum(p.numel() for p in model.parameters()), **m}
 
-    return experiment.cached(out / "runs" / start.label / "start.json", _measure_key(cfg, start), compute,
-                             lambda msg: log(msg), "", key_field="key")
+    return cache.cached(out / "runs" / start.label / "start.json", _measure_key(cfg, start), compute, log, "",
+                        inputs=INPUTS)
 
 
 # ---------------------------------------------------------------- aggregation
@@ -290,14 +293,10 @@ T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.
 
 def interval(values: list[float]) -> dict:
     """Mean, sample std and the 95 % t-interval half-width of a list (None where it cannot be computed)."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    n = len(vals)
-    if not n:
-        return {"mean": None, "std": None, "ci95": None, "n": 0}
-    sd = statistics.stdev(vals) if n > 1 else None
+    s = spread(values)
+    n, sd = s["n"], s["std"]
     t = T95[n - 2] if 2 <= n <= len(T95) + 1 else 1.96
-    return {"mean": statistics.fmean(vals), "std": sd, "ci95": t * sd / math.sqrt(n) if sd is not None else None,
-            "n": n}
+    return {"mean": s["mean"], "std": sd, "ci95": t * sd / math.sqrt(n) if sd is not None else None, "n": n}
 
 
 def _record(unit: dict, before: dict) -> dict:
@@ -371,11 +370,11 @@ def aggregate(units: list[dict], befores: dict[str, dict], starts: list[Start], 
 
 def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
     """Measure every start, train/reuse every unit, aggregate, write lab.json and the report into out."""
-    from gated_attention.io import atomic_write_json
-    from gated_attention.precision import describe, resolve
+    from gated_attention.util.io import atomic_write_json
+    from gated_attention.util.precision import describe, resolve
 
-    from . import retrofit_report
-    from .retrofit_recipes import RECIPES
+    from . import report
+    from .recipes import RECIPES
 
     cfg.validate()
     out = Path(out)
@@ -405,7 +404,7 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
                     "step_share_le": TARGET_STEP_SHARE},
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in retrofit_report.make_plots(out / "plots", lab).items()}
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
     atomic_write_json(out / "lab.json", lab)
-    retrofit_report.write(out, lab)
+    report.write(out, lab)
     return lab

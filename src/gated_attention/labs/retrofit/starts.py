@@ -62,7 +62,7 @@ class Start:
 
 
 def _fingerprint(model_dir: Path) -> list:
-    from gated_attention.io import hf_weight_files
+    from gated_attention.util.io import hf_weight_files
 
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in hf_weight_files(model_dir)]
 
@@ -79,9 +79,9 @@ def _ungated(model_dir: Path) -> bool:
 
 def _start(entry, data_dir: str | None, seq_len: int | None) -> Start:
     """A Start from one model of `gattn lab streaming`'s resolver (labs.streaming.resolve_models)."""
-    from gated_attention.io import read_json_object
+    from gated_attention.util.io import read_json_object
 
-    from . import sinks
+    from .. import sinks
 
     path = Path(entry.path)
     label = entry.label.replace("/", "_").replace(":", "_")
@@ -118,7 +118,7 @@ def resolve_starts(paths: list, data_dir: str | None = None, seq_len: int | None
     """Every starting model the --from folders hold (the streaming lab's resolver: a sink-lab unit, a whole sink-lab
     or compare OUT, a trainer run, an HF folder); a folder that holds several models contributes its UNGATED ones
     (a sink-lab OUT its baseline seeds, a compare OUT its baseline). All of one kind and, for sink runs, one task."""
-    from .streaming import resolve_models
+    from ..streaming import resolve_models
 
     starts = []
     for p in paths:
@@ -154,9 +154,9 @@ def resolve_starts(paths: list, data_dir: str | None = None, seq_len: int | None
 
 def load_native(model_dir: str) -> tuple[dict, dict]:
     """(native config kwargs, native state dict) of an UNGATED checkpoint folder of any format retrofit reads."""
-    from gated_attention.convert import config_to_native, load_dir, state_to_native
+    from gated_attention.interop import config_to_native, load_dir, state_to_native
     from gated_attention.gates import canonical_name
-    from gated_attention.retrofit import detect_format
+    from gated_attention.interop.retrofit import detect_format
 
     config, state = load_dir(model_dir)
     fmt = detect_format(config)
@@ -170,9 +170,9 @@ def load_native(model_dir: str) -> tuple[dict, dict]:
 def build_model(model_dir: str, gate: str | None, init: str, seed: int):
     """The starting model as fp32 GatedQwen3ForCausalLM, with `gate` added by `gattn retrofit`'s code (None: as is)."""
     from gated_attention.configuration import GatedQwen3Config
-    from gated_attention.convert import config_to_native, load_dir
+    from gated_attention.interop import config_to_native, load_dir
     from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.retrofit import retrofit_state
+    from gated_attention.interop.retrofit import retrofit_state
 
     if gate is None:
         ncfg, state = load_native(model_dir)
@@ -198,7 +198,7 @@ class SinkData:
     kind = "sink"
 
     def __init__(self, start: Start, batch_size: int, eval_size: int):
-        from .backcopy import BackcopyTask
+        from ..sinks.backcopy import BackcopyTask
 
         self.task = BackcopyTask(**start.task)
         self.batch_size = batch_size
@@ -248,7 +248,7 @@ def make_data(start: Start, batch_size: int, eval_size: int, vocab_size: int):
 def streaming_losses(model, seqs: torch.Tensor, window: int) -> dict:
     """Issue 20's measurement (`gattn lab streaming`'s measure_model, decode.stream_nll's rolling KV cache): loss
     with the first token evicted (K=0), with it kept (K=1) and with full attention, on the positions t >= window."""
-    from .streaming import measure_model
+    from ..streaming import measure_model
 
     m = measure_model(model, seqs, window, [0, 1])
     return {"streaming_loss": m["window"]["0"]["loss"], "streaming_loss_kept": m["window"]["1"]["loss"],
@@ -259,7 +259,7 @@ def start_masks(model, batches: list[tuple[str, torch.Tensor]]) -> list[torch.Te
     """Text: per eval batch, (L, B, H, T) int8 over (layer, head, query): 1 where `model` puts >= SINK_QUERY of its
     attention on token 0 (it parks there: dormant), 0 where it does not (active), -1 for queries left out (those
     where even uniform attention, 1/(t+1), would reach SINK_QUERY: t < 3 for 0.3)."""
-    from gated_attention.analysis.sink import key_probs_chunked
+    from gated_attention.analysis.attention_sinks import key_probs_chunked
     from gated_attention.capture import Recorder, capture
 
     out = []
@@ -303,7 +303,7 @@ def measure(model, data, masks=None, window: int | None = None, full: bool = Tru
     try:
         out: dict = {}
         if data.kind == "sink":
-            from .sinks import measure as sink_measure
+            from ..sinks import measure as sink_measure
 
             seqs = data.eval_seqs
             m = sink_measure(model, data.task, seqs)

@@ -15,7 +15,7 @@ them). The penalty makes parking attention on the first token cost something; th
 
 BOS attention of the penalty: mean over layers, heads, batch rows and query positions t >= 1 of p(t -> key 0), from
 the queries and keys the attention layers emit (capture.py's "q"/"k"/"scale" points, with their autograd graph) and
-`analysis.sink.key_probs_chunked` (exp(q.k0 * scale - logsumexp)), so the penalty never needs a T x T map per head
+`analysis.attention_sinks.key_probs_chunked` (exp(q.k0 * scale - logsumexp)), so the penalty never needs a T x T map per head
 and works under any attention backend. Query 0 is left out: it can only see itself.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Recipe:
 
     def validate(self, name: str) -> "Recipe":
         from gated_attention.gates import canonical_name, get_gate
-        from gated_attention.retrofit import INITS
+        from gated_attention.interop.retrofit import INITS
 
         if self.gate is not None and get_gate(canonical_name(self.gate)) is None:
             raise ValueError(f"recipe {name!r}: gate {self.gate!r} adds nothing; name a gate from `gattn gates`")
@@ -185,7 +185,7 @@ class GradTap:
 
 def first_token_attention(tap: GradTap) -> torch.Tensor:
     """Differentiable mean attention on key 0 over layers, heads, rows and queries t >= 1 (a scalar)."""
-    from gated_attention.analysis.sink import key_probs_chunked
+    from gated_attention.analysis.attention_sinks import key_probs_chunked
 
     per_layer = []
     for layer in tap.layers():

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import fmt_mean_std, write_report
-from .retrofit_recipes import CONTROL
+from ...experiment import report as page
+from ...experiment.report import fmt_mean_std
+from ...util.io import save_png
+from .recipes import CONTROL
 
 # (column title, lab.json key, decimals) of the main table; *_before / *_after pairs print as "before -> after"
 COLUMNS = [("sink", "sink", 3), ("skill", "skill", 3), ("backcopy CE", "backcopy_ce", 3), ("bigram CE", "bigram_ce", 3),
@@ -76,16 +78,13 @@ def _signed(v) -> str:
 
 
 def text_table(lab: dict) -> str:
-    head, rows = table_cells(lab)
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
-    return "\n".join([line(head), "-" * len(line(head))] + [line(r) for r in rows])
+    return page.text_table(*table_cells(lab))
 
 
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
-    from gated_attention.analysis.plots import _save, plt
+    import matplotlib.pyplot as plt
 
-    from .sinks_report import _curves
+    from ..sinks.report import _curves
 
     plot_dir = Path(plot_dir)
     entries = {"variants": _entries(lab)}
@@ -93,7 +92,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     skill_key, skill_label = (("backcopy_ce", "backcopy CE (nats)") if lab["kind"] == "sink"
                               else ("val_loss", "validation loss (nats)"))
     sink_label = "BOS attention, dormant queries" if lab["kind"] == "sink" else "F-Attn (attention on token 0)"
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+    fig, axes = page.subplots(1, 3, figsize=(17, 4.4))
     for ax, key, ylabel in ((axes[0], "sink", sink_label), (axes[1], skill_key, skill_label),
                             (axes[2], "gate_dormant", "gate score, dormant (solid) / active (dashed)")):
         for name, (xs, ys, lo, hi) in _curves(entries, key).items():
@@ -114,7 +113,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     handles = [plt.Line2D([], [], color=colors[n], lw=2) for n in entries["variants"]]
     fig.legend(handles, list(entries["variants"]), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
-    return {"curves": _save(fig, plot_dir / "learning_curves.png")}
+    return {"curves": save_png(fig, plot_dir / "learning_curves.png")}
 
 
 def blocks(lab: dict) -> list[tuple]:
@@ -156,4 +155,4 @@ def write(out_dir, lab: dict) -> None:
     for _, rel in lab.get("plots", {}).items():
         out.append(("img", "Learning curves (mean over starts × seeds; band min..max)", rel))
     out.append(("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing)."))
-    write_report(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?", out)
+    page.write(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?", out)
