@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...util.io import locks_output
+
 DEFAULT_SINK_TOKENS = (0, 1, 4)
 
 
@@ -214,6 +216,7 @@ def _load(entry: Entry, cfg: StreamingConfig):
     return model, seqs, None, seq_len
 
 
+@locks_output("out", "gattn lab streaming")
 def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     """Measure every model, write lab.json, report.md, report.html and the per-position plot into out."""
     import torch
