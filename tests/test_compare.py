@@ -161,7 +161,8 @@ def test_new_data_dir_is_prepared_there(tmp_path, tiny_corpus, monkeypatch):
 
 def test_long_budget_prepares_its_own_small_vocabulary_corpus():
     # experiment.ensure_corpus prepares a missing corpus with the budget's vocabulary (test_experiment.py, and
-    # test_new_data_dir_is_prepared_there above through the CLI); the sink budgets were measured on the 1k-vocabulary corpus; quick/small use the README's 8k corpus
+    # test_new_data_dir_is_prepared_there above through the CLI); the sink budgets were measured on the
+    # 1k-vocabulary corpus; quick/small use the default 8k corpus
     assert {C.BUDGETS[b].vocab_size for b in ("default", "long")} == {1024}
     assert C.BUDGETS["quick"].data_dir != C.BUDGETS["default"].data_dir and C.BUDGETS["quick"].vocab_size == 8192
 

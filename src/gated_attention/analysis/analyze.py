@@ -6,7 +6,7 @@ the attention backend, layer/attention/FFN outputs from forward hooks; `output_a
 Nothing keeps a full tensor across batches: running maxima, sums, histograms and per-head sums are all that persist,
 and attention-sink numbers come from q.k0 and chunked log-sum-exps (sink.py), never from T x T maps for all heads.
 
-The returned dict is JSON-ready; its schema is documented in `analysis_schema()` and the README.
+The returned dict is JSON-ready; its schema is documented in `analysis_schema()` and docs/usage.md.
 """
 from __future__ import annotations
 
@@ -437,7 +437,7 @@ def token_batches(ids, seq_len: int, batch_size: int, batches: int, first_token:
 
 
 def analysis_schema() -> str:
-    """Human-readable description of analysis.json (the README pastes this)."""
+    """Human-readable description of analysis.json (docs/usage.md shows it)."""
     return SCHEMA
 
 

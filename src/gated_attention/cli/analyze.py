@@ -1,6 +1,6 @@
 """`gattn analyze`: measure attention sinks, massive activations and gate statistics of a local model checkpoint.
 
-Writes OUT/analysis.json (schema: analyze.SCHEMA, also in the README) and PNG plots; --json also prints the JSON.
+Writes OUT/analysis.json (schema: analysis.analyze.analysis_schema(), also in docs/usage.md) and PNG plots; --json also prints the JSON.
 """
 from __future__ import annotations
 

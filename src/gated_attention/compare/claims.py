@@ -20,7 +20,7 @@ GATED = ("sdpa_elementwise", "sdpa_headwise")
 STABILITY_CMD = "gattn lab stability --out runs/lab/stability"
 LONGCTX_CMD = "gattn longctx --budget fair --out runs/longctx"
 # where the project's own equal-skill Table 5 is written up, for a compare run that has no long-context run
-LONGCTX_DOC = "docs/experiments/long_context.md (README: Long context, Table 5 at equal skill)"
+LONGCTX_DOC = "docs/experiments/long_context.md (Table 5 at equal skill)"
 SINK_LAB_CMD = "gattn lab sinks --out runs/lab/sinks"
 
 
