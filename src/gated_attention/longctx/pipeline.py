@@ -240,7 +240,9 @@ def answer_nll(model, tokenizer, sample: dict) -> float:
     return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
 
 
-EVAL_INPUTS = ("mtime",)  # the evaluated checkpoint's identity: a model trained again since makes the result obsolete
+# the evaluated checkpoint's identity (its folder and its weights' modification time): a model trained again, or an OUT
+# copied elsewhere, makes a stored evaluation obsolete (recomputed), not stale
+EVAL_INPUTS = ("model", "mtime")
 
 
 def eval_settings(model_dir: Path, b: Budget, lengths: list[int], seed: int) -> dict:

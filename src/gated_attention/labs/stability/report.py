@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...experiment.report import fmt, md_table, subplots, write
+from ...experiment import report as page
+from ...experiment.report import fmt, md_table
 from ...gates import canonical_name
 from ...util.io import save_png
 
@@ -44,7 +45,7 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
 
-    fig, ax = subplots(figsize=(7, 4.5))
+    fig, ax = page.subplots(figsize=(7, 4.5))
     inits = []
     for v, q in _settings(lab):
         if q is not qk:
@@ -72,7 +73,7 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 
-    fig, ax = subplots(figsize=(7, 4.5))
+    fig, ax = page.subplots(figsize=(7, 4.5))
     colors = {}
     for v, qk in _settings(lab):
         rows = [r for r in lab["runs"] if r["variant"] == v and r["qk_norm"] is qk]
@@ -95,7 +96,7 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss and max attention logit over steps at one LR, every setting (seed 0)."""
 
-    fig, (a1, a2) = subplots(1, 2, figsize=(12, 4))
+    fig, (a1, a2) = page.subplots(1, 2, figsize=(12, 4))
     drawn = False
     for v, qk in _settings(lab):
         row = next((r for r in lab["runs"] if (r["variant"], r["qk_norm"], r["lr"], r["seed"]) == (v, qk, lr, 0)), None)
@@ -252,4 +253,4 @@ def blocks(lab: dict) -> list[tuple]:
 
 def write(lab: dict, out_dir) -> None:
     """report.md and the self-contained report.html into out_dir."""
-    write(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))
+    page.write(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))

@@ -218,8 +218,9 @@ def _load(entry: Entry, cfg: StreamingConfig):
 
 
 def _measure_key(e: Entry, cfg: StreamingConfig) -> dict:
-    """What one model's measurement depends on (experiment.cache): the model, the window settings, the held-out
-    data; model_mtime is its input (the weights file's modification time)."""
+    """What one model's measurement depends on (experiment.cache): the window settings and the held-out data; its
+    inputs are the model (its folder and its weights' modification time: a model copied or trained again since is
+    measured again)."""
     from gated_attention.util.io import hf_weight_files
 
     return {"model": str(e.path), "kind": e.kind, "window": cfg.window, "sink_tokens": list(cfg.sink_tokens),
@@ -259,7 +260,7 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
         # one model's measurement, reused under the toolkit's rule (the settings it depends on, and the model file
         # as its input: a model trained again since is measured again)
         got = cache.cached(out / "models" / (e.label.replace("/", "__") + ".json"), _measure_key(e, cfg), measure,
-                           log, "[streaming]", inputs=("model_mtime",))
+                           log, "[streaming]", inputs=("model", "model_mtime"))
         models[e.label] = {k: v for k, v in got.items() if k != "key"}
         res = models[e.label]
         w = res["window"]
