@@ -162,8 +162,10 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
     logs: list[str] = []
     b = dataclasses.replace(P.BUDGETS["small"], steps=4)
     rep = P.run_pipeline(out, b, corpus_dir, log=logs.append)
-    for name in ("report.md", "report.json", "report.png"):
+    for name in ("report.md", "report.html", "report.json", "report.png"):
         assert (out / name).stat().st_size > 0
+    page = (out / "report.html").read_text()  # the same tables, one self-contained file (the figure embedded)
+    assert "<table>" in page and "data:image/png;base64," in page and 'src="report.png"' not in page
     assert rep["lengths"] == [128, 256, 512, 1024]
     assert [(r["gate"], r["variant"]) for r in rep["rows"]] == [
         ("baseline", "none"), ("sdpa_elementwise", "none"), ("baseline", "yarn"), ("sdpa_elementwise", "yarn")]
