@@ -31,6 +31,7 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.runs import run_units
 from ...experiment.stats import mean_std, spread
+from ...util.io import locks_output
 from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
 from .starts import Start, resolve_starts
 
@@ -368,6 +369,7 @@ def aggregate(units: list[dict], befores: dict[str, dict], starts: list[Start], 
 
 # ---------------------------------------------------------------- the lab
 
+@locks_output("out", "gattn lab retrofit")  # one writer per lab folder (its worker processes write inside)
 def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
     """Measure every start, train/reuse every unit, aggregate, write lab.json and the report into out."""
     from gated_attention.util.io import atomic_write_json

@@ -15,8 +15,8 @@ them). The penalty makes parking attention on the first token cost something; th
 
 BOS attention of the penalty: mean over layers, heads, batch rows and query positions t >= 1 of p(t -> key 0), from
 the queries and keys the attention layers emit (capture.py's "q"/"k"/"scale" points, with their autograd graph) and
-`analysis.attention_sinks.key_probs_chunked` (exp(q.k0 * scale - logsumexp)), so the penalty never needs a T x T map per head
-and works under any attention backend. Query 0 is left out: it can only see itself.
+`analysis.attention_sinks.key_probs_chunked` (exp(q.k0 * scale - logsumexp)), so the penalty never needs a T x T
+map per head and works under any attention backend. Query 0 is left out: it can only see itself.
 """
 from __future__ import annotations
 
