@@ -118,7 +118,7 @@ def resolve_starts(paths: list, data_dir: str | None = None, seq_len: int | None
     """Every starting model the --from folders hold (the streaming lab's resolver: a sink-lab unit, a whole sink-lab
     or compare OUT, a trainer run, an HF folder); a folder that holds several models contributes its UNGATED ones
     (a sink-lab OUT its baseline seeds, a compare OUT its baseline). All of one kind and, for sink runs, one task."""
-    from ..streaming import resolve_models
+    from ..streaming.lab import resolve_models
 
     starts = []
     for p in paths:
@@ -248,7 +248,7 @@ def make_data(start: Start, batch_size: int, eval_size: int, vocab_size: int):
 def streaming_losses(model, seqs: torch.Tensor, window: int) -> dict:
     """Issue 20's measurement (`gattn lab streaming`'s measure_model, decode.stream_nll's rolling KV cache): loss
     with the first token evicted (K=0), with it kept (K=1) and with full attention, on the positions t >= window."""
-    from ..streaming import measure_model
+    from ..streaming.lab import measure_model
 
     m = measure_model(model, seqs, window, [0, 1])
     return {"streaming_loss": m["window"]["0"]["loss"], "streaming_loss_kept": m["window"]["1"]["loss"],
