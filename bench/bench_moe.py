@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 import types
 
+import common  # bench/common.py: machine facts (CPU kind, ISA flags, load, time) beside the result
 import torch
 import torch.nn as nn
 
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     if args.out:
         result = {"benchmark": "moe_train_step" if args.model is None else "moe_model_train_step",
                   "args": vars(args), "torch": torch.__version__, "resolved_precision": resolved,
-                  "threads": torch.get_num_threads(), "machine": platform.machine(),
+                  "threads": torch.get_num_threads(), "machine": common.machine(),
                   "grouped_mm_available": hasattr(torch, "_grouped_mm"), "results": rows}
         out_dir = os.path.dirname(os.path.abspath(args.out))
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".bench_moe.", suffix=".json")

@@ -134,7 +134,7 @@ def machine() -> dict:
     from gated_attention import precision as P
 
     return {"cpu": cpu, "isa": isa, "cpu_kind": cpu_kind(isa), "bf16_gemm_speedup": P.bf16_speedup("cpu"),
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "arch": platform.machine(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "load_avg": os.getloadavg(), "clock": os.environ.get("BENCH_CLOCK", "wall"), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 

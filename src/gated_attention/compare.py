@@ -63,10 +63,11 @@ class Budget:
 # cheaper (the LM head dominates this model) and is what `long` was measured with. `extended` = `long`'s setting for
 # 1400 steps with a WSD schedule (the growth slowed exactly when the cosine LR fell, so WSD holds the peak): measured
 # baseline F-Attn 0.037 = 1.54x uniform at 5.7M tokens (docs/experiments/sink_emergence.md); it was the default until
-# the main job had to fit 15 minutes on a CPU without fast bf16 (fp32 steps ~1.4x the bf16 ones). `default` = the same
-# setting for 500 steps (2.0M tokens): the PPL gain and the massive activations show (both within ~1M tokens), the
-# text sink does not yet, so the sink claim rests on the sink lab there (per-part costs on both CPU kinds:
-# docs/experiments/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k vocabulary, windows of 128.
+# the main job had to fit 15 minutes on a CPU without fast bf16 (an fp32 step is 1.2-1.45x a bf16 one on a CPU that
+# has it). `default` = the same setting for 450 steps (1.8M tokens): the PPL gain and the massive activations show
+# (both within ~1M tokens), the text sink does not yet, so the sink claim rests on the sink lab there (per-part costs
+# on both CPU kinds: docs/experiments/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k
+# vocabulary, windows of 128.
 _CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
 BUDGETS: dict[str, Budget] = {
@@ -86,14 +87,14 @@ BUDGETS: dict[str, Budget] = {
                    ckpt_every=100, model_overrides=dict(_CPU_SHAPE))),
     "default": Budget(
         help="the main job in under 15 minutes on 2 quiet CPU cores of either kind (fp32 on an AVX2-only CPU, bf16 "
-             "where bf16 is fast): ~2.0M tokens per variant in windows of 256 on the same model, WSD schedule, on "
+             "where bf16 is fast): ~1.8M tokens per variant in windows of 256 on the same model, WSD schedule, on "
              "the default sources with a 1024-token vocabulary (prepared automatically in data_v1k unless "
              "--data-dir is given), + the 1-seed sink lab and the streaming check; shows the PPL gain, the smaller "
              "massive activations and the sparse gates on text, and the sink on the synthetic task (the first-token "
              "sink on text needs more tokens: --budget extended)",
-        train=dict(seq_len=256, batch_size=16, steps=500, lr=6e-3, min_lr=6e-5, warmup_steps=50, weight_decay=0.1,
+        train=dict(seq_len=256, batch_size=16, steps=450, lr=6e-3, min_lr=6e-5, warmup_steps=50, weight_decay=0.1,
                    schedule="wsd", eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=100,
-                   spike_window=50, ckpt_every=250, model_overrides=dict(_CPU_SHAPE)),
+                   spike_window=50, ckpt_every=225, model_overrides=dict(_CPU_SHAPE)),
         data_dir="data_v1k", vocab_size=1024),
     "extended": Budget(
         help="the main job's earlier default: ~5.7M tokens per variant in windows of 256, WSD schedule (holds the "
