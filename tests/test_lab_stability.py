@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from gated_attention.labs import stability as S
-from gated_attention.labs.stability_probe import StabilityProbe, max_attention_logit
+from gated_attention.labs.stability import lab as S
+from gated_attention.labs.stability.probe import StabilityProbe, max_attention_logit
 
 NAN = float("nan")
 
@@ -126,11 +125,9 @@ def test_max_attention_logit_matches_direct_computation():
 
 
 def _tiny_model(qk_norm: bool):
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.presets import model_config
+    from harness import tiny_lm
 
-    torch.manual_seed(0)
-    return GatedQwen3ForCausalLM(model_config("tiny", gate="sdpa_elementwise", use_qk_norm=qk_norm)).eval()
+    return tiny_lm("sdpa_elementwise", backend=None, match_params=None, use_qk_norm=qk_norm)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -162,30 +159,7 @@ def test_probe_on_the_trainers_probe_forward(qk_norm):
     assert len(probe.records) == 1 and all(getattr(m, "capture", None) is None for m in model.modules())
 
 
-# ---------------------------------------------------------------- end to end
-
-WORDS = ("the of and to in is was that he it with as his on be at by had not are but from or have an they which one "
-         "you were her all she there would their we him been has when who will more no if out so said what up its")
-
-
-@pytest.fixture(scope="module")
-def tiny_corpus(tmp_path_factory) -> Path:
-    """Two domains from text files written to tmp, prepared with a 300-token BPE (seconds)."""
-    from gated_attention import data
-
-    rng = random.Random(0)
-    src = tmp_path_factory.mktemp("src")
-    for dom in ("prose", "verse"):
-        (src / dom).mkdir()
-        for i in range(3):
-            pars = [" ".join(rng.choice(WORDS.split()) for _ in range(rng.randint(20, 60))) for _ in range(60)]
-            (src / dom / f"{dom}{i}.txt").write_text("\n\n".join(pars))
-    d = tmp_path_factory.mktemp("data")
-    data.prepare(data.PrepareConfig(data_dir=str(d), vocab_size=300, sources=(),
-                                    extra=(str(src / "prose"), str(src / "verse")), val_fraction=0.2,
-                                    chunk_chars=600))
-    return d
-
+# ---------------------------------------------------------------- end to end (on conftest's session tiny_corpus)
 
 def _cli(argv: list[str]) -> int:
     from gated_attention import cli

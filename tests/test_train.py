@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,8 +11,9 @@ import torch
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import TrainConfig, apply_overrides, tiny
 from gated_attention.train.schedule import lr_at
-from gated_attention.train.stability import SpikeDetector
+from gated_attention.train.monitors import SpikeDetector
 from gated_attention.train.trainer import param_groups, train
+from harness import run_gattn
 
 
 def losses(run: Path) -> list[float]:
@@ -137,14 +135,8 @@ def test_spike_detector_scales_with_small_batch_noise():
 # ---------------------------------------------------------------- exact resume after SIGKILL
 
 def _gattn_train(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False):
-    # tests/kill_hooks.py = `gattn` plus the GATTN_TEST_KILL_* fault injection (test-only code)
-    cmd = [sys.executable, str(Path(__file__).with_name("kill_hooks.py")), "train", "--preset", "tiny", "--out", str(out)]
-    for s in sets:
-        cmd += ["--set", s]
-    if resume:
-        cmd.append("--resume")
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = ["train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in sets), [])]
+    return run_gattn(*args, *(["--resume"] if resume else []), env=env_extra, timeout=300, kill_hooks=True)
 
 
 RESUME_SETS = ["steps=12", "ckpt_every=4", "keep_checkpoints=2", "stats_every=5"]
@@ -199,7 +191,7 @@ def test_eval_cli(tmp_path, capsys):
 
 
 def test_sweep_tabulates_and_reuses(tmp_path):
-    from gated_attention.train.sweep import sweep
+    from gated_attention.experiment.sweep import sweep
 
     rows = sweep("tiny", ["baseline", "sdpa_headwise"], [3e-3], tmp_path, sets=["steps=4"])
     assert [(r["gate"], r["lr"]) for r in rows] == [("baseline", 3e-3), ("sdpa_headwise", 3e-3)]

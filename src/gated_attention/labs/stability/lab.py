@@ -26,10 +26,10 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..io import atomic_write_text, read_jsonl
-from ..experiment import ensure_corpus
-from ..gates import canonical_name
-from .common import load_unit, run_units, save_unit
+from ...util.io import atomic_write_text, read_jsonl
+from ...experiment import ensure_corpus
+from ...gates import canonical_name
+from ..common import load_unit, run_units, save_unit
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
@@ -89,7 +89,7 @@ class LabConfig:
     seed_lrs: str = "edge"  # extra seeds at the LRs around the edge of stability ("edge") or at every LR ("all")
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
-    precision: str = "auto"  # training numerics; resolved once (gated_attention.precision) and keyed per run
+    precision: str = "auto"  # training numerics; resolved once (gated_attention.util.precision) and keyed per run
 
     def validate(self) -> "LabConfig":
         from gated_attention.gates import GATES, canonical_name
@@ -119,13 +119,13 @@ class LabConfig:
                 raise ValueError(f"--{name} {v} must be >= 1")
         if self.jobs < 1:
             raise ValueError(f"--jobs {self.jobs} must be >= 1")
-        from gated_attention.precision import check
+        from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
         return self
 
     def resolved_precision(self) -> str:
-        from gated_attention.precision import resolve
+        from gated_attention.util.precision import resolve
 
         return resolve(self.precision, "cpu")
 
@@ -274,7 +274,7 @@ def train_run(task: tuple) -> dict:
     from gated_attention.train.evaluate import domain_losses
     from gated_attention.train.trainer import build_model, train
 
-    from .stability_probe import StabilityProbe
+    from .probe import StabilityProbe
 
     cfg = TrainConfig.from_dict(cfg_dict).validate()
     shutil.rmtree(out, ignore_errors=True)
@@ -353,7 +353,7 @@ def instability_check(rows: list[dict], margin: float = 0.5) -> dict:
 
 def run_lab(lab: LabConfig, log=print) -> dict:
     """Train/reuse the grid, then write lab.json, report.md, report.html and plots into lab.out."""
-    from . import stability_report as R
+    from . import report as R
 
     lab.validate()
     t0 = time.perf_counter()

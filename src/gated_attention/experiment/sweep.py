@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..io import atomic_write_text, json_dumps
-from ..progress import Progress
+from ..util.io import atomic_write_text, json_dumps
+from ..util.progress import Progress
 
 
 def run_dir_name(gate: str, lr: float) -> str:
@@ -17,11 +17,11 @@ def run_dir_name(gate: str, lr: float) -> str:
 
 def sweep(preset: str, gates: list[str], lrs: list[float], out: str | Path, sets: list[str] = (),
           data_dir: str | None = None) -> list[dict]:
-    from ..errors import UserError
-    from ..io import lock_dir, read_json_object
-    from .checkpoint import latest_checkpoint
-    from .config import config_from_args, describe_changes
-    from .trainer import train
+    from ..util.errors import UserError
+    from ..util.io import lock_dir, read_json_object
+    from ..train.checkpoint import latest_checkpoint
+    from ..train.config import config_from_args, describe_changes
+    from ..train.trainer import train
 
     out = Path(out)
     rows = []

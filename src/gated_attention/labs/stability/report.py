@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..compare_report import fmt
-from ..gates import canonical_name
-from .common import md_table, write_report
+from ...experiment.report import fmt
+from ...gates import canonical_name
+from ..common import md_table, write_report
 
 _NAMES = {"baseline": "baseline", "none": "baseline (none)", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
@@ -43,7 +43,8 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 # ---------------------------------------------------------------- plots
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     inits = []
@@ -68,11 +69,12 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
     ax.set(xlabel="peak learning rate", ylabel="final validation loss (nats)",
            title=f"final loss vs LR, QK-norm {_qk(qk)} (x = diverged)")
     ax.legend(fontsize=9)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {}
@@ -91,12 +93,13 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
     ax.set(xlabel="peak learning rate", ylabel="max attention logit q.k/sqrt(d) over training",
            title="attention-logit growth")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss and max attention logit over steps at one LR, every setting (seed 0)."""
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
     drawn = False
@@ -121,7 +124,7 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     a1.set(xlabel="step", ylabel="train loss", title=f"training loss at lr {lr:g}")
     a2.set(xlabel="step", ylabel="max attention logit", yscale="log", title=f"max attention logit at lr {lr:g}")
     a1.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def make_plots(lab: dict, plot_dir) -> dict[str, Path]:
