@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...experiment.report import fmt
+from ...experiment import report as page
+from ...experiment.report import fmt, md_table
 from ...gates import canonical_name
-from ..common import md_table, write_report
+from ...util.io import save_png
 
 _NAMES = {"baseline": "baseline", "none": "baseline (none)", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
@@ -43,10 +44,8 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 # ---------------------------------------------------------------- plots
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = page.subplots(figsize=(7, 4.5))
     inits = []
     for v, q in _settings(lab):
         if q is not qk:
@@ -73,10 +72,8 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
 
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = page.subplots(figsize=(7, 4.5))
     colors = {}
     for v, qk in _settings(lab):
         rows = [r for r in lab["runs"] if r["variant"] == v and r["qk_norm"] is qk]
@@ -98,10 +95,8 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss and max attention logit over steps at one LR, every setting (seed 0)."""
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (a1, a2) = page.subplots(1, 2, figsize=(12, 4))
     drawn = False
     for v, qk in _settings(lab):
         row = next((r for r in lab["runs"] if (r["variant"], r["qk_norm"], r["lr"], r["seed"]) == (v, qk, lr, 0)), None)
@@ -117,9 +112,9 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
                 a2.plot(*zip(*pts2), ls=ls, lw=1.2, color=line.get_color())
             drawn = True
     if not drawn:
-        import matplotlib.pyplot as plt2
+        import matplotlib.pyplot as plt
 
-        plt2.close(fig)
+        plt.close(fig)
         return None
     a1.set(xlabel="step", ylabel="train loss", title=f"training loss at lr {lr:g}")
     a2.set(xlabel="step", ylabel="max attention logit", yscale="log", title=f"max attention logit at lr {lr:g}")
@@ -245,7 +240,7 @@ _TITLES = {"loss_vs_lr_qk_off": "Final loss vs LR, QK-norm off", "loss_vs_lr_qk_
 
 
 def blocks(lab: dict) -> list[tuple]:
-    """The report as common.render_report blocks."""
+    """The report as experiment.report blocks."""
     out = [("p", p) for p in _intro(lab)]
     out += [("h2", "Findings")] + [("p", f) for f in findings(lab)]
     out += [("h2", "LR sensitivity"), ("table", *_sens_cells(lab)), ("h2", "Every run"), ("table", *_run_cells(lab))]
@@ -258,4 +253,4 @@ def blocks(lab: dict) -> list[tuple]:
 
 def write(lab: dict, out_dir) -> None:
     """report.md and the self-contained report.html into out_dir."""
-    write_report(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))
+    page.write(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))
