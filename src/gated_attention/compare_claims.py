@@ -14,7 +14,9 @@ from pathlib import Path
 
 REPRODUCED, PARTLY, NOT_AT_SCALE, NOT_RUN = "reproduced", "partly", "not at this scale", "not run here"
 GATED = ("sdpa_elementwise", "sdpa_headwise")
-STABILITY_CMD = "gattn lab stability --out runs/lab/stability"
+STABILITY_CMD = "gattn lab stability --budget default --out runs/lab/stability"
+# the project's measured default-budget lab (lab.json + report), for a compare run that has no stability lab
+STABILITY_DOC = "docs/experiments/stability_lab.md (lab.json: --stability-lab docs/experiments/stability_lab)"
 LONGCTX_CMD = "gattn longctx --budget fair --out runs/longctx"
 # where the project's own equal-skill Table 5 (issue 12) is written up, for a compare run that has no long-context run
 LONGCTX_DOC = "docs/experiments/long_context.md (README: Long context, Table 5 at equal skill)"
@@ -128,39 +130,96 @@ def gate_sparsity_claim(rows: dict, lab: dict | None) -> dict:
     return {"paper": paper, "this_run": this, "verdict": verdict}
 
 
+STABILITY_PAPER = ("no loss spikes with the gate; the 48L baseline diverges at LR 8e-3 while the gated model trains "
+                   "(PPL 7.078)")
+
+
+def _iv_text(x, iv, lr: bool = False) -> str:
+    f = (lambda v: "–" if v is None else f"{v:g}") if lr else (lambda v: _f(v, 2))
+    return f(x) + (f" [{f(iv[0])}, {f(iv[1])}]" if iv else "")
+
+
+def _separated(better, worse, lower_is_better: bool) -> bool:
+    """Interval `better` lies entirely on the good side of interval `worse` (labs/stability_stats.separated)."""
+    from .labs.stability_stats import separated
+
+    return separated(better, worse, lower_is_better)
+
+
+def stability_verdict(lab: dict) -> dict:
+    """The stability row from a stability-lab lab.json (dict). The rule, per QK-norm setting and G1 variant, on three
+    measures with bootstrap intervals over seeds: max stable LR (higher = better), LR sensitivity (lower = better),
+    loss spikes per run (lower = better). A measure counts for the gate when the gated interval lies entirely on the
+    good side of the baseline's (no overlap), against it when entirely on the bad side.
+      reproduced        : the baseline shows the failure in this grid (a spike, a divergence, or >= 0.5 nats lost at
+                          the highest LR: lab.json "instability"), and with QK-norm on (the paper's models; QK-norm off
+                          when only that was run) every G1 variant wins on at least one measure and loses on none;
+      not at this scale : anything else (overlapping intervals, no failure of the baseline, or a lab.json from before
+                          the intervals), with the numbers."""
+    settings = lab.get("settings")
+    base_name = next((v for v in (settings or {}) if v in ("baseline", "none")), None)
+    if not settings or base_name is None:
+        sens = lab.get("lr_sensitivity") or {}
+        base = sens.get("baseline") or sens.get("none") or {}
+        parts = [f"{v.removeprefix('sdpa_')} QK-norm {qk}: {g:.2f} vs {base[qk]:.2f}" for v in GATED
+                 for qk in ("off", "on") if (g := (sens.get(v) or {}).get(qk)) is not None and base.get(qk) is not None]
+        return {"verdict": NOT_AT_SCALE if parts else NOT_RUN,
+                "this_run": f"LR sensitivity (gated vs baseline): {'; '.join(parts) or 'no comparable pair'}; no "
+                            f"intervals over seeds in this lab.json (made before they existed): re-run the lab"}
+    inst = lab.get("instability") or {}
+    qks = [k for k in ("on", "off") if settings[base_name].get(k)]
+    judged = qks[0] if qks else None
+    parts, wins = [], {}
+    for qk in qks:
+        b = settings[base_name][qk]
+        cells = []
+        for v in GATED:
+            g = (settings.get(v) or {}).get(qk)
+            if not g:
+                continue
+            pairs = [("max stable LR", g["max_stable_lr"]["interval"], b["max_stable_lr"]["interval"], False),
+                     ("LR sensitivity", g["lr_sensitivity_interval"], b["lr_sensitivity_interval"], True),
+                     ("spikes/run", g["spikes"]["interval"], b["spikes"]["interval"], True)]
+            won = [n for n, gi, bi, low in pairs if _separated(gi, bi, low)]
+            lost = [n for n, gi, bi, low in pairs if _separated(bi, gi, low)]
+            if qk == judged:
+                wins[v] = (won, lost)
+            cells.append(f"{v.removeprefix('sdpa_')} {_iv_text(g['max_stable_lr']['lr'], g['max_stable_lr']['interval'], True)}"
+                         f" / {_iv_text(g['lr_sensitivity'], g['lr_sensitivity_interval'])}"
+                         f" / {_iv_text(g['spikes']['per_run'], g['spikes']['interval'])}"
+                         + (f" (separates: {', '.join(won)})" if won else "")
+                         + (f" (worse, separates: {', '.join(lost)})" if lost else ""))
+        parts.append(f"QK-norm {qk}: max stable LR / LR sensitivity / spikes per run, baseline "
+                     f"{_iv_text(b['max_stable_lr']['lr'], b['max_stable_lr']['interval'], True)} / "
+                     f"{_iv_text(b['lr_sensitivity'], b['lr_sensitivity_interval'])} / "
+                     f"{_iv_text(b['spikes']['per_run'], b['spikes']['interval'])} vs " + ", ".join(cells))
+    seeds = len(settings[base_name][judged]["seeds"]) if judged else 0
+    failed = bool(inst.get("reached"))
+    this = ("; ".join(parts) + f" ({seeds} seeds, {int(100 * (lab.get('config', {}).get('bootstrap') or {}).get('level', 0.95))} "
+            f"% bootstrap intervals over seeds)")
+    if not failed:
+        this += "; the baseline neither spiked nor diverged in this grid"
+    if not wins:
+        return {"verdict": NOT_RUN, "this_run": this or "no G1 variant next to the baseline"}
+    ok = failed and all(won and not lost for won, lost in wins.values())
+    return {"verdict": REPRODUCED if ok else NOT_AT_SCALE, "this_run": this}
+
+
 def stability_claim(rows: dict, stability_dir) -> dict:
-    paper = ("no loss spikes with the gate; the 48L baseline diverges at LR 8e-3 while the gated model trains "
-             "(PPL 7.078)")
+    """The claims-table row from the stability lab in `stability_dir` (its lab.json; `gattn compare --stability-lab`)."""
     spikes = ", ".join(f"{v} {rows[v].get('spikes')}" for v in rows)
     path = Path(stability_dir) / "lab.json" if stability_dir else None
     if path is None or not path.exists():
-        return {"paper": paper, "this_run": f"loss spikes in this run: {spikes}; no stability lab at {path}",
-                "verdict": NOT_RUN, "command": STABILITY_CMD}
+        return {"paper": STABILITY_PAPER, "this_run": f"loss spikes in this run: {spikes}; no stability lab at {path}; "
+                f"the project's measured table: {STABILITY_DOC}", "verdict": NOT_RUN, "command": STABILITY_CMD}
     try:
         lab = json.loads(path.read_text())
-        sens = lab["lr_sensitivity"]
-        runs = lab.get("runs", [])
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        return {"paper": paper, "this_run": f"unreadable stability lab {path} ({exc})", "verdict": NOT_RUN,
+        claim = stability_verdict(lab)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        return {"paper": STABILITY_PAPER, "this_run": f"unreadable stability lab {path} ({exc})", "verdict": NOT_RUN,
                 "command": STABILITY_CMD}
-    base = sens.get("baseline") or sens.get("none") or {}
-    parts, better, compared = [], 0, 0
-    for v in GATED:
-        for qk in ("off", "on"):
-            b, g = base.get(qk), (sens.get(v) or {}).get(qk)
-            if b is None or g is None:
-                continue
-            compared += 1
-            better += g < b
-            parts.append(f"{v.removeprefix('sdpa_')} QK-norm {qk}: {g:.2f} vs {b:.2f}")
-    div = lambda name: sum(bool(r.get("diverged")) for r in runs if r.get("variant") == name)
-    this = (f"LR sensitivity (gated vs baseline; lower = more stable): {'; '.join(parts) or 'no comparable pair'}; "
-            f"diverged runs baseline {div('baseline') + div('none')}, "
-            + ", ".join(f"{v} {div(v)}" for v in GATED) + f" ({path.parent})")
-    verdict = (NOT_RUN if compared == 0 else REPRODUCED if better == compared else PARTLY if better
-               else NOT_AT_SCALE)
-    out = {"paper": paper, "this_run": this, "verdict": verdict}
-    if compared == 0:
+    out = {"paper": STABILITY_PAPER, "this_run": f"{claim['this_run']} ({path.parent})", "verdict": claim["verdict"]}
+    if claim["verdict"] == NOT_RUN:
         out["command"] = STABILITY_CMD
     return out
 
