@@ -2,14 +2,16 @@
 loop decode.generate_fast (static cache; eager and with a torch.compile'd single-token step) vs transformers' Qwen3
 `generate` with the same weights, greedy, batch 1 and 8, all timed round-robin in one process.
 tokens/s = batch * new tokens / wall time of the whole generate call (prefill included, as a user sees it).
-Run: python bench/bench_decode.py [--prompt 32 --new 64 --batches 1,8 --dtype bfloat16]
+Weights and activations are cast to the --precision's dtype (bf16 or fp32; auto = bf16 where this CPU runs bf16
+GEMMs fast), for every implementation alike.
+Run: python bench/bench_decode.py [--prompt 32 --new 64 --batches 1,8 --precision auto|bf16|fp32]
 """
 from __future__ import annotations
 
 import argparse
 import copy
 
-import common  # noqa: F401  (puts src/ on the path)
+import common  # (also puts src/ on the path)
 import torch
 
 from gated_attention import GatedQwen3ForCausalLM
@@ -28,7 +30,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--new", type=int, default=64, help="generated tokens")
     ap.add_argument("--batches", default="1,8", help="comma list of batch sizes")
     ap.add_argument("--configs", default="ungated,G1-elem-parity", help=f"comma list from {list(GATES)}")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights/activations dtype")
+    common.precision_arg(ap)
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                    help="weights/activations dtype (older spelling of --precision bf16 / fp32; overrides it)")
     ap.add_argument("--reps", type=int, default=3, help="timed round-robin rounds (median taken)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
@@ -37,7 +41,12 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
+    if args.dtype:
+        args.precision = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    prec = common.resolve_precision(args.precision)
+    from gated_attention.precision import dtype_of
+
+    dtype = dtype_of(prec)
     fns, meta, agree = {}, {}, {}
     for label in args.configs.split(","):
         if label not in GATES:
@@ -77,7 +86,8 @@ def main(argv=None) -> dict:
     for r in rows:
         r["speedup_vs_hf_generate"] = by[f"{r['config']}|b{r['batch']}|hf"]["median_s"] / r["median_s"]
     result = {"bench": "decode", "machine": common.machine(), "preset": args.preset, "prompt": args.prompt,
-              "new_tokens": args.new, "dtype": args.dtype, "reps": args.reps, "token_agreement_with_hf": agree,
+              "new_tokens": args.new, "dtype": str(dtype).removeprefix("torch."), "resolved_precision": prec,
+              "reps": args.reps, "token_agreement_with_hf": agree,
               "rows": rows}
     path = common.write_json(args.out, result)
     print(common.md_table(rows, ["config", "batch", "impl", "median_s", "tokens_per_s", "speedup_vs_hf_generate"]))

@@ -3,11 +3,11 @@
 Each default variant (baseline, G1 elementwise, G1 headwise) is trained for a few steps in three ways, timed
 round-robin in ONE process: `plain` (`--set fast=false compile=false`: plain layers, full-logits loss, eager), `fast`
 (the fast path, eager) and `fast_compiled` (the fast path with the compiled decoder-layer graph, what `compile=auto`
-picks for the budget's step count). The step is the trainer's: bf16 autocast forward with the trainer's arguments,
-backward, gradient clipping, AdamW. Reported: median step times, tokens/s, speed-up over plain, the one-off compile
+picks for the budget's step count). The step is the trainer's: the forward in --precision (bf16 autocast or fp32, as
+the trainer resolves it) with the trainer's arguments, backward, gradient clipping, AdamW. Reported: median step times, tokens/s, speed-up over plain, the one-off compile
 time (first compiled step minus a steady one), and the step count the fast path fits into the plain path's wall time
 for the budget (compile included).
-Run: python bench/bench_mainjob.py --threads 1 [--reps 7] [--budget default]
+Run: python bench/bench_mainjob.py --threads 1 [--reps 7] [--budget default] [--precision auto|bf16|fp32]
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import os
 import tempfile
 import time
 
-import common  # noqa: F401  (puts src/ on the path)
+import common  # (also puts src/ on the path)
 import torch
 
 from gated_attention.compare import BUDGETS, DEFAULT_VARIANTS, budget_config
@@ -28,8 +28,8 @@ from gated_attention.train.trainer import build_model, param_groups
 MODES = {"plain": (False, "false"), "fast": (True, "false"), "fast_compiled": (True, "true")}
 
 
-def make_step(cfg, vocab: int, x, y):
-    """The trainer's step for cfg (fast / compile as set), on a fresh model with the same seed."""
+def make_step(cfg, vocab: int, x, y, precision: str = "bf16"):
+    """The trainer's step for cfg (fast / compile as set) in `precision`, on a fresh model with the same seed."""
     torch.manual_seed(cfg.seed)
     model = build_model(cfg, vocab).train()
     layers = decoder_layers(model)
@@ -37,7 +37,7 @@ def make_step(cfg, vocab: int, x, y):
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16), plan.training_forward():
+        with common.autocast(precision), plan.training_forward():
             if plan.fused_loss:
                 loss = model(input_ids=x, shift_labels=y, fused_loss=True, use_cache=False).loss
             else:
@@ -61,7 +61,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="mainjob", help="results/<out>.json")
     ap.add_argument("--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: a fresh one, "
                     "so the compile time measured is the cold cost a first run pays)")
+    common.precision_arg(ap)
     args = ap.parse_args(argv)
+    prec = common.resolve_precision(args.precision)
     if not args.warm_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gattn_inductor_")
     if args.threads:
@@ -77,7 +79,7 @@ def main(argv=None) -> dict:
         for mode in args.modes.split(","):
             fast, comp = MODES[mode]
             cfg = dataclasses.replace(base, gate=gate, fast=fast, compile=comp).validate()
-            step, _ = make_step(cfg, vocab, x, y)
+            step, _ = make_step(cfg, vocab, x, y, prec)
             name = f"{gate}|{mode}"
             t = time.perf_counter()
             step()  # compiles here for fast_compiled
@@ -111,7 +113,8 @@ def main(argv=None) -> dict:
                 "wall_speedup_at_budget_steps": wall_plain / (base.steps * per_step + one_off)}
     result = {"bench": "mainjob", "machine": common.machine(), "budget": args.budget, "steps": base.steps,
               "batch": base.batch_size, "seq": base.seq_len, "vocab": vocab,
-              "model_overrides": base.model_overrides, "reps": args.reps, "rows": rows, "summary": summary}
+              "model_overrides": base.model_overrides, "reps": args.reps, "resolved_precision": prec, "rows": rows,
+              "summary": summary}
     path = common.write_json(args.out, result)
     print(common.md_table(rows, ["variant", "mode", "median_s", "tokens_per_s", "speedup_vs_plain", "one_off_s"]))
     for mode, s in summary.items():

@@ -102,7 +102,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2, help="MoE blocks in the stack")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter/activation dtype")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="parameter/activation dtype: auto (default; bf16 where this CPU runs bf16 GEMMs fast, else "
+                        "fp32: gated_attention.precision), bf16 or fp32")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="older spelling of --precision fp32 / bf16 (overrides it)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = leave torch's default)")
     p.add_argument("--model", default=None,
                    help="benchmark the whole GatedQwen3ForCausalLM of this MoE preset (e.g. small-moe, tiny-moe) "
@@ -113,6 +117,13 @@ def main(argv=None) -> int:
         p.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    from gated_attention import precision as P
+
+    if args.dtype:
+        args.precision = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
+    resolved = P.resolve(args.precision, "cpu")
+    print(f"bench: {P.describe(args.precision, 'cpu')}", flush=True)
+    args.dtype = str(P.dtype_of(resolved)).removeprefix("torch.")  # what build / build_lm cast to
 
     torch.manual_seed(0)
     make = build if args.model is None else build_lm
@@ -166,7 +177,7 @@ def main(argv=None) -> int:
 
     if args.out:
         result = {"benchmark": "moe_train_step" if args.model is None else "moe_model_train_step",
-                  "args": vars(args), "torch": torch.__version__,
+                  "args": vars(args), "torch": torch.__version__, "resolved_precision": resolved,
                   "threads": torch.get_num_threads(), "machine": platform.machine(),
                   "grouped_mm_available": hasattr(torch, "_grouped_mm"), "results": rows}
         out_dir = os.path.dirname(os.path.abspath(args.out))

@@ -1,12 +1,13 @@
-"""Training-step throughput (forward + backward + AdamW, bf16 autocast): ungated vs G1 gates, ours vs transformers.
+"""Training-step throughput (forward + backward + AdamW, in --precision): ungated vs G1 gates, ours vs transformers.
 
-Every variant (config x implementation x eager/compile) and a bf16 GEMM (the machine's measured peak) are timed
+Every variant (config x implementation x eager/compile) and a square GEMM in the same precision (the machine's
+measured peak: bf16 under bf16 autocast, fp32 in fp32) are timed
 round-robin in one process; the JSON holds medians, tokens/s, gate overhead (gated / ungated step time, same
 implementation and mode), speed-up over transformers (same config and mode) and MFU (model FLOP/s over the best
 GEMM FLOP/s seen in the same run). `ours_fast` = what `gattn train` runs by default: fuse_qkv(separate_params=True)
 + fused sigmoid-mul + the chunked lm_head/cross-entropy, and in compile mode the trainer's compiled decoder-layer
 graph (train/fastpath.py); `ours` = the plain reference layers and loss; transformers compiles the whole model.
-Run: python bench/bench_train.py [--batch 16 --seq 256 --reps 5 --modes eager,compile]
+Run: python bench/bench_train.py [--precision auto|bf16|fp32 --batch 16 --seq 256 --reps 5 --modes eager,compile]
      python bench/bench_train.py --hidden 768 --heads 12 --kv-heads 4 --out train_d768   (MFU at a larger shape)
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import contextlib
 import copy
 
-import common  # noqa: F401  (puts src/ on the path)
+import common  # (also puts src/ on the path)
 import torch
 
 from gated_attention import GatedQwen3ForCausalLM
@@ -47,14 +48,15 @@ def train_flops(cfg, batch: int, seq: int) -> float:
     return 3.0 * fwd_per_token * batch * seq
 
 
-def make_step(model, ids, fused_loss: bool = False, forward_ctx=None, params=None):
-    """One train step. forward_ctx: a context manager factory around the forward (the trainer's compiled layers)."""
+def make_step(model, ids, fused_loss: bool = False, forward_ctx=None, params=None, precision: str = "bf16"):
+    """One train step in `precision` ('bf16' autocast | 'fp32'). forward_ctx: a context manager factory around the
+    forward (the trainer's compiled layers)."""
     opt = torch.optim.AdamW(params if params is not None else model.parameters(), lr=1e-4)
     kw = {"fused_loss": True} if fused_loss else {}
     ctx = forward_ctx or contextlib.nullcontext
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16), ctx():
+        with common.autocast(precision), ctx():
             loss = model(input_ids=ids, labels=ids, use_cache=False, **kw).loss
         loss.backward()
         opt.step()
@@ -81,7 +83,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0 = preset's)")
     ap.add_argument("--heads", type=int, default=0, help="override num_attention_heads (0 = preset's)")
     ap.add_argument("--kv-heads", type=int, default=0, help="override num_key_value_heads (0 = preset's)")
+    common.precision_arg(ap)
     args = ap.parse_args(argv)
+    prec = common.resolve_precision(args.precision)
     shape = {}
     if args.hidden:
         shape.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden)
@@ -125,15 +129,17 @@ def main(argv=None) -> dict:
                     # what the trainer compiles (train/fastpath.py): one decoder-layer graph shared by every layer
                     mc = copy.deepcopy(m)
                     plan = fastpath.SpeedPlan(True, "true", 0, True, decoder_layers(mc), torch.device("cpu"))
-                    fns[name] = make_step(mc, ids, fused_loss=True, forward_ctx=plan.training_forward)
+                    fns[name] = make_step(mc, ids, fused_loss=True, forward_ctx=plan.training_forward,
+                                          precision=prec)
                 else:
                     run = torch.compile(m) if mode == "compile" else m
-                    fns[name] = make_step(run, ids, fused_loss=impl == "ours_fast", params=m.parameters())
+                    fns[name] = make_step(run, ids, fused_loss=impl == "ours_fast", params=m.parameters(),
+                                          precision=prec)
                 meta[name] = {"config": label, "gate": gate, "match_params": parity, "impl": impl, "mode": mode,
                               "params": sum(p.numel() for p in m.parameters()),
                               "intermediate_size": cfg.intermediate_size,
                               "flops": train_flops(cfg, args.batch, args.seq)}
-    peak_fn, peak_flops = common.matmul_peak_fn()
+    peak_fn, peak_flops = common.matmul_peak_fn(precision=prec)
     fns["peak_gemm"] = peak_fn
     times = common.interleaved(fns, args.reps, args.warmup)
     peak = max(peak_flops / t for t in times.pop("peak_gemm"))
@@ -155,11 +161,12 @@ def main(argv=None) -> dict:
         r["speedup_vs_hf"] = hf["median_s"] / r["median_s"] if hf else None
     result = {"bench": "train", "machine": common.machine(), "preset": args.preset, "shape_overrides": shape,
               "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers, "batch": args.batch,
-              "seq": args.seq, "reps": args.reps, "peak_bf16_flops": peak, "rows": rows}
+              "seq": args.seq, "reps": args.reps, "resolved_precision": prec, "peak_flops": peak,
+              "peak_precision": prec, "rows": rows}
     path = common.write_json(args.out, result)
     print(common.md_table(rows, ["config", "impl", "mode", "median_s", "tokens_per_s", "step_time_vs_ungated",
                                  "step_time_vs_ungated_fast", "speedup_vs_hf", "mfu"]))
-    print(f"peak bf16 GEMM: {peak / 1e9:.1f} GFLOP/s; wrote {path}")
+    print(f"peak {prec} GEMM: {peak / 1e9:.1f} GFLOP/s; wrote {path}")
     return result
 
 

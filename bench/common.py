@@ -1,7 +1,14 @@
-"""Shared helpers of the benchmark scripts: interleaved timing with medians, machine facts, atomic JSON/markdown.
+"""Shared helpers of the benchmark scripts: interleaved timing with medians, machine facts, the precision the
+workload runs in, atomic JSON/markdown.
 
 Absolute times on a shared CPU are noise; every script times the things it compares round-robin in ONE process
 (rep 1 of A, B, C, then rep 2 of A, B, C, ...) and reports medians and their ratios, so a slow spell hits all alike.
+
+Precision: every bench takes `--precision auto|bf16|fp32` (default auto, as the product: bf16 autocast only where this
+CPU runs bf16 GEMMs fast, gated_attention.precision), resolves it once (`precision_arg` / `resolve_precision`), runs
+its workload in it, times the in-run GEMM peak in the same precision (`matmul_peak_fn`), and writes
+`resolved_precision` into its result JSON; `machine()` records the CPU's ISA flags and the measured bf16/fp32 GEMM
+ratio beside it, so a figure is never read without the numerics and the CPU kind it was measured on.
 """
 from __future__ import annotations
 
@@ -18,7 +25,9 @@ from typing import Callable
 import torch
 
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results"
+# where results/<name>.json go: bench/results, or BENCH_RESULTS (run_all.py --results DIR: e.g. a forced-fp32 run kept
+# apart from the auto one)
+RESULTS = Path(os.environ["BENCH_RESULTS"]).resolve() if os.environ.get("BENCH_RESULTS") else ROOT / "results"
 sys.path.insert(0, str(ROOT.parent / "src"))  # run from a checkout without installing
 
 
@@ -64,8 +73,39 @@ def rel_spread(xs: list[float]) -> float:
     return (q3 - q1) / statistics.median(xs)
 
 
-def matmul_peak_fn(n: int = 2048, dtype=torch.bfloat16) -> tuple[Callable[[], None], float]:
-    """A bf16 GEMM to time next to the workload; returns (fn, flops per call). Peak = best FLOP/s observed."""
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def precision_arg(ap) -> None:
+    """Add the common `--precision` option to a bench's argument parser."""
+    ap.add_argument("--precision", choices=PRECISIONS, default="auto",
+                    help="numerics of the workload: auto (default; bf16 autocast where this CPU runs bf16 GEMMs fast, "
+                         "else fp32: gated_attention.precision), bf16 or fp32. The in-run GEMM peak is timed in the "
+                         "same precision; the result JSON records resolved_precision")
+
+
+def resolve_precision(asked: str, device="cpu") -> str:
+    """'bf16' | 'fp32' for the bench's --precision, with the product's log line (what and why) printed once."""
+    from gated_attention import precision as P
+
+    resolved = P.resolve(asked, device)
+    print(f"bench: {P.describe(asked, device)}", flush=True)
+    return resolved
+
+
+def autocast(resolved: str, device="cpu"):
+    """The workload's autocast context: bf16 autocast, or a no-op for fp32 (what the trainer uses)."""
+    from gated_attention import precision as P
+
+    return P.autocast(resolved, device)
+
+
+def matmul_peak_fn(n: int = 2048, precision: str = "bf16") -> tuple[Callable[[], None], float]:
+    """A square GEMM in `precision` ('bf16' | 'fp32': the workload's) to time next to the workload; returns (fn, flops
+    per call). Peak = best FLOP/s observed. Under bf16 autocast a training step's GEMMs run on bf16 operands, so the
+    bf16 GEMM is its peak; in fp32 the fp32 GEMM is (on a CPU without native bf16 the bf16 GEMM is emulated and far
+    slower, so a bf16 peak would flatter an fp32 run by 10x or more)."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     iters = 4
 
@@ -88,12 +128,35 @@ def machine() -> dict:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {x}" in flags]
+    isa = cpu_isa(flags)
     import transformers
 
-    return {"cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    from gated_attention import precision as P
+
+    return {"cpu": cpu, "isa": isa, "cpu_kind": cpu_kind(isa), "bf16_gemm_speedup": P.bf16_speedup("cpu"),
+            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "load_avg": os.getloadavg(), "clock": os.environ.get("BENCH_CLOCK", "wall"), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo names
+
+
+def cpu_isa(flags_line: str) -> list[str]:
+    """The ISA flags of a /proc/cpuinfo "flags" line that decide GEMM speed per precision (in ISA_FLAGS order)."""
+    have = set(flags_line.split(":", 1)[-1].split())
+    return [x for x in ISA_FLAGS if x in have]
+
+
+def cpu_kind(isa: list[str]) -> str:
+    """The CPU kinds the project's figures are stated for: native bf16 GEMMs (AMX or AVX512-BF16) or not."""
+    if "amx_bf16" in isa:
+        return "AMX-BF16"
+    if "avx512_bf16" in isa:
+        return "AVX512-BF16"
+    if "avx512f" in isa:
+        return "AVX-512 without BF16"
+    return "AVX2" if "avx2" in isa else "other"
 
 
 def write_json(name: str, obj) -> Path:

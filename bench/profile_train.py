@@ -1,14 +1,16 @@
-"""Where a training step's time goes: torch.profiler over a few steps (bf16 autocast, forward + backward + AdamW) of
-our fast path and of transformers' implementation, self CPU time grouped into op families; writes
-results/profile_train.json and prints the table. Shares are what matter (the machine is shared; absolute ms are noise).
-Run: python bench/profile_train.py [--gate sdpa_elementwise --batch 16 --seq 256 --threads 1]
+"""Where a training step's time goes: torch.profiler over a few steps (in --precision: bf16 autocast or fp32;
+forward + backward + AdamW) of our fast path and of transformers' implementation, self CPU time grouped into op
+families; writes results/profile_train.json and prints the table. Shares are what matter (the machine is shared;
+absolute ms are noise). `--budget NAME` profiles `gattn compare --budget NAME`'s model and batch instead of a preset.
+Run: python bench/profile_train.py [--gate sdpa_elementwise --batch 16 --seq 256 --threads 1 --precision fp32]
+     python bench/profile_train.py --budget default --compile --no-hf --precision fp32 --out profile_mainjob_fp32
 """
 from __future__ import annotations
 
 import argparse
 import copy
 
-import common  # noqa: F401  (puts src/ on the path)
+import common  # (also puts src/ on the path)
 import torch
 from torch.profiler import ProfilerActivity, profile
 
@@ -73,14 +75,28 @@ def main(argv=None) -> dict:
                          "ours_fast_opaque the same with the gate as the custom autograd.Function (the pre-fix "
                          "path), hf = torch.compile(model); inductor's kernels are recorded one by one")
     ap.add_argument("--no-hf", action="store_true", help="profile only our implementation (saves a compile)")
+    ap.add_argument("--budget", default=None, help="profile this `gattn compare` budget's model, batch and sequence "
+                    "length (compare.BUDGETS: default, quick, ...) instead of --preset/--batch/--seq")
+    common.precision_arg(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    prec = common.resolve_precision(args.precision)
+    overrides = {}
+    if args.budget:
+        from gated_attention.compare import BUDGETS
+
+        if args.budget not in BUDGETS:
+            raise SystemExit(f"unknown --budget {args.budget!r}; valid: {', '.join(BUDGETS)}")
+        b = BUDGETS[args.budget]
+        args.batch, args.seq = b.train["batch_size"], b.train["seq_len"]
+        overrides = {**b.train.get("model_overrides", {}), "vocab_size": b.vocab_size}
     torch.manual_seed(0)
-    ours = GatedQwen3ForCausalLM(model_config(args.preset, args.gate)).train()
+    ours = GatedQwen3ForCausalLM(model_config(args.preset, args.gate, **overrides)).train()
     ids = torch.randint(0, ours.config.vocab_size, (args.batch, args.seq))
-    res = {"bench": "profile_train", "machine": common.machine(), "preset": args.preset, "gate": args.gate,
-           "batch": args.batch, "seq": args.seq, "mode": "compile" if args.compile else "eager", "impls": {}}
+    res = {"bench": "profile_train", "machine": common.machine(), "preset": args.preset, "budget": args.budget,
+           "gate": args.gate, "batch": args.batch, "seq": args.seq, "mode": "compile" if args.compile else "eager",
+           "resolved_precision": prec, "impls": {}}
     if args.compile:
         import torch._inductor.config as ind
 
@@ -89,16 +105,18 @@ def main(argv=None) -> dict:
             m = fuse_qkv(copy.deepcopy(ours), separate_params=True)
             plan = fastpath.SpeedPlan(True, "true", 0, True, decoder_layers(m), torch.device("cpu"))
             fast_mod.OPAQUE_GATE_UNDER_COMPILE = opaque  # read while tracing, i.e. during the warm-up step
-            res["impls"][impl] = profile_step(make_step(m, ids, fused_loss=True, forward_ctx=plan.training_forward),
-                                              args.steps)
+            res["impls"][impl] = profile_step(make_step(m, ids, fused_loss=True, forward_ctx=plan.training_forward,
+                                                        precision=prec), args.steps)
             fast_mod.OPAQUE_GATE_UNDER_COMPILE = False
         hf = hf_from_ours(ours).train()
         if not args.no_hf:
-            res["impls"]["hf"] = profile_step(make_step(torch.compile(hf), ids, params=hf.parameters()), args.steps)
+            res["impls"]["hf"] = profile_step(make_step(torch.compile(hf), ids, params=hf.parameters(),
+                                                        precision=prec), args.steps)
     else:
         res["impls"]["ours_fast"] = profile_step(make_step(fuse_qkv(copy.deepcopy(ours), separate_params=True), ids,
-                                                           fused_loss=True), args.steps)
-        res["impls"]["hf"] = profile_step(make_step(hf_from_ours(ours).train(), ids), args.steps)
+                                                           fused_loss=True, precision=prec), args.steps)
+        if not args.no_hf:
+            res["impls"]["hf"] = profile_step(make_step(hf_from_ours(ours).train(), ids, precision=prec), args.steps)
     path = common.write_json(args.out, res)
     for impl, r in res["impls"].items():
         print(f"{impl}: {r['total_ms_per_step']:.0f} ms/step (profiler self time)")

@@ -14,7 +14,7 @@ ROOT = "gated_attention"
 # layer -> module-name prefixes (after "gated_attention."); a module belongs to the longest matching prefix
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("core", ("", "errors", "io", "norm", "rope", "gates", "baselines", "configuration", "attention", "moe", "modeling",
-              "presets", "fast", "decode", "capture", "triton_attention", "triton_kernels", "progress")),
+              "presets", "fast", "decode", "capture", "triton_attention", "triton_kernels", "progress", "precision")),
     ("interop", ("convert", "retrofit")),
     ("data", ("data",)),
     ("train", ("train",)),

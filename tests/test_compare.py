@@ -52,18 +52,33 @@ def test_small_budget_writes_report(small_run, tiny_corpus):
     html = (out / "report.html").read_text()
     imgs = re.findall(r'<img [^>]*src="([^"]+)"', html)
     # loss, layers, gates, one map per variant; then the sink lab's curves, maps and gate plots
-    assert len(imgs) == len(res["plots"]) + len(res["sink_lab"]["plots"]) and len(res["plots"]) >= 5
+    assert len(imgs) == len(res["plots"]) + len(res["sink_lab"]["plots"]) + len(res["streaming"]["plots"]) and \
+        len(res["plots"]) >= 5 and len(res["streaming"]["plots"]) == 2
     assert all(s.startswith("data:image/png;base64,") for s in imgs)  # self-contained
-    assert all((out / p).stat().st_size > 1000 for p in [*res["plots"].values(), *res["sink_lab"]["plots"].values()])
+    assert all((out / p).stat().st_size > 1000 for p in [*res["plots"].values(), *res["sink_lab"]["plots"].values(),
+                                                         *res["streaming"]["plots"].values()])
     # the report opens with the claims table, one row per claim; stability / long context were not run here
     assert md.index("## Paper claims vs this run") < md.index("## Table 4 form")
     assert html.index("Paper claims vs this run") < html.index("Table 4 form")
-    assert [c["claim"] for c in res["claims"]][0] == "Lower perplexity at parameter parity" and len(res["claims"]) == 7
-    assert "gattn lab stability --budget default --out runs/lab/stability" in md and "gattn longctx --budget fair --out runs/longctx" in md
+    assert [c["claim"] for c in res["claims"]][0] == "Lower perplexity at parameter parity" and len(res["claims"]) == 8
+    assert "gattn lab stability --budget default --out runs/lab/stability" in md
+    assert "gattn longctx --budget fair --out runs/longctx" in md
     lab = json.loads((out / "sink_lab" / "lab.json").read_text())
     assert list(lab["variants"]) == list(C.DEFAULT_VARIANTS) and "## Sink lab (Bigram-Backcopy)" in md
     assert set(res["sink_lab"]["variants"]["sdpa_elementwise"]["mean"]) >= {"bos_attention_dormant", "backcopy_ce"}
     assert "prose" in html and "code" in html
+    # the streaming check: every text model and every sink-lab model, full vs K=0 / K=4, and its claims row
+    st = res["streaming"]
+    assert set(st["models"]) == set(C.DEFAULT_VARIANTS) | {f"{v}/seed0" for v in C.DEFAULT_VARIANTS}
+    assert st["window"] == {"text": 16, "sink lab": 8} and st["sink_tokens"] == [0, 4]
+    for m in st["models"].values():
+        assert set(m["window"]) == {"0", "4"} and m["full"]["loss"] > 0 and "per_position" not in m["full"]
+    streaming_lab = json.loads((out / "streaming" / "text" / "lab.json").read_text())
+    assert streaming_lab["models"]["baseline"]["window"]["0"]["loss"] == st["models"]["baseline"]["window"]["0"]["loss"]
+    row = res["claims"][-1]
+    assert row["claim"] == "Streams with a plain window (no sink tokens)" and row["verdict"] in (
+        "reproduced", "partly", "not at this scale") and "K=4" in row["this_run"]
+    assert "## Streaming check" in md
 
 
 def test_rerun_reuses_finished_runs(small_run, tiny_corpus, monkeypatch):
@@ -139,6 +154,25 @@ def test_missing_data_is_prepared(tmp_path, monkeypatch):
     assert seen == [str(tmp_path / "fresh")]  # an already prepared dir is left alone
 
 
+def test_new_data_dir_is_prepared_there(tmp_path, tiny_corpus, monkeypatch):
+    """`gattn compare --data-dir NEW` prepares the corpus in NEW (as its help says) with the budget's vocabulary."""
+    from gated_attention import data
+
+    seen = []
+
+    def fake_prepare(cfg):  # the real build takes minutes: copy the tiny corpus where it was asked for
+        seen.append((cfg.data_dir, cfg.vocab_size))
+        shutil.copytree(tiny_corpus, cfg.data_dir, dirs_exist_ok=True)
+
+    monkeypatch.setattr(data, "prepare", fake_prepare)
+    new = tmp_path / "brand" / "new"
+    rc = cli.main(["compare", "--budget", "small", "--data-dir", str(new), "--out", str(tmp_path / "out"),
+                   "--variants", "baseline", "--set", "steps=4", "--no-sink-lab", "--no-streaming",
+                   "--stability-lab", str(tmp_path / "x"), "--longctx", str(tmp_path / "y")])
+    assert rc == 0 and seen == [(str(new), C.BUDGETS["small"].vocab_size)]
+    assert (new / "manifest.json").exists()
+
+
 def test_long_budget_prepares_its_own_small_vocabulary_corpus(tmp_path, monkeypatch):
     from gated_attention import data
 
@@ -166,3 +200,20 @@ def test_small_budget_on_default_corpus(tmp_path):
     res = json.loads((out / "compare.json").read_text())
     assert set(res["rows"]) == set(C.DEFAULT_VARIANTS)
     assert (out / "report.html").exists() and (out / "report.md").exists()
+
+
+def test_units_are_scheduled_longest_first_and_finished_ones_skipped(small_run, tiny_corpus, tmp_path):
+    """compare's layout: the LM variants to train first (each unit also analyses its model), then the sink lab's
+    pending units, which fill the second worker while the last LM variant trains; finished models get no worker."""
+    from dataclasses import replace
+
+    b = C.BUDGETS["small"]
+    base = C.budget_config("small", str(tiny_corpus))
+    sink_cfg = C.sink_lab_config(b, list(C.DEFAULT_VARIANTS), base.precision)
+    fresh = C.schedule_units(tmp_path / "new", base, list(C.DEFAULT_VARIANTS), b, sink_cfg)
+    assert [t[0] for t in fresh] == ["lm"] * 3 + ["sink"] * 3 * sink_cfg.seeds
+    assert [t[1][0].gate for t in fresh[:3]] == list(C.DEFAULT_VARIANTS)
+    assert [t[1][1] for t in fresh[3:6]] == list(C.DEFAULT_VARIANTS)  # (cfg, variant, seed, dir): seed-major
+    assert C.schedule_units(small_run, base, list(C.DEFAULT_VARIANTS), b, sink_cfg) == []  # all finished
+    assert len(C.schedule_units(tmp_path / "new", base, ["baseline"], b, None)) == 1  # --no-sink-lab
+    assert replace(base, gate="baseline").validate() == fresh[0][1][0]

@@ -89,7 +89,7 @@ def test_stability_and_longctx_are_read_from_disk(tmp_path):
         "Long context (YaRN ×4, no training)"]
     assert long["verdict"] == C.NOT_RUN and long["command"] == C.LONGCTX_CMD
     head, cells = C.claims_cells(C.claims_table({"rows": _rows()}, None, tmp_path / "x", lc))
-    assert head == ["Claim", "Paper", "This run", "Verdict"] and len(cells) == 7
+    assert head == ["Claim", "Paper", "This run", "Verdict"] and len(cells) == 8
     assert f"not run here: run `{C.STABILITY_CMD}`" in cells[5][3]
 
 
@@ -136,3 +136,31 @@ def test_stability_verdict_needs_separated_intervals():
     for v in lab["settings"]:
         lab["settings"][v]["on"] = None
     assert C.stability_verdict(lab)["verdict"] == C.REPRODUCED
+
+
+def _stream(b0, bk, g0, gk, text=None):
+    """A compare result's "streaming" with sink-lab by-variant means (Δloss of K=0 and K=4) and optional text models."""
+    mean = lambda d0, dk: {"mean": {"K0_dloss": d0, "K4_dloss": dk}, "std": {}, "seeds": 3}
+    out = {"window": {"sink lab": 32}, "sink_tokens": [0, 4], "models": {},
+           "by_variant": {"baseline": mean(b0, bk), **{v: mean(g0, gk) for v in C.GATED}}}
+    if text is not None:
+        out["window"]["text"] = 64
+        out["models"] = {v: {"kind": "text", "variant": v, "full": {"loss": 3.0},
+                             "window": {"0": {"loss": 3.0 + d}, "4": {"loss": 3.0 + d / 3}}} for v, d in text.items()}
+        out["by_variant"] = {}
+    return out
+
+
+def test_streaming_row_rule():
+    row = lambda st: {r["claim"]: r for r in C.claims_table({"rows": _rows(), "streaming": st}, None)}[
+        "Streams with a plain window (no sink tokens)"]
+    r = row(_stream(0.8, 0.01, 0.005, 0.004))  # the baseline breaks without its sink and is repaired by keeping it
+    assert r["verdict"] == C.REPRODUCED and "+0.800" in r["this_run"] and "K=4" in r["this_run"]
+    assert row(_stream(0.8, 0.6, 0.005, 0.004))["verdict"] == C.PARTLY  # sink tokens do not repair the baseline
+    assert row(_stream(0.8, 0.01, 0.3, 0.01))["verdict"] == C.PARTLY  # gated hurt too, but less
+    assert row(_stream(0.01, 0.01, 0.0, 0.0))["verdict"] == C.NOT_AT_SCALE  # nothing breaks: no sink to evict
+    assert row(_stream(0.3, 0.01, 0.4, 0.01))["verdict"] == C.NOT_AT_SCALE  # gated breaks more
+    r = row(_stream(0, 0, 0, 0, text={"baseline": 0.2, "sdpa_elementwise": 0.01, "sdpa_headwise": 0.015}))
+    assert r["verdict"] == C.REPRODUCED and "text models" in r["this_run"]
+    r = row(None)
+    assert r["verdict"] == C.NOT_RUN and r["command"] == C.STREAMING_CMD

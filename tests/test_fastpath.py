@@ -130,3 +130,35 @@ def test_fast_path_leaves_comparison_baselines_plain():
     plan = fastpath.prepare(cfg, model, decoder_layers(model), torch.device("cpu"))
     assert plan.fused_layers == 0 and plan.fused_loss
     assert not any(isinstance(m, FusedGatedAttention) for m in model.modules())
+
+
+def test_attn_implementation_selects_the_kernel(tmp_path, monkeypatch):
+    """`--set attn_implementation=eager` trains through the eager kernel (counted) to sdpa's fp32 loss curve; the
+    setting is recorded in train_config.json and may change on resume (same math)."""
+    from gated_attention import attention
+    from gated_attention.train.config import changed_settings
+
+    calls = []
+    real = attention.KERNELS["eager"]
+    monkeypatch.setitem(attention.KERNELS, "eager", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    common = ["gate=sdpa_elementwise", "precision=fp32", "compile=false"]
+    out, _, eager = _run(tmp_path, "eager", [*common, "attn_implementation=eager"])
+    assert calls  # the layers ran the eager kernel
+    n = len(calls)
+    _, _, sdpa = _run(tmp_path, "sdpa", common)
+    assert len(calls) == n  # ...and the default run did not
+    for a, b in zip(eager, sdpa):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), (eager, sdpa)
+    saved = json.loads((out / "train_config.json").read_text())
+    assert saved["attn_implementation"] == "eager"
+    assert changed_settings(saved, {**saved, "attn_implementation": "sdpa"}) == []
+
+
+def test_triton_gated_without_a_gpu_is_one_clear_error(tmp_path, gattn_main):
+    rc, _, err = gattn_main("train", "--preset", "tiny", "--out", tmp_path / "run", "--set", "device=cpu",
+                            "--set", "attn_implementation=triton_gated")
+    assert rc != 0 and not (tmp_path / "run" / "final").exists()
+    lines = [ln for ln in err.splitlines() if ln.strip() and "precision" not in ln]
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "attn_implementation=sdpa" in lines[0], err
+    with pytest.raises(ValueError, match="attn_implementation='flash'.*sdpa, eager, triton_gated"):
+        apply_overrides(tiny(), ["attn_implementation=flash"])

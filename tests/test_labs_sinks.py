@@ -294,3 +294,70 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
     assert [len(v["per_seed"]) for v in lab["variants"].values()] == [2, 1]
     assert lab["variants"]["sdpa_elementwise"]["std"]["backcopy_ce"] is None  # one seed: no spread
     assert not (out / "runs" / "sdpa_elementwise" / "seed1").exists()  # nothing was trained
+
+
+def test_finished_models_are_loadable_hf_folders(small_lab):
+    """Every unit folder is a from_pretrained folder; load_run returns its model, task and settings, and the
+    model measures exactly what result.json recorded (the saved weights are the final ones)."""
+    from gated_attention.labs.sinks import is_run_dir, load_run, measure
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    out, _ = small_lab
+    unit = out / "runs" / "baseline" / "seed1"
+    assert is_run_dir(unit) and not is_run_dir(out) and not is_run_dir(out / "runs" / "baseline")
+    run = load_run(unit)
+    assert (run.variant, run.seed) == ("baseline", 1) and run.task == SMALL and run.config.hidden_size == 32
+    assert not run.model.training
+    m = measure(run.model, run.task, run.task.eval_set(run.config.eval_size))
+    for k in ("bos_attention_dormant", "backcopy_ce", "bigram_ce"):
+        assert m[k] == pytest.approx(run.result[k], rel=1e-6), k
+    plain = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "sdpa_elementwise" / "seed0")
+    assert plain.config.gate == "sdpa_elementwise"
+    with pytest.raises(ValueError, match="not a finished sink-lab run"):
+        load_run(out)
+
+
+def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
+    """--qk-norm/--beta2/--adam-eps/--weight-decay/--decay-frac/--alpha land in the config, the model and AdamW."""
+    import argparse
+
+    from gated_attention.cli.lab import configure_sinks, sinks_config
+    from gated_attention.labs import sinks
+
+    p = argparse.ArgumentParser()
+    configure_sinks(p)
+    args = p.parse_args(["--budget", "small", "--qk-norm", "off", "--beta2", "0.99", "--adam-eps", "1e-6",
+                         "--weight-decay", "0.5", "--decay-frac", "0", "--alpha", "0.2", "--variants", "baseline"])
+    cfg = sinks_config(args)
+    assert (cfg.qk_norm, cfg.beta2, cfg.adam_eps, cfg.weight_decay, cfg.decay_frac) == (False, 0.99, 1e-6, 0.5, 0.0)
+    assert cfg.task["alpha"] == 0.2 and cfg.task["vocab"] == 16  # the budget's task, one field changed
+    assert sinks.model_config_for(cfg, "baseline").use_qk_norm is False
+    seen = {}
+    real = torch.optim.AdamW
+
+    def spy(groups, **kw):
+        seen.update(kw, wd=[g["weight_decay"] for g in groups])
+        return real(groups, **kw)
+
+    monkeypatch.setattr(torch.optim, "AdamW", spy)
+    r = sinks.train_unit((asdict(replace(cfg, steps=3, eval_every=3)), "baseline", 0, str(tmp_path / "u")))
+    assert seen["betas"] == (0.9, 0.99) and seen["eps"] == 1e-6 and 0.5 in seen["wd"] and 0.0 in seen["wd"]
+    assert r["key"]["qk_norm"] is False and r["key"]["decay_frac"] == 0.0
+    with pytest.raises(ValueError, match="--decay-frac"):
+        replace(cfg, decay_frac=1.5).validate()
+
+
+def test_help_states_the_budgets_true_defaults():
+    import argparse
+
+    from gated_attention.cli.lab import configure_sinks
+    from gated_attention.labs.sinks import BUDGETS, SinkLabConfig
+
+    p = argparse.ArgumentParser()
+    configure_sinks(p)
+    helps = {a.dest: " ".join(a.help.split()) for a in p._actions if a.help}
+    d = replace(SinkLabConfig(), **BUDGETS["default"][1])
+    assert f"{d.lr:g} with --budget default" in helps["lr"] or helps["lr"].endswith(f"(default {d.lr:g})")
+    assert f"{d.steps} with --budget default" in helps["steps"]
+    assert "on with --budget default" in helps["compile"] and "off with --budget small" in helps["compile"]
+    assert helps["qk_norm"].endswith(f"(default {'on' if d.qk_norm else 'off'})")

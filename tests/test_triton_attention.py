@@ -1,7 +1,12 @@
-"""The fused gated flash-attention kernel (triton_attention.py) against the eager reference, under Triton's CPU
-interpreter: forward output and the gradients of q, k, v and the gate logits on causal / GQA / padded / cached /
-packed shapes with sequence lengths that are not multiples of the block size, plus the whole model with
-attn_implementation="triton_gated" against sdpa. Shapes are tiny: the interpreter costs ~0.1 s per program."""
+"""The fused gated flash-attention kernel (triton_attention.py) against the eager reference: forward output and the
+gradients of q, k, v and the gate logits on causal / GQA / padded / cached / packed shapes with sequence lengths that
+are not multiples of the block size, plus the whole model with attn_implementation="triton_gated" against sdpa.
+
+Two modes, chosen by TRITON_INTERPRET when the file is imported:
+  TRITON_INTERPRET=1 (the default here and in conftest.py): Triton's CPU interpreter, CPU tensors; shapes are tiny,
+      the interpreter costs ~0.1 s per program. bf16 cannot be checked (its tl.dot lacks bf16).
+  TRITON_INTERPRET=0 on a machine with a CUDA GPU: the same tests on the GPU with the compiled kernels, plus the bf16
+      checks (bench/gpu_check.sh runs this). Without a GPU the file is skipped in that mode."""
 import os
 
 # Triton reads TRITON_INTERPRET when a function is decorated: triton.language's own on its first import (which
@@ -22,8 +27,16 @@ from gated_attention.attention import eager_attention  # noqa: E402
 from gated_attention.fast import fuse_qkv  # noqa: E402
 from gated_attention.triton_attention import gated_flash_attention, interpreted, plan_mask  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="TRITON_INTERPRET is set to something else than 1 in this environment")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")  # where the kernel runs
+pytestmark = pytest.mark.skipif(not INTERPRET and DEV.type != "cuda",
+                                reason="TRITON_INTERPRET is not 1 and there is no CUDA GPU: the kernel cannot run")
+gpu_only = pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA GPU (TRITON_INTERPRET=0): bf16 tl.dot")
+
+
+def leaf(*shape, dtype=torch.float32) -> torch.Tensor:
+    """A random leaf tensor on the kernel's device (drawn on the CPU, so both modes see the same numbers)."""
+    return torch.randn(*shape).to(DEV, dtype).requires_grad_()
 
 
 class _Module:  # what eager_attention reads from the layer
@@ -74,24 +87,24 @@ CASES = {
 def test_forward_and_all_gradients_match_eager(case):
     b, h, kv, t, s, d, gate, mask_kind, blocks, gate_scale = CASES[case]
     torch.manual_seed(list(CASES).index(case))
-    q = torch.randn(b, h, t, d, requires_grad=True)
-    k = torch.randn(b, kv, s, d, requires_grad=True)
-    v = torch.randn(b, kv, s, d, requires_grad=True)
+    q = leaf(b, h, t, d)
+    k = leaf(b, kv, s, d)
+    v = leaf(b, kv, s, d)
     logits = None
     if gate is not None:
-        logits = torch.randn(b, t, h, d if gate == "elementwise" else 1, requires_grad=True)
+        logits = leaf(b, t, h, d if gate == "elementwise" else 1)
     mask = None
     if mask_kind == "pad":
-        mask = padding_mask([0, 5][:b], t, s, offset=s - t)
+        mask = padding_mask([0, 5][:b], t, s, offset=s - t).to(DEV)
     elif mask_kind == "packed":
-        mask = packed_mask(t, [9, 17])
+        mask = packed_mask(t, [9, 17]).to(DEV)
     scale = d ** -0.5
     out = gated_flash_attention(q, k, v, mask, scale, logits, gate_scale, blocks=blocks)
     ref = reference(q, k, v, mask, scale, logits, gate_scale)
     assert out.shape == (b, t, h, d)
     # rows that see no key (left-padding queries) output 0 in the kernel, noise in eager: compare the others and keep
     # them out of the loss (their upstream gradient is 0 in both)
-    seen = torch.ones(b, t, dtype=torch.bool) if mask is None else mask[:, 0].any(-1).expand(b, t)  # (B, T)
+    seen = torch.ones(b, t, dtype=torch.bool, device=DEV) if mask is None else mask[:, 0].any(-1).expand(b, t)  # (B, T)
     if mask_kind == "pad" and s == t:
         assert not seen.all()  # the case does exercise empty rows
     torch.testing.assert_close(out[seen], ref[seen], rtol=1e-5, atol=2e-6)
@@ -110,7 +123,7 @@ def test_noncontiguous_layouts():
     logits a strided view of the same GEMM output; gradients land in the right places."""
     torch.manual_seed(1)
     b, h, kv, t, d = 1, 4, 2, 20, 16
-    qkvg = torch.randn(b, t, h * d + 2 * kv * d + h * d, requires_grad=True)  # one fused projection's output
+    qkvg = leaf(b, t, h * d + 2 * kv * d + h * d)  # one fused projection's output
     qf, kf, vf, gf = qkvg.split([h * d, kv * d, kv * d, h * d], dim=-1)  # (B, T, width) each, strided
     q = qf.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D) view
     k = kf.view(b, t, kv, d).transpose(1, 2)  # (B, KV, T, D) view
@@ -125,29 +138,64 @@ def test_noncontiguous_layouts():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_half_precision_inputs():
-    """fp16 storage (fp32 softmax and accumulators inside) against the fp32 reference. bf16 -- what GPU training
-    uses -- cannot be checked here: Triton's interpreter does not support bf16 tl.dot (triton-lang/triton#11584)."""
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=gpu_only)])
+def test_half_precision_inputs(dtype):
+    """fp16 / bf16 storage (fp32 softmax and accumulators inside) against the fp32 reference. bf16 -- what GPU
+    training uses -- runs only on a GPU: Triton's interpreter does not support bf16 tl.dot (triton-lang/triton#11584)."""
     torch.manual_seed(2)
     b, h, kv, t, d = 1, 2, 1, 20, 32
-    leaves = [torch.randn(*shape).half().requires_grad_() for shape in
+    tol = {torch.float16: (1e-2, 5e-3, 2e-2, 1e-2), torch.bfloat16: (5e-2, 4e-2, 1e-1, 8e-2)}[dtype]
+    leaves = [leaf(*shape, dtype=dtype) for shape in
               ((b, h, t, d), (b, kv, t, d), (b, kv, t, d), (b, t, h, 1))]
     out = gated_flash_attention(*leaves[:3], None, d ** -0.5, leaves[3], 1.0, blocks=(16, 16))
-    assert out.dtype == torch.float16
+    assert out.dtype == dtype
     ref_in = [x.detach().float().requires_grad_() for x in leaves]
     ref = reference(*ref_in[:3], None, d ** -0.5, ref_in[3], 1.0)
-    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=5e-3)
+    torch.testing.assert_close(out.float(), ref, rtol=tol[0], atol=tol[1])
     go = torch.randn_like(ref)
-    got = torch.autograd.grad(out, leaves, go.half())
+    got = torch.autograd.grad(out, leaves, go.to(dtype))
     want = torch.autograd.grad(ref, ref_in, go)
     for g, w in zip(got, want):
-        assert g.dtype == torch.float16
-        torch.testing.assert_close(g.float(), w, rtol=2e-2, atol=1e-2)
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), w, rtol=tol[2], atol=tol[3])
+
+
+@gpu_only
+@pytest.mark.parametrize("gate", ["elementwise", "headwise", None])
+def test_gpu_launch_config_bf16_long(gate):
+    """The GPU's own tiles (no `blocks` override: 128x64 forward tiles, 8 warps at head_dim 128), bf16, GQA, 1000
+    tokens (not a multiple of any tile): the kernel's error against the fp32 reference is no worse than twice that of
+    PyTorch's bf16 SDPA + gate (the flash-attention test convention: bf16 rounding is the yardstick)."""
+    torch.manual_seed(3)
+    b, h, kv, t, d = 2, 8, 2, 1000, 128
+    x = [leaf(b, h, t, d, dtype=torch.bfloat16), leaf(b, kv, t, d, dtype=torch.bfloat16),
+         leaf(b, kv, t, d, dtype=torch.bfloat16)]
+    logits = None if gate is None else leaf(b, t, h, d if gate == "elementwise" else 1, dtype=torch.bfloat16)
+    leaves = x + ([logits] if logits is not None else [])
+    scale = d ** -0.5
+
+    def sdpa_gate(q, k, v, g):
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                             enable_gqa=True).transpose(1, 2)  # (B, T, H, D)
+        return y if g is None else y * torch.sigmoid(g)
+
+    out = gated_flash_attention(*x, None, scale, logits)
+    ref_in = [t_.detach().float().requires_grad_() for t_ in leaves]
+    ref = sdpa_gate(*ref_in[:3], ref_in[3] if logits is not None else None)
+    low = sdpa_gate(*leaves[:3], logits)  # PyTorch's bf16 result: the rounding yardstick
+    go = torch.randn_like(ref)
+    assert (out.float() - ref).abs().max() <= 2 * (low.float() - ref).abs().max() + 1e-3
+    got = torch.autograd.grad(out, leaves, go.bfloat16())
+    yard = torch.autograd.grad(low, leaves, go.bfloat16())
+    want = torch.autograd.grad(ref, ref_in, go)
+    for name, g, y, w in zip(["dq", "dk", "dv", "dgate"], got, yard, want):
+        err, base = (g.float() - w).abs().max(), (y.float() - w).abs().max()
+        assert err <= 2 * base + 1e-3, f"{gate} {name}: kernel error {err:.3g} vs bf16 SDPA's {base:.3g}"
 
 
 def test_mask_plans():
     """Padding / cache masks become a per-key vector with causal skipping; anything else is read as a dense mask."""
-    assert interpreted()
+    assert interpreted() == INTERPRET
     p = plan_mask(None, 2, 4, 9, 9)
     assert p.causal and p.offset == 0 and p.key_valid is None and p.dense is None
     p = plan_mask(padding_mask([0, 3], 9, 9, 0), 2, 4, 9, 9)
@@ -172,14 +220,14 @@ def test_mask_plans():
 def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny_model):
     """Whole model, left-padded batch: logits on real tokens and every parameter gradient. G1 sigmoid gates run in the
     kernel's epilogue; the ungated model and other gates run the ungated kernel with the gate outside."""
-    ref = tiny_model(gate, backend="sdpa", eval=False, perturb_norms=True)
+    ref = tiny_model(gate, backend="sdpa", eval=False, perturb_norms=True).to(DEV)
     fast = copy.deepcopy(ref)
     fast.set_attn_implementation("triton_gated")
     assert fast.config._attn_implementation == "triton_gated"
     if fused_qkv:
         ref, fast = fuse_qkv(ref), fuse_qkv(fast)
-    ids = torch.randint(0, 128, (2, 13))
-    attn = torch.ones(2, 13, dtype=torch.long)
+    ids = torch.randint(0, 128, (2, 13)).to(DEV)
+    attn = torch.ones(2, 13, dtype=torch.long, device=DEV)
     attn[1, :4] = 0  # left padding
     labels = ids.masked_fill(attn == 0, -100)
     calls = []
@@ -211,9 +259,9 @@ def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny
 def test_generate_with_kv_cache_matches_sdpa(tiny_model):
     """Left-padded batch generation: prefill (causal + padding) then single-token decode steps against the cache
     (bottom-right masks), greedy tokens identical to sdpa's."""
-    model = tiny_model("sdpa_headwise")
-    ids = torch.randint(0, 128, (2, 6))
-    attn = torch.ones(2, 6, dtype=torch.long)
+    model = tiny_model("sdpa_headwise").to(DEV)
+    ids = torch.randint(0, 128, (2, 6)).to(DEV)
+    attn = torch.ones(2, 6, dtype=torch.long, device=DEV)
     attn[0, :2] = 0
     kw = dict(attention_mask=attn, max_new_tokens=3, do_sample=False, pad_token_id=0)
     model.set_attn_implementation("sdpa")

@@ -17,8 +17,10 @@ Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `
 """
 from __future__ import annotations
 
+import functools
+import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import experiment
@@ -40,7 +42,11 @@ class Budget:
     data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with
     # the small sink lab compare runs after the LM variants: a `gattn lab sinks` budget name plus changes to it
+    # (its share of the job's time: seeds, steps, ...)
     sink_lab: tuple = ("default", {"seeds": 1})
+    # the streaming check on this run's models (`gattn lab streaming`): window = this fraction of each model's
+    # training length, these sink-token counts (0 = a plain window), this many held-out sequences per model
+    streaming: dict = field(default_factory=lambda: {"window_frac": 0.25, "sink_tokens": (0, 4), "sequences": 16})
 
 
 # Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the
@@ -222,13 +228,23 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
     }
 
 
-def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print) -> dict:
-    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit)."""
-    from gated_attention.labs import common, sinks
+def sink_lab_config(budget: Budget, variants: list[str], precision: str = "auto"):
+    """The budget's `gattn lab sinks` settings on compare's variants, in the LM runs' precision setting."""
+    from gated_attention.labs import sinks
 
     name, changes = budget.sink_lab
-    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants)})
-    log(f"[compare] sink lab ({name} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
+    return replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
+                                            "precision": precision})
+
+
+def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print,
+                 precision: str = "auto") -> dict:
+    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
+    LM runs' precision setting."""
+    from gated_attention.labs import common, sinks
+
+    cfg = sink_lab_config(budget, variants, precision)
+    log(f"[compare] sink lab ({budget.sink_lab[0]} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
     return sinks.run_lab(cfg, out, jobs=jobs or common.default_jobs(),
                          log=lambda m: log(f"[compare] sink lab: {m}"))
 
@@ -245,13 +261,100 @@ def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
             "plots": {k: str((lab_dir / p).relative_to(out)) for k, p in lab.get("plots", {}).items()}}
 
 
+def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | None, log=print) -> dict:
+    """`gattn lab streaming` on this run's text models (OUT/streaming/text) and, when the sink lab ran, on its models
+    (OUT/streaming/sink_lab); returns what compare.json keeps (streaming_summary)."""
+    from gated_attention.labs import streaming
+
+    s = budget.streaming
+    runs = {"text": ([str(out)], seq_len)}
+    if lab:
+        runs["sink lab"] = ([str(out / "sink_lab")], lab["task"]["seq_len"])
+    labs = {}
+    for src, (models, length) in runs.items():
+        cfg = streaming.StreamingConfig(models=models, window=max(1, int(length * s["window_frac"])),
+                                        sink_tokens=list(s["sink_tokens"]), sequences=s["sequences"])
+        labs[src] = streaming.run_streaming(cfg, out / "streaming" / src.replace(" ", "_"),
+                                            log=lambda m: log(f"[compare] {m}"))
+    return streaming_summary(labs, out)
+
+
+def streaming_summary(labs: dict, out: Path) -> dict:
+    """compare.json's "streaming": per source (text / sink lab) its window, every model's loss/ppl (no curves),
+    the sink lab's by-variant means, one table and the plots (paths relative to out)."""
+    from gated_attention.labs import streaming_report
+
+    models, head, rows = {}, None, []
+    for src, lab in labs.items():
+        for name, m in lab["models"].items():
+            models[name] = {"kind": m["kind"], "variant": m["variant"], "seq_len": m["seq_len"],
+                            "full": {k: v for k, v in m["full"].items() if k != "per_position"},
+                            "window": {k: {a: b for a, b in w.items() if a != "per_position"}
+                                       for k, w in m["window"].items()}}
+        h, r = streaming_report.table(lab)
+        head = h if head is None or len(h) > len(head) else head
+        rows += [x + [""] * (len(head) - len(x)) for x in r]
+    text = [m for m in models.values() if m["kind"] == "text"]
+    text_summary = ", ".join(
+        f"{m['variant'].removeprefix('sdpa_')} {m['window']['0']['loss'] - m['full']['loss']:+.3f}"
+        for m in text if "0" in m["window"])
+    first = next(iter(labs.values()))
+    return {"dir": "streaming", "window": {src: lab["config"]["window"] for src, lab in labs.items()},
+            "sink_tokens": first["config"]["sink_tokens"], "models": models,
+            "by_variant": (labs.get("sink lab") or {}).get("by_variant") or {},
+            "text_summary": f"plain-window Δloss {text_summary}" if text_summary else "",
+            "table": {"head": head, "rows": rows},
+            "plots": {f"{src} per-position loss": str(((out / "streaming" / src.replace(" ", "_")) / p).relative_to(out))
+                      for src, lab in labs.items() for p in lab.get("plots", {}).values()},
+            "cpu_time_s": sum(lab["cpu_time_s"] for lab in labs.values())}
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _unit(task: tuple, log=_stderr):
+    """One model of the job, in a worker process or in-process: ("lm", (cfg, run_dir, budget)) trains (or reuses /
+    resumes) an LM variant and analyses it -> (summary, analysis); ("sink", job) trains one sink-lab unit."""
+    kind, payload = task
+    if kind == "sink":
+        from gated_attention.labs import sinks
+
+        return sinks.train_unit(payload)
+    cfg, run_dir, budget = payload
+    summary = train_variant(cfg, run_dir, log)
+    return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
+
+
+def schedule_units(out: Path, base, variants: list[str], budget: Budget, sink_cfg) -> list[tuple]:
+    """The job's models still to train as `_unit` tasks, longest first: the LM variants, then the sink lab's units
+    (short ones that fill the second core while the last LM variant trains). Finished ones need no worker."""
+    tasks = [("lm", (replace(base, gate=v).validate(), out / "runs" / v, budget)) for v in variants
+             if not experiment.is_finished(out / "runs" / v)]
+    if sink_cfg is not None:
+        from gated_attention.labs import sinks
+
+        jobs_list, done = sinks.unit_jobs(sink_cfg, out / "sink_lab")
+        tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
+    return tasks
+
+
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print,
                 sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
-                longctx: str | Path | None = "runs/longctx", jobs: int | None = None) -> dict:
+                longctx: str | Path | None = "runs/longctx", jobs: int | None = None,
+                streaming: bool = True, sink_lab_changes: dict | None = None) -> dict:
     """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
     and plots into `out`; the report opens with the "Paper claims vs this run" table (compare_claims.py), which also
-    reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist."""
+    reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
+    run the streaming check (sliding window with and without sink tokens) on the models. sink_lab_changes: changes
+    to the budget's sink-lab settings (e.g. {"seeds": 3}).
+
+    Layout (measured on the 2-core reference machine: compare's models train 1.15-1.2x faster two at a time with one
+    thread each than one after the other with two threads): the LM variants and the sink lab's models are
+    independent units, trained `jobs` at a time (default min(2, cores)) in worker processes of cores/jobs threads
+    (experiment.run_units), longest first, so the sink lab's short models fill the core the last LM variant leaves
+    free; each LM unit also runs its analysis. jobs=1: one after another in this process, with all its threads."""
     from . import compare_claims as claims
     from . import compare_report as report
 
@@ -265,12 +368,29 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     batches = analysis_batches(base, b)
+    from .precision import describe
+    from .train.config import run_precision
+
+    log(f"[compare] {describe(base.precision, base.device)}")  # measured here once; the workers adopt it
+    if sink_lab and sink_lab_changes:
+        b = replace(b, sink_lab=(b.sink_lab[0], {**b.sink_lab[1], **sink_lab_changes}))
+    sink_cfg = sink_lab_config(b, variants, base.precision) if sink_lab else None
+    jobs = jobs or experiment.default_jobs()
+    tasks = schedule_units(out, base, variants, b, sink_cfg)
+    threads = max(1, experiment.cores() // jobs)
+    lm = [t[1][1].name for t in tasks if t[0] == "lm"]  # the variants to train (run folder = variant name)
+    if tasks:
+        log(f"[compare] {len(tasks)} models to train ({len(lm)} LM variants, {len(tasks) - len(lm)} sink-lab units), "
+            f"{jobs} at a time" + (f", {threads} thread(s) each" if jobs > 1 and len(tasks) > 1 else ""))
+    fn = _unit if jobs > 1 and len(tasks) > 1 else functools.partial(_unit, log=log)  # in-process: the caller's log
+    t_models = time.perf_counter()
+    trained = dict(zip(lm, experiment.run_units(fn, tasks, jobs=jobs, log=log, threads=threads)))
+    timings = {"setup": t_models - t0, "models": time.perf_counter() - t_models}
     rows, analyses, logs = {}, {}, {}
     for v in variants:
-        cfg = replace(base, gate=v).validate()
         run_dir = out / "runs" / v
-        summary = train_variant(cfg, run_dir, log)
-        analysis = analyze_variant(run_dir, cfg, b, batches)
+        # a finished run is reused here (a file read; its analysis too, when cached)
+        summary, analysis = trained.get(v) or _unit(("lm", (replace(base, gate=v).validate(), run_dir, b)), log)
         rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
         analyses[v], logs[v] = analysis, read_log(run_dir)
         r = rows[v]
@@ -281,19 +401,31 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         "variants": variants,
         "data_dir": str(data_dir),
         "train_config": base.to_dict(),
+        "resolved_precision": run_precision(base.to_dict()),  # what every run trained in (runs are keyed on it)
         "analysis": {"batches": len(batches), "batch_size": int(batches[0].shape[0]), "seq_len": base.seq_len,
                      "tokens": int(sum(x.numel() for x in batches)), "first_token": "<|bos|>"},
         "rows": rows,
+        "layout": {"jobs": jobs, "threads_per_job": threads if jobs > 1 else None, "trained": len(tasks)},
         "wall_time_s": None,
     }
     lab = None
-    if sink_lab:
-        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log)
+    t = time.perf_counter()
+    if sink_lab:  # every unit is trained by now: this aggregates them and writes the lab's report
+        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log, precision=base.precision)
         result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
+    timings["sink_lab_report"], t = time.perf_counter() - t, time.perf_counter()
+    if streaming:
+        result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)
+    timings["streaming"], t = time.perf_counter() - t, time.perf_counter()
     result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
     plots = report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
-    result["wall_time_s"] = time.perf_counter() - t0  # this invocation (reused runs cost nothing)
+    timings["report"] = time.perf_counter() - t
+    # where this invocation's wall time went (reused runs cost nothing): setup (corpus check, precision), models
+    # (every LM variant + its analysis and the sink lab's units, `jobs` at a time), the sink lab's report, the
+    # streaming check, the claims table and plots
+    result["timings_s"] = timings
+    result["wall_time_s"] = time.perf_counter() - t0
     atomic_write_text(out / "compare.json", json_dumps(result, indent=1))
     atomic_write_text(out / "report.md", report.render_markdown(result))
     atomic_write_text(out / "report.html", report.render_html(result, out))

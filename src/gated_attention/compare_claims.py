@@ -4,7 +4,8 @@ that runs it).
 
 Inputs: the compare result (its rows: PPL, F-Attn, M-Act, gate, spikes), the sink lab it ran (lab.json content, or
 None), a stability-lab lab.json found on disk (`lr_sensitivity: {variant: {"on": x, "off": y}}`, `runs: [...]`) and a
-long-context report.json whose top-level `"claim"` object is `{"paper", "this_run", "verdict"}`. Verdict thresholds
+long-context report.json whose top-level `"claim"` object is `{"paper", "this_run", "verdict"}`, and the streaming
+check compare ran (`result["streaming"]`: compare.streaming_summary). Verdict thresholds
 are stated next to each rule so a reader can check them against the figures in the row.
 """
 from __future__ import annotations
@@ -241,6 +242,62 @@ def longctx_claim(longctx_dir) -> dict:
             "verdict": str(claim["verdict"])}
 
 
+STREAMING_CMD = "gattn lab streaming --models runs/lab/sinks --window 32 --sink-tokens 0 4 --out runs/lab/streaming"
+
+
+def _penalties(stream: dict) -> tuple[dict, dict, str]:
+    """({variant: Δloss of a plain window (K=0) against full attention}, {variant: Δloss with the most sink tokens},
+    where the figures come from): the sink lab's models (mean over seeds) when the streaming check ran on them, else
+    the text models."""
+    ks = [int(k) for k in stream.get("sink_tokens", [])]
+    kmax = str(max(ks)) if ks else None
+    bv = stream.get("by_variant") or {}
+    if bv and "0" in [str(k) for k in ks]:
+        pen0 = {v: e["mean"].get("K0_dloss") for v, e in bv.items()}
+        penk = {v: e["mean"].get(f"K{kmax}_dloss") for v, e in bv.items()}
+        return _with_base(pen0), _with_base(penk), "sink lab"
+    text = {m["variant"]: m for m in (stream.get("models") or {}).values() if m.get("kind") == "text"}
+    if not text or "0" not in (next(iter(text.values()))["window"]):
+        return {}, {}, ""
+    d = lambda m, k: m["window"][k]["loss"] - m["full"]["loss"]
+    return (_with_base({v: d(m, "0") for v, m in text.items()}), _with_base({v: d(m, kmax) for v, m in text.items()}),
+            "text")
+
+
+def streaming_claim(stream: dict | None) -> dict:
+    """Verdict rule (Δ = loss with the window minus loss with full attention, nats, on the positions past the window;
+    measured on the sink lab's models, mean over seeds, when the streaming check ran on them, else on the text
+    models): reproduced = the baseline needs sink tokens (plain-window Δ >= 0.05 and keeping the first tokens at
+    least halves it) while every G1 model streams with a plain window (Δ <= max(0.02, baseline's Δ / 4)); partly =
+    every G1 model loses less than the baseline under a plain window and the baseline loses >= 0.02; else not at
+    this scale (e.g. the baseline itself streams with a plain window: no sink to break)."""
+    paper = ("StreamingLLM (Xiao et al. 2023): a softmax LM with a first-token sink breaks under a sliding KV window "
+             "unless the first tokens stay (sink tokens); a sink-free model should stream with a plain window")
+    if not stream:
+        return {"paper": paper, "this_run": "no streaming check", "verdict": NOT_RUN, "command": STREAMING_CMD}
+    pen0, penk, src = _penalties(stream)
+    g = [v for v in GATED if pen0.get(v) is not None]
+    if pen0.get("baseline") is None or not g:
+        return {"paper": paper, "this_run": "needs baseline and a G1 model in the streaming check",
+                "verdict": NOT_RUN, "command": STREAMING_CMD}
+    kmax = max(int(k) for k in stream["sink_tokens"])
+    b0, bk = pen0["baseline"], penk["baseline"]
+    this = (f"window {stream['window'][src] if isinstance(stream.get('window'), dict) else stream.get('window')}, "
+            f"Δloss of a plain window (K=0): baseline {b0:+.3f} (K={kmax}: {bk:+.3f}) → "
+            + " / ".join(f"{v.removeprefix('sdpa_')} {pen0[v]:+.3f} (K={kmax}: {penk[v]:+.3f})" for v in g)
+            + f" ({src} models)")
+    other = stream.get("text_summary")
+    if src == "sink lab" and other:
+        this += f"; text models: {other}"
+    if b0 >= 0.05 and bk <= b0 / 2 and all(pen0[v] <= max(0.02, b0 / 4) for v in g):
+        verdict = REPRODUCED
+    elif b0 >= 0.02 and all(pen0[v] < b0 for v in g):
+        verdict = PARTLY
+    else:
+        verdict = NOT_AT_SCALE
+    return {"paper": paper, "this_run": this, "verdict": verdict}
+
+
 def claims_table(result: dict, sink_lab: dict | None, stability_dir=None, longctx_dir=None) -> list[dict]:
     """The rows of "Paper claims vs this run", in the issue's order."""
     rows = _with_base(result["rows"])
@@ -252,7 +309,8 @@ def claims_table(result: dict, sink_lab: dict | None, stability_dir=None, longct
            ("Massive activations reduced", massive_activation_claim(rows)),
            ("Sparse, query-dependent gate scores", gate_sparsity_claim(rows, sink_lab)),
            ("Training stability (spikes, LR tolerance)", stability_claim(rows, stability_dir)),
-           ("Long context (YaRN ×4, no training)", longctx_claim(longctx_dir))]
+           ("Long context (YaRN ×4, no training)", longctx_claim(longctx_dir)),
+           ("Streams with a plain window (no sink tokens)", streaming_claim(result.get("streaming")))]
     return [{"claim": c, **r} for c, r in out]
 
 

@@ -99,7 +99,7 @@ def _intro(result: dict) -> list[str]:
         f"Budget `{result['budget']}`: model preset `{c['model']}` ({shape or 'preset shape'}), seq_len {c['seq_len']}, "
         f"batch {c['batch_size']}, {c['steps']} steps ({c['steps'] * c['batch_size'] * c['seq_len']:,} tokens per "
         f"variant), lr {c['lr']:g} ({c['schedule']}, warm-up {c['warmup_steps']}), weight decay {c['weight_decay']:g}, "
-        f"{c['precision']}, seed {c['seed']}. Every variant sees the same batches in the same order; gated variants "
+        f"precision {c['precision']} -> {result.get('resolved_precision', c['precision'])}, seed {c['seed']}. Every variant sees the same batches in the same order; gated variants "
         f"shrink the FFN to match the baseline's parameter count.",
         f"Analysis on {a['tokens']:,} held-out tokens ({a['batches']} batches of {a['batch_size']} x {a['seq_len']}, "
         f"each window starting with {a['first_token']}). F-Attn = attention probability on token 0, mean over heads, "
@@ -132,13 +132,6 @@ _CLAIMS_NOTE = ("Each row: the paper's figure (Qiu et al. 2025; 15A2B MoE at 400
                 "measured here without the paper's effect; 'not run here' names the command that measures it.")
 
 
-def _sink_lab_section(result: dict) -> tuple[list[str], list[list[str]], dict] | None:
-    lab = result.get("sink_lab")
-    if not lab:
-        return None
-    return lab["table"]["head"], lab["table"]["rows"], lab.get("plots", {})
-
-
 def _sink_lab_intro(result: dict) -> str:
     lab = result["sink_lab"]
     t, c = lab["task"], lab["config"]
@@ -146,6 +139,29 @@ def _sink_lab_intro(result: dict) -> str:
             f"k={t['triggers']} triggers, T={t['seq_len']}; {c['layers']} layer x {c['heads']} head, "
             f"d={c['hidden_size']}, {c['steps']} steps at lr {c['lr']:g}, {c['seeds']} seed(s). Attention on BOS "
             f"from dormant (non-trigger) queries is the sink; read it next to backcopy CE (the task's skill).")
+
+
+def _streaming_intro(result: dict) -> str:
+    st = result["streaming"]
+    w = ", ".join(f"{src} models W={x}" for src, x in st["window"].items())
+    return (f"`gattn lab streaming` on this run's models (lab.json in {st['dir']}/): next-token loss with full "
+            f"attention vs a rolling KV window ({w}) that keeps the first K tokens (K = "
+            f"{', '.join(map(str, st['sink_tokens']))}; K=0 = a plain window, the first token evicted), StreamingLLM "
+            f"cache positions, on the positions past the window; Δ = window minus full.")
+
+
+def _lab_sections(result: dict) -> list[tuple[str, str, list[str], list[list[str]], dict]]:
+    """(title, intro, table head, rows, plots) of the labs compare ran: the sink lab, the streaming check."""
+    out = []
+    if result.get("sink_lab"):
+        lab = result["sink_lab"]
+        out.append(("Sink lab (Bigram-Backcopy)", _sink_lab_intro(result), lab["table"]["head"],
+                    lab["table"]["rows"], lab.get("plots", {})))
+    if result.get("streaming"):
+        st = result["streaming"]
+        out.append(("Streaming check (sliding window, with and without sink tokens)", _streaming_intro(result),
+                    st["table"]["head"], st["table"]["rows"], st.get("plots", {})))
+    return out
 
 
 def render_markdown(result: dict) -> str:
@@ -157,11 +173,10 @@ def render_markdown(result: dict) -> str:
               "## Per-domain perplexity (held-out)", "", _md_table(*_domain_cells(result)), "",
               "## Per-layer F-Attn and M-Act", "", _md_table(*_layer_cells(result)), "",
               "## More measurements", "", _md_table(*_extra_cells(result)), ""]
-    sl = _sink_lab_section(result)
-    if sl:
-        parts += ["## Sink lab (Bigram-Backcopy)", "", _sink_lab_intro(result), "", _md_table(sl[0], sl[1]), ""]
-        for key, rel in sl[2].items():
-            parts += [f"### Sink lab: {key}", "", f"![sink lab {key}]({rel})", ""]
+    for title, intro, head, rows, plots in _lab_sections(result):
+        parts += [f"## {title}", "", intro, "", _md_table(head, rows), ""]
+        for key, rel in plots.items():
+            parts += [f"### {title.split(' (')[0]}: {key}", "", f"![{key}]({rel})", ""]
     parts += ["## Plots", ""]
     for key, rel in result.get("plots", {}).items():
         parts += [f"### {_plot_title(key)}", "", f"![{key}]({rel})", ""]
@@ -186,14 +201,12 @@ def render_html(result: dict, out_dir: str | Path) -> str:
              "<h2>Per-domain perplexity (held-out)</h2>", _html_table(*_domain_cells(result)),
              "<h2>Per-layer F-Attn and M-Act</h2>", _html_table(*_layer_cells(result)),
              "<h2>More measurements</h2>", _html_table(*_extra_cells(result))]
-    sl = _sink_lab_section(result)
-    if sl:
-        body += ["<h2>Sink lab (Bigram-Backcopy)</h2>", f"<p>{html.escape(_sink_lab_intro(result))}</p>",
-                 _html_table(sl[0], sl[1])]
-        for key, rel in sl[2].items():
+    for title, intro, head, rows, plots in _lab_sections(result):
+        body += [f"<h2>{html.escape(title)}</h2>", f"<p>{html.escape(intro)}</p>", _html_table(head, rows)]
+        for key, rel in plots.items():
             data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
-            body += [f"<h3>Sink lab: {html.escape(key)}</h3>",
-                     f'<img alt="sink lab {html.escape(key)}" src="data:image/png;base64,{data}">']
+            body += [f"<h3>{html.escape(title.split(' (')[0])}: {html.escape(key)}</h3>",
+                     f'<img alt="{html.escape(key)}" src="data:image/png;base64,{data}">']
     body += ["<h2>Plots</h2>"]
     for key, rel in result.get("plots", {}).items():
         data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")

@@ -15,8 +15,10 @@ and live here once so each job only states what differs:
       A JSON result that is recomputed only when its key (the settings that determine it) changed.
   run_units(fn, tasks, jobs, log, threads) -> [fn(t) for t in tasks]
       Independent units (one model each) in-process or in `jobs` spawned worker processes of `threads` torch
-      threads each (small models: one core per model beats sharing threads); `default_jobs()` is the CLIs' --jobs
-      default.
+      threads each (small models: one core per model beats sharing threads: two `gattn compare` models at once,
+      one thread each, train 1.15-1.2x faster than one after the other with two threads on the 2-core machine);
+      `default_jobs()` is the CLIs' --jobs default. Workers adopt the parent's measured bf16 speed-up, so
+      precision="auto" resolves alike in every unit of a job.
 
 Layering: this module sits above train/ and data/ (it drives them) and below the jobs and labs (they call it). Jobs
 pass `log` (a callable taking one line) and a `tag` such as "[compare]" that prefixes each line. A lab, in full:
@@ -104,10 +106,13 @@ def cached(path: str | Path, key: Any, compute: Callable[[], dict], log: Log = p
     return res
 
 
-def _init_worker(threads: int) -> None:
+def _init_worker(threads: int, bf16_speedup: float | None = None) -> None:
     import torch
 
+    from .precision import adopt_measurement
+
     torch.set_num_threads(threads)
+    adopt_measurement(bf16_speedup)  # the parent's measurement: every unit of a job resolves "auto" alike
 
 
 def run_units(fn: Callable, tasks: list, jobs: int = 1, log=print, threads: int = 1) -> list:
@@ -119,11 +124,13 @@ def run_units(fn: Callable, tasks: list, jobs: int = 1, log=print, threads: int 
         return [fn(t) for t in tasks]
     import multiprocessing as mp
 
+    from .precision import shared_measurement
+
     results: list = [None] * len(tasks)
     errors = []
     # spawn, not fork: a forked child of a process that already ran torch ops can deadlock in its thread pools
     with ProcessPoolExecutor(max_workers=min(jobs, len(tasks)), mp_context=mp.get_context("spawn"),
-                             initializer=_init_worker, initargs=(threads,)) as pool:
+                             initializer=_init_worker, initargs=(threads, shared_measurement())) as pool:
         futs = {pool.submit(fn, t): i for i, t in enumerate(tasks)}
         for fut in as_completed(futs):
             try:

@@ -12,9 +12,14 @@ from .. import compare_report as report
 
 
 def configure_compare(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
-                        help=f"prepared corpus folder; prepared automatically if missing (default: the budget's, "
-                             f"{compare.DEFAULT_DATA_DIR} with the 8k vocabulary, or data_v1k for --budget long)")
+    corpora = {}
+    for name, b in compare.BUDGETS.items():
+        corpora.setdefault((b.data_dir, b.vocab_size), []).append(name)
+    parser.add_argument("--data-dir", type=E.out_dir, default=None,
+                        help="corpus folder; a folder without a prepared corpus (missing, or no manifest.json) is "
+                             "prepared there first with the budget's vocabulary (default: the budget's: "
+                             + "; ".join(f"{d} (vocabulary {v}) for {', '.join(n)}"
+                                         for (d, v), n in corpora.items()) + ")")
     parser.add_argument("--out", type=E.out_dir, default="runs/compare",
                         help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
                              "(default runs/compare; a re-run reuses finished runs)")
@@ -27,8 +32,18 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
                         help="override a training setting for every variant (e.g. steps=3000, lr=1e-2, "
                              "model.num_hidden_layers=6); repeatable")
     parser.add_argument("--sink-lab", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run a small `gattn lab sinks` (Bigram-Backcopy, one seed) on the same variants "
-                             "into OUT/sink_lab and report it (default on; --no-sink-lab skips it)")
+                        help="also run `gattn lab sinks` (Bigram-Backcopy) on the same variants into OUT/sink_lab "
+                             "and report it (default on, with the budget's sink-lab settings: "
+                             + "; ".join(f"{k}: lab budget {b.sink_lab[0]}"
+                                         + "".join(f", {a}={v}" for a, v in b.sink_lab[1].items())
+                                         for k, b in compare.BUDGETS.items()) + "; --no-sink-lab skips it)")
+    parser.add_argument("--sink-lab-seeds", type=E.positive_int, default=None, metavar="N",
+                        help="seeds of that sink lab (default: the budget's, see --sink-lab)")
+    parser.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run `gattn lab streaming` on this run's models and the sink lab's (window = a "
+                             "quarter of the training length, K = 0 and 4 sink tokens, 16 held-out sequences per "
+                             "model) into OUT/streaming; fills the claims row 'Streams with a plain window' "
+                             "(default on; --no-streaming skips it)")
     parser.add_argument("--stability-lab", default="runs/lab/stability", metavar="DIR",
                         help="a `gattn lab stability` output whose lab.json fills the claims table's stability row "
                              "(default runs/lab/stability; 'not run here' when absent)")
@@ -36,7 +51,10 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
                         help="a `gattn longctx` output whose report.json \"claim\" fills the long-context row "
                              "(default runs/longctx; 'not run here' when absent)")
     parser.add_argument("--jobs", type=int, default=None,
-                        help="sink-lab models trained at once, one core each (default: min(2, available cores))")
+                        help="models trained at once, each in its own process with cores/N threads: the LM variants "
+                             "and the sink lab's models, longest first (default: min(2, available cores); measured: "
+                             "two at a time with one thread each is 1.15-1.2x faster than one at a time with two "
+                             "threads on a 2-core machine); 1 = one after another in this process")
 
 
 def run_compare(args) -> int:
@@ -45,7 +63,9 @@ def run_compare(args) -> int:
     with lock_dir(args.out, "gattn compare"):  # one writer per output folder
         res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
                                   log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
-                                  stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs)
+                                  stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,
+                                  streaming=args.streaming,
+                                  sink_lab_changes={"seeds": args.sink_lab_seeds} if args.sink_lab_seeds else None)
     print(report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

@@ -18,50 +18,86 @@ from ..labs import stability as stab
 
 def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/lab/sinks",
-                        help="output folder: runs/<variant>/seed<k>/, lab.json, report.md, report.html, plots/ "
-                             "(default runs/lab/sinks; a re-run reuses finished models and continues killed ones)")
+                        help="output folder: runs/<variant>/seed<k>/ (result.json + the finished model as a "
+                             "from_pretrained folder), lab.json, report.md, report.html, plots/ (default "
+                             "runs/lab/sinks; a re-run reuses finished models and continues killed ones)")
     parser.add_argument("--budget", default="default", choices=list(BUDGETS),
-                        help="; ".join(f"{k}: {v[0]}" for k, v in BUDGETS.items()))
+                        help="; ".join(f"{k}: {v[0]}" for k, v in BUDGETS.items()) + " (default: default)")
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
-                        help=f"gate names (`gattn gates`) and baseline mechanisms (sink_logits, bondarenko_gate, "
-                             f"clipped_softmax, forgetting, ...); default: {' '.join(DEFAULT_VARIANTS)}")
-    parser.add_argument("--layers", type=int, default=None, help="decoder layers, 1-3 (default 1)")
-    parser.add_argument("--heads", type=int, default=None, help="attention heads per layer (default 1)")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per model (budget's by default)")
+                        help="gate names (`gattn gates`) and baseline mechanisms (sink_logits, bondarenko_gate, "
+                             "clipped_softmax, forgetting, ...)")
+    parser.add_argument("--layers", type=int, default=None, help="decoder layers, 1-3")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads per layer")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per model")
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds 0..N-1 per variant: model init and data order, the same for every variant")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW; default 3e-3)")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
     parser.add_argument("--gate-init", choices=("normal", "identity"), default=None,
-                        help="normal: the official N(0, 0.02) init, gate ~0.5 at start (default); identity: gate == 1 "
-                             "at start")
-    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
-                        help="training numerics: bf16 autocast (default, ~2x faster on CPU) or fp32; measurements "
-                             "always run in fp32")
+                        help="normal: the official N(0, 0.02) init, gate ~0.5 at start; identity: gate == 1 at start")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
+                        help="training numerics: auto (bf16 autocast where this CPU runs it faster than fp32, "
+                             "measured once; fp32 otherwise), or force bf16 / fp32; measurements always run in fp32")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the training forward (default on for --budget default: ~2x faster "
-                             "after ~10 s of compiling; off for small)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32)")
+                        help="torch.compile the training forward (~2x faster after ~10 s of compiling)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per step")
     parser.add_argument("--min-lr", type=float, default=None, help="learning rate at the end of the decay")
     parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
     parser.add_argument("--schedule", choices=("cosine", "wsd"), default=None,
-                        help="cosine decay, or WSD (hold the peak, decay over the last 20 %%)")
-    parser.add_argument("--hidden-size", type=int, default=None, help="model width d (default 128)")
+                        help="cosine decay, or WSD (hold the peak, decay over the last --decay-frac of the steps)")
+    parser.add_argument("--decay-frac", type=float, default=None,
+                        help="WSD: share of the steps spent decaying to --min-lr at the end; 0 = constant LR after "
+                             "the warm-up")
+    parser.add_argument("--weight-decay", type=float, default=None,
+                        help="AdamW decoupled weight decay on matrices (embeddings, norms and biases excluded)")
+    parser.add_argument("--beta2", type=float, default=None, help="Adam second-moment decay")
+    parser.add_argument("--adam-eps", type=float, default=None, help="Adam epsilon")
+    parser.add_argument("--qk-norm", choices=("on", "off"), default=None,
+                        help="RMSNorm on q and k per head (Qwen3's QK-norm); Guo et al.'s model has none")
+    parser.add_argument("--grad-clip", type=float, default=None, help="global gradient-norm clip (0 = off)")
+    parser.add_argument("--hidden-size", type=int, default=None, help="model width d")
     parser.add_argument("--intermediate-size", type=int, default=None, help="FFN width of the ungated model")
     parser.add_argument("--eval-every", type=int, default=None, help="learning-curve interval in steps")
-    parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V (default 64)")
-    parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k (default 3)")
-    parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS (default 128)")
-    parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers (default 0)")
+    parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V")
+    parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k")
+    parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS")
+    parser.add_argument("--alpha", type=float, default=None,
+                        help="task: Dirichlet concentration of the bigram rows (lower = more predictable)")
+    parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers")
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, one core each (default: min(2, available cores))")
     parser.add_argument("--report-only", action="store_true",
                         help="train nothing: write lab.json and the report from the models already finished in "
                              "--out with these settings (a run stopped early; seeds per variant as available)")
+    _state_budget_defaults(parser)
+
+
+def _state_budget_defaults(parser: argparse.ArgumentParser) -> None:
+    """Append each option's true default, read from the budgets themselves, to its help (so it cannot go stale)."""
+    cfgs = {name: replace(SinkLabConfig(), **changes) for name, (_, changes) in BUDGETS.items()}
+    task_fields = {a: f for a, f in _SINK_TASK_OPTIONS.items()}
+
+    def value(cfg, dest):
+        v = cfg.task[task_fields[dest]] if dest in task_fields else getattr(cfg, dest)
+        if dest == "qk_norm" or isinstance(v, bool):
+            return "on" if v else "off"
+        return " ".join(map(str, v)) if isinstance(v, list) else f"{v:g}" if isinstance(v, float) else str(v)
+
+    for action in parser._actions:
+        dest = action.dest
+        if dest not in _SINK_OPTIONS + ("qk_norm",) and dest not in task_fields:
+            continue
+        vals = {name: value(cfg, dest) for name, cfg in cfgs.items()}
+        if len(set(vals.values())) == 1:
+            action.help += f" (default {vals['default']})"
+        else:
+            action.help += " (default: " + "; ".join(f"{v} with --budget {n}" for n, v in vals.items()) + ")"
 
 
 _SINK_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
-                "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every")
-_SINK_TASK_OPTIONS = {"vocab": "vocab", "triggers": "triggers", "seq_len": "seq_len", "task_seed": "seed"}
+                "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every",
+                "decay_frac", "weight_decay", "beta2", "adam_eps", "grad_clip")
+_SINK_TASK_OPTIONS = {"vocab": "vocab", "triggers": "triggers", "seq_len": "seq_len", "alpha": "alpha",
+                      "task_seed": "seed"}
 
 
 def sinks_config(args) -> SinkLabConfig:
@@ -71,6 +107,8 @@ def sinks_config(args) -> SinkLabConfig:
     task = {f: getattr(args, a) for a, f in _SINK_TASK_OPTIONS.items() if getattr(args, a, None) is not None}
     if task:
         over["task"] = {**cfg.task, **task}
+    if getattr(args, "qk_norm", None) is not None:
+        over["qk_norm"] = args.qk_norm == "on"
     return replace(cfg, **over).validate()
 
 
@@ -117,13 +155,16 @@ def configure_stability(parser: argparse.ArgumentParser) -> None:
                              "vocabulary, prepared automatically if missing)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs trained in parallel, one thread each (default: one per core, at most 2)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                        help="training numerics: auto (default: bf16 autocast where this CPU runs it faster than "
+                             "fp32, measured once; fp32 otherwise), or force bf16 / fp32")
 
 
 def run_stability(args) -> int:
     lab = stab.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
                          lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
                          seeds=args.seeds, seed_lrs=args.seed_lrs, sets=tuple(args.sets), data_dir=args.data_dir,
-                         jobs=args.jobs if args.jobs is not None else default_jobs())
+                         precision=args.precision, jobs=args.jobs if args.jobs is not None else default_jobs())
     res = stab.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
     from ..labs.stability_report import sensitivity_text
 
@@ -133,10 +174,49 @@ def run_stability(args) -> int:
     return 0
 
 
+def configure_streaming(parser: argparse.ArgumentParser) -> None:
+    from ..labs.streaming import DEFAULT_SINK_TOKENS
+
+    parser.add_argument("--models", nargs="+", required=True, metavar="DIR",
+                        help="model folders: a sink-lab run OUT/runs/<variant>/seed<k> (or a whole sink-lab OUT), a "
+                             "`gattn compare` OUT (its runs/<variant>/final), a trainer run folder (final/) or any "
+                             "folder with config.json")
+    parser.add_argument("--window", type=int, required=True, metavar="W",
+                        help="recent tokens the rolling KV cache keeps (the current one included)")
+    parser.add_argument("--sink-tokens", type=int, nargs="+", default=list(DEFAULT_SINK_TOKENS), metavar="K",
+                        help="first tokens kept forever, one measurement per K; 0 = a plain sliding window "
+                             f"(default: {' '.join(map(str, DEFAULT_SINK_TOKENS))})")
+    parser.add_argument("--out", default="runs/lab/streaming",
+                        help="output folder: lab.json, report.md, report.html, plots/ (default runs/lab/streaming)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per held-out sequence (default: the length each model was trained on)")
+    parser.add_argument("--sequences", type=int, default=32, help="held-out sequences per model (default 32)")
+    parser.add_argument("--text", default=None, metavar="FILE",
+                        help="score windows of this UTF-8 text file instead of the corpus (text models only)")
+    parser.add_argument("--data-dir", default=None,
+                        help="corpus of model folders whose train_config.json does not name one (default: the "
+                             "corpus each run trained on)")
+
+
+def run_streaming(args) -> int:
+    from ..labs import streaming, streaming_report
+
+    cfg = streaming.StreamingConfig(models=args.models, window=args.window, sink_tokens=args.sink_tokens,
+                                    seq_len=args.seq_len, sequences=args.sequences, text=args.text,
+                                    data_dir=args.data_dir)
+    lab = streaming.run_streaming(cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(streaming_report.text_table(lab))
+    print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
+    return 0
+
+
 # name -> (configure, run, one-line help)
 LABS = {
     "sinks": (configure_sinks, run_sinks,
               "Bigram-Backcopy sink lab (Guo et al. 2024): BOS attention of idle heads, baseline vs gates, in minutes."),
+    "streaming": (configure_streaming, run_streaming,
+                  "Sliding-window decoding with and without sink tokens (StreamingLLM): loss of full attention vs a "
+                  "rolling KV window keeping the first K tokens, per model and position."),
     "stability": (configure_stability, run_stability,
                   "LR sweeps of deep narrow models with/without QK-norm (Wortsman et al. 2023 proxies): loss "
                   "spikes, divergence, max stable LR, LR sensitivity with intervals over seeds, logit growth."),

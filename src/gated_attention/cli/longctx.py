@@ -127,6 +127,8 @@ def budget_from_args(args) -> pipeline.Budget:
         changes["retrieval_mix"] = args.retrieval_mix
     if getattr(args, "until_skill", None) is not None:
         changes["until_skill"] = None if args.until_skill <= 0 else args.until_skill  # 0 turns the rule off
+    if getattr(args, "precision", None) is not None:
+        changes["precision"] = args.precision
     return pipeline.check_budget(dataclasses.replace(b, **changes))
 
 
@@ -165,6 +167,9 @@ def configure_longctx(parser) -> None:
     parser.add_argument("--retrieval-mix", type=E.nonneg_float, default=None,
                         help="fraction of training rows replaced by retrieval samples (default: the budget's)")
     parser.add_argument("--seed", type=E.nonneg_int, default=0, help="first training and sample seed")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
+                        help="training numerics: auto (default: bf16 autocast where this CPU runs it faster than "
+                             "fp32, measured once; fp32 otherwise), or force bf16 / fp32; evaluation runs in fp32")
     parser.add_argument("--jobs", type=E.positive_int, default=None,
                         help="(model, seed) runs trained and scored at a time, each in its own process with "
                              "cores/JOBS torch threads (small models: one core per model beats sharing threads); "

@@ -93,7 +93,9 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=E.positive_int, default=None, help="tokens per sequence (default: the run's seq_len)")
     parser.add_argument("--batches", type=E.positive_int, default=8, help="validation batches per domain")
     parser.add_argument("--batch-size", type=E.positive_int, default=8, help="sequences per validation batch")
-    parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="autocast precision")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                        help="autocast precision: auto (default: bf16 where this machine runs it faster than fp32, "
+                             "measured once; fp32 otherwise), or force bf16 / fp32")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", type=E.out_file, default=None, help="also write the JSON result to this file (atomically)")
 
@@ -136,7 +138,10 @@ def run_eval(args) -> int:
                         device=device, precision=args.precision, positions=True)
     if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
         raise E.UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")
-    res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size})
+    from ..precision import resolve
+
+    res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size,
+                "resolved_precision": resolve(args.precision, device)})
     if args.out:
         atomic_write_json(args.out, res)
     if args.json:

@@ -4,7 +4,7 @@ Each variant (a gate name from `gattn gates`, or a runtime baseline mechanism su
 LM (`GatedQwen3ForCausalLM` from `presets.model_config` with small-shape overrides: 1-3 layers, default 1 layer,
 1 head, d=128) trained on the task (backcopy.py) with the project's optimizer conventions (AdamW, weight decay on
 matrices only via the trainer's `param_groups`, warm-up + cosine/WSD from `train.schedule`, global-norm clipping,
-bf16 autocast). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
+autocast in the resolved precision: gated_attention.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
 starts from the same seed. A compact loop is used instead of the trainer: a 1-layer model's step is ~20 ms, where
 the trainer's per-step bookkeeping and per-domain evaluation would dominate, and the lab needs metrics *during*
 training (learning curves) that the trainer does not compute.
@@ -17,9 +17,12 @@ step at which backcopy CE first falls below 0.5. Headline numbers (lab.json's pe
 *backcopy head*: the (layer, head) with the largest attention on the previous token from trigger queries (in the
 default 1-layer 1-head model, the only head); the residual peak is the largest over layers.
 
-The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/result.json (+ ckpt.pt while running), lab.json, report.md, report.html,
-plots/. Finished units are reused; a killed run continues from its last checkpoint; settings that differ from an
-existing OUT fail loudly.
+The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
+unit's settings under "key", its measurements) and the finished model as a Hugging Face folder (config.json,
+model.safetensors, generation_config.json: `GatedQwen3ForCausalLM.from_pretrained(run_dir)` loads it; `load_run(run_dir)`
+returns it with its task and lab settings), + ckpt.pt while running; then lab.json, report.md, report.html, plots/.
+Finished units are reused; a killed run continues from its last checkpoint; settings that differ from an existing
+OUT fail loudly.
 """
 from __future__ import annotations
 
@@ -65,9 +68,14 @@ class SinkLabConfig:
     warmup_steps: int = 50
     schedule: str = "wsd"  # wsd | cosine (train.schedule): the sink grows while the LR is high; a cosine decay
     # over 800 steps stalls it (baseline 0.13 at step 600 vs 0.40-0.62 with the LR held near the peak)
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    precision: str = "bf16"  # bf16 autocast (2x faster on CPU) | fp32
+    decay_frac: float = 0.2  # WSD: share of the steps spent decaying to min_lr at the end (0 = constant LR after
+    # warm-up); cosine ignores it
+    weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices (the trainer's param_groups)
+    beta2: float = 0.95  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam epsilon
+    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none
+    grad_clip: float = 1.0  # global-norm clipping (0 = off)
+    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
     compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
     eval_every: int = 100  # learning-curve resolution in steps
     eval_size: int = 64  # held-out sequences for every measurement
@@ -82,8 +90,15 @@ class SinkLabConfig:
         for k in ("seeds", "steps", "batch_size", "eval_every", "eval_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
-        if self.precision not in ("bf16", "fp32"):
-            raise ValueError(f"--precision must be bf16 or fp32 (fp16 needs loss scaling); got {self.precision!r}")
+        from gated_attention.precision import check
+
+        check(self.precision, "--precision")
+        if not 0.0 <= self.decay_frac <= 1.0:
+            raise ValueError(f"--decay-frac must be in [0, 1]; got {self.decay_frac}")
+        if not 0.0 <= self.beta2 < 1.0 or not self.adam_eps > 0:
+            raise ValueError(f"--beta2 must be in [0, 1) and --adam-eps > 0; got {self.beta2}, {self.adam_eps}")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError(f"--weight-decay and --grad-clip must be >= 0; got {self.weight_decay}, {self.grad_clip}")
         if self.schedule not in ("cosine", "wsd"):
             raise ValueError(f"--schedule must be cosine or wsd; got {self.schedule!r}")
         for v in self.variants:
@@ -141,7 +156,7 @@ def model_config_for(cfg: SinkLabConfig, variant: str):
                         hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
                         head_dim=cfg.hidden_size // cfg.heads, max_position_embeddings=max(512, task.seq_len + 1),
-                        tie_word_embeddings=False, bos_token_id=0)
+                        tie_word_embeddings=False, bos_token_id=0, use_qk_norm=cfg.qk_norm)
 
 
 # ---------------------------------------------------------------- measurement
@@ -241,9 +256,14 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
 # ---------------------------------------------------------------- one unit: a variant x seed
 
 def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
+    from gated_attention.precision import resolve
+
     d = asdict(cfg)
     for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
         d.pop(k)
+    # a model trained in bf16 is not the fp32 one: the key holds what the precision resolved to on this machine (so
+    # "auto" that ran in bf16 reuses a unit trained with "bf16", and never one trained in fp32)
+    d["precision"] = resolve(cfg.precision, "cpu")
     return {**d, "variant": variant, "seed": seed, "format": 1}
 
 
@@ -283,7 +303,7 @@ def train_unit(job: tuple) -> dict:
     model = GatedQwen3ForCausalLM(model_config_for(cfg, variant))
     model.train()
     opt_cfg = argparse.Namespace(weight_decay=cfg.weight_decay, wd_on_embeddings=False)
-    opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps)
     state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
     ckpt = unit_dir / "ckpt.pt"
     if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
@@ -293,17 +313,17 @@ def train_unit(job: tuple) -> dict:
             opt.load_state_dict(saved["opt"])
             state = saved["state"]
             _log(f"{variant} seed {seed}: resuming at step {state['step']}")
+    amp = key["precision"] == "bf16"
     fwd = model
     if cfg.compile:
         fwd = torch.compile(model)
         try:  # compile errors surface at the first call: fall back to eager (same maths, slower) and say so
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.precision == "bf16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 fwd(input_ids=task.train_batch(cfg.batch_size, seed, 0)[:, :-1])
         except Exception as exc:  # noqa: BLE001
             _log(f"{variant} seed {seed}: torch.compile failed ({type(exc).__name__}: {str(exc)[:120]}); "
                  "training eagerly")
             fwd = model
-    amp = cfg.precision == "bf16"
     t0 = time.perf_counter() - state["wall"]
     c0 = time.process_time() - state.get("cpu", 0.0)  # CPU seconds: comparable across a loaded and a quiet machine
     params = sum(p.numel() for p in model.parameters())
@@ -323,7 +343,7 @@ def train_unit(job: tuple) -> dict:
         record(0)
     for step in range(state["step"], cfg.steps):
         lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
-                   schedule=cfg.schedule)
+                   schedule=cfg.schedule, wsd_decay_frac=cfg.decay_frac)
         for g in opt.param_groups:
             g["lr"] = lr
         seqs = task.train_batch(cfg.batch_size, seed, step)  # (B, T+1)
@@ -359,10 +379,69 @@ def train_unit(job: tuple) -> dict:
               "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0, "params": params, "backcopy_head": final["backcopy_head"],
               "per_layer": final["per_layer"], "attention_map": final["attention_map"],
               "map_active_rows": final["map_active_rows"], "curve": state["curve"]}
+    model.save_pretrained(unit_dir)  # the model first: result.json is the "finished" marker, written last
     out = save_unit(unit_dir / "result.json", key, result)
     if ckpt.exists():
         ckpt.unlink()
     return out
+
+
+@dataclass
+class SinkRun:
+    """A finished sink-lab model with everything needed to evaluate or continue it on its task."""
+
+    model: object  # GatedQwen3ForCausalLM, eval mode, fp32
+    task: BackcopyTask  # the Bigram-Backcopy settings it was trained on (task.eval_set / train_batch / masks)
+    config: SinkLabConfig  # the lab settings of its unit (variants/seeds as in its own unit: [variant], seed + 1)
+    variant: str
+    seed: int
+    result: dict  # its result.json (measurements at the end of training; "key" = the unit's settings)
+    path: Path
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True for a sink-lab unit folder OUT/runs/<variant>/seed<k> (result.json with a sink-lab key)."""
+    f = Path(path) / "result.json"
+    if not f.is_file():
+        return False
+    try:
+        key = json.loads(f.read_text()).get("key") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return False
+    return "task" in key and "variant" in key and "seed" in key
+
+
+def load_run_meta(path: str | Path) -> dict:
+    """{"variant", "seed", "task"} of a finished unit folder without loading its model."""
+    key = json.loads((Path(path) / "result.json").read_text())["key"]
+    return {"variant": key["variant"], "seed": key["seed"], "task": key["task"]}
+
+
+def load_run(path: str | Path) -> SinkRun:
+    """The model of a finished sink-lab unit folder (`OUT/runs/<variant>/seed<k>`), with its task and settings.
+
+    The folder is also a plain HF model folder: `GatedQwen3ForCausalLM.from_pretrained(path)` loads the same model;
+    this helper adds the task (BackcopyTask) and the lab config it was trained with."""
+    from gated_attention.io import read_json_object
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    path = Path(path)
+    if not is_run_dir(path):
+        raise ValueError(f"{path} is not a finished sink-lab run (no result.json with a sink-lab key); pass "
+                         f"OUT/runs/<variant>/seed<k> of a `gattn lab sinks` output")
+    result = read_json_object(path / "result.json", "sink-lab result")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} holds a result but no model (trained before the lab kept its models); re-run "
+                         f"`gattn lab sinks` into a new --out to get loadable models")
+    key = dict(result["key"])
+    variant, seed = key.pop("variant"), key.pop("seed")
+    key.pop("format", None)
+    known = set(SinkLabConfig.__dataclass_fields__)
+    cfg = SinkLabConfig(**{k: v for k, v in key.items() if k in known}, variants=[variant], seeds=seed + 1)
+    model = GatedQwen3ForCausalLM.from_pretrained(path)
+    model.eval()
+    return SinkRun(model=model, task=BackcopyTask(**cfg.task), config=cfg, variant=variant, seed=seed,
+                   result=result, path=path)
 
 
 def _f(v, d: int = 3) -> str:
@@ -375,6 +454,17 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- the lab
 
+def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[int, dict | None]]:
+    """Every variant x seed unit of the lab as a `train_unit` job, seed-major (an interrupted lab has every variant
+    at its first seeds, not some variants at none), and the finished ones' results by index (None = still to train).
+    `gattn compare` trains the pending ones in its own worker pool next to its LM variants."""
+    out = Path(out)
+    jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
+                 for v in cfg.variants]
+    return jobs_list, {i: load_unit(Path(j[3]) / "result.json", _unit_key(cfg, j[1], j[2]))
+                       for i, j in enumerate(jobs_list)}
+
+
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
@@ -384,12 +474,11 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    # seed-major order: an interrupted lab has every variant at its first seeds, not some variants at none
-    jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
-                 for v in cfg.variants]
+    jobs_list, done = unit_jobs(cfg, out)
+    from gated_attention.precision import describe, resolve
+
     log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
-        f"{jobs} at a time -> {out}")
-    done = {i: load_unit(Path(j[3]) / "result.json", _unit_key(cfg, j[1], j[2])) for i, j in enumerate(jobs_list)}
+        f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
     pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
     if len(pending) < len(jobs_list):
         log(f"reusing {len(jobs_list) - len(pending)} finished model(s)")
@@ -417,7 +506,7 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "task": {**task.to_dict(), "name": "bigram_backcopy", "bos_id": 0,
                  "trigger_ids": task.trigger_ids.tolist(),
                  "bigram_ce_floor": variants[cfg.variants[0]]["mean"]["bigram_ce_floor"]},
-        "config": asdict(cfg),
+        "config": {**asdict(cfg), "resolved_precision": resolve(cfg.precision, "cpu")},
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }

@@ -122,7 +122,7 @@ def blocks(lab: dict, heading: str = "h2") -> list[tuple]:
               f"{c['layers']} layer(s) x {c['heads']} head(s), d={c['hidden_size']}, FFN {c['intermediate_size']} "
               f"(gated variants shrink it to equal parameters), gate init {c['gate_init']}; {c['steps']} steps of "
               f"{c['batch_size']} sequences, AdamW lr {c['lr']:g} ({c['schedule']}, warm-up {c['warmup_steps']}), "
-              f"weight decay {c['weight_decay']:g}, {c['precision']}; seeds 0..{c['seeds'] - 1} (the "
+              f"weight decay {c['weight_decay']:g}, {c.get('resolved_precision', c['precision'])}; seeds 0..{c['seeds'] - 1} (the "
               f"seeds column: those finished per variant), the same for every variant (init and data order)."),
         ("p", "Columns (mean ± std over seeds, measured on held-out sequences at the end of training, for the "
               "backcopy head = the head with the most attention on the previous token from trigger queries): "

@@ -40,7 +40,7 @@ EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the 
 # settings the lab sets per grid point or through its own flags: --set may not change them
 _LAB_SETTINGS = {"gate": "--variants", "lr": "--lrs", "min_lr": "the budget's min_lr_frac", "seed": "--seeds",
                  "steps": "--steps", "data": "--data-dir", "data_dir": "--data-dir",
-                 "model.use_qk_norm": "--qk-norm"}
+                 "model.use_qk_norm": "--qk-norm", "precision": "--precision"}
 
 
 @dataclass
@@ -59,7 +59,6 @@ class StabilityBudget:
     min_lr_frac: float = 0.01  # min_lr = lr * this
     weight_decay: float = 0.0  # off, so only the LR changes between runs
     beta2: float = 0.95  # AdamW beta2 (the trainer's default)
-    precision: str = "bf16"  # training numerics (bf16 autocast: ~2x faster than fp32 on an AVX512-BF16 CPU)
     stats_every: int = 10  # probe forward (max attention logit, max |h|, max |logit|) every N steps
     spike_window: int = 50  # trailing window of the trainer's loss-spike detector ...
     spike_delta: float = 0.1  # ... a spike exceeds the window's median by more than max(delta, ...
@@ -112,6 +111,7 @@ class LabConfig:
     sets: tuple[str, ...] = ()  # `key=value` training/model overrides on top of the budget's recipe (--set)
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
+    precision: str = "auto"  # training numerics; resolved once (gated_attention.precision) and keyed per run
 
     def validate(self) -> "LabConfig":
         from gated_attention.gates import GATES, canonical_name
@@ -145,7 +145,15 @@ class LabConfig:
             key = item.split("=", 1)[0].strip()
             if key in _LAB_SETTINGS:
                 raise ValueError(f"--set {key}: the lab sets it per run; use {_LAB_SETTINGS[key]}")
+        from gated_attention.precision import check
+
+        check(self.precision, "--precision")
         return self
+
+    def resolved_precision(self) -> str:
+        from gated_attention.precision import resolve
+
+        return resolve(self.precision, "cpu")
 
     @property
     def spec(self) -> StabilityBudget:
@@ -167,7 +175,8 @@ class LabConfig:
 # ---------------------------------------------------------------- one run
 
 def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr: float, seed: int):
-    """The TrainConfig of one grid point: the `small` preset with the budget's recipe, then the lab's --set items."""
+    """The TrainConfig of one grid point: the `small` preset with the budget's recipe and the lab's --set items, in
+    the resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one)."""
     from gated_attention.presets import model_config
     from gated_attention.train.config import apply_overrides, train_preset
 
@@ -176,7 +185,7 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
     cfg = replace(
         train_preset("small"), data="corpus", data_dir=str(data_dir), gate=variant, seed=seed, steps=steps,
         lr=lr, min_lr=lr * b.min_lr_frac, warmup_steps=min(b.warmup_steps, steps - 1), schedule=b.schedule,
-        weight_decay=b.weight_decay, beta2=b.beta2, precision=b.precision, seq_len=b.seq_len,
+        weight_decay=b.weight_decay, beta2=b.beta2, precision=lab.resolved_precision(), seq_len=b.seq_len,
         batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches, eval_batch_size=b.eval_batch_size,
         stats_every=b.stats_every, spike_window=min(b.spike_window, steps), spike_delta=b.spike_delta,
         spike_noise_k=b.spike_noise_k, ckpt_every=0, tensorboard=False,
@@ -433,8 +442,8 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     lab_json = {
         "budget": lab.budget,
         "config": {**asdict(lab), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds, "seed_lrs": where,
-                   "data_dir": str(data_dir), "margin": spec.margin, "min_lr_frac": spec.min_lr_frac, "bootstrap": {"level": St.LEVEL,
-                                                                                 "resamples": St.N_BOOT}},
+                   "data_dir": str(data_dir), "resolved_precision": lab.resolved_precision(), "margin": spec.margin,
+                   "min_lr_frac": spec.min_lr_frac, "bootstrap": {"level": St.LEVEL, "resamples": St.N_BOOT}},
         "train_config": {k: v for k, v in first.to_dict().items() if k not in ("gate", "lr", "min_lr", "seed")},
         "edge_lrs": {f"{v}/{'on' if qk else 'off'}": e for (v, qk), e in edges.items()},
         "runs": rows,

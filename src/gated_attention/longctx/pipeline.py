@@ -59,7 +59,7 @@ class Budget:
     ppl_batch_size: int = 4
     data_dir: str = "data"  # corpus used when --data-dir is not given; prepared (gattn data prepare) if missing
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with when missing (1024: one token per digit)
-    precision: str = "fp32"  # training autocast: fp32 is bitwise repeatable on CPU, bf16 ~2x faster
+    precision: str = "auto"  # training numerics: auto = bf16 autocast where this machine runs it fast, else fp32
     until_skill: float | None = None  # stop a model once its held-out exact match at L (first task) reaches this
     skill_every: int = 100  # steps between held-out skill checks (until_skill only)
     skill_samples: int = 32  # held-out samples per check: 32 puts one miss at ~3 %
@@ -87,12 +87,12 @@ BUDGETS = {
                       mix_tasks=("passkey",), samples=10, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024),
     # Table 5 at equal skill (issue 12): every model trained until it retrieves at L (>= 90 % held-out passkey exact
     # match), 4 seeds, baseline vs G1 elementwise with the official (gate ~0.5) and the identity gate init and G1
-    # headwise, 30 samples per cell; the default budget's model, bf16, the cap raised to 4000 steps (~8 min per model
+    # headwise, 30 samples per cell; the default budget's model (measured in bf16), the cap raised to 4000 steps (~8 min per model
     # on one core; docs/experiments/long_context.md)
     "fair": Budget(model="small", model_overrides=FAIR_MODEL,
                    seq_len=FAIR_L, steps=FAIR_STEPS, batch_size=16, lr=FAIR_LR, warmup_steps=50, retrieval_mix=1.0,
                    mix_tasks=("passkey",), samples=30, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024,
-                   precision="bf16", until_skill=0.9, skill_every=50, skill_samples=32, seeds=4,
+                   until_skill=0.9, skill_every=50, skill_samples=32, seeds=4,
                    models=("baseline", "sdpa_elementwise", "sdpa_elementwise:identity", "sdpa_headwise")),
 }
 
@@ -137,6 +137,9 @@ def check_budget(b: Budget) -> Budget:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(b, name)} must be >= 1")
     for m in b.models:
         parse_model(m)
+    from gated_attention.precision import check
+
+    check(b.precision, "--precision")
     return b
 
 

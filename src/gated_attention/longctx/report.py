@@ -127,7 +127,9 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
 def _budget_dict(b) -> dict:
     import dataclasses
 
-    return dataclasses.asdict(b)
+    from gated_attention.precision import resolve
+
+    return {**dataclasses.asdict(b), "resolved_precision": resolve(b.precision, "cpu")}
 
 
 def claim(rep: dict) -> dict:
@@ -205,7 +207,7 @@ def format_markdown(rep: dict) -> str:
            f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task, length and seed; seeds "
            f"{', '.join(map(str, seeds))}; {stop}; model preset {b['model']}"
            f"{' ' + json.dumps(b['model_overrides']) if b['model_overrides'] else ''}, batch {b['batch_size']} x {L} "
-           f"tokens, lr {b['lr']}, {b.get('precision', 'fp32')}, retrieval mix {b['retrieval_mix']}. Cells: mean ± "
+           f"tokens, lr {b['lr']}, {b.get('resolved_precision', b.get('precision', 'fp32'))}, retrieval mix {b['retrieval_mix']}. Cells: mean ± "
            f"standard deviation over seeds; YaRN rows: in brackets the change against the same models without YaRN "
            f"(the paper's deltas). Lengths above L are beyond the training length; '-' = the prompt does not fit.", "",
            "## Steps to reach the skill at L" if b.get("until_skill") else

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field, replace
 
 
 TRAINABLE = ("all", "gates")  # what the optimizer updates (train.trainer.apply_trainable)
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
+RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 
 
 @dataclass
@@ -48,9 +50,11 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
     # --- numerics and speed
-    precision: str = "bf16"  # "bf16" autocast or "fp32"; fp16 is refused (needs loss scaling, not supported)
+    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: precision.py), "bf16", "fp32"
     fast: bool = True  # fused q/k/v/gate GEMM, fused gate, chunked loss (train/fastpath.py); false = plain reference
     compile: str = "auto"  # "auto" (compile when the run outlasts the compile cost), "true" or "false" (eager)
+    attn_implementation: str = "sdpa"  # attention kernel: "sdpa", "eager" (the reference), or "triton_gated" (CUDA +
+    # Triton: the G1 gate fused into a flash-attention kernel's epilogue); the same math, so a run may switch on resume
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
     dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
@@ -79,10 +83,12 @@ class TrainConfig:
             bad(f"schedule={self.schedule!r}; use 'cosine' or 'wsd'")
         if self.wsd_decay_shape not in ("linear", "sqrt"):
             bad(f"wsd_decay_shape={self.wsd_decay_shape!r}; use 'linear' or 'sqrt'")
-        if self.precision == "fp16":
-            bad("precision='fp16' is not supported (no loss scaling); use 'bf16' or 'fp32'")
-        if self.precision not in ("bf16", "fp32"):
-            bad(f"precision={self.precision!r}; use 'bf16' or 'fp32'")
+        from gated_attention import precision as P
+
+        try:
+            P.check(self.precision)
+        except ValueError as exc:
+            bad(str(exc))
         if self.trainable not in TRAINABLE:
             bad(f"trainable={self.trainable!r}; use one of {', '.join(TRAINABLE)}")
         from .fastpath import compile_choice
@@ -91,6 +97,9 @@ class TrainConfig:
             self.compile = compile_choice(self.compile)  # also accepts the bools older train_config.json files hold
         except ValueError as exc:
             bad(str(exc))
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            bad(f"attn_implementation={self.attn_implementation!r}; use one of {', '.join(ATTN_IMPLEMENTATIONS)} "
+                "(triton_gated needs a CUDA GPU)")
         if self.data not in ("corpus", "synthetic"):
             bad(f"data={self.data!r}; use 'corpus' or 'synthetic'")
         if self.dist not in ("ddp", "fsdp"):
@@ -153,6 +162,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k not in RUN_RECORD_KEYS}  # train_config.json's records, not settings
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown TrainConfig keys {unknown}; valid: {sorted(names)}")
@@ -308,15 +318,30 @@ def check_model(cfg: TrainConfig) -> None:
 
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
-                               "device",
+                               "device", "attn_implementation",
                                "grad_accum", "inject_nan_steps"})
+
+
+def run_precision(d: dict) -> str:
+    """The precision a run computes in, from its settings dict (train_config.json, or a TrainConfig's to_dict()):
+    the `resolved_precision` recorded beside the settings, else the setting resolved on this machine now
+    (gated_attention.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
+    if d.get("resolved_precision"):
+        return d["resolved_precision"]
+    asked = d.get("precision", "auto")
+    if asked in ("bf16", "fp32"):
+        return asked
+    from gated_attention.precision import resolve
+
+    return resolve(asked, d.get("device", "auto"))
 
 
 def changed_settings(saved: dict, want: dict) -> list[str]:
     """The TrainConfig fields (as dicts) that differ between a saved run and the wanted one: the trainer's --resume
     check and experiment.train_or_reuse both use this. Fields in RESUMABLE_CHANGES are ignored; a field missing from
     `saved` (added to TrainConfig after that run) counts as its default; gate names compare canonically ("baseline"
-    is "none")."""
+    is "none"); precision compares by what it resolves to (`run_precision`: "auto" that ran in bf16 is the same run
+    as "bf16", and differs from "auto" on a machine where it resolves to fp32)."""
     from gated_attention.gates import ALIASES
 
     defaults = TrainConfig().to_dict()
@@ -326,11 +351,20 @@ def changed_settings(saved: dict, want: dict) -> list[str]:
             return ALIASES.get(a, a) == ALIASES.get(b, b)
         return a == b
 
-    return sorted(k for k, v in want.items() if k not in RESUMABLE_CHANGES and not same(k, saved.get(k, defaults.get(k)), v))
+    diff = [k for k, v in want.items() if k not in RESUMABLE_CHANGES and k not in ("precision", "resolved_precision")
+            and not same(k, saved.get(k, defaults.get(k)), v)]
+    if run_precision(saved) != run_precision(want):
+        diff.append("precision")
+    return sorted(diff)
 
 
 def describe_changes(saved: dict, want: dict) -> str:
     """`changed_settings` as one readable clause ("steps: saved 2 vs requested 3; lr: ..."), "" when none."""
     defaults = TrainConfig().to_dict()
-    return "; ".join(f"{k}: saved {saved.get(k, defaults.get(k))!r} vs requested {want[k]!r}"
-                     for k in changed_settings(saved, want))
+
+    def show(d: dict, k: str) -> str:
+        if k == "precision":  # what was asked and what it ran / would run in
+            return f"{d.get('precision', 'auto')!r} ({run_precision(d)})"
+        return repr(d.get(k, defaults.get(k)))
+
+    return "; ".join(f"{k}: saved {show(saved, k)} vs requested {show(want, k)}" for k in changed_settings(saved, want))

@@ -6,22 +6,21 @@ not exp of the pooled loss. `gattn eval DIR` prints a table and writes/prints JS
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
-
 import torch
 import torch.nn.functional as F
 
 
 
 def autocast_for(device: torch.device, precision: str):
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return nullcontext()
+    """Autocast context of a precision ("auto" resolves by measurement: gated_attention.precision)."""
+    from gated_attention.precision import autocast
+
+    return autocast(precision, device)
 
 
 @torch.no_grad()
 def domain_losses(model, source, *, seq_len: int, max_batches: int, batch_size: int, device: torch.device,
-                  precision: str = "bf16", positions: bool = False) -> dict:
+                  precision: str = "auto", positions: bool = False) -> dict:
     """{"losses": {domain: mean nats/token}, "ppl": {...}, "avg_ppl", "pos_loss": [T] (if positions)}."""
     was_training = model.training
     model.eval()

@@ -17,7 +17,25 @@ def build_model_config(cfg: TrainConfig, vocab_size: int | None = None):
         if "vocab_size" in over and over["vocab_size"] < vocab_size:
             raise ValueError(f"model.vocab_size={over['vocab_size']} is smaller than the tokenizer's {vocab_size}")
         over.setdefault("vocab_size", vocab_size)
-    return model_config(cfg.model, gate=cfg.gate, **over)
+    return model_config(cfg.model, gate=cfg.gate, attn_implementation=cfg.attn_implementation, **over)
+
+
+def check_attn_implementation(name: str, device: torch.device) -> None:
+    """One clear error before anything is built when the chosen attention kernel cannot run on this run's device."""
+    from gated_attention.errors import UserError
+
+    if name != "triton_gated":
+        return
+    if device.type != "cuda":
+        raise UserError(f"attn_implementation=triton_gated needs a CUDA GPU, but this run's device is {device.type}; "
+                        "use --set attn_implementation=sdpa (the default) here")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        from gated_attention.triton_attention import TRITON_PIN
+
+        raise UserError(f"attn_implementation=triton_gated needs Triton: pip install '{TRITON_PIN}' (the 'kernel' "
+                        "extra), or use --set attn_implementation=sdpa") from None
 
 
 def build_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
@@ -40,7 +58,8 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
     from gated_attention.io import check_hf_dir
 
     check_hf_dir(cfg.init_from, "init_from")  # a folder, config.json parses, weights present and intact
-    config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)
+    config = GatedQwen3Config.from_pretrained(cfg.init_from, attn_implementation=cfg.attn_implementation,
+                                              **cfg.model_overrides)
     if canonical_name(cfg.gate) != config.gate:
         raise ValueError(f"init_from={cfg.init_from} holds gate {config.gate!r} but the run says gate={cfg.gate!r}; "
                          f"pass --gate {config.gate}")
@@ -48,6 +67,7 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
         raise ValueError(f"init_from={cfg.init_from} has vocab_size {config.vocab_size}, smaller than the "
                          f"tokenizer's {vocab_size}: use the tokenizer that checkpoint was trained with")
     model, info = GatedQwen3ForCausalLM.from_pretrained(cfg.init_from, config=config, dtype=torch.float32,
+                                                        attn_implementation=cfg.attn_implementation,
                                                         output_loading_info=True)
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if bad:  # from_pretrained only warns; a silently re-initialised weight is not continued training

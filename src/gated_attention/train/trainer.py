@@ -1,4 +1,9 @@
-"""The training loop: AdamW + schedule, accumulation, clipping, bf16 autocast, NaN skipping, spikes, eval, checkpoints.
+"""The training loop: AdamW + schedule, accumulation, clipping, autocast, NaN skipping, spikes, eval, checkpoints.
+
+Numerics: `precision` ("auto" by default) is resolved once per run on rank 0 (gated_attention.precision: bf16 autocast
+only where this machine runs it fast), logged, broadcast, written as `resolved_precision` beside the settings in
+train_config.json, in every checkpoint's meta.json and in summary.json; a run is never resumed or reused in another
+resolved precision (train.config.changed_settings).
 
 Exact resume: everything that affects the numbers is either a pure function of the step (LR, the batch) or saved in
 the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters), so a run killed at any point
@@ -30,7 +35,8 @@ from .config import RESUMABLE_CHANGES, TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
 # the model and optimizer set-up lives in model_setup.py; re-exported here for callers that import it from trainer
-from .model_setup import apply_trainable, build_model, build_model_config, load_init_model, param_groups  # noqa: F401
+from .model_setup import (apply_trainable, build_model, build_model_config, check_attn_implementation,  # noqa: F401
+                          load_init_model, param_groups)
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
@@ -163,6 +169,7 @@ class _Run:
     layers: list
     spikes: SpikeDetector
     st: dict  # counters saved in every checkpoint (step, tokens, skipped steps, ...)
+    precision: str = "fp32"  # the resolved precision ("bf16" | "fp32"), decided by rank 0 in _check_run_dir
     per_rank: int = 0
     micro: int = 0
     tokens_per_step: int = 0
@@ -177,8 +184,9 @@ class _Run:
 
 
 def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None) -> dict:
-    latest = _check_run_dir(cfg, out, resume, info)
+    latest, precision = _check_run_dir(cfg, out, resume, info)
     run = _setup(cfg, out, model_factory, info)
+    run.precision = precision
     _restore(run, latest if resume else None)
     _open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
@@ -199,23 +207,30 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
 
 # ---------------------------------------------------------------- setup and resume
 
-def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) -> Path | None:
-    """Validate the run folder against `resume`, write train_config.json; returns the checkpoint to resume from (the
-    newest VALID one) or None. Rank 0 decides; an error there stops every rank (D.agree)."""
+def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) -> tuple[Path | None, str]:
+    """Resolve the precision, validate the run folder against `resume`, write train_config.json; returns (the
+    checkpoint to resume from — the newest VALID one — or None, the resolved precision). Rank 0 decides; an error
+    there stops every rank (D.agree)."""
     cfg.check_world(info.world_size)
     box = {}
 
     def prepare():
-        box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json")
-        atomic_write_text(out / "train_config.json", json_dumps(cfg.to_dict(), indent=1))
+        from ..precision import describe, resolve
+
+        box["precision"] = resolve(cfg.precision, info.device)
+        print(f"gattn train: {describe(cfg.precision, info.device)}", file=sys.stderr, flush=True)
+        want = {**cfg.to_dict(), "resolved_precision": box["precision"]}
+        box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json", want)
+        atomic_write_text(out / "train_config.json", json_dumps(want, indent=1))
 
     _on_main(info, prepare)  # every rank stops if rank 0 refused the folder
     latest = box.get("latest")
-    latest = D.broadcast_object(str(latest) if latest is not None else None, info)
-    return Path(latest) if latest is not None else None
+    # rank 0's measurement decides for every rank (two ranks timing a GEMM under load could disagree)
+    latest, precision = D.broadcast_object((str(latest) if latest is not None else None, box.get("precision")), info)
+    return (Path(latest) if latest is not None else None), precision
 
 
-def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> Path | None:
+def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path, want: dict) -> Path | None:
     """Rank 0: check the run folder against the request and pick the checkpoint to resume from (None = start)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; choose a folder for the run")
@@ -231,7 +246,7 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> P
                         "a new run there")
     if cfg_path.exists():
         saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
-        diff = describe_changes(saved, cfg.to_dict())
+        diff = describe_changes(saved, want)
         if diff:
             raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
                             "settings or a new --out")
@@ -246,6 +261,7 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path) -> P
 
 def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run:
     """Data source, model (wrapped for DDP/FSDP, optionally compiled), optimizer and fresh counters."""
+    check_attn_implementation(cfg.attn_implementation, info.device)  # triton_gated: a GPU, or one clear line
     # model: same seed on every rank, so replicas start identical
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
@@ -322,7 +338,7 @@ def _train_step(run: _Run, step: int) -> dict:
         elif info.distributed and info.mode == "fsdp":
             run.model.set_requires_gradient_sync(last)
         with sync:
-            with autocast_for(info.device, cfg.precision), run.speed.training_forward():
+            with autocast_for(info.device, run.precision), run.speed.training_forward():
                 out_ = (run.fwd(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
                         else run.fwd(input_ids=x, **run.fwd_kw))
             aux = getattr(out_, "aux_loss", None)
@@ -370,7 +386,7 @@ def _train_step(run: _Run, step: int) -> dict:
         rec["update_ratio"] = update_weight_ratio(raw, before, sharded=info.mode == "fsdp" and info.distributed)
         if run.layers:
             x0 = mine[:run.micro, :-1]
-            with autocast_for(info.device, cfg.precision):
+            with autocast_for(info.device, run.precision):
                 acts = max_activation_per_layer(raw, run.layers, lambda: raw(input_ids=x0))
             rec["max_act"] = D.reduce_max(acts, info)
     # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after the
@@ -407,7 +423,7 @@ def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
 def _evaluate(run: _Run) -> dict:
     cfg = run.cfg
     res = domain_losses(run.raw, run.source, seq_len=cfg.seq_len, max_batches=cfg.eval_batches,
-                        batch_size=cfg.eval_batch_size, device=run.info.device, precision=cfg.precision)
+                        batch_size=cfg.eval_batch_size, device=run.info.device, precision=run.precision)
     return res["losses"]
 
 
@@ -449,7 +465,7 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
     msd, osd = _full_state(run.raw, run.optimizer)  # collective
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
     meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
-            "config": run.cfg.to_dict()}
+            "config": run.cfg.to_dict(), "resolved_precision": run.precision}
     # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
     _on_main(info, lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd},
                                                       "meta.json": meta}))
@@ -486,6 +502,7 @@ def _finish(run: _Run, t_start: float) -> dict:
     def export():
         _export_final(run.raw, msd, run.source, run.out / "final")
         summary = _summary(run.cfg, st, run.spikes, run.log_path)
+        summary["resolved_precision"] = run.precision
         summary["speed"] = run.speed.describe()
         box["summary"] = summary
         atomic_write_json(run.out / "summary.json", summary)  # strict JSON

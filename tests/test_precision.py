@@ -1,0 +1,175 @@
+"""precision="auto": the resolution rule with a faked CPU of each kind (bf16 fast / bf16 emulated), the forced-bf16
+warning, the per-process cache, the cache-key separation of every job (trainer runs, train_or_reuse, the sink and
+stability labs), and `resolved_precision` in what each job writes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gated_attention import precision as P
+from gated_attention.train.config import TrainConfig, changed_settings, describe_changes, run_precision, tiny
+
+FAST, SLOW = "2.0", "0.02"  # fp32 time / bf16 time: an AMX/AVX512-BF16 CPU, and an AVX2-only one (emulated bf16)
+
+
+@pytest.fixture
+def cpu_kind(monkeypatch):
+    """cpu_kind(FAST | SLOW | None): fake the measured bf16 speed-up (None: measure), with a fresh per-process cache."""
+    def set_kind(value):
+        monkeypatch.setattr(P, "_cache", {})
+        monkeypatch.setattr(P, "_warned", set())
+        if value is None:
+            monkeypatch.delenv("GATTN_BF16_SPEEDUP", raising=False)
+        else:
+            monkeypatch.setenv("GATTN_BF16_SPEEDUP", value)
+    return set_kind
+
+
+def test_auto_resolves_by_the_measured_speed(cpu_kind):
+    cpu_kind(FAST)
+    assert P.resolve("auto", "cpu") == "bf16"
+    cpu_kind(SLOW)
+    assert P.resolve("auto", "cpu") == "fp32"
+    cpu_kind("1.1")  # bf16 GEMM only marginally faster: the casts around it eat the gain
+    assert P.resolve("auto", "cpu") == "fp32"
+    for kind in (FAST, SLOW):  # a forced choice is kept on either kind of CPU
+        cpu_kind(kind)
+        assert P.resolve("fp32", "cpu") == "fp32" and P.resolve("bf16", "cpu") == "bf16"
+    assert "bf16" in P.describe("auto", "cpu") or "fp32" in P.describe("auto", "cpu")
+    with pytest.raises(ValueError, match="fp16.*not supported"):
+        P.resolve("fp16", "cpu")
+    with pytest.raises(ValueError, match="use one of auto, bf16, fp32"):
+        P.resolve("half", "cpu")
+
+
+def test_forced_bf16_on_a_slow_cpu_warns_once_with_the_ratio(cpu_kind, capsys):
+    cpu_kind(SLOW)
+    P.resolve("bf16", "cpu")
+    P.resolve("bf16", "cpu")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "precision=bf16 is forced" in err[0] and "0.02x" in err[0] and "50x slower" in err[0]
+    cpu_kind(FAST)
+    P.resolve("bf16", "cpu")
+    P.resolve("auto", "cpu")
+    assert capsys.readouterr().err == ""  # no warning where bf16 is fast, nor for auto
+
+
+def test_measurement_runs_once_per_process_and_env_is_checked(cpu_kind, monkeypatch):
+    cpu_kind(None)
+    calls = []
+    monkeypatch.setattr(P, "_measure_cpu_speedup", lambda: calls.append(1) or 0.05)
+    assert P.resolve("auto", "cpu") == "fp32" and P.resolve("auto", "cpu") == "fp32"
+    assert P.bf16_speedup("cpu") == 0.05 and len(calls) == 1
+    cpu_kind("fast")
+    with pytest.raises(ValueError, match="GATTN_BF16_SPEEDUP='fast' must be a number"):
+        P.resolve("auto", "cpu")
+    cpu_kind("0")
+    with pytest.raises(ValueError, match="must be > 0"):
+        P.resolve("auto", "cpu")
+
+
+def test_the_real_measurement_is_a_positive_ratio(cpu_kind):
+    cpu_kind(None)
+    ratio = P._measure_cpu_speedup()
+    assert ratio > 0 and torch.get_num_threads() >= 1  # the thread count is restored after the one-thread timing
+
+
+def test_autocast_of_each_precision(cpu_kind):
+    cpu_kind(FAST)
+    a = torch.randn(4, 4)
+    with P.autocast("bf16", "cpu"):
+        assert (a @ a).dtype == torch.bfloat16
+    with P.autocast("fp32", "cpu"):
+        assert (a @ a).dtype == torch.float32
+    with P.autocast("auto", "cpu"):
+        assert (a @ a).dtype == torch.bfloat16
+    cpu_kind(SLOW)
+    with P.autocast("auto", "cpu"):
+        assert (a @ a).dtype == torch.float32
+
+
+def test_train_config_default_is_auto_and_precision_compares_by_resolution(cpu_kind):
+    assert TrainConfig().precision == "auto" and tiny().precision == "auto"
+    auto = tiny().to_dict()
+    bf16_run = {**auto, "resolved_precision": "bf16"}  # an "auto" run that trained in bf16
+    legacy_bf16 = {**auto, "precision": "bf16"}  # a run from before auto existed (no record)
+    cpu_kind(FAST)
+    assert run_precision(auto) == "bf16"
+    assert changed_settings(bf16_run, auto) == [] and changed_settings(legacy_bf16, auto) == []
+    cpu_kind(SLOW)  # the same folders on a CPU where auto means fp32: never reused as fp32 runs
+    assert changed_settings(bf16_run, auto) == ["precision"] and changed_settings(legacy_bf16, auto) == ["precision"]
+    assert "precision: saved 'auto' (bf16) vs requested 'auto' (fp32)" in describe_changes(bf16_run, auto)
+    assert changed_settings(bf16_run, {**auto, "precision": "bf16"}) == []  # forcing bf16 continues it
+    # train_config.json's record is not a setting: it round-trips through from_dict
+    assert TrainConfig.from_dict(bf16_run).precision == "auto"
+
+
+def _tiny_cfg(**kw):
+    from dataclasses import replace
+
+    return replace(tiny(), steps=3, ckpt_every=0, stats_every=0, eval_batches=1, compile="false", **kw).validate()
+
+
+def test_trainer_records_and_refuses_another_resolution(cpu_kind, tmp_path, capsys):
+    from gated_attention import experiment
+    from gated_attention.errors import UserError
+
+    cpu_kind(SLOW)
+    run = tmp_path / "run"
+    summary = experiment.train_or_reuse(_tiny_cfg(), run, log=lambda m: None)
+    assert summary["resolved_precision"] == "fp32"
+    saved = json.loads((run / "train_config.json").read_text())
+    assert saved["precision"] == "auto" and saved["resolved_precision"] == "fp32"
+    meta = sorted((run / "checkpoints").glob("*/meta.json"))[-1]
+    assert json.loads(meta.read_text())["resolved_precision"] == "fp32"
+    assert "precision auto -> fp32" in capsys.readouterr().err  # logged at the start of the run
+    assert experiment.train_or_reuse(_tiny_cfg(), run, log=lambda m: None)["resolved_precision"] == "fp32"  # reused
+    cpu_kind(FAST)  # the same request on a bf16-fast machine is another run
+    with pytest.raises(UserError, match=r"precision: saved 'auto' \(fp32\) vs requested 'auto' \(bf16\)"):
+        experiment.train_or_reuse(_tiny_cfg(), run, log=lambda m: None)
+    assert experiment.train_or_reuse(_tiny_cfg(precision="fp32"), run, log=lambda m: None)  # forcing fp32 reuses it
+
+
+def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
+    from gated_attention.labs.sinks import SinkLabConfig, _unit_key
+
+    cfg = SinkLabConfig()
+    assert cfg.precision == "auto"
+    cpu_kind(FAST)
+    fast = _unit_key(cfg, "baseline", 0)
+    assert fast["precision"] == "bf16" and _unit_key(SinkLabConfig(precision="bf16"), "baseline", 0) == fast
+    cpu_kind(SLOW)
+    slow = _unit_key(cfg, "baseline", 0)
+    assert slow["precision"] == "fp32" and slow != fast
+
+
+def test_stability_runs_carry_a_concrete_precision(cpu_kind):
+    from gated_attention.labs import stability as stab
+
+    lab = stab.LabConfig(budget="small").validate()
+    cpu_kind(FAST)
+    fast = stab.train_config(lab, "data", "baseline", True, 1e-3, 0)
+    cpu_kind(SLOW)
+    slow = stab.train_config(lab, "data", "baseline", True, 1e-3, 0)
+    assert (fast.precision, slow.precision) == ("bf16", "fp32")  # the run's key (its TrainConfig dict) differs
+    with pytest.raises(ValueError, match="fp16"):
+        stab.LabConfig(precision="fp16").validate()
+
+
+def _worker_resolution(_):
+    return P.bf16_speedup("cpu"), P.resolve("auto", "cpu")
+
+
+def test_worker_processes_adopt_the_parents_measurement(cpu_kind, monkeypatch):
+    """Every unit of one job resolves "auto" alike: spawned workers (experiment.run_units) take the parent's measured
+    speed-up instead of timing a GEMM on whatever core they land on (a loaded core could flip the answer)."""
+    from gated_attention import experiment
+
+    cpu_kind(None)
+    monkeypatch.setattr(P, "_cache", {"cpu": 0.37})  # as if this process had measured an emulated-bf16 CPU
+    assert P.shared_measurement() == 0.37
+    assert experiment.run_units(_worker_resolution, [0, 1], jobs=2) == [(0.37, "fp32")] * 2
+    P.adopt_measurement(None)  # nothing measured in the parent: the worker keeps its own (measures if asked)
+    assert P.shared_measurement() == 0.37
