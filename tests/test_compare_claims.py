@@ -41,8 +41,8 @@ def test_verdicts_follow_the_figures(tmp_path):
     assert v["Long context (YaRN ×4, no training)"] == C.NOT_RUN
     cmds = {r["claim"]: r.get("command") for r in t}
     assert cmds["Training stability (spikes, LR tolerance)"] == C.STABILITY_CMD
-    assert "docs/experiments/stability_lab.md" in {r["claim"]: r for r in t}["Training stability (spikes, LR tolerance)"][
-        "this_run"]
+    stab_row = {r["claim"]: r for r in t}["Training stability (spikes, LR tolerance)"]
+    assert "docs/experiments/stability_lab.md" in stab_row["this_run"]
     assert cmds["Long context (YaRN ×4, no training)"] == "gattn longctx --budget fair --out runs/longctx"
     assert "docs/experiments/long_context.md" in {r["claim"]: r for r in t}["Long context (YaRN ×4, no training)"][
         "this_run"]

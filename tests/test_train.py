@@ -203,7 +203,8 @@ def test_sweep_is_retired_with_one_line_naming_the_lab(tmp_path, capsys):
     from gated_attention.cli import main
 
     # its documented command line (and any other) answers with the replacement, trains nothing, exit 2
-    assert main(["sweep", "--preset", "tiny", "--gates", "baseline", "--lrs", "3e-3", "--out", str(tmp_path / "s")]) == 2
+    out = tmp_path / "s"
+    assert main(["sweep", "--preset", "tiny", "--gates", "baseline", "--lrs", "3e-3", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "retired" in err[0] and "gattn lab stability --variants" in err[0]
-    assert not (tmp_path / "s").exists()
+    assert not out.exists()

@@ -185,7 +185,8 @@ def stability_verdict(lab: dict) -> dict:
             lost = [n for n, gi, bi, low in pairs if _separated(bi, gi, low)]
             if qk == judged:
                 wins[v] = (won, lost)
-            cells.append(f"{v.removeprefix('sdpa_')} {_iv_text(g['max_stable_lr']['lr'], g['max_stable_lr']['interval'], True)}"
+            msl = g["max_stable_lr"]
+            cells.append(f"{v.removeprefix('sdpa_')} {_iv_text(msl['lr'], msl['interval'], True)}"
                          f" / {_iv_text(g['lr_sensitivity'], g['lr_sensitivity_interval'])}"
                          f" / {_iv_text(g['spikes']['per_run'], g['spikes']['interval'])}"
                          + (f" (separates: {', '.join(won)})" if won else "")
@@ -196,8 +197,8 @@ def stability_verdict(lab: dict) -> dict:
                      f"{_iv_text(b['spikes']['per_run'], b['spikes']['interval'])} vs " + ", ".join(cells))
     seeds = len(settings[base_name][judged]["seeds"]) if judged else 0
     failed = bool(inst.get("reached"))
-    this = ("; ".join(parts) + f" ({seeds} seeds, {int(100 * (lab.get('config', {}).get('bootstrap') or {}).get('level', 0.95))} "
-            f"% bootstrap intervals over seeds)")
+    level = (lab.get("config", {}).get("bootstrap") or {}).get("level", 0.95)
+    this = "; ".join(parts) + f" ({seeds} seeds, {100 * level:.0f} % bootstrap intervals over seeds)"
     if not failed:
         this += "; the baseline neither spiked nor diverged in this grid"
     if not wins:
@@ -207,7 +208,7 @@ def stability_verdict(lab: dict) -> dict:
 
 
 def stability_claim(rows: dict, stability_dir) -> dict:
-    """The claims-table row from the stability lab in `stability_dir` (its lab.json; `gattn compare --stability-lab`)."""
+    """The claims-table row from the stability lab in `stability_dir` (its lab.json: `gattn compare --stability-lab`)."""
     spikes = ", ".join(f"{v} {rows[v].get('spikes')}" for v in rows)
     path = Path(stability_dir) / "lab.json" if stability_dir else None
     if path is None or not path.exists():

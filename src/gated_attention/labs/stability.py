@@ -57,7 +57,7 @@ class StabilityBudget:
     warmup_steps: int = 10  # short warm-up: a long one hides the instability (Wortsman et al. Fig. 7)
     schedule: str = "cosine"  # "cosine" to min_lr, or "wsd" (hold the peak LR, decay over the last 20 %)
     min_lr_frac: float = 0.01  # min_lr = lr * this
-    weight_decay: float = 0.0  # off, so only the LR changes between runs
+    weight_decay: float = 0.0  # AdamW's (on matrices); the deep budgets use the trainer's 0.1 (norms otherwise grow)
     beta2: float = 0.95  # AdamW beta2 (the trainer's default)
     stats_every: int = 10  # probe forward (max attention logit, max |h|, max |logit|) every N steps
     spike_window: int = 50  # trailing window of the trainer's loss-spike detector ...
@@ -84,11 +84,14 @@ BUDGETS: dict[str, StabilityBudget] = {
         model=dict(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=2, head_dim=16)),
     "quick": StabilityBudget(
-        help="REGIME TBD",
-        lrs=(1e-2, 1e-1, 1.0), steps=600, seeds=3, model=dict(_DEEP)),
+        help="the default's model and recipe, shorter: 2 LRs (0.1, 1), 3 seeds, 300 steps per run (36 runs, about "
+             "25 core-minutes: <= 15 minutes at --jobs 2 on 2 quiet cores)",
+        lrs=(0.1, 1.0), steps=300, seeds=3, weight_decay=0.1, model=dict(_DEEP)),
     "default": StabilityBudget(
-        help="REGIME TBD",
-        lrs=(1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=600, seeds=3, model=dict(_DEEP)),
+        help="12-layer d=64 models (2 heads of 32, FFN 192), 5 LRs 0.01-1 x 3 seeds at every LR, 600 steps x 16 x "
+             "64 tokens, warm-up 10, cosine, weight decay 0.1, no z-loss (90 runs, about 130 core-minutes: ~70 minutes "
+             "at --jobs 2 on 2 quiet cores)",
+        lrs=(1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=600, seeds=3, weight_decay=0.1, model=dict(_DEEP)),
     "shallow": StabilityBudget(
         help="issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
              "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
@@ -269,17 +272,21 @@ def strict(obj, flags: list[str] | None = None, path: str = ""):
 
 
 def _curve(log: list[dict], probes: list[dict], every: int) -> dict:
-    """Compact training curves for the report: train loss every `every` steps, and the probe series."""
+    """Compact training curves for the report: train loss every `every` steps, the probe series (max attention logit,
+    max |output logit|) and the trainer's max |hidden state| over layers at its stats steps."""
     return {"step": [r["step"] for r in log if r["step"] % every == 0],
             "loss": [r["loss"] for r in log if r["step"] % every == 0],
             "probe_step": [i * every for i in range(len(probes))],
             "attention_logit": [max(p["attn_logit"]) if p["attn_logit"] else math.nan for p in probes],
-            "output_logit": [p["output_logit"] for p in probes]}
+            "output_logit": [p["output_logit"] for p in probes],
+            "hidden_step": [r["step"] for r in log if r.get("max_act")],
+            "max_hidden": [max(r["max_act"]) for r in log if r.get("max_act")]}
 
 
 def train_run(task: tuple) -> dict:
     """Train one grid point (cfg_dict, run_dir) and write its result.json (the trainer settings are its key), unless
-    a finished one is there. A run without result.json (interrupted) is wiped and restarts: runs are minutes long at most.
+    a finished one is there. A run without result.json (interrupted) is wiped and restarts (runs are minutes long at
+    most).
     Picklable, so --jobs can run it in a worker process (common.run_units)."""
     cfg_dict, run_dir = task
     out = Path(run_dir)
@@ -361,7 +368,7 @@ def _setting(rows: list[dict], variant: str, qk: bool) -> list[dict]:
 def instability_check(rows: list[dict], margin: float = 0.5) -> dict:
     """Does the grid show the failure the lab is about? Per QK-norm setting of the baseline: its runs' loss spikes and
     divergences, and the gap between its (seed-mean) final loss at the highest LR and its best. `reached`: some
-    baseline run spiked or diverged, or a gap is >= `margin` nats. (Without it no verdict about the gate is possible.)"""
+    baseline run spiked or diverged, or a gap is >= `margin` nats (without it no verdict about the gate is possible)."""
     out: dict = {"margin": margin}
     for key, qk in (("off", False), ("on", True)):
         base = [r for r in rows if canonical_name(r["variant"]) == "none" and r["qk_norm"] is qk]

@@ -246,10 +246,16 @@ def _run_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
             "spikes (steps)", "max attn logit", "max |h|", "max |logit|"]
     rows = [[_name(r["variant"]), _qk(r["qk_norm"]), f"{r['lr']:g}", str(r["seed"]), fmt(r["final_loss"], 3),
              fmt(r["loss_at_init"], 3), fmt(r.get("peak_train_loss"), 2), "yes" if r["diverged"] else "no",
-             str(r["spikes"]) + (f" ({', '.join(map(str, r['spike_steps'][:8]))}{'…' if len(r['spike_steps']) > 8 else ''})"
-                                 if r.get("spike_steps") else ""),
+             str(r["spikes"]) + _steps(r.get("spike_steps")),
              _e(r["max_attention_logit"]), _e(r["max_hidden"]), _e(r["max_output_logit"])] for r in lab["runs"]]
     return head, rows
+
+
+def _steps(steps) -> str:
+    """' (211, 212, …)': the first spike steps of a run (nothing without spikes)."""
+    if not steps:
+        return ""
+    return f" ({', '.join(map(str, steps[:8]))}{', …' if len(steps) > 8 else ''})"
 
 
 def _e(v) -> str:
