@@ -96,10 +96,10 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
-    """Training loss and max attention logit over steps at one LR, every setting (seed 0)."""
+    """Training loss, max attention logit and max |hidden state| over steps at one LR, every setting (seed 0)."""
     from gated_attention.analysis.plots import _save, plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4))
     drawn = False
     for v, qk in _settings(lab):
         row = next((r for r in lab["runs"] if (r["variant"], r["qk_norm"], r["lr"], r["seed"]) == (v, qk, lr, 0)), None)
@@ -113,6 +113,10 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
             pts2 = [(s, y) for s, y in zip(c["probe_step"], c["attention_logit"]) if y is not None and y > 0]
             if pts2:
                 a2.plot(*zip(*pts2), ls=ls, lw=1.2, color=line.get_color())
+            hidden = zip(c.get("hidden_step", []), c.get("max_hidden", []))
+            pts3 = [(s, y) for s, y in hidden if y is not None and y > 0]
+            if pts3:
+                a3.plot(*zip(*pts3), ls=ls, lw=1.2, color=line.get_color())
             drawn = True
     if not drawn:
         import matplotlib.pyplot as plt2
@@ -121,6 +125,7 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
         return None
     a1.set(xlabel="step", ylabel="train loss", title=f"training loss at lr {lr:g}")
     a2.set(xlabel="step", ylabel="max attention logit", yscale="log", title=f"max attention logit at lr {lr:g}")
+    a3.set(xlabel="step", ylabel="max |hidden state|", yscale="log", title=f"max |hidden state| at lr {lr:g}")
     a1.legend(fontsize=8)
     return _save(fig, path)
 
