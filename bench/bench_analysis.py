@@ -22,7 +22,7 @@ torch.set_num_threads({threads})
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.presets import model_config
 from gated_attention.analysis.analyze import AnalysisConfig, analyze_model
-from gated_attention.precision import autocast
+from gated_attention.util.precision import autocast
 def rss_now():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()

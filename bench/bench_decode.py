@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
     if args.dtype:
         args.precision = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
     prec = common.resolve_precision(args.precision)
-    from gated_attention.precision import dtype_of
+    from gated_attention.util.precision import dtype_of
 
     dtype = dtype_of(prec)
     fns, meta, agree = {}, {}, {}

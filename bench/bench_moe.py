@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="parameter/activation dtype: auto (default; bf16 where this CPU runs bf16 GEMMs fast, else "
-                        "fp32: gated_attention.precision), bf16 or fp32")
+                        "fp32: gated_attention.util.precision), bf16 or fp32")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="older spelling of --precision fp32 / bf16 (overrides it)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = leave torch's default)")

@@ -24,7 +24,7 @@ from gated_attention.fast import fuse_qkv
 from gated_attention.gates import get_gate
 from gated_attention.presets import model_config
 from gated_attention.train import fastpath
-from gated_attention.train.stability import decoder_layers
+from gated_attention.train.monitors import decoder_layers
 from hf_reference import hf_from_ours
 
 CONFIGS = {  # label -> (gate, match_params)

@@ -5,7 +5,7 @@ Absolute times on a shared CPU are noise; every script times the things it compa
 (rep 1 of A, B, C, then rep 2 of A, B, C, ...) and reports medians and their ratios, so a slow spell hits all alike.
 
 Precision: every bench takes `--precision auto|bf16|fp32` (default auto, as the product: bf16 autocast only where this
-CPU runs bf16 GEMMs fast, gated_attention.precision), resolves it once (`precision_arg` / `resolve_precision`), runs
+CPU runs bf16 GEMMs fast, gated_attention.util.precision), resolves it once (`precision_arg` / `resolve_precision`), runs
 its workload in it, times the in-run GEMM peak in the same precision (`matmul_peak_fn`), and writes
 `resolved_precision` into its result JSON; `machine()` records the CPU's ISA flags and the measured bf16/fp32 GEMM
 ratio beside it, so a figure is never read without the numerics and the CPU kind it was measured on.
@@ -80,7 +80,7 @@ def precision_arg(ap) -> None:
     """Add the common `--precision` option to a bench's argument parser."""
     ap.add_argument("--precision", choices=PRECISIONS, default="auto",
                     help="numerics of the workload: auto (default; bf16 autocast where this CPU runs bf16 GEMMs fast, "
-                         "else fp32: gated_attention.precision), bf16 or fp32. The in-run GEMM peak is timed in the "
+                         "else fp32: gated_attention.util.precision), bf16 or fp32. The in-run GEMM peak is timed in the "
                          "same precision; the result JSON records resolved_precision")
 
 

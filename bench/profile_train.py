@@ -19,7 +19,7 @@ from gated_attention import GatedQwen3ForCausalLM
 from gated_attention import fast as fast_mod
 from gated_attention.fast import fuse_qkv
 from gated_attention.train import fastpath
-from gated_attention.train.stability import decoder_layers
+from gated_attention.train.monitors import decoder_layers
 from gated_attention.presets import model_config
 from hf_reference import hf_from_ours
 

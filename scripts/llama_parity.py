@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
 import test_convert_llama as T
-from gated_attention.convert import convert_checkpoint
+from gated_attention.interop import convert_checkpoint
 torch.set_num_threads(1)
 res = collections.defaultdict(float)
 for fmt, kw in T.STOCK_CASES:

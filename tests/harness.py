@@ -1,8 +1,11 @@
 """The shared test harness (plain functions; tests/conftest.py exposes them as fixtures too).
 
-  tiny_lm(gate, backend, seed, ...)          a tiny GatedQwen3ForCausalLM for any gate / baseline / backend / seed
+  tiny_lm(gate, backend, seed, ...)          a tiny GatedQwen3ForCausalLM for any gate / mechanism / backend / seed
+  build_lm(config, backend, seed, ...)       the same from a ready GatedQwen3Config (a lab's, a hand-written one)
+  perturb(model, seed, ...)                  every parameter moved off its init (the one helper; any nn.Module)
   prepare_text_corpus(out, domains, ...)     a prepared corpus (gattn data prepare) from in-memory texts, in seconds
-  run_gattn(*args, env=...)                  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
+  run_gattn(*args, env=..., kill_hooks=...)  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
+  gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
   assert_matches_reference(fast, ref, ...)   a fast path against its plain reference: outputs AND input gradients
 """
 from __future__ import annotations
@@ -16,31 +19,44 @@ from typing import Callable, Sequence
 import torch
 
 
-def tiny_lm(gate: str = "baseline", backend: str | None = "sdpa", seed: int | None = 0, preset: str = "tiny",
-            match_params: bool | None = False, eval: bool = True, perturb_norms: bool = False,
-            perturb_biases: bool = False, **overrides):
-    """A tiny model (presets `tiny` / `tiny-moe`) with `gate` and config `overrides` (e.g. baseline="sinks").
+def build_lm(config, backend: str | None = None, seed: int | None = 0, eval: bool = True, perturbed: bool = False):
+    """A GatedQwen3ForCausalLM from a ready config (a GatedQwen3Config, e.g. a lab's or a hand-written one).
 
-    seed=None leaves the global RNG alone; backend=None keeps the default attention implementation;
-    match_params=None uses the preset rule (shrink the dense FFN for gated variants). perturb_norms / perturb_biases
-    move norm weights / biases off their init so a dropped or shifted tensor shows in a comparison."""
+    seed=None leaves the global RNG alone; backend=None keeps the default attention implementation; perturbed
+    moves every parameter off its init (`perturb` below, seeded seed + 1) so a dropped or shifted tensor shows."""
     from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.presets import model_config
 
     if seed is not None:
         torch.manual_seed(seed)
-    model = GatedQwen3ForCausalLM(model_config(preset, gate, match_params=match_params, **overrides))
-    if perturb_norms or perturb_biases:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if perturb_norms and name.endswith("norm.weight"):
-                    p.add_(0.1 * torch.randn_like(p))
-                elif perturb_biases and name.endswith(".bias"):
-                    p.normal_(0, 0.05)
+    model = GatedQwen3ForCausalLM(config)
+    if perturbed:
+        perturb(model, seed=1 if seed is None else seed + 1)
     if eval:
         model.eval()
     if backend is not None:
         model.set_attn_implementation(backend)
+    return model
+
+
+def tiny_lm(gate: str = "baseline", backend: str | None = "sdpa", seed: int | None = 0, preset: str = "tiny",
+            match_params: bool | None = False, eval: bool = True, perturbed: bool = False, **overrides):
+    """A tiny model (presets `tiny` / `tiny-moe`) with `gate` and config `overrides` (e.g. mechanism="sinks").
+
+    match_params=None uses the preset rule (shrink the dense FFN for gated variants); the other arguments as build_lm."""
+    from gated_attention.presets import model_config
+
+    return build_lm(model_config(preset, gate, match_params=match_params, **overrides), backend, seed, eval, perturbed)
+
+
+def perturb(model, seed: int = 1, std: float = 0.05, norm_std: float = 0.2):
+    """Move every parameter off its init, in place, and return the model: norm weights (init 1) by N(0, norm_std),
+    everything else (biases and sink logits start at 0) by N(0, std), from a private generator (the global RNG is left
+    alone). Any nn.Module: ours, or a stock transformers model compared with ours."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.add_((norm_std if name.endswith("norm.weight") else std) * noise.to(p.dtype))
     return model
 
 
@@ -66,10 +82,22 @@ def prepare_text_corpus(out: str | Path, domains: dict[str, Sequence[str] | dict
     return str(out)
 
 
-def run_gattn(*args: str, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`gattn ARGS` as a separate process (inherits PYTHONPATH), text output captured."""
-    return subprocess.run([sys.executable, "-m", "gated_attention.cli", *map(str, args)],
-                          env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+KILL_HOOKS = Path(__file__).with_name("kill_hooks.py")  # `gattn` + GATTN_TEST_KILL_* fault injection (test-only)
+
+
+def gattn_argv(*args, kill_hooks: bool = False) -> list[str]:
+    """The command line of `gattn ARGS` as a separate Python process (for subprocess.Popen); kill_hooks runs it
+    through tests/kill_hooks.py, whose GATTN_TEST_KILL_* variables SIGKILL it at a chosen point."""
+    runner = [str(KILL_HOOKS)] if kill_hooks else ["-m", "gated_attention.cli"]
+    return [sys.executable, *runner, *map(str, args)]
+
+
+def run_gattn(*args, env: dict | None = None, timeout: float = 600, kill_hooks: bool = False
+              ) -> subprocess.CompletedProcess:
+    """`gattn ARGS` as a separate process (inherits PYTHONPATH and the environment, plus `env`), text output
+    captured; kill_hooks as in gattn_argv."""
+    return subprocess.run(gattn_argv(*args, kill_hooks=kill_hooks), env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def assert_matches_reference(fast: Callable, reference: Callable, inputs: Sequence[torch.Tensor],

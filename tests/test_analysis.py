@@ -15,7 +15,7 @@ from _extras import need
 
 from gated_attention.analysis import metrics as M
 from gated_attention.analysis.analyze import AnalysisConfig, analyze_model, load_model, token_batches
-from gated_attention.analysis.sink import _query_chunk, head_mean_map, key_probs_chunked
+from gated_attention.analysis.attention_sinks import _query_chunk, head_mean_map, key_probs_chunked
 
 
 # --- metrics with known answers ------------------------------------------------------------------------------------
@@ -219,14 +219,12 @@ def test_offline_bert_encoder_with_padding():
 def test_our_gated_model_has_gate_stats_and_baseline_has_none():
     pytest.importorskip("gated_attention.modeling")
     from gated_attention.capture import Recorder, capture
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.presets import model_config
+    from harness import tiny_lm
 
     results = {}
     for gate in ("baseline", "sdpa_elementwise", "sdpa_headwise"):
-        torch.manual_seed(0)
-        cfg = model_config("tiny", gate=gate)
-        m = GatedQwen3ForCausalLM(cfg).eval()
+        m = tiny_lm(gate, backend=None, match_params=None)
+        cfg = m.config
         ids = torch.randint(0, cfg.vocab_size, (2, 16))
         r = analyze_model(m, [ids])
         assert r["method"] == "capture"

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from gated_attention import cli
-from gated_attention import compare as C
+from gated_attention.compare import job as C
 
 @pytest.fixture(scope="module")
 def small_run(tiny_corpus, tmp_path_factory):

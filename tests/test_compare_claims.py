@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gated_attention import compare_claims as C
+from gated_attention.compare import claims as C
 
 
 def _rows(base_ppl=20.0, g_ppl=(18.0, 18.5), f=(0.08, 0.025, 0.026), u=0.024, mact=(300.0, 100.0, 120.0),
@@ -158,7 +158,9 @@ def test_streaming_row_rule():
     assert r["verdict"] == C.REPRODUCED and "+0.800" in r["this_run"] and "K=4" in r["this_run"]
     assert row(_stream(0.8, 0.6, 0.005, 0.004))["verdict"] == C.PARTLY  # sink tokens do not repair the baseline
     assert row(_stream(0.8, 0.01, 0.3, 0.01))["verdict"] == C.PARTLY  # gated hurt too, but less
-    assert row(_stream(0.01, 0.01, 0.0, 0.0))["verdict"] == C.NOT_AT_SCALE  # nothing breaks: no sink to evict
+    assert row(_stream(0.001, 0.001, 0.0, 0.0))["verdict"] == C.NOT_AT_SCALE  # nothing breaks: no sink to evict
+    assert row(_stream(0.01, 0.0, 0.0004, 0.0))["verdict"] == C.REPRODUCED  # the measured scale of the sink lab
+    assert row(_stream(0.01, 0.0, 0.004, 0.0))["verdict"] == C.PARTLY  # a G1 model losing 0.4x the baseline's
     assert row(_stream(0.3, 0.01, 0.4, 0.01))["verdict"] == C.NOT_AT_SCALE  # gated breaks more
     r = row(_stream(0, 0, 0, 0, text={"baseline": 0.2, "sdpa_elementwise": 0.01, "sdpa_headwise": 0.015}))
     assert r["verdict"] == C.REPRODUCED and "text models" in r["this_run"]

@@ -12,7 +12,8 @@ import gated_attention  # noqa: F401 - registers the Auto classes
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.configuration import GatedQwen3Config
-from gated_attention.convert import ConversionError, convert_checkpoint, convert_state_dict
+from gated_attention.interop import ConversionError, convert_checkpoint, convert_state_dict
+from harness import build_lm, perturb
 
 TOL = 1e-5  # the issue's fp32 bound (measured: bit-identical)
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -37,21 +38,10 @@ STOCK_CASES = [
 SEQ = 24  # longer than every window above and than LongRoPE's original length (the long factors are used)
 
 
-def _perturb(model):
-    """Non-trivial norms and biases, so a dropped or misplaced one shows in the logits."""
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
-                p.normal_(0, 0.05)
-    return model
-
-
 def _stock(fmt, kw, tmp_path):
     torch.manual_seed(0)
-    model = _perturb(transformers.AutoModelForCausalLM.from_config(CLASSES[fmt](**BASE, **kw)).eval())
+    # norms and biases off their init, so a dropped or misplaced one shows in the logits
+    model = perturb(transformers.AutoModelForCausalLM.from_config(CLASSES[fmt](**BASE, **kw)).eval())
     src = tmp_path / f"{fmt}-src"
     model.save_pretrained(src)
     return model, src
@@ -104,8 +94,8 @@ def test_sliding_window_matters_and_is_honoured_in_cached_decoding(fmt, tmp_path
     assert native.config.layer_types == ["sliding_attention"] * 2 and native.config.sliding_window == 6
     ids = torch.randint(0, BASE["vocab_size"], (1, SEQ))
     # the window changes the result at this length: a full-attention copy differs a lot
-    full = GatedQwen3ForCausalLM(GatedQwen3Config(**{**native.config.to_dict(), "layer_types": None,
-                                                     "sliding_window": None})).eval()
+    full = build_lm(GatedQwen3Config(**{**native.config.to_dict(), "layer_types": None, "sliding_window": None}),
+                    seed=None)
     full.load_state_dict(native.state_dict())
     assert _max_diff(stock, full, ids) > 1e-3
     assert _max_diff(stock, native, ids) <= TOL
@@ -120,9 +110,8 @@ def test_sliding_window_matters_and_is_honoured_in_cached_decoding(fmt, tmp_path
 
 
 def _native_model(seed=0, **kw):
-    torch.manual_seed(seed)
     cfg = GatedQwen3Config(**{**BASE, "head_dim": 24, "use_qk_norm": False, **kw})
-    return cfg, _perturb(GatedQwen3ForCausalLM(cfg).eval())
+    return cfg, build_lm(cfg, seed=seed, perturbed=True)
 
 
 NATIVE_CASES = [
@@ -185,7 +174,7 @@ def test_import_refusals_and_cli(tmp_path, capsys):
     assert cli_main(["convert", str(src), str(tmp_path / "n"), "--from", "llama"]) == 0
     assert cli_main(["convert", str(tmp_path / "n"), str(tmp_path / "q"), "--from", "native", "--to", "qwen2"]) == 0
     capsys.readouterr()
-    gated = GatedQwen3ForCausalLM(GatedQwen3Config(**BASE, use_qk_norm=False, gate="sdpa_headwise"))
+    gated = build_lm(GatedQwen3Config(**BASE, use_qk_norm=False, gate="sdpa_headwise"), seed=None, eval=False)
     gated.save_pretrained(tmp_path / "g")
     assert cli_main(["convert", str(tmp_path / "g"), str(tmp_path / "x"), "--from", "native", "--to", "llama"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
-from gated_attention.convert import ConversionError, convert_state_dict, load_dir
+from gated_attention.interop import ConversionError, convert_state_dict, load_dir
 from harness import tiny_lm
 
 

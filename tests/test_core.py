@@ -10,7 +10,7 @@ import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GATES, GatedQwen3Config, GatedQwen3ForCausalLM
 from gated_attention.gates import Gate, GateSpec, get_gate
 from gated_attention.presets import model_config, param_report
-from harness import tiny_lm
+from harness import build_lm, tiny_lm
 
 VARIANTS = list(GATES)
 BACKENDS = ["eager", "sdpa"]
@@ -46,7 +46,7 @@ def test_eager_equals_sdpa(gate):
 @pytest.mark.parametrize("gate", VARIANTS)
 def test_param_formula(gate):
     cfg = model_config("tiny", gate, match_params=False)
-    model = GatedQwen3ForCausalLM(cfg)
+    model = build_lm(cfg)
     assert sum(p.numel() for p in model.parameters()) == param_report(cfg)["total"]
     base = param_report(model_config("tiny"))["total"]
     assert param_report(cfg)["total"] - base == cfg.num_hidden_layers * (
@@ -89,7 +89,7 @@ def test_gate_starts_near_half_and_identity_init_is_identity():
     g = torch.cat([rec.get(i, "gate").flatten() for i in range(2)])
     assert abs(g.mean().item() - 0.5) < 0.02 and g.std().item() < 0.1
     base = tiny_model("baseline", seed=1)
-    ident = GatedQwen3ForCausalLM(model_config("tiny", "sdpa_elementwise", match_params=False, gate_init="identity")).eval()
+    ident = tiny_model("sdpa_elementwise", backend=None, seed=None, gate_init="identity")
     ident.load_state_dict(base.state_dict(), strict=False)
     assert (ident.model.layers[0].self_attn.gate.proj.weight == 0).all()
     torch.testing.assert_close(ident(x).logits, base(x).logits, atol=0, rtol=0)

@@ -9,7 +9,6 @@ import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.fast import (FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul, reference_lm_loss,
                                   unfuse_qkv)
-from gated_attention.presets import model_config
 from harness import tiny_lm
 
 # G1 gates (folded into the GEMM; sigmoid ones take the fused multiply), a non-G1 gate (keeps its own projection),
@@ -19,8 +18,8 @@ GATES = ["baseline", "sdpa_elementwise", "sdpa_headwise", "sdpa_headshared", "sd
 
 
 def tiny(gate, seed=0, **kw):
-    # non-trivial norms so the state-dict mapping of every tensor is exercised; train mode, as the original builder
-    return tiny_lm(gate, backend=None, seed=seed, eval=False, perturb_norms=True, **kw)
+    # parameters off their init so the state-dict mapping of every tensor is exercised; train mode, as the original
+    return tiny_lm(gate, backend=None, seed=seed, eval=False, perturbed=True, **kw)
 
 
 def grads_by_plain_name(model):
@@ -214,9 +213,8 @@ def test_model_fused_loss_matches_plain_loss_and_grads(gate, fused):
 
 
 def test_moe_model_fused_loss_keeps_aux_loss():
-    torch.manual_seed(0)
     # fp32, not float64: the grouped expert GEMM has no float64 kernel
-    model = GatedQwen3ForCausalLM(model_config("tiny-moe", "sdpa_elementwise", match_params=False))
+    model = tiny_lm("sdpa_elementwise", backend=None, preset="tiny-moe", eval=False)
     x = torch.randint(0, 128, (2, 9))
     plain = model(x, labels=x)
     fused = model(x, labels=x, fused_loss=True)

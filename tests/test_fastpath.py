@@ -14,7 +14,7 @@ from gated_attention.fast import FusedGatedAttention, fuse_qkv
 from gated_attention.train import fastpath
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import apply_overrides, tiny
-from gated_attention.train.stability import decoder_layers
+from gated_attention.train.monitors import decoder_layers
 from gated_attention.train.trainer import build_model, train
 
 

@@ -11,9 +11,9 @@ from _extras import need
 
 import gated_attention  # noqa: F401 - registers the Auto classes
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.presets import model_config
 from gated_attention.train.config import tiny
 from gated_attention.train.trainer import train
+from harness import tiny_lm
 
 
 def test_tensorboard_events_match_the_jsonl_log(tmp_path):
@@ -51,8 +51,7 @@ def test_hf_trainer_trains_a_gated_model_and_round_trips(tmp_path):
     need("accelerate", "transformers' Trainer needs accelerate: pip install -e '.[eval]'")
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    torch.manual_seed(0)
-    model = GatedQwen3ForCausalLM(model_config("tiny", gate="sdpa_elementwise"))
+    model = tiny_lm("sdpa_elementwise", backend=None, match_params=None, eval=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=4,
                              learning_rate=3e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,

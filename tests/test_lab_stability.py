@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from gated_attention.labs import stability as S
-from gated_attention.labs.stability_probe import StabilityProbe, max_attention_logit
+from gated_attention.labs.stability import lab as S
+from gated_attention.labs.stability.probe import StabilityProbe, max_attention_logit
 
 NAN = float("nan")
 
@@ -134,11 +133,9 @@ def test_max_attention_logit_matches_direct_computation():
 
 
 def _tiny_model(qk_norm: bool):
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.presets import model_config
+    from harness import tiny_lm
 
-    torch.manual_seed(0)
-    return GatedQwen3ForCausalLM(model_config("tiny", gate="sdpa_elementwise", use_qk_norm=qk_norm)).eval()
+    return tiny_lm("sdpa_elementwise", backend=None, match_params=None, use_qk_norm=qk_norm)
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
@@ -170,30 +167,7 @@ def test_probe_on_the_trainers_probe_forward(qk_norm):
     assert len(probe.records) == 1 and all(getattr(m, "capture", None) is None for m in model.modules())
 
 
-# ---------------------------------------------------------------- end to end
-
-WORDS = ("the of and to in is was that he it with as his on be at by had not are but from or have an they which one "
-         "you were her all she there would their we him been has when who will more no if out so said what up its")
-
-
-@pytest.fixture(scope="module")
-def tiny_corpus(tmp_path_factory) -> Path:
-    """Two domains from text files written to tmp, prepared with a 300-token BPE (seconds)."""
-    from gated_attention import data
-
-    rng = random.Random(0)
-    src = tmp_path_factory.mktemp("src")
-    for dom in ("prose", "verse"):
-        (src / dom).mkdir()
-        for i in range(3):
-            pars = [" ".join(rng.choice(WORDS.split()) for _ in range(rng.randint(20, 60))) for _ in range(60)]
-            (src / dom / f"{dom}{i}.txt").write_text("\n\n".join(pars))
-    d = tmp_path_factory.mktemp("data")
-    data.prepare(data.PrepareConfig(data_dir=str(d), vocab_size=300, sources=(),
-                                    extra=(str(src / "prose"), str(src / "verse")), val_fraction=0.2,
-                                    chunk_chars=600))
-    return d
-
+# ---------------------------------------------------------------- end to end (on conftest's session tiny_corpus)
 
 def _cli(argv: list[str]) -> int:
     from gated_attention import cli
@@ -239,7 +213,7 @@ def test_small_budget_end_to_end(small_lab):
         for k in ("max_attention_logit", "max_hidden", "max_output_logit"):
             assert r[k] is None or (k in r["nonfinite"]) is False
         assert r["final_loss"] is None or r["final_loss"] > 0
-    # the per-setting aggregates: the formulas of stability_stats applied to the runs, with intervals over 2 seeds
+    # the per-setting aggregates: the formulas of labs/stability/stats.py applied to the runs, with intervals over 2 seeds
     margin = lab["config"]["margin"]
     for v in ("baseline", "sdpa_elementwise"):
         for key, qk in (("on", True), ("off", False)):
@@ -259,10 +233,9 @@ def test_small_budget_end_to_end(small_lab):
         mine = [r for r in runs if r["variant"] == v and r["qk_norm"] is False]
         assert lab["lr_sensitivity"][v]["off"] == pytest.approx(S.lr_sensitivity(mine))
     assert lab["instability"]["checked"] is True and {"on", "off"} <= set(lab["instability"])
-    from gated_attention import compare_claims
+    from gated_attention.compare import claims
 
-    assert compare_claims.stability_verdict(lab)["verdict"] in (compare_claims.REPRODUCED,
-                                                                 compare_claims.NOT_AT_SCALE)
+    assert claims.stability_verdict(lab)["verdict"] in (claims.REPRODUCED, claims.NOT_AT_SCALE)
     for f in ("report.md", "report.html", "plots/loss_vs_lr_qk_on.png", "plots/loss_vs_lr_qk_off.png",
               "plots/max_attention_logit_vs_lr.png"):
         assert (out / f).stat().st_size > 0, f
@@ -332,9 +305,9 @@ def test_bad_input_is_refused(tmp_path):
             S.LabConfig(out=str(tmp_path), **kw).validate()
 
 
-# ---------------------------------------------------------------- statistics with intervals (labs/stability_stats.py)
+# ---------------------------------------------------------------- statistics with intervals (labs/stability/stats.py)
 
-from gated_attention.labs import stability_stats as St  # noqa: E402
+from gated_attention.labs.stability import stats as St  # noqa: E402
 
 
 def _grid(curves: dict[int, dict[float, float]], diverged=(), spikes=None) -> list[dict]:

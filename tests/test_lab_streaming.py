@@ -16,7 +16,7 @@ from harness import tiny_lm
 @pytest.fixture(scope="module")
 def sink_units(tmp_path_factory):
     """A sink-lab OUT with two tiny finished units (baseline, G1 elementwise), trained for a few steps."""
-    from gated_attention.labs import sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     out = tmp_path_factory.mktemp("sinklab")
     cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS["small"][1], "steps": 20, "eval_every": 20,
@@ -39,7 +39,7 @@ def compare_like(tmp_path_factory, tiny_corpus):
 
 
 def test_resolution_and_labels(sink_units, compare_like):
-    from gated_attention.labs.streaming import resolve_models
+    from gated_attention.labs.streaming.lab import resolve_models
 
     e = resolve_models([sink_units])
     assert [x.label for x in e] == ["baseline/seed0", "sdpa_elementwise/seed0"] and e[0].kind == "sink_lab"
@@ -54,8 +54,8 @@ def test_resolution_and_labels(sink_units, compare_like):
 
 def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
     from gated_attention.decode import stream_nll
-    from gated_attention.labs import sinks
-    from gated_attention.labs.streaming import StreamingConfig, run_streaming, sink_lab_data
+    from gated_attention.labs.sinks import lab as sinks
+    from gated_attention.labs.streaming.lab import StreamingConfig, run_streaming, sink_lab_data
 
     W = 8
     cfg = StreamingConfig(models=[str(sink_units)], window=W, sink_tokens=[0, 2, 40], sequences=6)

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from dataclasses import asdict, replace
 
 import pytest
 import torch
 
-from gated_attention.labs import sink_metrics as M
-from gated_attention.labs.backcopy import BOS, BackcopyTask
+from gated_attention.labs.sinks import metrics as M
+from gated_attention.labs.sinks.backcopy import BOS, BackcopyTask
 from gated_attention.labs.common import mean_std
+from harness import build_lm, run_gattn
 
 SMALL = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 
@@ -144,13 +143,11 @@ def test_mean_std_over_seeds():
 
 def test_measure_reads_the_model_through_capture():
     """q = k = 0 makes every head attend uniformly: BOS attention from query t is exactly 1/(t+1)."""
-    from gated_attention.labs.sinks import BUDGETS, SinkLabConfig, measure, model_config_for
-    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.labs.sinks.lab import BUDGETS, SinkLabConfig, measure, model_config_for
 
     cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "variants": ["sdpa_headwise"], "layers": 2, "heads": 2})
     task = BackcopyTask(**cfg.task)
-    torch.manual_seed(0)
-    model = GatedQwen3ForCausalLM(model_config_for(cfg, "sdpa_headwise"))
+    model = build_lm(model_config_for(cfg, "sdpa_headwise"), eval=False)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.zero_()
@@ -175,7 +172,7 @@ def test_measure_reads_the_model_through_capture():
 
 
 def test_baseline_mechanisms_and_gate_init_build():
-    from gated_attention.labs.sinks import SinkLabConfig, model_config_for, resolve_variant
+    from gated_attention.labs.sinks.lab import SinkLabConfig, model_config_for, resolve_variant
 
     assert resolve_variant("g1") == ("sdpa_elementwise", "none")
     assert resolve_variant("sink_logits") == ("none", "sink_logits")
@@ -189,7 +186,7 @@ def test_baseline_mechanisms_and_gate_init_build():
 # ---------------------------------------------------------------- units: exact resume
 
 def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
-    from gated_attention.labs import sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS["small"][1], "variants": ["sdpa_elementwise"],
                                             "steps": 40, "ckpt_every": 15, "eval_every": 20})
@@ -216,22 +213,17 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- end to end through the CLI
 
-def _gattn(*args):
-    return subprocess.run([sys.executable, "-m", "gated_attention.cli", *args], capture_output=True, text=True,
-                          timeout=600)
-
-
 @pytest.fixture(scope="module")
 def small_lab(tmp_path_factory):
     out = tmp_path_factory.mktemp("sinks")
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
                "--jobs", "1")
     assert r.returncode == 0, r.stderr
     return out, r
 
 
 def test_small_lab_writes_everything(small_lab):
-    from gated_attention.labs.sinks import METRICS
+    from gated_attention.labs.sinks.lab import METRICS
 
     out, r = small_lab
     lab = json.loads((out / "lab.json").read_text())
@@ -262,20 +254,20 @@ def test_small_lab_writes_everything(small_lab):
 def test_rerun_reuses_and_changed_settings_fail(small_lab):
     out, _ = small_lab
     before = (out / "runs" / "baseline" / "seed0" / "result.json").read_text()
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--seeds", "1",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--seeds", "1",
                "--jobs", "1")
     assert r.returncode == 0, r.stderr
     assert "reusing 1 finished model" in r.stderr
     assert (out / "runs" / "baseline" / "seed0" / "result.json").read_text() == before
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--lr", "5e-3",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "--lr", "5e-3",
                "--jobs", "1")
     assert r.returncode == 2 and "different settings" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path):
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--variants", "nope")
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--variants", "nope")
     assert r.returncode == 2 and "unknown variant 'nope'" in r.stderr and "Traceback" not in r.stderr
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--layers", "4")
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(tmp_path), "--layers", "4")
     assert r.returncode == 2 and "--layers" in r.stderr
 
 
@@ -286,7 +278,7 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
     shutil.copytree(small_lab[0], out)
     shutil.rmtree(out / "runs" / "sdpa_elementwise" / "seed1")  # as if the run was stopped before that model
     (out / "lab.json").unlink()
-    r = _gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
+    r = run_gattn("lab", "sinks", "--budget", "small", "--out", str(out), "--variants", "baseline", "sdpa_elementwise",
                "--report-only")
     assert r.returncode == 0, r.stderr
     assert "left out: sdpa_elementwise seed 1" in r.stderr
@@ -299,7 +291,7 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
 def test_finished_models_are_loadable_hf_folders(small_lab):
     """Every unit folder is a from_pretrained folder; load_run returns its model, task and settings, and the
     model measures exactly what result.json recorded (the saved weights are the final ones)."""
-    from gated_attention.labs.sinks import is_run_dir, load_run, measure
+    from gated_attention.labs.sinks.lab import is_run_dir, load_run, measure
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     out, _ = small_lab
@@ -322,7 +314,7 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     import argparse
 
     from gated_attention.cli.lab import configure_sinks, sinks_config
-    from gated_attention.labs import sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     p = argparse.ArgumentParser()
     configure_sinks(p)
@@ -351,7 +343,7 @@ def test_help_states_the_budgets_true_defaults():
     import argparse
 
     from gated_attention.cli.lab import configure_sinks
-    from gated_attention.labs.sinks import BUDGETS, SinkLabConfig
+    from gated_attention.labs.sinks.lab import BUDGETS, SinkLabConfig
 
     p = argparse.ArgumentParser()
     configure_sinks(p)

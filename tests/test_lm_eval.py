@@ -22,10 +22,9 @@ need("accelerate", "lm-eval's HF model needs accelerate: pip install -e '.[eval]
 from transformers import AutoTokenizer  # noqa: E402
 
 from gated_attention import GatedQwen3ForCausalLM  # noqa: E402
-from gated_attention.data import PrepareConfig, prepare  # noqa: E402
 from gated_attention.train.config import tiny  # noqa: E402
 from gated_attention.train.trainer import train  # noqa: E402
-from harness import run_gattn  # noqa: E402
+from harness import prepare_text_corpus, run_gattn  # noqa: E402
 
 QUESTIONS = [
     {"question": "The cat sat on the", "choices": ["mat.", "moon.", "river."], "answer": 0},
@@ -73,9 +72,8 @@ def _loglikelihood(model, tok, context: str, continuation: str) -> float:
 
 
 def test_lm_eval_hf_on_local_task(tmp_path):
-    (tmp_path / "text.txt").write_text(_corpus_text())
-    prepare(PrepareConfig(data_dir=str(tmp_path / "data"), vocab_size=300, sources=(),
-                          extra=(str(tmp_path / "text.txt"),), chunk_chars=2048, val_fraction=0.2))
+    prepare_text_corpus(tmp_path / "data", {"text": [_corpus_text()]}, vocab_size=300, chunk_chars=2048,
+                        val_fraction=0.2)
     cfg = tiny()
     cfg.data, cfg.data_dir, cfg.steps, cfg.ckpt_every, cfg.stats_every = "corpus", str(tmp_path / "data"), 30, 0, 0
     cfg.gate, cfg.precision = "sdpa_elementwise", "fp32"

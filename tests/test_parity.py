@@ -12,10 +12,10 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
 import gated_attention  # noqa: F401 - registers the Auto classes
-from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.convert import convert_checkpoint, convert_state_dict, load_dir
+from gated_attention.interop import convert_checkpoint, convert_state_dict, load_dir
 from official_reference import official_forward
 from gated_attention.presets import model_config
+from harness import build_lm, perturb
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -30,18 +30,6 @@ def _report(name, a, b):
     delta = (a - b).abs().max().item()
     print(f"\n[parity] {name}: max |dlogits| = {delta:.3g}")
     return delta
-
-
-def _perturb(model, seed=1):
-    """Random non-trivial values everywhere (norms away from 1, biases non-zero) so no part can be silently dropped."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def _ids(seq=12, batch=2, seed=3):
@@ -120,7 +108,7 @@ def test_official_forward_split_matters(tmp_path):
     ref = official_forward(config, sd, ids)
     results = []
     for state in (nsd, wrong_sd):
-        m = GatedQwen3ForCausalLM(gated_attention.GatedQwen3Config(**ncfg)).eval()
+        m = build_lm(gated_attention.GatedQwen3Config(**ncfg), seed=None)
         m.load_state_dict(state, strict=False)
         m.tie_weights()
         with torch.no_grad():
@@ -133,7 +121,7 @@ def test_official_forward_split_matters(tmp_path):
 @pytest.mark.parametrize("tied", [True, False])
 def test_stock_qwen3_to_native(tmp_path, rope, tied):
     torch.manual_seed(0)
-    stock = _perturb(Qwen3ForCausalLM(Qwen3Config(**TINY, rope_parameters=dict(rope), tie_word_embeddings=tied))).eval()
+    stock = perturb(Qwen3ForCausalLM(Qwen3Config(**TINY, rope_parameters=dict(rope), tie_word_embeddings=tied))).eval()
     stock.save_pretrained(tmp_path / "stock")
     convert_checkpoint(tmp_path / "stock", tmp_path / "native", "qwen3")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
@@ -146,10 +134,9 @@ def test_stock_qwen3_to_native(tmp_path, rope, tied):
 
 @pytest.mark.parametrize("rope", [DEFAULT, YARN], ids=["default", "yarn"])
 def test_native_to_stock_qwen3(tmp_path, rope):
-    torch.manual_seed(0)
     cfg = model_config("tiny", rope_parameters=dict(rope), max_position_embeddings=64, attention_bias=True,
                        tie_word_embeddings=False)
-    ours = _perturb(GatedQwen3ForCausalLM(cfg)).eval()
+    ours = build_lm(cfg, perturbed=True)
     ours.save_pretrained(tmp_path / "native")
     convert_checkpoint(tmp_path / "native", tmp_path / "stock", "native", "qwen3")
     stock = Qwen3ForCausalLM.from_pretrained(tmp_path / "stock").eval()
@@ -170,10 +157,9 @@ def _next_config(prf=1.0):
 def test_attention_matches_qwen3_next_attention():
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextAttention, Qwen3NextRotaryEmbedding
 
-    torch.manual_seed(0)
     cfg = model_config("tiny", gate="sdpa_elementwise", attn_implementation="eager", **{
         k: TINY[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")})
-    ours = _perturb(GatedQwen3ForCausalLM(cfg)).eval()
+    ours = build_lm(cfg, perturbed=True)
     _, next_state = convert_state_dict(cfg.to_dict(), ours.state_dict(), "native", "qwen3-next")
     ncfg = _next_config()
     ncfg._attn_implementation = "eager"
@@ -193,10 +179,9 @@ def test_attention_matches_qwen3_next_attention():
 
 @pytest.mark.parametrize("prf", [1.0, 0.5])
 def test_native_to_qwen3_next_model(tmp_path, prf):
-    torch.manual_seed(0)
     rope = {**DEFAULT, **({"partial_rotary_factor": prf} if prf != 1.0 else {})}
     cfg = model_config("tiny", gate="sdpa_elementwise", rope_parameters=rope, tie_word_embeddings=False)
-    ours = _perturb(GatedQwen3ForCausalLM(cfg)).eval()
+    ours = build_lm(cfg, perturbed=True)
     ours.save_pretrained(tmp_path / "native")
     convert_checkpoint(tmp_path / "native", tmp_path / "next", "native", "qwen3-next")
     theirs = Qwen3NextForCausalLM.from_pretrained(tmp_path / "next").eval()
@@ -210,7 +195,7 @@ def test_native_to_qwen3_next_model(tmp_path, prf):
 
 def test_qwen3_next_model_to_native(tmp_path):
     torch.manual_seed(0)
-    theirs = _perturb(Qwen3NextForCausalLM(_next_config(prf=0.25)), seed=5).eval()
+    theirs = perturb(Qwen3NextForCausalLM(_next_config(prf=0.25)), seed=5).eval()
     theirs.save_pretrained(tmp_path / "next")
     convert_checkpoint(tmp_path / "next", tmp_path / "native", "qwen3-next")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()

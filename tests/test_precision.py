@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from gated_attention import precision as P
+from gated_attention.util import precision as P
 from gated_attention.train.config import TrainConfig, changed_settings, describe_changes, run_precision, tiny
 
 FAST, SLOW = "2.0", "0.02"  # fp32 time / bf16 time: an AMX/AVX512-BF16 CPU, and an AVX2-only one (emulated bf16)
@@ -114,7 +114,7 @@ def _tiny_cfg(**kw):
 
 def test_trainer_records_and_refuses_another_resolution(cpu_kind, tmp_path, capsys):
     from gated_attention import experiment
-    from gated_attention.errors import UserError
+    from gated_attention.util.errors import UserError
 
     cpu_kind(SLOW)
     run = tmp_path / "run"
@@ -133,7 +133,7 @@ def test_trainer_records_and_refuses_another_resolution(cpu_kind, tmp_path, caps
 
 
 def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
-    from gated_attention.labs.sinks import SinkLabConfig, _unit_key
+    from gated_attention.labs.sinks.lab import SinkLabConfig, _unit_key
 
     cfg = SinkLabConfig()
     assert cfg.precision == "auto"
@@ -146,7 +146,7 @@ def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
 
 
 def test_stability_runs_carry_a_concrete_precision(cpu_kind):
-    from gated_attention.labs import stability as stab
+    from gated_attention.labs.stability import lab as stab
 
     lab = stab.LabConfig(budget="small").validate()
     cpu_kind(FAST)

@@ -3,15 +3,13 @@ run as a subprocess with stderr redirected to a pipe; on a terminal the tqdm bar
 from __future__ import annotations
 
 import io
-import os
 import re
-import subprocess
-import sys
 import time
 
 import pytest
 
-from gated_attention.progress import Progress, format_duration
+from gated_attention.util.progress import Progress, format_duration
+from harness import run_gattn
 
 
 class _Clock:
@@ -82,10 +80,9 @@ def test_format_duration():
 
 
 def test_gattn_train_prints_progress_lines_when_stderr_is_a_pipe(tmp_path):
-    env = {**os.environ, "GATTN_PROGRESS_INTERVAL": "0", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "gated_attention.cli", "train", "--preset", "tiny", "--out", str(tmp_path / "run"),
-           "--set", "steps=4", "--set", "progress=true", "--set", "stats_every=0", "--set", "ckpt_every=0"]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    res = run_gattn("train", "--preset", "tiny", "--out", tmp_path / "run", "--set", "steps=4", "--set",
+                    "progress=true", "--set", "stats_every=0", "--set", "ckpt_every=0",
+                    env={"GATTN_PROGRESS_INTERVAL": "0", "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [l for l in res.stderr.splitlines() if l.startswith("[train run] ")]
     assert [re.search(r"step (\d)/4", l).group(1) for l in lines] == ["1", "2", "3", "4"]

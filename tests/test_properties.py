@@ -69,6 +69,8 @@ def test_gate_and_config_space(axes, shape, seed):
     from gated_attention.configuration import GatedQwen3Config
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
+    from harness import build_lm
+
     try:
         spec = G.GateSpec(**axes)
     except ValueError as exc:
@@ -79,8 +81,7 @@ def test_gate_and_config_space(axes, shape, seed):
             cfg = GatedQwen3Config(vocab_size=64, intermediate_size=16, max_position_embeddings=64, gate=name, **shape)
         except ValueError:
             return  # refused cleanly: zero sizes, KV heads that do not divide, an init the gate cannot have
-        torch.manual_seed(seed)
-        model = GatedQwen3ForCausalLM(cfg).eval()
+        model = build_lm(cfg, seed=seed)
         prompt = torch.randint(1, 64, (1, 4))  # never the pad id 0: generate() would mask it and differ from forward
         with torch.no_grad():
             out = model.generate(prompt, max_new_tokens=3, do_sample=False, output_logits=True,
@@ -228,7 +229,7 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
                 "run_pipeline": lambda *a, **k: None, "lm_eval_main": lambda argv: 0}[fn]
         monkeypatch.setattr(m, fn, stub)
         if cmd == "compare":
-            monkeypatch.setattr("gated_attention.compare_report.render_table", lambda res: "")
+            monkeypatch.setattr("gated_attention.compare.report.render_table", lambda res: "")
     STATS["tried"].add((cmd, tuple(a.replace(str(w["root"]), "ROOT") for a in argv if not a.startswith(str(out)))))
     cwd = w["root"] / "cwd"  # a mutation can turn any token into a relative output path: keep it out of the repo
     cwd.mkdir(exist_ok=True)
@@ -283,7 +284,8 @@ def test_dense_constant_gate_with_hidden_size_unlike_heads_times_head_dim():
     """Found by the random search above (a fresh-clone CI run): a G5 (after o_proj) constant gate sized its theta per
     head, (H*D/D, D), which cannot broadcast over the hidden size when hidden_size != H*D."""
     from gated_attention.configuration import GatedQwen3Config
-    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    from harness import build_lm
 
     spec = G.GateSpec(position=G.Position.DENSE, granularity=G.Granularity.ELEMENTWISE,
                       sharing=G.Sharing.HEAD_SPECIFIC, combine=G.Combine.MULTIPLY,
@@ -292,7 +294,7 @@ def test_dense_constant_gate_with_hidden_size_unlike_heads_times_head_dim():
         cfg = GatedQwen3Config(vocab_size=64, intermediate_size=16, max_position_embeddings=64, gate=name,
                                num_attention_heads=1, num_key_value_heads=1, head_dim=2, hidden_size=8,
                                num_hidden_layers=1)
-        model = GatedQwen3ForCausalLM(cfg).eval()
+        model = build_lm(cfg, seed=None)
         with torch.no_grad():
             logits = model(torch.randint(1, 64, (1, 5))).logits  # (1, 5, V)
     assert logits.shape == (1, 5, 64) and torch.isfinite(logits).all()

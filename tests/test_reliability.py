@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from gated_attention.cli import main
-from gated_attention.io import json_dumps, lock_dir, strict_loads, to_strict
+from gated_attention.util.io import json_dumps, lock_dir, strict_loads, to_strict
 from gated_attention.train import checkpoint as ckpt_mod
 from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.trainer import train
+from harness import gattn_argv, run_gattn
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gated_attention"
-KILL_HOOKS = Path(__file__).with_name("kill_hooks.py")  # `gattn` + GATTN_TEST_KILL_* fault injection (test-only)
 TINY = ["--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2", "--set", "eval_batches=1"]
 
 
@@ -202,9 +202,8 @@ def test_truncated_newest_checkpoint_falls_back(tmp_path, capsys):
     ref = tmp_path / "ref"
     train(apply_overrides(tiny(), sets), ref)
     run = tmp_path / "run"
-    p = subprocess.run([sys.executable, str(KILL_HOOKS), "train", "--preset", "tiny", "--out", str(run),
-                        *sum((["--set", s] for s in sets), [])], env={**os.environ, "GATTN_TEST_KILL_AT_STEP": "4"},
-                       capture_output=True, text=True, timeout=300)
+    p = run_gattn("train", "--preset", "tiny", "--out", run, *sum((["--set", s] for s in sets), []),
+                  env={"GATTN_TEST_KILL_AT_STEP": "4"}, timeout=300, kill_hooks=True)
     assert p.returncode == -9, p.stderr[-2000:]
     assert [s for s, _ in ckpt_mod.list_checkpoints(run)] == [2, 4]
     newest = run / "checkpoints" / "step_00000004" / "state.pt"
@@ -253,8 +252,7 @@ def test_disk_full_keeps_previous_checkpoints(tmp_path):
     sets = ["steps=6", "ckpt_every=2", "keep_checkpoints=3", "eval_batches=1"]
     run = tmp_path / "run"
     args = ["train", "--preset", "tiny", "--out", str(run), *sum((["--set", s] for s in sets), [])]
-    p = subprocess.run([sys.executable, str(KILL_HOOKS), *args],
-                       env={**os.environ, "GATTN_TEST_KILL_AT_STEP": "4"}, capture_output=True, text=True, timeout=300)
+    p = run_gattn(*args, env={"GATTN_TEST_KILL_AT_STEP": "4"}, timeout=300, kill_hooks=True)
     assert p.returncode == -9
     size = (run / "checkpoints" / "step_00000004" / "state.pt").stat().st_size
     before = {s: (p_ / "state.pt").read_bytes() for s, p_ in ckpt_mod.list_checkpoints(run)}
@@ -326,7 +324,7 @@ def holder(tmp_path, request):
     from gated_attention.cli.longctx import longctx_lock_path
 
     out = longctx_lock_path(tmp_path, ["out"], 0, 1) if "longctx" in request.node.name else tmp_path / "out"
-    code = ("import sys, time; from gated_attention.io import lock_dir\n"
+    code = ("import sys, time; from gated_attention.util.io import lock_dir\n"
             f"with lock_dir({str(out)!r}):\n    print('locked', flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"
@@ -347,16 +345,14 @@ def test_second_writer_gets_exit_2_naming_the_holder(holder, run_dir, capsys, cm
 def test_two_concurrent_trainings(tmp_path):
     """Two real `gattn train` processes on one folder: the second stops with exit 2 naming the first's PID."""
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, "-m", "gated_attention.cli", "train", "--preset", "tiny", "--set",
-                              "steps=100000", "--set", "ckpt_every=5", "--out", str(out)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(gattn_argv("train", "--preset", "tiny", "--set", "steps=100000", "--set", "ckpt_every=5",
+                                        "--out", out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         t0 = time.time()
         while not list(ckpt_mod.list_checkpoints(out)) and time.time() - t0 < 240:  # first is writing checkpoints
             time.sleep(0.2)
         assert first.poll() is None
-        second = subprocess.run([sys.executable, "-m", "gated_attention.cli", "train", *TINY, "--out", str(out)],
-                                capture_output=True, text=True, timeout=300)
+        second = run_gattn("train", *TINY, "--out", out, timeout=300)
         assert second.returncode == 2, second.stderr[-2000:]
         assert f"in use by another gattn train process (PID {first.pid}" in second.stderr
         assert "Traceback" not in second.stderr
@@ -371,7 +367,7 @@ def test_two_concurrent_trainings(tmp_path):
 
 def test_lock_released_when_holder_dies(tmp_path):
     out = tmp_path / "o"
-    code = f"from gated_attention.io import lock_dir\nimport os\nwith lock_dir({str(out)!r}):\n    os._exit(0)"
+    code = f"from gated_attention.util.io import lock_dir\nimport os\nwith lock_dir({str(out)!r}):\n    os._exit(0)"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     with lock_dir(out):  # the kernel dropped the dead process's lock
         with lock_dir(out):  # re-entrant in one process (compare -> train)
@@ -420,7 +416,7 @@ def test_strict_json_helper():
     assert s == {"loss": None, "g": None, "acts": [1.0, None], "ok": 1.5, "n": {"x": None, "nonfinite": {"x": "nan"}},
                  "nonfinite": {"loss": "nan", "g": "inf", "acts": "-inf"}}
     assert strict_loads(json_dumps(obj)) == s
-    from gated_attention.io import from_strict
+    from gated_attention.util.io import from_strict
 
     back = from_strict(s)
     assert back["loss"] != back["loss"] and back["g"] == float("inf") and back["acts"][1] == float("-inf")
@@ -450,7 +446,7 @@ def test_nan_in_analysis_is_reported(run_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from gated_attention.analysis import AnalysisConfig, analyze_model, load_model
-    from gated_attention.io import atomic_write_json, nonfinite_paths
+    from gated_attention.util.io import atomic_write_json, nonfinite_paths
 
     m = _copy(run_dir / "final", tmp_path / "m")
     sd = load_file(m / "model.safetensors")

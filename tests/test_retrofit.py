@@ -14,22 +14,16 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main
-from gated_attention.presets import model_config
-from gated_attention.retrofit import retrofit_checkpoint
+from gated_attention.interop.retrofit import retrofit_checkpoint
 from gated_attention.train.config import tiny
 from gated_attention.train.data_source import SyntheticSource
 from gated_attention.train.trainer import train
+from harness import tiny_lm
 
 
 def _perturbed_tiny(**overrides) -> GatedQwen3ForCausalLM:
-    """A tiny ungated model with norms away from 1 and biases non-zero, so no part can be silently dropped."""
-    torch.manual_seed(0)
-    model = GatedQwen3ForCausalLM(model_config("tiny", **overrides)).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.add_(torch.randn(p.shape, generator=g) * (0.2 if name.endswith("norm.weight") else 0.05))
-    return model
+    """A tiny ungated model with every parameter off its init, so no part can be silently dropped."""
+    return tiny_lm("none", backend=None, match_params=None, perturbed=True, **overrides)
 
 
 def _load(path) -> GatedQwen3ForCausalLM:

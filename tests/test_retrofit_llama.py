@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main
-from gated_attention.retrofit import detect_format
+from gated_attention.interop.retrofit import detect_format
 from gated_attention.train.config import TrainConfig, tiny
 from gated_attention.train.trainer import train
 

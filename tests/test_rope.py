@@ -229,13 +229,10 @@ def test_extended_gated_baseline_matches_transformers_qwen3_logits(tmp_path):
     from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
 
     from gated_attention.longctx.extend import extend_checkpoint
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.presets import model_config
+    from harness import tiny_lm
 
-    torch.manual_seed(0)
-    cfg = model_config("tiny", gate="baseline")
-    cfg.max_position_embeddings = 64
-    GatedQwen3ForCausalLM(cfg).save_pretrained(tmp_path / "src")
+    tiny_lm("baseline", backend=None, match_params=None, eval=False, max_position_embeddings=64).save_pretrained(
+        tmp_path / "src")
     extend_checkpoint(tmp_path / "src", tmp_path / "ext", "yarn", 4.0)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ext").eval()
     ours.set_attn_implementation("eager")
@@ -245,6 +242,6 @@ def test_extended_gated_baseline_matches_transformers_qwen3_logits(tmp_path):
     theirs = Qwen3ForCausalLM(hcfg).eval()
     theirs.load_state_dict(ours.state_dict())
     assert theirs.config.rope_parameters["rope_type"] == "yarn"
-    ids = torch.randint(0, cfg.vocab_size, (1, 200))  # (1, T), T > original 64
+    ids = torch.randint(0, ours.config.vocab_size, (1, 200))  # (1, T), T > original 64
     with torch.no_grad():
         assert torch.equal(ours(ids).logits, theirs(ids).logits)

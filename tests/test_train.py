@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +12,9 @@ import torch
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import TrainConfig, apply_overrides, tiny
 from gated_attention.train.schedule import lr_at
-from gated_attention.train.stability import SpikeDetector
+from gated_attention.train.monitors import SpikeDetector
 from gated_attention.train.trainer import param_groups, train
+from harness import run_gattn
 
 
 def losses(run: Path) -> list[float]:
@@ -138,14 +136,8 @@ def test_spike_detector_scales_with_small_batch_noise():
 # ---------------------------------------------------------------- exact resume after SIGKILL
 
 def _gattn_train(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False):
-    # tests/kill_hooks.py = `gattn` plus the GATTN_TEST_KILL_* fault injection (test-only code)
-    cmd = [sys.executable, str(Path(__file__).with_name("kill_hooks.py")), "train", "--preset", "tiny", "--out", str(out)]
-    for s in sets:
-        cmd += ["--set", s]
-    if resume:
-        cmd.append("--resume")
-    env = {**os.environ, **(env_extra or {})}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    args = ["train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in sets), [])]
+    return run_gattn(*args, *(["--resume"] if resume else []), env=env_extra, timeout=300, kill_hooks=True)
 
 
 RESUME_SETS = ["steps=12", "ckpt_every=4", "keep_checkpoints=2", "stats_every=5"]

@@ -11,7 +11,7 @@ import os
 
 # Triton reads TRITON_INTERPRET when a function is decorated: triton.language's own on its first import (which
 # torch.compile may do during collection: hence tests/conftest.py sets it first), our kernels when
-# gated_attention.triton_kernels is first imported. This line covers running this file without the conftest.
+# gated_attention.kernels.triton_jit is first imported. This line covers running this file without the conftest.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import copy  # noqa: E402
@@ -25,7 +25,7 @@ pytest.importorskip("triton", reason="Triton not installed (pip install triton; 
 
 from gated_attention.attention import eager_attention  # noqa: E402
 from gated_attention.fast import fuse_qkv  # noqa: E402
-from gated_attention.triton_attention import gated_flash_attention, interpreted, plan_mask  # noqa: E402
+from gated_attention.kernels.triton_attention import gated_flash_attention, interpreted, plan_mask  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")  # where the kernel runs
@@ -220,7 +220,7 @@ def test_mask_plans():
 def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny_model):
     """Whole model, left-padded batch: logits on real tokens and every parameter gradient. G1 sigmoid gates run in the
     kernel's epilogue; the ungated model and other gates run the ungated kernel with the gate outside."""
-    ref = tiny_model(gate, backend="sdpa", eval=False, perturb_norms=True).to(DEV)
+    ref = tiny_model(gate, backend="sdpa", eval=False, perturbed=True).to(DEV)
     fast = copy.deepcopy(ref)
     fast.set_attn_implementation("triton_gated")
     assert fast.config._attn_implementation == "triton_gated"
@@ -232,7 +232,7 @@ def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny
     labels = ids.masked_fill(attn == 0, -100)
     calls = []
     layer = fast.model.layers[0].self_attn
-    import gated_attention.triton_attention as ta
+    import gated_attention.kernels.triton_attention as ta
 
     real = ta.gated_flash_attention
 
@@ -273,7 +273,7 @@ def test_generate_with_kv_cache_matches_sdpa(tiny_model):
 
 def test_refuses_dropout_clearly():
     q = torch.randn(1, 2, 4, 16)
-    from gated_attention.triton_attention import triton_gated_kernel
+    from gated_attention.kernels.triton_attention import triton_gated_kernel
 
     with pytest.raises(ValueError, match="dropout"):
         triton_gated_kernel(_Module(), q, q, q, None, 0.25, dropout=0.1)
@@ -281,7 +281,7 @@ def test_refuses_dropout_clearly():
 
 def test_clear_error_without_gpu(monkeypatch):
     """Outside the interpreter the kernel refuses CPU tensors, naming the alternatives."""
-    import gated_attention.triton_attention as ta
+    import gated_attention.kernels.triton_attention as ta
 
     monkeypatch.setattr(ta, "interpreted", lambda: False)  # as if Triton had compiled the kernels for a GPU
     q = torch.randn(1, 2, 4, 16)
@@ -290,12 +290,12 @@ def test_clear_error_without_gpu(monkeypatch):
 
 
 def test_clear_error_without_triton(monkeypatch):
-    import gated_attention
-    import gated_attention.triton_kernels  # noqa: F401  (so that monkeypatch can restore it)
+    import gated_attention.kernels
+    import gated_attention.kernels.triton_jit  # noqa: F401  (so that monkeypatch can restore it)
 
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises ImportError
-    monkeypatch.delitem(sys.modules, "gated_attention.triton_kernels")
-    monkeypatch.delattr(gated_attention, "triton_kernels")
+    monkeypatch.delitem(sys.modules, "gated_attention.kernels.triton_jit")
+    monkeypatch.delattr(gated_attention.kernels, "triton_jit")
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(RuntimeError, match=r"needs Triton.*pip install 'triton==3\.7\.1'"):
         gated_flash_attention(q, q, q)
@@ -309,7 +309,7 @@ HOPPER_SMEM = 232448  # bytes of shared memory one block may use on H100/H200 (2
 def test_kernels_compile_for_hopper(head_dim, dtype):
     """Without a GPU: every kernel variant, with the GPU launch config, compiles to an sm_90 cubin (Triton ships
     ptxas) and fits Hopper's shared memory -- the GPU code path, which the interpreter never builds. Minutes."""
-    script = ("import torch; from gated_attention.triton_attention import compile_for_gpu; "
+    script = ("import torch; from gated_attention.kernels.triton_attention import compile_for_gpu; "
               f"r = compile_for_gpu(90, {head_dim}, torch.{dtype}); "
               "[print(v, k) for k, v in r.items()]")
     env = {k: val for k, val in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -4,18 +4,20 @@ Order of operations (official code, paper map §1.3): q/k/v projections of the p
 raw projections] -> QK-norm -> RoPE -> KV cache -> kernel (eager or sdpa) -> (B, T, H, D) -> [G1 gate] -> o_proj ->
 [G5 gate]. Because the gate never enters the kernel, every backend (ours or transformers' registered ones) works.
 The eager kernel is the plain reference that materialises probabilities; sdpa is the fast path. The one exception is
-`triton_gated` (triton_attention.py, GPU): a flash kernel that applies a G1 sigmoid gate (elementwise or headwise) in
+`triton_gated` (kernels/triton_attention.py, GPU): a flash kernel that applies a G1 sigmoid gate (elementwise or headwise) in
 its epilogue from the gate logits; every other gate stays outside it, as with the other kernels.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .baselines import build_attention_baseline
 from .gates import Position, build_gate
-from .norm import RMSNorm  # noqa: F401  (re-exported: the decoder imports it from here)
+from .mechanisms import build_attention_mechanism
+from .norm import RMSNorm
 from .rope import apply_rotary_pos_emb
 
 
@@ -62,9 +64,9 @@ def sdpa_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
 
 
 def triton_gated_attention(module, q, k, v, mask, scaling, dropout=0.0, **kwargs):
-    """Fused flash attention in Triton (triton_attention.py); applies a G1 sigmoid gate in its epilogue when given
+    """Fused flash attention in Triton (kernels/triton_attention.py); applies a G1 sigmoid gate in its epilogue when given
     `gate_logits=`. Imported on first use: Triton is optional and slow to import."""
-    from .triton_attention import triton_gated_kernel
+    from .kernels.triton_attention import triton_gated_kernel
 
     return triton_gated_kernel(module, q, k, v, mask, scaling, dropout=dropout, **kwargs)
 
@@ -102,6 +104,14 @@ def get_kernel(name: str | None):
     raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")
 
 
+def _legacy_mechanism_keys(state_dict, prefix, *args) -> None:
+    """load_state_dict pre-hook: this layer's keys saved under `baseline.` (the submodule's name before it was
+    called `mechanism`) move to `mechanism.`, in place."""
+    old = prefix + "baseline."
+    for k in [k for k in state_dict if k.startswith(old)]:
+        state_dict[prefix + "mechanism." + k[len(old):]] = state_dict.pop(k)
+
+
 class GatedAttention(nn.Module):
     """Qwen3 attention with a gate from the registry. Parameter names are stock Qwen3's; the gate (if any) lives in
     the `gate` submodule so an ungated layer has exactly stock keys."""
@@ -129,8 +139,17 @@ class GatedAttention(nn.Module):
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self.gate = build_gate(config.gate, config)
         self.gate_position = self.gate.spec.position if self.gate is not None else None
-        self.baseline = build_attention_baseline(config)  # None, or the hooks of a comparison baseline (baselines.py)
+        self.mechanism = build_attention_mechanism(config)  # None, or the hooks of a comparison mechanism
         self.capture = None  # a Recorder (capture.py) while analysing; None costs nothing
+        # checkpoints written while `mechanism` was called `baseline` load under the new name
+        self._register_load_state_dict_pre_hook(_legacy_mechanism_keys)
+
+    @property
+    def baseline(self):
+        """The former name of `mechanism` (kept for one release)."""
+        warnings.warn("GatedAttention.baseline is now GatedAttention.mechanism (the old name goes in the next "
+                      "release)", DeprecationWarning, stacklevel=2)
+        return self.mechanism
 
     def _emit(self, name, value):
         if self.capture is not None:
@@ -153,7 +172,7 @@ class GatedAttention(nn.Module):
         projection computes them (None here; the fused layer in fast.py folds them into its GEMM)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
-        if self.baseline is None or (kv := self.baseline.project_kv(x, self.k_proj, self.v_proj)) is None:
+        if self.mechanism is None or (kv := self.mechanism.project_kv(x, self.k_proj, self.v_proj)) is None:
             k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
             v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
         else:
@@ -166,8 +185,8 @@ class GatedAttention(nn.Module):
 
     def _gate_sdpa(self, y: torch.Tensor, x: torch.Tensor, gate_logits: torch.Tensor | None) -> torch.Tensor:
         """Everything between the kernel's (B, T, H, D) output and o_proj: the G1 gate (and Bondarenko's)."""
-        if self.baseline is not None:
-            y = self.baseline.gate_output(y, x)  # Bondarenko et al. per-head gate
+        if self.mechanism is not None:
+            y = self.mechanism.gate_output(y, x)  # Bondarenko et al. per-head gate
         return self._maybe_gate(Position.SDPA, y, x)
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
@@ -178,25 +197,25 @@ class GatedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
         cos, sin = position_embeddings
-        if self.baseline is None or self.baseline.use_rope:
+        if self.mechanism is None or self.mechanism.use_rope:
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        if self.baseline is not None:
-            k = self.baseline.extend_keys(k, x)  # FoX: (B, KV, T, D + n_rep), log f rides along in the cache
+        if self.mechanism is not None:
+            k = self.mechanism.extend_keys(k, x)  # FoX: (B, KV, T, D + n_rep), log f rides along in the cache
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # (B, KV, S, D) including the past
         if self.capture is not None:
             self._emit("q", q)
-            self._emit("k", k if self.baseline is None else self.baseline.key_view(k))
+            self._emit("k", k if self.mechanism is None else self.mechanism.key_view(k))
             self._emit("v", v)
             self._emit("scale", self.scaling)
         impl = self.config._attn_implementation or "sdpa"
         if self.capture is not None and getattr(self.capture, "wants_probs", False):
             impl = "eager"
-        kernel = get_kernel(impl) if self.baseline is None else self.baseline.wrap(get_kernel(impl), impl)
+        kernel = get_kernel(impl) if self.mechanism is None else self.mechanism.wrap(get_kernel(impl), impl)
         if self.sliding_window is not None and impl not in KERNELS:
             kwargs = {**kwargs, "sliding_window": self.sliding_window}
         # a G1 sigmoid gate goes into a kernel that fuses it (its epilogue), unless an analysis captures Y pre-gate
-        fuse_gate = (impl in FUSED_GATE_KERNELS and self.gate_position is Position.SDPA and self.baseline is None
+        fuse_gate = (impl in FUSED_GATE_KERNELS and self.gate_position is Position.SDPA and self.mechanism is None
                      and self.capture is None and self.gate.spec.fusable_in_kernel)
         if fuse_gate:
             logits = gate_logits if gate_logits is not None else self.gate.logits(x)  # (B, T, width)

@@ -70,9 +70,9 @@ class GatedQwen3Config(PreTrainedConfig):
     mlp_only_layers: list[int] | None = None  # layers forced dense
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert
     moe_impl: str = "grouped"  # "loop" (reference) | "grouped" (fast path)
-    # --- the paper's comparison mechanisms (gated_attention.baselines); config.json files before the rename call
+    # --- the paper's comparison mechanisms (gated_attention.mechanisms); config.json files before the rename call
     # this key `baseline`, which is still read ---
-    mechanism: str = "none"  # a runtime mechanism from baselines.BASELINES (Switch Heads, sinks, FoX, ...), or "none"
+    mechanism: str = "none"  # a runtime mechanism from baselines.MECHANISMS (Switch Heads, sinks, FoX, ...), or "none"
     softmax_zeta: float = 1.0  # clipped_softmax stretch (>= 1): above 1 lets probabilities reach exactly 1
     softmax_gamma: float = -0.03  # clipped_softmax shift (<= 0): lets probabilities reach exactly 0
 
@@ -105,7 +105,7 @@ class GatedQwen3Config(PreTrainedConfig):
                              "('sliding_attention') and set sliding_window")
         if self.moe_impl not in ("loop", "grouped"):
             raise ValueError(f"unknown moe_impl {self.moe_impl!r}; valid: loop, grouped")
-        from .baselines import validate_config
+        from .mechanisms import validate_config
 
         validate_config(self)
         if self.layer_types is None:
@@ -149,7 +149,7 @@ _NONNEG_INTS = ("num_experts", "shared_expert_intermediate_size")
 def _check_numbers(cfg: GatedQwen3Config) -> None:
     """Sizes >= 1, finite positive scales: a zero head count or a NaN RoPE theta fails here, by name, not as a
     ZeroDivisionError deep in the model or a NaN config.json."""
-    from .errors import check_number
+    from .util.errors import check_number
 
     for name in _POSITIVE_INTS:
         check_number(name, getattr(cfg, name), kind=int, min=1)

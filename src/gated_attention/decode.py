@@ -141,7 +141,7 @@ class SinkWindowCache:
 def _check_model(model: nn.Module) -> None:
     for mod in model.modules():
         if getattr(mod, "baseline", None) is not None:
-            raise ValueError(f"generate_fast: attention baseline {type(mod.baseline).__name__} may change the cache "
+            raise ValueError(f"generate_fast: attention baseline {type(mod.mechanism).__name__} may change the cache "
                              f"layout or the mask; use model.generate for it")
     if model.config._attn_implementation not in (None, "sdpa", "eager"):
         raise ValueError(f"generate_fast supports the sdpa and eager kernels, not "

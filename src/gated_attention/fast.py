@@ -84,9 +84,9 @@ class FusedGatedAttention(GatedAttention):
     def __init__(self, attn: GatedAttention, fused_gate_mul: bool = True, separate_params: bool = False):
         if getattr(attn, "baseline", None) is not None:
             raise ValueError(f"fuse_qkv: layer {attn.layer_idx} uses the comparison baseline "
-                             f"{type(attn.baseline).__name__}, which changes the projections; run it unfused")
+                             f"{type(attn.mechanism).__name__}, which changes the projections; run it unfused")
         nn.Module.__init__(self)  # the parent's __init__ would build fresh projections; we take attn's weights
-        self.baseline = None
+        self.mechanism = None
         for name in ("config", "layer_idx", "num_heads", "num_kv_heads", "num_key_value_groups", "head_dim",
                      "scaling", "attention_dropout", "is_causal", "gate_position", "capture", "layer_type",
                      "sliding_window"):

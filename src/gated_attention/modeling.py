@@ -18,8 +18,9 @@ from transformers.modeling_utils import slice_logits_to_keep
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
-from .attention import GatedAttention, RMSNorm
-from .baselines import AttentionBaseline, build_branch_transforms
+from .attention import GatedAttention
+from .mechanisms import AttentionMechanism, build_branch_transforms
+from .norm import RMSNorm
 from .configuration import GatedQwen3Config
 from .gates import Gate, Source
 from .rope import RotaryEmbedding, compute_rope_parameters
@@ -92,13 +93,19 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": GatedQwen3DecoderLayer, "attentions": GatedAttention}
 
+    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
+        """transformers' save_pretrained, writing today's parameter names (`self_attn.mechanism.*`). The conversion
+        mapping gated_attention registers reads checkpoints written before the rename (`self_attn.baseline.*`);
+        transformers would otherwise write that older format back (save_original_format=True)."""
+        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module):
         if isinstance(module, RotaryEmbedding):  # non-persistent buffers: recompute (from_pretrained builds on meta)
             inv_freq, _ = compute_rope_parameters(module.config)
             init.copy_(module.inv_freq, inv_freq)
             init.copy_(module.original_inv_freq, inv_freq)
-        elif isinstance(module, AttentionBaseline):
+        elif isinstance(module, AttentionMechanism):
             module.init_parameters(self.config.initializer_range)  # its own Parameters (sinks, per-head gate)
         elif type(module).__name__ in ("MoeRouter", "MoeExperts"):  # 3-D expert weights / router: N(0, std)
             for p in module.parameters(recurse=False):

@@ -7,8 +7,9 @@ shape keeps its FFN and reports the gate as added parameters (as the paper's MoE
 from __future__ import annotations
 
 from .configuration import GatedQwen3Config
-from .baselines import BASELINES, BaselineSpec, Kind, expanded_config, get_baseline, per_layer_params
+from .mechanisms import MECHANISMS, MechanismSpec, Kind, expanded_config, get_mechanism, per_layer_params
 from .gates import get_gate
+from .util.deprecation import renamed_attributes
 
 
 def _tiny() -> dict:  # unit tests: ~30k parameters, GQA so the per-KV-group layouts are exercised
@@ -120,20 +121,20 @@ def model_config(name: str, gate: str = "none", match_params: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The paper's comparison baselines at a preset's shape (baselines.py is the registry; sizing them needs the presets)
+# The paper's comparison baselines at a preset's shape (mechanisms.py is the registry; sizing them needs the presets)
 
-def added_params(spec: BaselineSpec | str, config) -> int:
+def added_params(spec: MechanismSpec | str, config) -> int:
     """Parameters the baseline adds to the whole model `config` describes (config is the model WITHOUT it)."""
-    spec = get_baseline(spec) if isinstance(spec, str) else spec
+    spec = get_mechanism(spec) if isinstance(spec, str) else spec
     if spec.kind is Kind.EXPAND:
         return param_report(expanded_config(config, spec))["total"] - param_report(config)["total"]
     return config.num_hidden_layers * per_layer_params(spec, config)
 
 
-def baseline_config(preset: str, name: str, gate: str = "none", **overrides):
+def mechanism_config(preset: str, name: str, gate: str = "none", **overrides):
     """`presets.model_config(preset, gate, **overrides)` with baseline `name` applied, whichever family it is.
     Baselines are compared at the parameter counts the paper reports (added on top), so no FFN shrinking here."""
-    spec = get_baseline(name)
+    spec = get_mechanism(name)
     if spec.kind is Kind.EXPAND:
         return expanded_config(model_config(preset, gate=gate, match_params=False, **overrides), spec)
     return model_config(preset, gate=gate, match_params=False, mechanism=name, **overrides)
@@ -146,7 +147,7 @@ def paper_report(config=None) -> list[dict]:
     if config is None:
             config = model_config("15a2b")
     rows = []
-    for name, spec in BASELINES.items():
+    for name, spec in MECHANISMS.items():
         if spec.kind is Kind.NONE or (spec.kind is Kind.EXPAND and spec.extra_experts and not config.num_experts):
             continue
         applicable = spec.kind is not Kind.HEAD_SLICE_GATE or \
@@ -154,3 +155,6 @@ def paper_report(config=None) -> list[dict]:
         rows.append({"name": name, "added": added_params(spec, config) if applicable else None,
                      "paper_added_m": spec.paper_added_m, "paper": spec.paper})
     return rows
+
+
+__getattr__ = renamed_attributes(__name__, globals(), {"baseline_config": "mechanism_config"})

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import metrics as M
 from .hooks import capture_activations, capture_qk, capture_sdpa_output, find_layers
-from .sink import DEFAULT_CHUNK_BYTES, SinkAccumulator, head_mean_map, key_probs_chunked
+from .attention_sinks import DEFAULT_CHUNK_BYTES, SinkAccumulator, head_mean_map, key_probs_chunked
 
 ACT_NAMES = ("attn_output", "attn_residual", "ffn_output", "ffn_residual")
 
@@ -386,7 +386,7 @@ def load_model(model_dir: str | os.PathLike, attn_implementation: str = "sdpa", 
     import gated_attention  # noqa: F401  registers our model with the Auto classes
 
     path = Path(model_dir)
-    from gated_attention.io import check_hf_dir
+    from gated_attention.util.io import check_hf_dir
 
     check_hf_dir(path, "model folder")  # folder, config.json parses, weights present and intact (else one line)
     conf = transformers.AutoConfig.from_pretrained(path, local_files_only=True)

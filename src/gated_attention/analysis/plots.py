@@ -11,16 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ..io import atomic_save_figure  # noqa: E402
-
-
-def _save(fig, path: Path) -> Path:
-    path = Path(path)
-    try:
-        atomic_save_figure(fig, path, format="png", dpi=110, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    return path
+from ..util.io import save_png  # noqa: E402
 
 
 def _series(a: dict, key: str):
@@ -49,7 +40,7 @@ def plot_layer_curves(analyses: dict[str, dict], path) -> Path:
     a2.set(xlabel="layer", ylabel="max |hidden state|", title="M-Act per layer", yscale="log")
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_activation_breakdown(analysis: dict, path, title: str = "") -> Path:
@@ -62,7 +53,7 @@ def plot_activation_breakdown(analysis: dict, path, title: str = "") -> Path:
             ax.plot(xs, ys, marker=".", label=key.removeprefix("max_abs_"))
     ax.set(xlabel="layer", ylabel="max |value|", yscale="log", title=title or "massive activations by sub-block")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_attention_maps(analysis: dict, path, title: str = "") -> Path:
@@ -80,7 +71,7 @@ def plot_attention_maps(analysis: dict, path, title: str = "") -> Path:
         fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
     if title:
         fig.suptitle(title)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_gate_histograms(analyses: dict[str, dict], path) -> Path | None:
@@ -105,7 +96,7 @@ def plot_gate_histograms(analyses: dict[str, dict], path) -> Path | None:
     ax.set(xlabel="gate score", ylabel="share of gate entries", title="gate score distribution",
            xlim=(min(0.0, lo), max(1.0, hi)))
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _finite(v) -> bool:

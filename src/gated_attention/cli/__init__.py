@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from ..errors import Parser, handle
+from ..util.errors import Parser, handle
 
 # name -> (module, one-line help). Adding a subcommand = one row here + configure_<name>/run_<name> in the module.
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -4,14 +4,14 @@ Writes OUT/analysis.json (schema: analyze.SCHEMA, also in the README) and PNG pl
 """
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import argparse
 import json
 import sys
 from pathlib import Path
 
-from ..io import atomic_write_text
+from ..util.io import atomic_write_text
 from ..analysis.analyze import AnalysisConfig, analyze_model, bos_id, load_model, load_tokenizer, token_batches
 
 
@@ -67,7 +67,7 @@ def run_analyze(args) -> int:
     result = {"model": str(args.model_dir), **analyze_model(model, batches, cfg, kind)}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from ..io import json_dumps, nonfinite_paths
+    from ..util.io import json_dumps, nonfinite_paths
 
     bad = nonfinite_paths({k: v for k, v in result.items() if k != "attention_maps"})
     if bad:  # reported, not hidden: the JSON holds null + "nonfinite", stderr says where

@@ -1,14 +1,14 @@
 """`gattn compare`: train the baseline and gated variants, analyse them, write the Table-4 style report."""
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import argparse
 import sys
 from pathlib import Path
 
-from .. import compare
-from .. import compare_report as report
+from ..compare import job as compare
+from ..compare import report
 
 
 def configure_compare(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args) -> int:
-    from ..io import lock_dir
+    from ..util.io import lock_dir
 
     with lock_dir(args.out, "gattn compare"):  # one writer per output folder
         res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,

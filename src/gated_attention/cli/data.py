@@ -1,7 +1,7 @@
 """`gattn data prepare | info`: build (or reuse) the offline corpus, or print a prepared corpus' manifest."""
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import argparse
 import json

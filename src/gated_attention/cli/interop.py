@@ -1,12 +1,12 @@
 """Interop commands: `gattn convert` (checkpoint layouts) and `gattn retrofit` (add a gate to an ungated checkpoint)."""
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import argparse
 
-from ..convert import FORMATS, convert_checkpoint
-from ..retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
+from ..interop import FORMATS, convert_checkpoint
+from ..interop.retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
 
 
 def configure_convert(parser) -> None:

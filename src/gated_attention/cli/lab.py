@@ -10,11 +10,11 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from ..labs import sinks_report
+from ..labs.sinks import report as sinks_report
 from ..labs.common import default_jobs
 from ..labs.sinks import BUDGETS, DEFAULT_VARIANTS, SinkLabConfig
 from ..labs.sinks import run_lab as run_sink_lab
-from ..labs import stability as stab
+from ..labs.stability import lab as stab
 
 def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/lab/sinks",
@@ -166,7 +166,7 @@ def run_stability(args) -> int:
                          seeds=args.seeds, seed_lrs=args.seed_lrs, sets=tuple(args.sets), data_dir=args.data_dir,
                          precision=args.precision, jobs=args.jobs if args.jobs is not None else default_jobs())
     res = stab.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
-    from ..labs.stability_report import sensitivity_text
+    from ..labs.stability.report import sensitivity_text
 
     print(sensitivity_text(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s, "
@@ -199,7 +199,8 @@ def configure_streaming(parser: argparse.ArgumentParser) -> None:
 
 
 def run_streaming(args) -> int:
-    from ..labs import streaming, streaming_report
+    from ..labs.streaming import lab as streaming
+    from ..labs.streaming import report as streaming_report
 
     cfg = streaming.StreamingConfig(models=args.models, window=args.window, sink_tokens=args.sink_tokens,
                                     seq_len=args.seq_len, sequences=args.sequences, text=args.text,
@@ -233,7 +234,7 @@ def configure_lab(parser: argparse.ArgumentParser) -> None:
 
 
 def run_lab(args) -> int:
-    from ..io import lock_dir
+    from ..util.io import lock_dir
 
     with lock_dir(args.out, f"gattn lab {args.lab}"):  # one writer per lab folder (its worker processes write inside)
         return int(LABS[args.lab][1](args) or 0)

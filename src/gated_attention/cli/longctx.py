@@ -2,13 +2,13 @@
 checkpoint: OUT/ruler.json, a task x length table, OUT/ruler.png) and `gattn longctx` (the Table 5 pipeline)."""
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import dataclasses
 import json
 from pathlib import Path
 
-from ..io import atomic_write_json
+from ..util.io import atomic_write_json
 from ..longctx import extend, pipeline, ruler
 
 
@@ -36,7 +36,7 @@ def configure_extend(parser) -> None:
 
 
 def run_extend(args) -> int:
-    from ..io import lock_dir
+    from ..util.io import lock_dir
 
     if args.finetune_steps:
         with lock_dir(args.out, "gattn extend"):  # one writer per output folder
@@ -84,7 +84,7 @@ def run_ruler(args) -> int:
 
     import gated_attention  # noqa: F401  (registers the gated model classes with the Auto factories)
 
-    from ..io import check_hf_dir
+    from ..util.io import check_hf_dir
 
     check_hf_dir(args.dir)  # a folder, config.json parses, weights present and intact (else one line)
     corpus = Path(args.haystack_file).read_text(encoding="utf-8") if args.haystack_file else None
@@ -93,7 +93,7 @@ def run_ruler(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from ..progress import Progress
+    from ..util.progress import Progress
 
     prog = Progress(len(args.tasks) * len(args.lengths), "ruler", "cell", heartbeat=True)
 
@@ -188,7 +188,7 @@ def longctx_lock_path(out, gates, seed: int = 0, seeds: int | None = None) -> Pa
 
 def run_longctx(args) -> int:
     from ..experiment import cores, default_jobs
-    from ..io import lock_dir
+    from ..util.io import lock_dir
 
     b = budget_from_args(args)
     if args.report_only:  # writes only the report (atomically), meant to run while the training processes go on

@@ -2,14 +2,14 @@
 `gattn demo` (build a tiny gated model, save/load it through the Auto classes, generate)."""
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import json
 import tempfile
 
 import torch
 
-from ..baselines import BASELINES
+from ..mechanisms import MECHANISMS
 from ..gates import ALIASES, GATES
 from ..presets import PRESETS, added_params, model_config, param_report
 
@@ -30,7 +30,7 @@ def rows(shape: str) -> list[dict]:
                                                                      spec.combine, spec.activation, spec.source))
         out.append({"name": name, "kind": "gate", "axes": axes, "added_params": rep["total"] - param_report(base)["total"],
                     "added_per_layer": rep["gate_per_layer"], "paper": "" if spec is None else spec.paper})
-    for name, spec in BASELINES.items():
+    for name, spec in MECHANISMS.items():
         kind = getattr(spec, "kind", "")
         out.append({"name": name, "kind": "baseline", "axes": getattr(kind, "value", str(kind)),
                     "added_params": added_params(spec, base), "added_per_layer": None,

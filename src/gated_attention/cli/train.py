@@ -6,7 +6,7 @@ Works unchanged under `torchrun --nproc_per_node=N` (DDP by default, `--set dist
 """
 from __future__ import annotations
 
-from .. import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import errors as E  # argparse types: numbers and paths checked where they enter
 
 import argparse
 import json
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..io import atomic_write_json, check_hf_dir, json_dumps, read_json_object
+from ..util.io import atomic_write_json, check_hf_dir, json_dumps, read_json_object
 from ..train.config import TRAIN_PRESETS, TrainConfig, apply_overrides, check_model, config_from_args
 
 
@@ -138,7 +138,7 @@ def run_eval(args) -> int:
                         device=device, precision=args.precision, positions=True)
     if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
         raise E.UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")
-    from ..precision import resolve
+    from ..util.precision import resolve
 
     res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size,
                 "resolved_precision": resolve(args.precision, device)})

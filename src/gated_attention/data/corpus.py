@@ -26,7 +26,7 @@ class Corpus:
         path = self.data_dir / "manifest.json"
         if not path.exists():
             raise FileNotFoundError(f"{path} not found; run `gattn data prepare --data-dir {data_dir}` first")
-        from ..io import read_json_object
+        from ..util.io import read_json_object
 
         self.manifest: dict[str, Any] = read_json_object(
             path, "corpus manifest", f"rerun `gattn data prepare --data-dir {data_dir}`")
@@ -43,7 +43,7 @@ class Corpus:
 
     def _check(self, domain: str, split: str) -> None:
         if domain not in self.manifest["domains"]:
-            from ..errors import UserKeyError
+            from ..util.errors import UserKeyError
 
             raise UserKeyError(f"unknown domain {domain!r}; this corpus has: {', '.join(self.domains)}")
         if split not in SPLITS:

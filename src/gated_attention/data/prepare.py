@@ -13,8 +13,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..io import atomic_write_bytes, atomic_write_json
-from ..progress import Progress
+from ..util.io import atomic_write_bytes, atomic_write_json
+from ..util.progress import Progress
 from .sources import DEFAULT_SOURCES, SOURCES, Documents, SourceUnavailable, read_extra
 from .text import BOS, EOS, SPECIAL_TOKENS, MANIFEST_VERSION, sha256_file, _warn_replaced
 from .tokenizer import external_tokenizer, get_tokenizer, save_tokenizer, token_dtype, train_tokenizer
@@ -121,7 +121,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         raise ValueError(f"unknown source(s) {unknown}; valid: {', '.join(SOURCES)}")
     if not 0.0 < cfg.val_fraction < 1.0:
         raise ValueError(f"--val-fraction {cfg.val_fraction} must be in (0, 1)")
-    from ..errors import check_number
+    from ..util.errors import check_number
 
     check_number("--vocab-size", cfg.vocab_size, kind=int, min=1)
     check_number("--chunk-chars", cfg.chunk_chars, kind=int, min=1)

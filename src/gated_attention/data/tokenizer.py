@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from ..io import chmod_like_umask
+from ..util.io import chmod_like_umask
 from .sources import read_extra
 from .text import BOS, EOS, PAD, SPECIAL_TOKENS, clean_text, _warn_replaced
 

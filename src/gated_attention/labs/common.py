@@ -21,7 +21,7 @@ from typing import Callable, Iterable
 
 # run_units / default_jobs are experiment plumbing (longctx uses them too); re-exported for the labs
 from gated_attention.experiment import default_jobs, run_units  # noqa: F401
-from gated_attention.io import atomic_write_json, atomic_write_text
+from gated_attention.util.io import atomic_write_json, atomic_write_text
 
 
 # ---------------------------------------------------------------- aggregation over seeds

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from gated_attention.io import atomic_dir
+from gated_attention.util.io import atomic_dir
 from gated_attention.rope import compute_rope_parameters
 
 METHODS = ("default", "linear", "dynamic", "yarn")
@@ -47,7 +47,7 @@ def extended_config(config: dict, method: str = "yarn", factor: float = 4.0, rop
     theta = rope_theta if rope_theta is not None else old.get("rope_theta")
     if theta is None:
         raise ValueError("rope_parameters has no rope_theta; pass --rope-theta")
-    from gated_attention.errors import check_number
+    from gated_attention.util.errors import check_number
 
     check_number("--factor", factor, max=1e6)  # finite: inf would be written into config.json
     check_number("--rope-theta", theta, min=0.0, min_open=True)
@@ -79,7 +79,7 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
         raise ValueError("--out must differ from the source checkpoint (the source is kept untouched)")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise ValueError(f"{dst} exists and is not empty; choose another --out or pass --overwrite")
-    from gated_attention.io import read_json_object
+    from gated_attention.util.io import read_json_object
 
     new = extended_config(read_json_object(cfg_path, "config", "pass a checkpoint folder written by save_pretrained"),
                           method, factor, rope_theta,
@@ -103,7 +103,7 @@ def _base_train_config(src: Path):
 
     for cand in (src / "train_config.json", src.parent / "train_config.json"):
         if cand.is_file():
-            from gated_attention.io import read_json_object
+            from gated_attention.util.io import read_json_object
 
             return TrainConfig.from_dict(read_json_object(cand, "run settings", "restore it or remove it"))
     return train_preset("small")

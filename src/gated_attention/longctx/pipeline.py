@@ -31,10 +31,10 @@ from pathlib import Path
 import torch
 
 from gated_attention import experiment
-from gated_attention.io import atomic_write_json, atomic_write_text
+from gated_attention.util.io import atomic_write_json, atomic_write_text
 from gated_attention.longctx import ruler
 from gated_attention.longctx.report import build_report, format_markdown, plot_report
-from gated_attention.progress import Progress
+from gated_attention.util.progress import Progress
 # retrieval mixing is training-data code; re-exported here for callers of the pipeline's former home
 from gated_attention.train.retrieval_mix import (DEFAULT_MIX_TASKS, BosTokenizer, RetrievalMixSource,  # noqa: F401
                                                  check_mix_tasks, mix_retrieval)
@@ -137,7 +137,7 @@ def check_budget(b: Budget) -> Budget:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(b, name)} must be >= 1")
     for m in b.models:
         parse_model(m)
-    from gated_attention.precision import check
+    from gated_attention.util.precision import check
 
     check(b.precision, "--precision")
     return b
@@ -260,7 +260,7 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
     settings = eval_settings(model_dir, b, lengths, seed)
     return experiment.cached(out_json, settings, lambda: _evaluate(model_dir, b, lengths, data_dir, seed, log), log,
-                             "[longctx]", indent=2)
+                             "[longctx]", key_field="settings", indent=2, inputs=("mtime",))
 
 
 def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from gated_attention.gates import get_gate
-from gated_attention.io import atomic_save_figure
+from gated_attention.util.io import atomic_save_figure
 from gated_attention.longctx.skill import mean_spread, wilson
 
 VARIANTS = ("none", "yarn")
@@ -127,7 +127,7 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
 def _budget_dict(b) -> dict:
     import dataclasses
 
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     return {**dataclasses.asdict(b), "resolved_precision": resolve(b.precision, "cpu")}
 

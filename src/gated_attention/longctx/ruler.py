@@ -13,7 +13,7 @@ import torch
 from gated_attention.data.ruler_tasks import *  # noqa: F401,F403  (the task API, re-exported)
 from gated_attention.data.ruler_tasks import (METRICS, NEEDS_CORPUS, NO_CORPUS_TASKS, _fit, _spec, decode,  # noqa: F401
                                               encode, generate_sample, score)
-from gated_attention.io import atomic_save_figure
+from gated_attention.util.io import atomic_save_figure
 
 
 # ---------------------------------------------------------------------------------------------------------------------

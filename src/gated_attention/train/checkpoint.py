@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..io import from_strict, json_dumps
+from ..util.errors import UserError
+from ..util.io import from_strict, json_dumps
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"

@@ -50,7 +50,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
     # --- numerics and speed
-    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: precision.py), "bf16", "fp32"
+    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: util/precision.py), "bf16", "fp32"
     fast: bool = True  # fused q/k/v/gate GEMM, fused gate, chunked loss (train/fastpath.py); false = plain reference
     compile: str = "auto"  # "auto" (compile when the run outlasts the compile cost), "true" or "false" (eager)
     attn_implementation: str = "sdpa"  # attention kernel: "sdpa", "eager" (the reference), or "triton_gated" (CUDA +
@@ -69,13 +69,13 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
-    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (progress.py)
+    progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
     inject_nan_steps: list[int] = field(default_factory=list)  # fault injection for tests: make these steps' loss NaN
 
     def validate(self) -> "TrainConfig":
         def bad(msg: str):
-            from gated_attention.errors import UserError
+            from gated_attention.util.errors import UserError
 
             raise UserError(f"invalid training config: {msg}")
 
@@ -83,7 +83,7 @@ class TrainConfig:
             bad(f"schedule={self.schedule!r}; use 'cosine' or 'wsd'")
         if self.wsd_decay_shape not in ("linear", "sqrt"):
             bad(f"wsd_decay_shape={self.wsd_decay_shape!r}; use 'linear' or 'sqrt'")
-        from gated_attention import precision as P
+        from gated_attention.util import precision as P
 
         try:
             P.check(self.precision)
@@ -106,7 +106,7 @@ class TrainConfig:
             bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
         if self.device not in ("auto", "cpu", "cuda"):
             bad(f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'")
-        from gated_attention.errors import UserError, check_number
+        from gated_attention.util.errors import UserError, check_number
 
         try:  # numbers where they enter: finite, in range, integers where counts
             for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
@@ -325,13 +325,13 @@ RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_ch
 def run_precision(d: dict) -> str:
     """The precision a run computes in, from its settings dict (train_config.json, or a TrainConfig's to_dict()):
     the `resolved_precision` recorded beside the settings, else the setting resolved on this machine now
-    (gated_attention.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
+    (gated_attention.util.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
     if d.get("resolved_precision"):
         return d["resolved_precision"]
     asked = d.get("precision", "auto")
     if asked in ("bf16", "fp32"):
         return asked
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     return resolve(asked, d.get("device", "auto"))
 

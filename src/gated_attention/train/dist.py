@@ -129,6 +129,6 @@ def agree(info: DistInfo, exc: BaseException | None) -> None:
     if exc is not None:
         raise exc
     if failed:
-        from ..errors import UserError
+        from ..util.errors import UserError
 
         raise UserError(f"rank {failed - 1} stopped with an error (see its message above); this rank stops too")

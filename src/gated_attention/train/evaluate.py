@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 
 def autocast_for(device: torch.device, precision: str):
-    """Autocast context of a precision ("auto" resolves by measurement: gated_attention.precision)."""
-    from gated_attention.precision import autocast
+    """Autocast context of a precision ("auto" resolves by measurement: gated_attention.util.precision)."""
+    from gated_attention.util.precision import autocast
 
     return autocast(precision, device)
 

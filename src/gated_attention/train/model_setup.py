@@ -22,7 +22,7 @@ def build_model_config(cfg: TrainConfig, vocab_size: int | None = None):
 
 def check_attn_implementation(name: str, device: torch.device) -> None:
     """One clear error before anything is built when the chosen attention kernel cannot run on this run's device."""
-    from gated_attention.errors import UserError
+    from gated_attention.util.errors import UserError
 
     if name != "triton_gated":
         return
@@ -32,7 +32,7 @@ def check_attn_implementation(name: str, device: torch.device) -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        from gated_attention.triton_attention import TRITON_PIN
+        from gated_attention.kernels.triton_attention import TRITON_PIN
 
         raise UserError(f"attn_implementation=triton_gated needs Triton: pip install '{TRITON_PIN}' (the 'kernel' "
                         "extra), or use --set attn_implementation=sdpa") from None
@@ -55,7 +55,7 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
     from gated_attention.gates import canonical_name
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    from gated_attention.io import check_hf_dir
+    from gated_attention.util.io import check_hf_dir
 
     check_hf_dir(cfg.init_from, "init_from")  # a folder, config.json parses, weights present and intact
     config = GatedQwen3Config.from_pretrained(cfg.init_from, attn_implementation=cfg.attn_implementation,

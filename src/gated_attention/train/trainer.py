@@ -1,6 +1,6 @@
 """The training loop: AdamW + schedule, accumulation, clipping, autocast, NaN skipping, spikes, eval, checkpoints.
 
-Numerics: `precision` ("auto" by default) is resolved once per run on rank 0 (gated_attention.precision: bf16 autocast
+Numerics: `precision` ("auto" by default) is resolved once per run on rank 0 (gated_attention.util.precision: bf16 autocast
 only where this machine runs it fast), logged, broadcast, written as `resolved_precision` beside the settings in
 train_config.json, in every checkpoint's meta.json and in summary.json; a run is never resumed or reused in another
 resolved precision (train.config.changed_settings).
@@ -39,11 +39,11 @@ from .model_setup import (apply_trainable, build_model, build_model_config, chec
                           load_init_model, param_groups)
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
-from .stability import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
+from .monitors import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
-from ..errors import UserError
-from ..io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
-from ..progress import Progress
+from ..util.errors import UserError
+from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
+from ..util.progress import Progress
 
 _RESUMABLE_CHANGES = RESUMABLE_CHANGES  # the former private name
 
@@ -89,6 +89,9 @@ def _to_cpu(obj):
 def _load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    from ..mechanisms import rename_legacy_keys  # a checkpoint from before `baseline` was named `mechanism`
+
+    msd, osd = rename_legacy_keys(msd), rename_legacy_keys(osd)
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True))
 
@@ -215,7 +218,7 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) 
     box = {}
 
     def prepare():
-        from ..precision import describe, resolve
+        from ..util.precision import describe, resolve
 
         box["precision"] = resolve(cfg.precision, info.device)
         print(f"gattn train: {describe(cfg.precision, info.device)}", file=sys.stderr, flush=True)

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .layouts import SHARED_KEYS, ConversionError
+
 # the bias names of one attention layer, in the order q, k, v, o
 _QKV = ("q_proj", "k_proj", "v_proj")
 
@@ -44,12 +46,6 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def _error(msg: str):
-    from . import ConversionError
-
-    return ConversionError(msg)
-
-
 def _stock_config(cfg: dict, fmt: str):
     import transformers
 
@@ -59,19 +55,17 @@ def _stock_config(cfg: dict, fmt: str):
 
 def config_to_native(cfg: dict, fmt: str) -> dict:
     """Native GatedQwen3Config kwargs from a Llama / Mistral / Qwen2 config.json dict."""
-    from . import SHARED_KEYS
-
     fam = FAMILIES[fmt]
     hf = _stock_config(cfg, fmt)
     if getattr(hf, "mlp_bias", False):
-        raise _error(f"{fmt} config has mlp_bias=true; the native SwiGLU MLP has no biases (no counterpart)")
+        raise ConversionError(f"{fmt} config has mlp_bias=true; the native SwiGLU MLP has no biases (no counterpart)")
     out = {k: getattr(hf, k) for k in SHARED_KEYS if k != "head_dim" and hasattr(hf, k)}
     out["head_dim"] = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     rp = dict(hf.rope_parameters)
     prf = rp.pop("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
     if prf not in (None, 1.0):
-        raise _error(f"{fmt} config has partial_rotary_factor={prf}; stock {fam.config_class[:-6]} rotates the full "
-                     "head_dim, so this checkpoint is not a stock one")
+        raise ConversionError(f"{fmt} config has partial_rotary_factor={prf}; stock {fam.config_class[:-6]} rotates "
+                              "the full head_dim, so this checkpoint is not a stock one")
     out["rope_parameters"] = rp
     bias = bool(getattr(hf, "attention_bias", False))
     qkv = {"config": bias, "always": True, "never": False}[fam.qkv_bias]
@@ -87,9 +81,9 @@ def config_to_native(cfg: dict, fmt: str) -> dict:
         types = list(hf.layer_types)
         if "sliding_attention" in types:
             if window is None:
-                raise _error(f"{fmt} config marks sliding_attention layers but use_sliding_window is false (so "
-                             "sliding_window is unset); set use_sliding_window=true with a sliding_window, or mark "
-                             "every layer full_attention")
+                raise ConversionError(f"{fmt} config marks sliding_attention layers but use_sliding_window is false "
+                                      "(so sliding_window is unset); set use_sliding_window=true with a "
+                                      "sliding_window, or mark every layer full_attention")
             out["sliding_window"] = window
         out["layer_types"] = types
         out["max_window_layers"] = hf.max_window_layers
@@ -108,29 +102,29 @@ def _biases(ncfg: dict) -> tuple[bool, bool]:
 
 
 def check_native_for(ncfg: dict, fmt: str) -> None:
-    """Fail clearly when a native model has no exact `fmt` counterpart (beyond what convert.py checks for all)."""
+    """Fail clearly when a native model has no exact `fmt` counterpart (beyond configs.check_native_for's rules)."""
     fam = FAMILIES[fmt]
     if ncfg.get("use_qk_norm", True):
-        raise _error(f"use_qk_norm=True (Qwen3 QK-norm) has no {fmt} counterpart; export it as qwen3 (or keep native)")
+        raise ConversionError(f"use_qk_norm=True (Qwen3 QK-norm) has no {fmt} counterpart; export it as qwen3 (or "
+                              "keep native)")
     qkv, o = _biases(ncfg)
     if fam.qkv_bias == "never" and (qkv or o):
-        raise _error(f"{fmt} has no attention biases; this model has q/k/v bias={qkv}, o_proj bias={o} "
-                     "(export it as llama, or qwen2 when only q/k/v are biased)")
+        raise ConversionError(f"{fmt} has no attention biases; this model has q/k/v bias={qkv}, o_proj bias={o} "
+                              "(export it as llama, or qwen2 when only q/k/v are biased)")
     if fam.o_bias == "never" and o:
-        raise _error(f"{fmt} has no o_proj bias but this model has one; export it as llama")
+        raise ConversionError(f"{fmt} has no o_proj bias but this model has one; export it as llama")
     types = ncfg.get("layer_types") or ["full_attention"] * ncfg["num_hidden_layers"]
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
     if sliding and fam.sliding == "none":
-        raise _error(f"layers {sliding} use a sliding window, which {fmt} cannot express; export as mistral or qwen2")
+        raise ConversionError(f"layers {sliding} use a sliding window, which {fmt} cannot express; export as "
+                              "mistral or qwen2")
     if sliding and fam.sliding == "all" and len(sliding) != len(types):
-        raise _error(f"{fmt} windows every layer or none; this model windows only layers {sliding} "
-                     "(export as qwen2, which has per-layer layer_types)")
+        raise ConversionError(f"{fmt} windows every layer or none; this model windows only layers {sliding} "
+                              "(export as qwen2, which has per-layer layer_types)")
 
 
 def config_from_native(full: dict, fmt: str) -> dict:
     """The config.json dict of the stock `fmt` class for a full native config dict (checked by check_native_for)."""
-    from . import SHARED_KEYS
-
     import transformers
 
     fam = FAMILIES[fmt]

@@ -1,47 +1,31 @@
-"""Experiment runs: the shared plumbing of every multi-run job (`gattn compare`, `gattn longctx`, the labs).
+"""Runs and units: the plumbing every multi-run job shares (compare, longctx, sweep, the labs).
 
-A job trains a few models into folders under its OUT, measures each one, and writes a report. Three things repeat,
-and live here once so each job only states what differs:
-
-  ensure_corpus(data_dir, vocab_size, log, tag)
-      Prepare the default corpus in `data_dir` (with `vocab_size`) if it has no manifest yet; returns the folder.
-  train_or_reuse(cfg, run_dir, log, tag) -> summary
-      One trainer run per folder: a finished run (summary.json + final/config.json) is reused, an interrupted one
-      resumes from its last checkpoint (the trainer's exact resume), a fresh folder trains. A folder holding a run
-      with other settings fails loudly. "Other settings" is one rule, `train.config.changed_settings`, which the
-      trainer's --resume check uses too: every TrainConfig field except those that do not change the numbers; a
-      field added after the run counts as its default; gate aliases are the same gate.
-  cached(path, key, compute, log, tag, key_field="settings", indent=1) -> dict
-      A JSON result that is recomputed only when its key (the settings that determine it) changed.
+  ensure_corpus(data_dir, vocab_size, log, tag) -> Path
+      Prepare the default corpus in `data_dir` (with `vocab_size`) if it has no manifest yet.
+  train_or_reuse(cfg, run_dir, log, tag, step_hook) -> summary
+      One trainer run per folder, under the reuse rule of cache.py: a finished run (summary.json + final/config.json)
+      is reused, an interrupted one resumes from its last checkpoint (the trainer's exact resume), a fresh folder
+      trains, and a folder holding a run with other settings stops the job. "Other settings" is the trainer's own
+      comparison (`train.config.changed_settings`, also its --resume check): every TrainConfig field except those that
+      do not change the numbers, precision by what it resolves to, a field added after the run counting as its
+      default, gate aliases being the same gate.
   run_units(fn, tasks, jobs, log, threads) -> [fn(t) for t in tasks]
       Independent units (one model each) in-process or in `jobs` spawned worker processes of `threads` torch
       threads each (small models: one core per model beats sharing threads: two `gattn compare` models at once,
       one thread each, train 1.15-1.2x faster than one after the other with two threads on the 2-core machine);
       `default_jobs()` is the CLIs' --jobs default. Workers adopt the parent's measured bf16 speed-up, so
       precision="auto" resolves alike in every unit of a job.
-
-Layering: this module sits above train/ and data/ (it drives them) and below the jobs and labs (they call it). Jobs
-pass `log` (a callable taking one line) and a `tag` such as "[compare]" that prefixes each line. A lab, in full:
-
-    data_dir = experiment.ensure_corpus(budget.data_dir, budget.vocab_size, log, "[lab x]")
-    base = TrainConfig(..., data="corpus", data_dir=str(data_dir)).validate()
-    for gate in gates:
-        run_dir = out / "runs" / gate
-        summary = experiment.train_or_reuse(dataclasses.replace(base, gate=gate), run_dir, log, "[lab x]")
-        key = {"model_mtime": (run_dir / "final" / "model.safetensors").stat().st_mtime, ...}  # what the result depends on
-        result = experiment.cached(run_dir / "x.json", key, lambda: measure(run_dir / "final"), log, "[lab x]")
 """
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import UserError
-from .io import atomic_write_json, read_json_object
-from .train.config import describe_changes
+from ..util.io import read_json_object
+from ..train.config import describe_changes
+from . import cache
 
 Log = Callable[[str], Any]
 
@@ -65,18 +49,16 @@ def is_finished(run_dir: str | Path) -> bool:
 
 def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]", step_hook=None) -> dict:
     """Train `cfg` into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's
-    content. Raises ValueError when run_dir holds a run with other settings. step_hook: the trainer's (a stopping
-    rule; the caller keys run_dir on its settings too)."""
-    from gated_attention.train import checkpoint, trainer  # module attributes: tests replace trainer.train
+    content. Raises cache.StaleResult when run_dir holds a run with other settings. step_hook: the trainer's (a
+    stopping rule; the caller keys run_dir on its settings too, cache.check)."""
+    from ..train import checkpoint, trainer  # module attributes: tests replace trainer.train
 
     run_dir = Path(run_dir)
     cfg_path = run_dir / "train_config.json"
     if cfg_path.exists():
-        diff = describe_changes(read_json_object(cfg_path, "saved run settings", "delete that run folder"),
-                                cfg.to_dict())
-        if diff:
-            raise UserError(f"{run_dir} holds a run with other settings than requested - different settings "
-                            f"({diff}); use a new --out or delete that folder")
+        saved = read_json_object(cfg_path, "saved run settings", "delete that run folder")
+        diff = describe_changes(saved, cfg.to_dict())
+        cache.check(run_dir, saved, cfg.to_dict(), diffs=[diff] if diff else [])
     if is_finished(run_dir):
         log(f"{tag} {cfg.gate}: reuse finished run {run_dir}")
         return read_json_object(run_dir / "summary.json", "run summary", "delete that run folder to retrain it")
@@ -88,28 +70,10 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
     return trainer.train(cfg, run_dir, resume=resume, step_hook=step_hook)
 
 
-def cached(path: str | Path, key: Any, compute: Callable[[], dict], log: Log = print, tag: str = "[run]",
-           key_field: str = "settings", indent: int | None = 1) -> dict:
-    """The JSON dict at `path` if its `key_field` equals `key`, else `compute()` stored there with that key."""
-    path = Path(path)
-    if path.exists():
-        try:
-            old = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            old = None  # writes are atomic, so this is a hand edit: recompute
-        if isinstance(old, dict) and old.get(key_field) == key:
-            log(f"{tag} reuse {path}")
-            return old
-    res = compute()
-    res[key_field] = key
-    atomic_write_json(path, res, indent=indent)
-    return res
-
-
 def _init_worker(threads: int, bf16_speedup: float | None = None) -> None:
     import torch
 
-    from .precision import adopt_measurement
+    from ..util.precision import adopt_measurement
 
     torch.set_num_threads(threads)
     adopt_measurement(bf16_speedup)  # the parent's measurement: every unit of a job resolves "auto" alike
@@ -124,7 +88,7 @@ def run_units(fn: Callable, tasks: list, jobs: int = 1, log=print, threads: int 
         return [fn(t) for t in tasks]
     import multiprocessing as mp
 
-    from .precision import shared_measurement
+    from ..util.precision import shared_measurement
 
     results: list = [None] * len(tasks)
     errors = []

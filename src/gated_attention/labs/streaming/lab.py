@@ -69,7 +69,7 @@ class Entry:
 
 def _text_entry(model_dir: Path, label: str) -> Entry:
     """A trainer run's final/ (or any HF folder): its corpus and length from the run's train_config.json."""
-    from gated_attention.io import read_json_object
+    from gated_attention.util.io import read_json_object
 
     tc = next((p for p in (model_dir / "train_config.json", model_dir.parent / "train_config.json") if p.is_file()),
               None)
@@ -81,7 +81,7 @@ def _text_entry(model_dir: Path, label: str) -> Entry:
 
 def resolve_models(paths: list) -> list[Entry]:
     """Every model the given folders hold, with unique labels (module docstring)."""
-    from . import sinks
+    from ..sinks import lab as sinks
 
     entries = []
     for raw in paths:
@@ -187,7 +187,7 @@ def measure_model(model, seqs, window: int, sink_tokens: list[int], masks: dict 
 def _load(entry: Entry, cfg: StreamingConfig):
     """(model, held-out seqs (B, T+1), masks or None, seq_len) of one entry."""
     if entry.kind == "sink_lab":
-        from . import sinks
+        from ..sinks import lab as sinks
 
         if cfg.text:
             raise ValueError(f"--text applies to text models; {entry.path} is a Bigram-Backcopy model")
@@ -218,9 +218,9 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     """Measure every model, write lab.json, report.md, report.html and the per-position plot into out."""
     import torch
 
-    from gated_attention.io import atomic_write_text, json_dumps
+    from gated_attention.util.io import atomic_write_text, json_dumps
 
-    from . import streaming_report
+    from . import report
 
     cfg.validate()
     out = Path(out)
@@ -244,9 +244,9 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
             f"K={k} {w[k]['loss']:.3f}" for k in w))
     lab = {"config": {**asdict(cfg), "models": [str(m) for m in cfg.models]},
            "scored_positions": f"query positions t >= {cfg.window} (targets t + 1), the same for every setting",
-           "models": models, "by_variant": streaming_report.by_variant(models),
+           "models": models, "by_variant": report.by_variant(models),
            "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0}
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in streaming_report.make_plots(out / "plots", lab).items()}
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
     atomic_write_text(out / "lab.json", json_dumps(lab, indent=1))
-    streaming_report.write(out, lab)
+    report.write(out, lab)
     return lab

@@ -1,4 +1,4 @@
-"""The baseline registry: every runtime baseline x {eager, sdpa} through the model harness (finite forward/backward,
+"""The comparison-mechanism registry (mechanisms.py): every runtime mechanism x {eager, sdpa} through the model harness (finite forward/backward,
 backend agreement incl. gradients, KV-cache generation, left padding, save/load), the parameter formulas against
 built models and the paper's columns, and each mechanism against its formula written out with plain ops."""
 import math
@@ -8,27 +8,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
-from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.baselines import BASELINES, expanded_config, get_baseline
-from gated_attention.presets import added_params, baseline_config, model_config, paper_report
-from harness import tiny_lm
+from gated_attention.mechanisms import MECHANISMS, expanded_config, get_mechanism
+from gated_attention.presets import added_params, mechanism_config, model_config, paper_report
+from harness import build_lm, perturb, tiny_lm
 
-RUNTIME = [n for n, s in BASELINES.items() if s.runtime]
+RUNTIME = [n for n, s in MECHANISMS.items() if s.runtime]
 BACKENDS = ["eager", "sdpa"]
 
 
 def tiny_model(baseline="none", backend="sdpa", seed=0, **kw):
     return tiny_lm(kw.pop("gate", "none"), backend, seed, mechanism=baseline, **kw)
-
-
-def _perturb(model, seed=1):
-    """Move zero-/one-initialised parameters (biases, norm weights, sinks) off their init so formula tests and
-    gradient comparisons see every term."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g))
-    return model
 
 
 # --- the harness -------------------------------------------------------------------------------------------------
@@ -38,7 +27,7 @@ def test_forward_backward_finite_and_backends_agree(name):
     x = torch.randint(0, 128, (2, 9))
     grads = {}
     for backend in BACKENDS:
-        model = _perturb(tiny_model(name, backend)).train()
+        model = perturb(tiny_model(name, backend)).train()
         out = model(x, labels=x)
         assert torch.isfinite(out.loss)
         out.loss.backward()
@@ -54,7 +43,7 @@ def test_forward_backward_finite_and_backends_agree(name):
 @pytest.mark.parametrize("name", RUNTIME)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cached_generation_equals_uncached(name, backend):
-    model = _perturb(tiny_model(name, backend))
+    model = perturb(tiny_model(name, backend))
     prompt = torch.randint(0, 128, (1, 5))
     out = model.generate(prompt, max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=0)
@@ -66,7 +55,7 @@ def test_cached_generation_equals_uncached(name, backend):
 @pytest.mark.parametrize("name", ["sink_logits", "forgetting", "clipped_softmax", "switch_kv_4top4"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_left_padded_row_equals_the_row_alone(name, backend):
-    model = _perturb(tiny_model(name, backend))
+    model = perturb(tiny_model(name, backend))
     b = torch.randint(1, 128, (1, 4))
     batch = torch.cat([torch.randint(1, 128, (1, 7)), torch.cat([torch.zeros(1, 3, dtype=torch.long), b], 1)])
     mask = torch.cat([torch.ones(1, 7), torch.cat([torch.zeros(1, 3), torch.ones(1, 4)], 1)]).long()
@@ -77,7 +66,7 @@ def test_left_padded_row_equals_the_row_alone(name, backend):
 
 @pytest.mark.parametrize("name", RUNTIME)
 def test_save_load_round_trip(tmp_path, name):
-    model = _perturb(tiny_model(name))
+    model = perturb(tiny_model(name))
     model.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.mechanism == name
@@ -87,12 +76,12 @@ def test_save_load_round_trip(tmp_path, name):
 
 # --- parameter counts ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", [n for n in BASELINES if n != "none"])
+@pytest.mark.parametrize("name", [n for n in MECHANISMS if n != "none"])
 def test_added_params_equal_the_built_model(name):
     preset = "tiny-moe" if name == "more_experts" else "tiny"
     base = model_config(preset, match_params=False)
-    n0 = sum(p.numel() for p in GatedQwen3ForCausalLM(base).parameters())
-    n1 = sum(p.numel() for p in GatedQwen3ForCausalLM(baseline_config(preset, name)).parameters())
+    n0 = sum(p.numel() for p in build_lm(base).parameters())
+    n1 = sum(p.numel() for p in build_lm(mechanism_config(preset, name)).parameters())
     assert n1 - n0 == added_params(name, base)
 
 
@@ -127,10 +116,10 @@ def test_expanded_config_shapes_and_errors():
 
 
 def test_invalid_names_and_settings_fail_clearly():
-    with pytest.raises(ValueError, match="unknown baseline"):
+    with pytest.raises(ValueError, match="unknown mechanism"):
         model_config("tiny", baseline="switch_q_4top4")
     with pytest.raises(ValueError, match="top_k"):
-        get_baseline("switch_v_2top3")
+        get_mechanism("switch_v_2top3")
     with pytest.raises(ValueError, match="only used by mechanism='clipped_softmax'"):
         model_config("tiny", softmax_gamma=-0.1)
     with pytest.raises(ValueError, match="zeta >= 1"):
@@ -138,8 +127,8 @@ def test_invalid_names_and_settings_fail_clearly():
     with pytest.raises(ValueError, match="hidden_size == num_attention_heads"):
         model_config("tiny", baseline="bondarenko_gate", head_dim=16)
     with pytest.raises(ValueError, match="eager and sdpa"):
-        tiny_model("sink_logits").model.layers[0].self_attn.baseline.wrap(None, "flash_attention_2")
-    assert get_baseline("switch_v_16top4").experts == 16 and get_baseline("output_clip_50").clip == 50.0
+        tiny_model("sink_logits").model.layers[0].self_attn.mechanism.wrap(None, "flash_attention_2")
+    assert get_mechanism("switch_v_16top4").experts == 16 and get_mechanism("output_clip_50").clip == 50.0
 
 
 # --- each mechanism against its formula ---------------------------------------------------------------------------
@@ -188,7 +177,7 @@ def _plain_attention(attn, x, cos, sin, *, k=None, v=None, rope=True, logit_bias
 
 def _check(name, make_reference, **kw):
     for backend in BACKENDS:
-        model = _perturb(tiny_model(name, backend, **kw))
+        model = perturb(tiny_model(name, backend, **kw))
         attn = model.model.layers[0].self_attn
         x, cos, sin = _layer_inputs(model)
         out, _ = attn(x, (cos, sin), None)
@@ -196,7 +185,7 @@ def _check(name, make_reference, **kw):
 
 
 def test_sink_logits_formula():
-    _check("sink_logits", lambda a, x, c, s: _plain_attention(a, x, c, s, sink=a.baseline.sinks))
+    _check("sink_logits", lambda a, x, c, s: _plain_attention(a, x, c, s, sink=a.mechanism.sinks))
 
 
 def test_clipped_softmax_formula_and_exact_zeros():
@@ -215,7 +204,7 @@ def test_forgetting_formula_with_and_without_rope():
     def ref(rope):
         def make(a, x, c, s):
             t = x.shape[1]
-            logf = torch.nn.functional.logsigmoid(x @ a.baseline.proj.weight.T + a.baseline.proj.bias)  # (1, T, H)
+            logf = torch.nn.functional.logsigmoid(x @ a.mechanism.proj.weight.T + a.mechanism.proj.bias)  # (1, T, H)
             bias = torch.zeros(1, a.num_heads, t, t)
             for i in range(t):
                 for j in range(i + 1):
@@ -230,21 +219,21 @@ def test_forgetting_formula_with_and_without_rope():
 def test_bondarenko_gate_formula_and_init():
     def ref(a, x, c, s):
         H, D = a.num_heads, a.head_dim
-        gate = torch.stack([torch.sigmoid(x[..., h * D:(h + 1) * D] @ a.baseline.weight[h] + a.baseline.bias[h])
+        gate = torch.stack([torch.sigmoid(x[..., h * D:(h + 1) * D] @ a.mechanism.weight[h] + a.mechanism.bias[h])
                             for h in range(H)], -1)  # (1, T, H): head h reads only its own slice of x
         return _plain_attention(a, x, c, s, head_gate=gate)
 
     _check("bondarenko_gate", ref)
-    fresh = tiny_model("bondarenko_gate").model.layers[1].self_attn.baseline
+    fresh = tiny_model("bondarenko_gate").model.layers[1].self_attn.mechanism
     torch.testing.assert_close(torch.sigmoid(fresh.bias), torch.full((4,), 0.25))
 
 
 @pytest.mark.parametrize("name", ["switch_v_8top2", "switch_kv_4top4", "switch_v_1top1"])
 def test_switch_heads_formula(name):
-    spec = get_baseline(name)
+    spec = get_mechanism(name)
 
     def ref(a, x, c, s):
-        sw, t, KV, D, E = a.baseline, x.shape[1], a.num_kv_heads, a.head_dim, spec.experts
+        sw, t, KV, D, E = a.mechanism, x.shape[1], a.num_kv_heads, a.head_dim, spec.experts
         W_s = sw.router.weight.view(KV, E, -1)  # (KV, E, d)
 
         def expert(proj, extra, g, e):  # expert e of KV head g: (1, T, D)
@@ -269,7 +258,7 @@ def test_switch_heads_formula(name):
 def test_switch_v_1top1_is_the_value_headwise_gate():
     gate_model = tiny_model(gate="value_headwise")
     switch = tiny_model("switch_v_1top1")
-    sd = {k.replace("self_attn.gate.proj", "self_attn.baseline.router"): v for k, v in gate_model.state_dict().items()}
+    sd = {k.replace("self_attn.gate.proj", "self_attn.mechanism.router"): v for k, v in gate_model.state_dict().items()}
     switch.load_state_dict(sd)
     x = torch.randint(0, 128, (2, 9))
     torch.testing.assert_close(switch(x).logits, gate_model(x).logits, atol=1e-6, rtol=1e-5)
@@ -281,7 +270,7 @@ def _rms(z, w, eps):
 
 @pytest.mark.parametrize("name", ["sandwich_norm", "output_clip_0.02"])
 def test_branch_transforms_formula(name):
-    model = _perturb(tiny_model(name))
+    model = perturb(tiny_model(name))
     layer = model.model.layers[0]
     x, cos, sin = _layer_inputs(model)
     eps = model.config.rms_norm_eps
@@ -298,13 +287,13 @@ def test_branch_transforms_formula(name):
 
 def test_baselines_combine_with_a_gate():
     model = tiny_model("sink_logits", gate="sdpa_elementwise")
-    assert model.model.layers[0].self_attn.gate is not None and model.model.layers[0].self_attn.baseline is not None
+    assert model.model.layers[0].self_attn.gate is not None and model.model.layers[0].self_attn.mechanism is not None
     assert torch.isfinite(model(torch.randint(0, 128, (1, 5))).logits).all()
 
 
 def test_forget_decay_is_exact_when_queries_are_not_the_last_keys():
     """A static cache's prefill: 3 queries at key slots 2..4 of 8, slots 5..7 empty (masked)."""
-    fox = tiny_model("forgetting").model.layers[0].self_attn.baseline
+    fox = tiny_model("forgetting").model.layers[0].self_attn.mechanism
     H, KV, D, S = 4, 2, 8, 8
     logf = -torch.rand(1, H, S)  # (1, H, S)
     k_ext = torch.cat([torch.randn(1, KV, S, D), logf.view(1, KV, 2, S).transpose(2, 3)], -1)  # (1, KV, S, D + 2)
@@ -318,7 +307,7 @@ def test_forget_decay_is_exact_when_queries_are_not_the_last_keys():
 
 @pytest.mark.parametrize("name", ["forgetting", "sink_logits", "clipped_softmax", "switch_v_8top2"])
 def test_static_cache_generation_equals_uncached(name):
-    model = _perturb(tiny_model(name, "sdpa"))
+    model = perturb(tiny_model(name, "sdpa"))
     prompt = torch.randint(0, 128, (1, 5))
     out = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True,
                          pad_token_id=0, cache_implementation="static")
@@ -329,9 +318,70 @@ def test_static_cache_generation_equals_uncached(name):
 
 @pytest.mark.parametrize("name", ["sandwich_norm", "switch_kv_4top4", "forgetting"])
 def test_baselines_on_the_tiny_moe(name):
-    torch.manual_seed(0)
-    model = GatedQwen3ForCausalLM(baseline_config("tiny-moe", name)).train()
+    model = build_lm(mechanism_config("tiny-moe", name), eval=False)
     x = torch.randint(0, 128, (2, 9))
     out = model(x, labels=x)
     out.loss.backward()
     assert torch.isfinite(out.loss) and out.aux_loss is not None
+
+
+# --- the names before "baseline" became "mechanism" (one release) ---------------------------------------------------
+
+def _legacy(state: dict) -> dict:
+    return {k.replace(".self_attn.mechanism.", ".self_attn.baseline."): v for k, v in state.items()}
+
+
+def test_old_names_still_answer_with_a_warning():
+    import gated_attention.mechanisms as M
+    import gated_attention.presets as P
+
+    with pytest.warns(DeprecationWarning, match="BASELINES is now gated_attention.mechanisms.MECHANISMS"):
+        assert M.BASELINES is M.MECHANISMS
+    with pytest.warns(DeprecationWarning, match="get_mechanism"):
+        assert M.get_baseline("sink_logits") is M.get_mechanism("sink_logits")
+    with pytest.warns(DeprecationWarning, match="mechanism_config"):
+        assert P.baseline_config is P.mechanism_config
+    attn = tiny_model("sink_logits").model.layers[0].self_attn
+    with pytest.warns(DeprecationWarning, match="GatedAttention.mechanism"):
+        assert attn.baseline is attn.mechanism
+    with pytest.raises(AttributeError):
+        M.no_such_name  # noqa: B018
+
+
+def test_checkpoints_with_the_old_key_names_load_everywhere(tmp_path):
+    """A model saved while the submodule was `self_attn.baseline`: load_state_dict, from_pretrained and the native
+    converter all put its tensors under `mechanism` (nothing missing, logits identical)."""
+    from safetensors.torch import load_file, save_file
+
+    from gated_attention.interop import convert_checkpoint
+
+    model = perturb(tiny_model("sink_logits"))
+    x = torch.randint(0, 128, (2, 9))
+    fresh = tiny_model("sink_logits", seed=5)
+    fresh.load_state_dict(_legacy(model.state_dict()))
+    torch.testing.assert_close(fresh(x).logits, model(x).logits, atol=0, rtol=0)
+    model.save_pretrained(tmp_path / "old")
+    weights = tmp_path / "old" / "model.safetensors"
+    state = load_file(weights)
+    assert any(".self_attn.mechanism." in k for k in state)  # today's name on disk
+    save_file(_legacy(state), weights, metadata={"format": "pt"})
+    assert any(".self_attn.baseline." in k for k in load_file(weights))
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "old", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    torch.testing.assert_close(loaded.eval()(x).logits, model(x).logits, atol=0, rtol=0)
+    convert_checkpoint(tmp_path / "old", tmp_path / "native", "native", "native")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
+    torch.testing.assert_close(again(x).logits, model(x).logits, atol=0, rtol=0)
+
+
+def test_an_optimizer_state_keyed_by_old_names_is_renamed():
+    from gated_attention.mechanisms import rename_legacy_keys
+
+    osd = {"state": {"model.layers.0.self_attn.baseline.sinks": {"step": 1}, "lm_head.weight": {"step": 1}},
+           "param_groups": [{"lr": 0.1, "params": ["model.layers.0.self_attn.baseline.sinks", "lm_head.weight"]}]}
+    new = rename_legacy_keys(osd)
+    assert set(new["state"]) == {"model.layers.0.self_attn.mechanism.sinks", "lm_head.weight"}
+    assert new["param_groups"][0] == {"lr": 0.1, "params": ["model.layers.0.self_attn.mechanism.sinks",
+                                                            "lm_head.weight"]}
+    plain = {"model.norm.weight": 1}
+    assert rename_legacy_keys(plain) is plain

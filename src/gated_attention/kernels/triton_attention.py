@@ -6,7 +6,7 @@
 
 with the G1 gate (elementwise logits (B, T, H, D) or headwise (B, T, H, 1); None = ungated) applied in the forward
 kernel's epilogue, so the ungated attention output never leaves registers: the only (B, T, H, D) tensor written is
-the gated output, which is also all the backward needs (see triton_kernels.py). Causal, GQA (KV heads shared by
+the gated output, which is also all the backward needs (see triton_jit.py). Causal, GQA (KV heads shared by
 H // KV query heads, no repeat_kv copy), key/left padding and arbitrary boolean masks; head_dim any size (padded to a
 power of two >= 16 inside the kernel); any sequence length (edge tiles are masked). Forward and backward are Triton
 kernels wrapped in one torch.autograd.Function; gradients flow to q, k, v and the gate logits.
@@ -33,11 +33,11 @@ TRITON_PIN = "triton==3.7.1"  # the release torch==2.13.0's CUDA wheels pair wit
 def _kernels():
     """The Triton kernel module, imported on first use (importing Triton costs seconds; most runs never need it)."""
     try:
-        from . import triton_kernels
+        from . import triton_jit
     except ImportError as e:  # triton missing (or broken)
         raise RuntimeError(f"attn_implementation='triton_gated' needs Triton ({e}); install it with "
                            f"`pip install '{TRITON_PIN}'` (part of the dev extra), or use attn_implementation='sdpa'") from e
-    return triton_kernels
+    return triton_jit
 
 
 def interpreted() -> bool:
@@ -57,7 +57,7 @@ def check_device(t: torch.Tensor) -> None:
         return
     if t.device.type != "cuda":
         hint = (" (TRITON_INTERPRET=1 is set, but Triton's kernels were built before it was: set it before the first "
-                "import of gated_attention.triton_kernels)" if os.environ.get("TRITON_INTERPRET") == "1" else "")
+                "import of gated_attention.kernels.triton_jit)" if os.environ.get("TRITON_INTERPRET") == "1" else "")
         raise RuntimeError(f"attn_implementation='triton_gated' needs a CUDA GPU, but the tensors are on "
                            f"{t.device.type}{hint}; use attn_implementation='sdpa' here, or run with "
                            f"TRITON_INTERPRET=1 (Triton's CPU interpreter: slow, for tests)")

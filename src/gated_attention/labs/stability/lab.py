@@ -6,8 +6,8 @@ A grid of learning rates x variants (baseline, G1 elementwise, G1 headwise) x QK
 narrow models on the default corpus, every run on the trainer's own path (`train.trainer.train`) with the same tokens.
 Per run: final validation loss, diverged, loss-spike count (the trainer's noise-aware detector), max attention logit
 q.k*scale, max |hidden state| and max |output logit| over training. Per (variant, QK-norm), with bootstrap intervals
-over seeds (labs/stability_stats.py): Wortsman's LR sensitivity, the largest LR that converges (`max_stable_lr`) and
-the spikes per run. `compare_claims.stability_claim` turns lab.json into the claims-table verdict.
+over seeds (stats.py): Wortsman's LR sensitivity, the largest LR that converges (`max_stable_lr`) and
+the spikes per run. `verdict.stability_verdict` turns lab.json into the claims-table verdict (compare's row and the lab's own line).
 
 Layout of OUT:
   OUT/runs/<variant>_qk<on|off>_lr<lr>_s<seed>/  log.jsonl, summary.json, train_config.json, result.json
@@ -27,12 +27,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..io import atomic_write_text, read_jsonl
-from ..experiment import ensure_corpus
-from ..gates import canonical_name
-from .common import load_unit, run_units, save_unit
-from . import stability_stats as St
-from .stability_stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
+from ...util.io import atomic_write_text, read_jsonl
+from ...experiment import ensure_corpus
+from ...gates import canonical_name
+from ..common import load_unit, run_units, save_unit
+from . import stats as St
+from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
@@ -114,7 +114,7 @@ class LabConfig:
     sets: tuple[str, ...] = ()  # `key=value` training/model overrides on top of the budget's recipe (--set)
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
-    precision: str = "auto"  # training numerics; resolved once (gated_attention.precision) and keyed per run
+    precision: str = "auto"  # training numerics; resolved once (gated_attention.util.precision) and keyed per run
 
     def validate(self) -> "LabConfig":
         from gated_attention.gates import GATES, canonical_name
@@ -148,13 +148,13 @@ class LabConfig:
             key = item.split("=", 1)[0].strip()
             if key in _LAB_SETTINGS:
                 raise ValueError(f"--set {key}: the lab sets it per run; use {_LAB_SETTINGS[key]}")
-        from gated_attention.precision import check
+        from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
         return self
 
     def resolved_precision(self) -> str:
-        from gated_attention.precision import resolve
+        from gated_attention.util.precision import resolve
 
         return resolve(self.precision, "cpu")
 
@@ -300,7 +300,7 @@ def train_run(task: tuple) -> dict:
     from gated_attention.train.evaluate import domain_losses
     from gated_attention.train.trainer import build_model, train
 
-    from .stability_probe import StabilityProbe
+    from .probe import StabilityProbe
 
     cfg = TrainConfig.from_dict(cfg_dict).validate()
     shutil.rmtree(out, ignore_errors=True)
@@ -390,7 +390,7 @@ def instability_check(rows: list[dict], margin: float = 0.5) -> dict:
 
 
 def setting_stats(runs: list[dict], margin: float) -> dict:
-    """One (variant, QK-norm) setting's aggregates with bootstrap intervals over seeds (labs/stability_stats.py)."""
+    """One (variant, QK-norm) setting's aggregates with bootstrap intervals over seeds (stats.py)."""
     seeds = sorted({r["seed"] for r in runs})
     curve = St.lr_curve(runs)
     best_lr = min(curve, key=curve.get)
@@ -414,7 +414,7 @@ def setting_stats(runs: list[dict], margin: float) -> dict:
 
 def run_lab(lab: LabConfig, log=print) -> dict:
     """Train/reuse the grid, then write lab.json, report.md, report.html and plots into lab.out."""
-    from . import stability_report as R
+    from . import report as R
 
     lab.validate()
     t0 = time.perf_counter()

@@ -1,14 +1,14 @@
 """Rendering of a stability-lab result (lab.json): plots (final loss vs LR per QK-norm setting, max attention logit
 vs LR, training curves at the highest LR and where the baseline spiked most), report.md and a self-contained
-report.html (PNGs inlined as base64). The verdict line is compare_claims.stability_claim's (one rule, two places).
+report.html (PNGs inlined as base64). The verdict line is verdict.stability_verdict's, the rule compare's claims row uses (one rule, two places).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..compare_report import fmt
-from ..gates import canonical_name
-from .common import md_table, write_report
+from ...experiment.report import fmt
+from ...gates import canonical_name
+from ..common import md_table, write_report
 
 _NAMES = {"baseline": "baseline", "none": "baseline (none)", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
@@ -44,7 +44,8 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 # ---------------------------------------------------------------- plots
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     inits = []
@@ -69,11 +70,12 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
     ax.set(xlabel="peak learning rate", ylabel="final validation loss (nats)",
            title=f"final loss vs LR, QK-norm {_qk(qk)} (x = diverged)")
     ax.legend(fontsize=9)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colors = {}
@@ -92,12 +94,13 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
     ax.set(xlabel="peak learning rate", ylabel="max attention logit q.k/sqrt(d) over training",
            title="attention-logit growth")
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss, max attention logit and max |hidden state| over steps at one LR, every setting (seed 0)."""
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4))
     drawn = False
@@ -127,7 +130,7 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     a2.set(xlabel="step", ylabel="max attention logit", yscale="log", title=f"max attention logit at lr {lr:g}")
     a3.set(xlabel="step", ylabel="max |hidden state|", yscale="log", title=f"max |hidden state| at lr {lr:g}")
     a1.legend(fontsize=8)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def make_plots(lab: dict, plot_dir) -> dict[str, Path]:
@@ -275,8 +278,8 @@ def sensitivity_text(lab: dict) -> str:
 
 
 def verdict_line(lab: dict) -> str:
-    """The claims table's stability verdict for this lab (compare_claims.stability_claim on lab.json)."""
-    from ..compare_claims import stability_verdict
+    """The claims table's stability verdict for this lab (verdict.stability_verdict, as compare's claims row)."""
+    from .verdict import stability_verdict
 
     c = stability_verdict(lab)
     return f"Verdict (the claims-table rule): {c['verdict']} - {c['this_run']}"

@@ -2,8 +2,8 @@
 issue #10). `gattn retrofit CKPT --gate NAME --init {identity,random} --out DST`.
 
 Input: a native checkpoint (`save_pretrained` dir, e.g. a training run's `final/`), or a stock transformers Qwen3 /
-Qwen3-MoE / Llama / Mistral / Qwen2 dir or an ungated official one, which first go through convert's format ->
-native functions (the format is read from config.json's model_type). Every
+Qwen3-MoE / Llama / Mistral / Qwen2 dir or an ungated official one, which first go through interop's format ->
+native maps (the format is read from config.json's model_type). Every
 existing tensor is copied bit for bit; only the gate's parameters are new. The result is a normal native checkpoint
 (config.json + model.safetensors + the source's tokenizer files), written atomically; continue training it with
 `gattn train --gate NAME --set init_from=DST` (add `--set trainable=gates` to train only the new gate parameters).
@@ -30,8 +30,10 @@ from pathlib import Path
 
 import torch
 
-from .convert import ConversionError, config_from_native, config_to_native, load_dir, save_dir, state_to_native, \
-    validate_state, native_shapes
+from .checkpoints import load_dir, save_dir
+from .configs import config_from_native, config_to_native
+from .layouts import ConversionError
+from .states import native_shapes, state_to_native, validate_state
 
 INITS = ("identity", "random")
 SOURCE_FORMATS = ("auto", "native", "qwen3", "qwen3-moe", "official", "llama", "mistral", "qwen2")
@@ -56,7 +58,7 @@ def detect_format(config: dict) -> str:
 
 def _gate_tensors(config, layer_idx: int, init: str, dtype: torch.dtype, generator: torch.Generator) -> dict:
     """The new gate parameters of one layer, keyed by their full state-dict names."""
-    from .gates import build_gate
+    from ..gates import build_gate
 
     gate = build_gate(config.gate, config)
     prefix = f"model.layers.{layer_idx}.self_attn.gate."
@@ -78,8 +80,8 @@ def retrofit_state(config: dict, state: dict, gate: str, init: str = "identity",
                    src_format: str = "auto") -> tuple[dict, dict]:
     """In memory: an ungated (config.json dict, state dict) -> the native (config.json dict, state dict) with `gate`
     added. Existing tensors are passed through unchanged (same objects)."""
-    from .configuration import GatedQwen3Config
-    from .gates import Source, canonical_name, get_gate
+    from ..configuration import GatedQwen3Config
+    from ..gates import Source, canonical_name, get_gate
 
     if init not in INITS:
         raise ValueError(f"unknown retrofit init {init!r}; valid: {', '.join(INITS)}")

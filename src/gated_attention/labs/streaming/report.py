@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import fmt_mean_std, mean_std, write_report
+from ..common import fmt_mean_std, mean_std, write_report
 
 TASK_KEYS = ("backcopy_ce", "bigram_ce")  # sink-lab models also report the task's two kinds of positions
 
@@ -89,7 +89,8 @@ def text_table(lab: dict) -> str:
 
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     """Per-position loss (mean over sequences) per model: full attention and each K, the window edge marked."""
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     models = lab["models"]
     n = len(models)
@@ -107,7 +108,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    return {"per_position": _save(fig, Path(plot_dir) / "per_position_loss.png")}
+    return {"per_position": save_png(fig, Path(plot_dir) / "per_position_loss.png")}
 
 
 def blocks(lab: dict) -> list[tuple]:

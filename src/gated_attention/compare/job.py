@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import experiment
-from .io import atomic_write_text, json_dumps
+from .. import experiment
+from ..util.io import atomic_write_text, json_dumps
 
 # variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
@@ -173,7 +173,7 @@ def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
         return analyze_model(model, batches, AnalysisConfig(map_len=budget.map_len), kind)
 
     return experiment.cached(run_dir / "analysis.json", key, compute, lambda m: None, "[compare]",
-                             key_field="compare_key", indent=None)
+                             key_field="compare_key", indent=None, inputs=("final_mtime",))
 
 
 def count_params(run_dir: Path) -> int:
@@ -185,7 +185,7 @@ def count_params(run_dir: Path) -> int:
 
 
 def read_log(run_dir: Path) -> list[dict]:
-    from .io import read_jsonl
+    from ..util.io import read_jsonl
 
     return read_jsonl(run_dir / "log.jsonl")
 
@@ -230,7 +230,7 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
 
 def sink_lab_config(budget: Budget, variants: list[str], precision: str = "auto"):
     """The budget's `gattn lab sinks` settings on compare's variants, in the LM runs' precision setting."""
-    from gated_attention.labs import sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     name, changes = budget.sink_lab
     return replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
@@ -241,17 +241,17 @@ def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | Non
                  precision: str = "auto") -> dict:
     """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
     LM runs' precision setting."""
-    from gated_attention.labs import common, sinks
+    from gated_attention.labs.sinks import lab as sinks
 
     cfg = sink_lab_config(budget, variants, precision)
     log(f"[compare] sink lab ({budget.sink_lab[0]} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
-    return sinks.run_lab(cfg, out, jobs=jobs or common.default_jobs(),
+    return sinks.run_lab(cfg, out, jobs=jobs or experiment.default_jobs(),
                          log=lambda m: log(f"[compare] sink lab: {m}"))
 
 
 def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
     """What compare.json keeps of its sink lab: per-variant means/stds, the table and plot paths (relative to out)."""
-    from gated_attention.labs import sinks_report
+    from gated_attention.labs.sinks import report as sinks_report
 
     head, rows = sinks_report.table_cells(lab)
     return {"dir": str(lab_dir.relative_to(out)), "task": lab["task"], "config": lab["config"],
@@ -264,7 +264,7 @@ def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
 def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | None, log=print) -> dict:
     """`gattn lab streaming` on this run's text models (OUT/streaming/text) and, when the sink lab ran, on its models
     (OUT/streaming/sink_lab); returns what compare.json keeps (streaming_summary)."""
-    from gated_attention.labs import streaming
+    from gated_attention.labs.streaming import lab as streaming
 
     s = budget.streaming
     runs = {"text": ([str(out)], seq_len)}
@@ -282,7 +282,7 @@ def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | Non
 def streaming_summary(labs: dict, out: Path) -> dict:
     """compare.json's "streaming": per source (text / sink lab) its window, every model's loss/ppl (no curves),
     the sink lab's by-variant means, one table and the plots (paths relative to out)."""
-    from gated_attention.labs import streaming_report
+    from gated_attention.labs.streaming import report as streaming_report
 
     models, head, rows = {}, None, []
     for src, lab in labs.items():
@@ -318,7 +318,7 @@ def _unit(task: tuple, log=_stderr):
     resumes) an LM variant and analyses it -> (summary, analysis); ("sink", job) trains one sink-lab unit."""
     kind, payload = task
     if kind == "sink":
-        from gated_attention.labs import sinks
+        from gated_attention.labs.sinks import lab as sinks
 
         return sinks.train_unit(payload)
     cfg, run_dir, budget = payload
@@ -332,7 +332,7 @@ def schedule_units(out: Path, base, variants: list[str], budget: Budget, sink_cf
     tasks = [("lm", (replace(base, gate=v).validate(), out / "runs" / v, budget)) for v in variants
              if not experiment.is_finished(out / "runs" / v)]
     if sink_cfg is not None:
-        from gated_attention.labs import sinks
+        from gated_attention.labs.sinks import lab as sinks
 
         jobs_list, done = sinks.unit_jobs(sink_cfg, out / "sink_lab")
         tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
@@ -345,7 +345,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
                 longctx: str | Path | None = "runs/longctx", jobs: int | None = None,
                 streaming: bool = True, sink_lab_changes: dict | None = None) -> dict:
     """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
-    and plots into `out`; the report opens with the "Paper claims vs this run" table (compare_claims.py), which also
+    and plots into `out`; the report opens with the "Paper claims vs this run" table (claims.py), which also
     reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
     run the streaming check (sliding window with and without sink tokens) on the models. sink_lab_changes: changes
     to the budget's sink-lab settings (e.g. {"seeds": 3}).
@@ -355,8 +355,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     independent units, trained `jobs` at a time (default min(2, cores)) in worker processes of cores/jobs threads
     (experiment.run_units), longest first, so the sink lab's short models fill the core the last LM variant leaves
     free; each LM unit also runs its analysis. jobs=1: one after another in this process, with all its threads."""
-    from . import compare_claims as claims
-    from . import compare_report as report
+    from . import claims
+    from . import report
 
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
@@ -368,8 +368,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     batches = analysis_batches(base, b)
-    from .precision import describe
-    from .train.config import run_precision
+    from ..util.precision import describe
+    from ..train.config import run_precision
 
     log(f"[compare] {describe(base.precision, base.device)}")  # measured here once; the workers adopt it
     if sink_lab and sink_lab_changes:

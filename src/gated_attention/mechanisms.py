@@ -1,13 +1,14 @@
-"""The baseline registry: every mechanism the paper compares gating against (paper map §3.1, §3.6, §6), selectable by name.
+"""The comparison-mechanism registry: every mechanism the paper compares gating against (docs/paper_map.md §3.1, §3.6,
+§6), selectable by name (config key `mechanism`).
 
-Like gates.py for gates: a frozen `BaselineSpec` per mechanism, `BASELINES` maps a stable name to a spec, and
+Like gates.py for gates: a frozen `MechanismSpec` per mechanism, `MECHANISMS` maps a stable name to a spec, and
 `presets.added_params(spec, config)` gives the parameters it adds to a whole model (sizing lives with the presets,
 which import this registry, never the reverse). Two families:
 
   parameter expansion  (kind=expand)  a different model SHAPE, not a module: more KV heads (paper k=8), more query
                        heads (paper q=48), +4 experts total and activated. `expanded_config(config, name)` /
-                       `presets.baseline_config(preset, name)` derive the config; `config.mechanism` never holds these names.
-  runtime mechanisms   stored in `config.mechanism`, built by `build_attention_baseline` / `build_branch_transforms`:
+                       `presets.mechanism_config(preset, name)` derive the config; `config.mechanism` never holds these names.
+  runtime mechanisms   stored in `config.mechanism`, built by `build_attention_mechanism` / `build_branch_transforms`:
     switch_{kv,v}_EtopK  Switch Heads (Csordás et al. 2024): the value (and key) projection of every KV head is a
                          mixture of E experts, top-k by non-competitive scores s = sigmoid(x W_S) computed from the
                          layer input; K and V share one selector (both are "source side"). Expert 0 is the stock
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm import RMSNorm
+from .util.deprecation import renamed_attributes
 
 
 class Kind(str, Enum):
@@ -55,7 +57,7 @@ class Kind(str, Enum):
 
 
 @dataclass(frozen=True)
-class BaselineSpec:
+class MechanismSpec:
     kind: Kind = Kind.NONE
     experts: int = 0  # switch: experts per KV head (expert 0 = the stock projection)
     top_k: int = 0  # switch: experts used per token and head
@@ -89,18 +91,18 @@ class BaselineSpec:
         return self.kind in (Kind.SANDWICH_NORM, Kind.OUTPUT_CLIP)
 
 
-def _switch(experts: int, top_k: int, keys: bool, row: str, m: float | None = None) -> BaselineSpec:
-    return BaselineSpec(Kind.SWITCH, experts=experts, top_k=top_k, switch_keys=keys, paper=row, paper_added_m=m)
+def _switch(experts: int, top_k: int, keys: bool, row: str, m: float | None = None) -> MechanismSpec:
+    return MechanismSpec(Kind.SWITCH, experts=experts, top_k=top_k, switch_keys=keys, paper=row, paper_added_m=m)
 
 
 # name -> spec. Names are stable: runtime ones are written to config.json.
-BASELINES: dict[str, BaselineSpec] = {
-    "none": BaselineSpec(),
+MECHANISMS: dict[str, MechanismSpec] = {
+    "none": MechanismSpec(),
     # Table 1 rows 2-4: parameter expansion of the 15A2B model
-    "more_kv_heads": BaselineSpec(Kind.EXPAND, kv_heads_factor=2, paper="T1 row 2: k = 8 KV heads (x2)", paper_added_m=50),
-    "more_q_heads": BaselineSpec(Kind.EXPAND, q_heads_factor=1.5, paper="T1 row 3: q = 48 query heads (x1.5)",
+    "more_kv_heads": MechanismSpec(Kind.EXPAND, kv_heads_factor=2, paper="T1 row 2: k = 8 KV heads (x2)", paper_added_m=50),
+    "more_q_heads": MechanismSpec(Kind.EXPAND, q_heads_factor=1.5, paper="T1 row 3: q = 48 query heads (x1.5)",
                                  paper_added_m=201),
-    "more_experts": BaselineSpec(Kind.EXPAND, extra_experts=4, paper="T1 row 4: +4 experts, total and activated",
+    "more_experts": MechanismSpec(Kind.EXPAND, extra_experts=4, paper="T1 row 4: +4 experts, total and activated",
                                  paper_added_m=400),
     # Table 6: Switch Heads
     "switch_kv_8top8": _switch(8, 8, True, "T6 row 2: Switch kv 8top8", 38),
@@ -109,14 +111,14 @@ BASELINES: dict[str, BaselineSpec] = {
     "switch_v_8top2": _switch(8, 2, False, "T6 row 5: Switch v 8top2", 25),
     "switch_v_1top1": _switch(1, 1, False, "T6 row 6: Switch v 1top1 (= v headwise gate)", 3),
     # App. A.6 stability baselines and the related attend-to-nothing mechanisms (paper map §6)
-    "sandwich_norm": BaselineSpec(Kind.SANDWICH_NORM, paper="paper map §6: sandwich norm (CogView)"),
-    "output_clip_100": BaselineSpec(Kind.OUTPUT_CLIP, clip=100.0, paper="App. A.6: clip outputs to +-100"),
-    "output_clip_300": BaselineSpec(Kind.OUTPUT_CLIP, clip=300.0, paper="App. A.6: clip outputs to +-300"),
-    "bondarenko_gate": BaselineSpec(Kind.HEAD_SLICE_GATE, paper="paper map §6: Bondarenko et al. 2023 per-token gate"),
-    "clipped_softmax": BaselineSpec(Kind.CLIPPED_SOFTMAX, paper="paper map §6: Bondarenko et al. 2023 clipped softmax"),
-    "sink_logits": BaselineSpec(Kind.SINK, paper="paper map §6: gpt-oss learned per-head sinks"),
-    "forgetting": BaselineSpec(Kind.FORGET, paper="paper map §6: Forgetting Transformer forget gate, with RoPE"),
-    "forgetting_nope": BaselineSpec(Kind.FORGET, use_rope=False, paper="paper map §6: Forgetting Transformer, no RoPE"),
+    "sandwich_norm": MechanismSpec(Kind.SANDWICH_NORM, paper="paper map §6: sandwich norm (CogView)"),
+    "output_clip_100": MechanismSpec(Kind.OUTPUT_CLIP, clip=100.0, paper="App. A.6: clip outputs to +-100"),
+    "output_clip_300": MechanismSpec(Kind.OUTPUT_CLIP, clip=300.0, paper="App. A.6: clip outputs to +-300"),
+    "bondarenko_gate": MechanismSpec(Kind.HEAD_SLICE_GATE, paper="paper map §6: Bondarenko et al. 2023 per-token gate"),
+    "clipped_softmax": MechanismSpec(Kind.CLIPPED_SOFTMAX, paper="paper map §6: Bondarenko et al. 2023 clipped softmax"),
+    "sink_logits": MechanismSpec(Kind.SINK, paper="paper map §6: gpt-oss learned per-head sinks"),
+    "forgetting": MechanismSpec(Kind.FORGET, paper="paper map §6: Forgetting Transformer forget gate, with RoPE"),
+    "forgetting_nope": MechanismSpec(Kind.FORGET, use_rope=False, paper="paper map §6: Forgetting Transformer, no RoPE"),
 }
 
 # Names outside the table that follow a pattern (other expert counts / clip values) are accepted as well.
@@ -124,24 +126,24 @@ _SWITCH_RE = re.compile(r"switch_(kv|v)_(\d+)top(\d+)")
 _CLIP_RE = re.compile(r"output_clip_(\d+(?:\.\d+)?)")
 
 
-def get_baseline(name: str) -> BaselineSpec:
-    """The spec for a name: a BASELINES entry or a pattern name (switch_v_16top4, output_clip_50)."""
-    if name in BASELINES:
-        return BASELINES[name]
+def get_mechanism(name: str) -> MechanismSpec:
+    """The spec for a name: a MECHANISMS entry or a pattern name (switch_v_16top4, output_clip_50)."""
+    if name in MECHANISMS:
+        return MECHANISMS[name]
     if m := _SWITCH_RE.fullmatch(name):
         return _switch(int(m[2]), int(m[3]), m[1] == "kv", f"Switch {m[1]} {m[2]}top{m[3]} (not a paper row)")
     if m := _CLIP_RE.fullmatch(name):
-        return BaselineSpec(Kind.OUTPUT_CLIP, clip=float(m[1]), paper=f"clip outputs to +-{m[1]} (not a paper row)")
-    raise ValueError(f"unknown baseline {name!r}; valid names: {', '.join(BASELINES)} "
+        return MechanismSpec(Kind.OUTPUT_CLIP, clip=float(m[1]), paper=f"clip outputs to +-{m[1]} (not a paper row)")
+    raise ValueError(f"unknown mechanism {name!r}; valid names: {', '.join(MECHANISMS)} "
                      f"(or switch_{{kv,v}}_<E>top<k>, output_clip_<c>)")
 
 
 def validate_config(config) -> None:
     """Config-time checks for `config.mechanism` and its numeric fields; one clear error per problem."""
-    spec = get_baseline(config.mechanism)
+    spec = get_mechanism(config.mechanism)
     if spec.kind is Kind.EXPAND:
         raise ValueError(f"baseline {config.mechanism!r} changes the model shape, it is not a module: build its config "
-                         f"with gated_attention.baselines.expanded_config(config, {config.mechanism!r}) and keep "
+                         f"with gated_attention.mechanisms.expanded_config(config, {config.mechanism!r}) and keep "
                          f"mechanism='none'")
     if not config.softmax_zeta >= 1.0 or not config.softmax_gamma <= 0.0:
         raise ValueError(f"clipped softmax needs zeta >= 1 and gamma <= 0 (stretch beyond [0, 1] so exact 0/1 are "
@@ -159,7 +161,7 @@ def validate_config(config) -> None:
 # Parameter counts and the shape expansions
 # ---------------------------------------------------------------------------------------------------------------
 
-def per_layer_params(spec: BaselineSpec, config) -> int:
+def per_layer_params(spec: MechanismSpec, config) -> int:
     d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     b = int(config.attention_bias)
     if spec.kind is Kind.SWITCH:
@@ -176,9 +178,9 @@ def per_layer_params(spec: BaselineSpec, config) -> int:
     return 0  # none, clipping, clipped softmax
 
 
-def expanded_config(config, name: BaselineSpec | str):
+def expanded_config(config, name: MechanismSpec | str):
     """A copy of `config` with a parameter-expansion baseline applied (more KV heads / query heads / experts)."""
-    spec = get_baseline(name) if isinstance(name, str) else name
+    spec = get_mechanism(name) if isinstance(name, str) else name
     if spec.kind is not Kind.EXPAND:
         raise ValueError(f"{name!r} is not a parameter-expansion baseline; set config.mechanism instead")
     H, KV = config.num_attention_heads, config.num_key_value_heads
@@ -218,12 +220,12 @@ def additive_mask(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -
     return mask.to(q.dtype)
 
 
-class AttentionBaseline(nn.Module):
+class AttentionMechanism(nn.Module):
     """Hooks the attention layer calls at fixed points; the defaults change nothing. One subclass per mechanism."""
 
     use_rope = True
 
-    def __init__(self, spec: BaselineSpec, config):
+    def __init__(self, spec: MechanismSpec, config):
         super().__init__()
         self.spec = spec
         self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads, config.num_key_value_heads,
@@ -267,7 +269,7 @@ class AttentionBaseline(nn.Module):
         return f"{self.spec.kind.value}"
 
 
-class SwitchHeads(AttentionBaseline):
+class SwitchHeads(AttentionMechanism):
     """V (and K) of KV head g = sum over its top-k experts e of s_{g,e} x W^{g,e}, s = sigmoid(x W_S) (B, T, KV, E).
     Expert 0 is the stock projection; experts 1..E-1 live in `v_experts` / `k_experts`. Every expert is computed
     densely (E x the projection FLOPs): the plain form, fine at the sizes this is run at."""
@@ -308,7 +310,7 @@ class SwitchHeads(AttentionBaseline):
         return f"switch {'kv' if self.spec.switch_keys else 'v'} {self.spec.experts}top{self.spec.top_k}"
 
 
-class HeadSliceGate(AttentionBaseline):
+class HeadSliceGate(AttentionMechanism):
     """Bondarenko et al.: y_h * sigmoid(x_h . w_h + b_h), x_h = x[..., h*D:(h+1)*D]; b_h starts at logit(0.25)."""
 
     init_prob = 0.25  # Bondarenko et al.'s attn_gate_init: heads start mostly "attending to nothing"
@@ -348,7 +350,7 @@ def clipped_softmax_attention(module, q, k, v, mask, scaling, zeta, gamma, dropo
     return torch.matmul(p_used, v).transpose(1, 2).contiguous(), p  # (B, T, H, D)
 
 
-class ClippedSoftmax(AttentionBaseline):
+class ClippedSoftmax(AttentionMechanism):
     changes_kernel = True
 
     def __init__(self, spec, config):
@@ -362,7 +364,7 @@ class ClippedSoftmax(AttentionBaseline):
         return f"clipped softmax zeta={self.zeta}, gamma={self.gamma}"
 
 
-class SinkLogits(AttentionBaseline):
+class SinkLogits(AttentionMechanism):
     """softmax over [z_i1 .. z_iS, s_h], sink column dropped: rows sum to < 1. Done as an extra key k=0 with value 0
     whose additive mask entry is s_h, so the backend kernel (eager or sdpa) computes it unchanged."""
 
@@ -390,7 +392,7 @@ class SinkLogits(AttentionBaseline):
         init.normal_(self.sinks, mean=0.0, std=std)
 
 
-class ForgetGate(AttentionBaseline):
+class ForgetGate(AttentionMechanism):
     """FoX: logits_ij += C_i - C_j, C_i = sum_{l<=i} log f_l, f = sigmoid(x W_f + b_f) per query head (B, T, H).
     log f of each key is appended to k as n_rep channels (B, KV, T, D + n_rep) so the cache keeps it."""
 
@@ -434,8 +436,8 @@ _ATTENTION_MODULES = {Kind.SWITCH: SwitchHeads, Kind.HEAD_SLICE_GATE: HeadSliceG
                       Kind.SINK: SinkLogits, Kind.FORGET: ForgetGate}
 
 
-def build_attention_baseline(config) -> AttentionBaseline | None:
-    spec = get_baseline(getattr(config, "mechanism", "none"))
+def build_attention_mechanism(config) -> AttentionMechanism | None:
+    spec = get_mechanism(getattr(config, "mechanism", "none"))
     return _ATTENTION_MODULES[spec.kind](spec, config) if spec.in_attention else None
 
 
@@ -454,7 +456,7 @@ class Clip(nn.Module):
 def build_branch_transforms(config) -> tuple[nn.Module, nn.Module]:
     """(attention-output, FFN-output) transforms applied before each residual add: identity, RMSNorm (sandwich norm)
     or clamp to +-c (output clipping)."""
-    spec = get_baseline(getattr(config, "mechanism", "none"))
+    spec = get_mechanism(getattr(config, "mechanism", "none"))
     if spec.kind is Kind.SANDWICH_NORM:
         return RMSNorm(config.hidden_size, config.rms_norm_eps), RMSNorm(config.hidden_size, config.rms_norm_eps)
     if spec.kind is Kind.OUTPUT_CLIP:
@@ -462,6 +464,36 @@ def build_branch_transforms(config) -> tuple[nn.Module, nn.Module]:
     return nn.Identity(), nn.Identity()
 
 
-__all__ = ["BASELINES", "BaselineSpec", "Kind", "get_baseline", "per_layer_params", "expanded_config",
-           "validate_config", "build_attention_baseline", "build_branch_transforms",
-           "clipped_softmax_attention", "additive_mask"]
+# ---------------------------------------------------------------- the names before "baseline" became "mechanism"
+
+LEGACY_KEY, KEY = ".self_attn.baseline.", ".self_attn.mechanism."  # the attention submodule holding a mechanism
+
+
+def rename_legacy_keys(state: dict) -> dict:
+    """A model state dict (or an optimizer's full state dict, keyed by parameter name) saved while the attention
+    layer's mechanism submodule was called `baseline`, with its keys under the current name `mechanism`; any other
+    dict is returned unchanged. Applied wherever a checkpoint is read (GatedAttention's load_state_dict hook, the
+    trainer's resume, interop's native reader; from_pretrained through the conversion mapping gated_attention
+    registers with transformers)."""
+    if not any(isinstance(k, str) and LEGACY_KEY in k for k in _keys(state)):
+        return state
+    fix = lambda k: k.replace(LEGACY_KEY, KEY) if isinstance(k, str) else k  # noqa: E731
+    if "state" in state and "param_groups" in state:  # an optimizer's full state dict: keys and groups by name
+        return {**state, "state": {fix(k): v for k, v in state["state"].items()},
+                "param_groups": [{**g, "params": [fix(p) for p in g["params"]]} for g in state["param_groups"]]}
+    return {fix(k): v for k, v in state.items()}
+
+
+def _keys(state: dict):
+    if "state" in state and "param_groups" in state and isinstance(state["state"], dict):
+        return list(state["state"]) + [p for g in state["param_groups"] for p in g.get("params", [])]
+    return list(state)
+
+
+__all__ = ["MECHANISMS", "MechanismSpec", "Kind", "get_mechanism", "per_layer_params", "expanded_config",
+           "validate_config", "build_attention_mechanism", "build_branch_transforms",
+           "clipped_softmax_attention", "additive_mask", "rename_legacy_keys"]
+
+__getattr__ = renamed_attributes(__name__, globals(), {
+    "BASELINES": "MECHANISMS", "BaselineSpec": "MechanismSpec", "get_baseline": "get_mechanism",
+    "build_attention_baseline": "build_attention_mechanism", "AttentionBaseline": "AttentionMechanism"})

@@ -4,7 +4,7 @@ Each variant (a gate name from `gattn gates`, or a runtime baseline mechanism su
 LM (`GatedQwen3ForCausalLM` from `presets.model_config` with small-shape overrides: 1-3 layers, default 1 layer,
 1 head, d=128) trained on the task (backcopy.py) with the project's optimizer conventions (AdamW, weight decay on
 matrices only via the trainer's `param_groups`, warm-up + cosine/WSD from `train.schedule`, global-norm clipping,
-autocast in the resolved precision: gated_attention.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
+autocast in the resolved precision: gated_attention.util.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
 starts from the same seed. A compact loop is used instead of the trainer: a 1-layer model's step is ~20 ms, where
 the trainer's per-step bookkeeping and per-domain evaluation would dominate, and the lab needs metrics *during*
 training (learning curves) that the trainer does not compute.
@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .backcopy import BackcopyTask
-from .common import load_unit, mean_std, run_units, save_unit
+from ..common import load_unit, mean_std, run_units, save_unit
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
@@ -53,15 +53,19 @@ class SinkLabConfig:
     """Every knob of a sink-lab run (one per CLI option); budgets are sets of changes to these defaults."""
 
     variants: list = field(default_factory=lambda: list(DEFAULT_VARIANTS))
-    task: dict = field(default_factory=lambda: BackcopyTask().to_dict())  # BackcopyTask fields
+    # BackcopyTask fields; T=64: a dormant query late in a long sequence can spread over many keys almost for free (the
+    # copied values average out), so the full BOS sink pays only where few keys precede it: at T=128 the baseline's
+    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (docs/experiments/sink_lab.md, issue 20)
+    task: dict = field(default_factory=lambda: BackcopyTask(seq_len=64).to_dict())
     layers: int = 1  # 1-3: the task needs one head; more layers show where the sink moves
     heads: int = 1  # query (= KV) heads per layer
     hidden_size: int = 128  # d; head_dim = d / heads
-    intermediate_size: int = 256  # FFN width (gated variants shrink it to keep the parameter count); the bigram part
-    # needs no FFN (untied embeddings hold it), so a narrow one keeps steps cheap
+    intermediate_size: int = 64  # FFN width (gated variants shrink it to keep the parameter count); the bigram part
+    # needs no FFN (untied embeddings hold it), and a wide one (256) let one baseline seed in three drift off the sink
+    # (0.46-0.64, the FFN can clean up a spread head's output instead); 64 sinks in every seed
     gate_init: str = "normal"  # normal (gate ~0.5 at start, the official init) | identity (gate == 1 at start)
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
-    steps: int = 800  # at lr 1e-2 the gated models solve the backcopy in ~250 steps, the baseline in ~750
+    steps: int = 800  # at lr 1e-2 the gated models solve the backcopy in ~100 steps, the baseline in ~150-200
     batch_size: int = 32
     lr: float = 1e-2  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (issue 11)
     min_lr: float = 1e-3
@@ -70,10 +74,12 @@ class SinkLabConfig:
     # over 800 steps stalls it (baseline 0.13 at step 600 vs 0.40-0.62 with the LR held near the peak)
     decay_frac: float = 0.2  # WSD: share of the steps spent decaying to min_lr at the end (0 = constant LR after
     # warm-up); cosine ignores it
-    weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices (the trainer's param_groups)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay on matrices (the trainer's param_groups); decay shrinks
+    # the QK scale (the BOS logit gap) and the copy circuit (the cost of not sinking): 1.0 -> BOS 0.05, 0 -> 0.91
     beta2: float = 0.95  # Adam second-moment decay
     adam_eps: float = 1e-8  # Adam epsilon
-    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none. Off: with it the logit
+    # gap is bounded by the norm gains and the backcopy is learned worse at lr 1e-2 (CE 0.19 vs 0.002 at T=64)
     grad_clip: float = 1.0  # global-norm clipping (0 = off)
     precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
     compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
@@ -90,7 +96,7 @@ class SinkLabConfig:
         for k in ("seeds", "steps", "batch_size", "eval_every", "eval_size"):
             if getattr(self, k) < 1:
                 raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
-        from gated_attention.precision import check
+        from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
         if not 0.0 <= self.decay_frac <= 1.0:
@@ -114,9 +120,9 @@ BUDGETS: dict[str, tuple[str, dict]] = {
               dict(task=BackcopyTask(vocab=16, triggers=2, seq_len=32).to_dict(), hidden_size=32,
                    intermediate_size=64, seeds=2, steps=60, batch_size=8, warmup_steps=5, eval_every=20,
                    eval_size=8, ckpt_every=30, compile=False)),
-    "default": ("V=64, k=3, T=128, 1 layer x 1 head, d=128, 800 steps of 32 sequences at lr 1e-2 (WSD: held, "
-                "then decayed to 1e-3 over the last 20 %%), 3 seeds, compiled: under a minute of CPU per model on a "
-                "quiet core", {}),
+    "default": ("V=64, k=3, T=64, 1 layer x 1 head, d=128, FFN 64, QK-norm off, no weight decay, 800 steps of 32 "
+                "sequences at lr 1e-2 (WSD: held, then decayed to 1e-3 over the last 20 %%), 3 seeds, compiled: the "
+                "baseline forms the full BOS sink in every seed; about 30 s of CPU per model (bf16)", {}),
 }
 
 
@@ -125,7 +131,7 @@ BUDGETS: dict[str, tuple[str, dict]] = {
 def resolve_variant(name: str) -> tuple[str, str]:
     """(gate, baseline) of a variant name: a gate from `gattn gates` (ungated = `baseline`), or a runtime baseline
     mechanism (sink_logits, bondarenko_gate, clipped_softmax, forgetting, ...) on the ungated model."""
-    from gated_attention.baselines import get_baseline
+    from gated_attention.mechanisms import get_mechanism
     from gated_attention.gates import GATES, canonical_name
 
     try:
@@ -135,13 +141,13 @@ def resolve_variant(name: str) -> tuple[str, str]:
     except (ValueError, KeyError):
         pass
     try:
-        spec = get_baseline(name)
+        spec = get_mechanism(name)
     except ValueError:
         spec = None
     if spec is None or not spec.runtime:
-        from gated_attention.baselines import BASELINES
+        from gated_attention.mechanisms import MECHANISMS
 
-        runtime = [n for n, s in BASELINES.items() if s.runtime]
+        runtime = [n for n, s in MECHANISMS.items() if s.runtime]
         raise ValueError(f"unknown variant {name!r}; valid: a gate ({', '.join(GATES)}) or a baseline mechanism "
                          f"({', '.join(runtime)}); see `gattn gates`")
     return "none", name
@@ -175,10 +181,10 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
     """Every lab metric of `model` on held-out sequences seqs (B, T+1): headline scalars + per-layer lists."""
     import torch
 
-    from gated_attention.baselines import HeadSliceGate
+    from gated_attention.mechanisms import HeadSliceGate
     from gated_attention.capture import Recorder, capture
 
-    from . import sink_metrics as M
+    from . import metrics as M
 
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
     masks = task.masks(inputs)
@@ -186,7 +192,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
     rec = Recorder(names={"attn_probs", "v", "gate", "ffn_residual"}, wants_probs=True)
     layer_in, hooks = {}, []
     for i, layer in enumerate(model.model.layers):  # Bondarenko's gate is not a registry gate: read its input
-        if isinstance(layer.self_attn.baseline, HeadSliceGate):
+        if isinstance(layer.self_attn.mechanism, HeadSliceGate):
             hooks.append(layer.self_attn.register_forward_pre_hook(
                 lambda _m, args, i=i: layer_in.__setitem__(i, args[0].detach())))
     was_training = model.training
@@ -204,7 +210,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
         probs = rec.get(i, "attn_probs").float()  # (B, H, T, S)
         gate = rec.get(i, "gate")
         if i in layer_in:
-            gate = model.model.layers[i].self_attn.baseline.score(layer_in[i]).unsqueeze(-1)  # (B, T, H, 1)
+            gate = model.model.layers[i].self_attn.mechanism.score(layer_in[i]).unsqueeze(-1)  # (B, T, H, 1)
         elif gate is not None and gate.dim() == 3:
             gate = gate.unsqueeze(-2)  # G5 after o_proj: (B, T, 1, d), one "head"
         dormant_rows = probs.sum(-1)  # (B, H, T): < 1 where probability went to no key (learned sink, clipping)
@@ -256,7 +262,7 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
 # ---------------------------------------------------------------- one unit: a variant x seed
 
 def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
-    from gated_attention.precision import resolve
+    from gated_attention.util.precision import resolve
 
     d = asdict(cfg)
     for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
@@ -270,7 +276,7 @@ def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
 def _save_ckpt(path: Path, state: dict) -> None:
     import torch
 
-    from gated_attention.io import atomic_write_bytes
+    from gated_attention.util.io import atomic_write_bytes
 
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -287,7 +293,7 @@ def train_unit(job: tuple) -> dict:
     from gated_attention.train.schedule import lr_at
     from gated_attention.train.trainer import param_groups
 
-    from .sink_metrics import trailing_mean
+    from .metrics import trailing_mean
 
     cfg_d, variant, seed, unit_dir = job
     cfg = SinkLabConfig(**cfg_d)
@@ -422,7 +428,7 @@ def load_run(path: str | Path) -> SinkRun:
 
     The folder is also a plain HF model folder: `GatedQwen3ForCausalLM.from_pretrained(path)` loads the same model;
     this helper adds the task (BackcopyTask) and the lab config it was trained with."""
-    from gated_attention.io import read_json_object
+    from gated_attention.util.io import read_json_object
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     path = Path(path)
@@ -468,14 +474,14 @@ def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[in
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
-    from . import sinks_report
+    from . import report
 
     cfg.validate()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     jobs_list, done = unit_jobs(cfg, out)
-    from gated_attention.precision import describe, resolve
+    from gated_attention.util.precision import describe, resolve
 
     log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
         f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
@@ -510,9 +516,9 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in sinks_report.make_plots(out / "plots", lab).items()}
-    from gated_attention.io import atomic_write_text
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    from gated_attention.util.io import atomic_write_text
 
     atomic_write_text(out / "lab.json", json.dumps(lab, indent=1))
-    sinks_report.write(out, lab)
+    report.write(out, lab)
     return lab

@@ -11,7 +11,7 @@ stays, with the same metrics in its postfix.
 
 Usage (every long loop of the package: train, compare, longctx, sweep, data prepare, ruler; a lab does the same):
 
-    from gated_attention.progress import Progress
+    from gated_attention.util.progress import Progress
 
     with Progress(total=steps, desc="lab sinks", unit="step") as prog:
         for step in range(steps):

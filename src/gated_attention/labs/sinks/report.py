@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .common import fmt_mean_std, write_report
+from ..common import fmt_mean_std, write_report
 
 # (column title, metric key, decimals) of the main table
 COLUMNS = [("BOS attn, dormant", "bos_attention_dormant", 3), ("BOS attn, active", "bos_attention_active", 3),
@@ -56,7 +56,8 @@ def _curves(lab: dict, key: str):
 
 
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     plot_dir = Path(plot_dir)
     files = {}
@@ -73,7 +74,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     a1.set(ylim=(0, 1), title="sink formation (band: min..max over seeds)")
     a2.axhline(0.5, ls="--", color="gray", lw=0.8)
     a2.set(title="backcopy skill (dashed: the 0.5 'skilled' line)", yscale="log")
-    files["curves"] = _save(fig, plot_dir / "bos_attention_vs_step.png")
+    files["curves"] = save_png(fig, plot_dir / "bos_attention_vs_step.png")
 
     names = list(lab["variants"])
     fig, axes = plt.subplots(1, len(names), figsize=(3.4 * len(names), 3.5), squeeze=False)
@@ -88,7 +89,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
         ax.set_title(f"{name}\nlayer {layer} head {head}, seed {r['seed']}", fontsize=9)
         ax.set(xlabel="key", ylabel="query (red: trigger = active)")
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8)
-    files["maps"] = _save(fig, plot_dir / "attention_maps.png")
+    files["maps"] = save_png(fig, plot_dir / "attention_maps.png")
 
     gated = [(n, v) for n, v in lab["variants"].items() if v["mean"].get("gate_dormant") is not None]
     if gated:
@@ -101,7 +102,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
         ax.set_xticks(list(xs), [n for n, _ in gated], fontsize=8, rotation=15)
         ax.set(ylabel="mean gate score (backcopy head)", ylim=(0, 1), title="gate on dormant vs active queries")
         ax.legend(fontsize=8)
-        files["gates"] = _save(fig, plot_dir / "gate_dormant_vs_active.png")
+        files["gates"] = save_png(fig, plot_dir / "gate_dormant_vs_active.png")
     return files
 
 

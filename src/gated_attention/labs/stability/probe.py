@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from ..attention import repeat_kv
+from ...attention import repeat_kv
 
 
 def max_attention_logit(q: torch.Tensor, k: torch.Tensor, scale: float) -> float:

@@ -86,6 +86,19 @@ def atomic_save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> None:
         raise
 
 
+def save_png(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """A plot as PNG, atomically (tight bounding box), then closes the figure: the one figure writer of the analysis
+    plots and every report. Returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    try:
+        atomic_save_figure(fig, path, format="png", dpi=dpi, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path
+
+
 @contextmanager
 def atomic_dir(dst: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a fresh temp folder beside `dst`; on normal exit it replaces `dst` (an existing `dst` only with
@@ -417,6 +430,7 @@ def check_hf_dir(folder: str | os.PathLike, what: str = "checkpoint folder") -> 
 
 
 __all__ = ["chmod_like_umask", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_save_figure",
+           "save_png",
            "atomic_dir", "to_strict", "from_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
            "strict_loads", "read_json", "read_json_object", "lock_path_for", "lock_dir", "SAFE_WEIGHTS", "SAFE_INDEX",
            "PICKLE_SUFFIXES", "hf_weight_files", "verify_safetensors", "load_safetensors", "load_hf_state",

@@ -11,7 +11,7 @@ import html
 import math
 from pathlib import Path
 
-from .labs.common import html_table as _html_table, md_table as _md_table  # one md/html table writer for every report
+from ..experiment.report import html_table as _html_table, md_table as _md_table
 
 # (column title, row key, decimals); the first seven are the paper's Table 4 columns that we can measure
 TABLE4 = [("Variant", "variant", None), ("Params", "params", None), ("Avg PPL", "avg_ppl", 3),
@@ -122,13 +122,13 @@ def _plot_title(key: str) -> str:
 
 
 def _claims_cells(result: dict):
-    from .compare_claims import claims_cells
+    from .claims import claims_cells
 
     return claims_cells(result.get("claims") or [])
 
 
 _CLAIMS_NOTE = ("Each row: the paper's figure (Qiu et al. 2025; 15A2B MoE at 400B tokens unless stated), this run's "
-                "figure, and a verdict with the rule written in gated_attention/compare_claims.py. 'not at this scale' = "
+                "figure, and a verdict with the rule written in gated_attention/compare/claims.py. 'not at this scale' = "
                 "measured here without the paper's effect; 'not run here' names the command that measures it.")
 
 
@@ -232,7 +232,8 @@ def _smooth(ys: list[float], window: int) -> list[float]:
 
 def plot_loss_curves(logs: dict[str, list[dict]], path) -> Path:
     """All variants' training loss on one chart (trailing mean), spikes marked."""
-    from gated_attention.analysis.plots import _save, plt
+    from gated_attention.analysis.plots import plt
+    from gated_attention.util.io import save_png
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, recs in logs.items():
@@ -251,7 +252,7 @@ def plot_loss_curves(logs: dict[str, list[dict]], path) -> Path:
     if lo:  # zoom on the part of training where variants differ, not the first steps' drop
         ax.set_ylim(min(lo) - 0.05, max(lo) + 0.1)
     ax.legend(fontsize=9)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def make_plots(plot_dir, analyses: dict[str, dict], logs: dict[str, list[dict]]) -> dict[str, Path]:

@@ -1,0 +1,6 @@
+"""GPU kernels of the model (core layer): the fused gated flash-attention behind attn_implementation="triton_gated".
+
+triton_attention.py (launch, masks, autograd; imported only when that backend runs), triton_jit.py (the
+`@triton.jit` code, imported on first use: importing Triton costs seconds). Interpreter-tested on CPU
+(TRITON_INTERPRET=1); every kernel has a plain reference in the tests.
+"""
