@@ -23,7 +23,7 @@ import torch
 from gated_attention.compare import BUDGETS, DEFAULT_VARIANTS, budget_config
 from gated_attention.train import fastpath
 from gated_attention.train.monitors import decoder_layers
-from gated_attention.train.trainer import build_model, param_groups
+from gated_attention.train.model_setup import build_model, param_groups
 
 MODES = {"plain": (False, "false"), "fast": (True, "false"), "fast_compiled": (True, "true")}
 

@@ -40,7 +40,7 @@ def build_lm(config, backend: str | None = None, seed: int | None = 0, eval: boo
 
 def tiny_lm(gate: str = "baseline", backend: str | None = "sdpa", seed: int | None = 0, preset: str = "tiny",
             match_params: bool | None = False, eval: bool = True, perturbed: bool = False, **overrides):
-    """A tiny model (presets `tiny` / `tiny-moe`) with `gate` and config `overrides` (e.g. mechanism="sinks").
+    """A tiny model (presets `tiny` / `tiny-moe`) with `gate` and config `overrides` (e.g. mechanism="sink_logits").
 
     match_params=None uses the preset rule (shrink the dense FFN for gated variants); the other arguments as build_lm."""
     from gated_attention.presets import model_config

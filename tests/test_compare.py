@@ -141,19 +141,6 @@ def test_bad_arguments(tiny_corpus, tmp_path, capsys):
     assert "unknown variant" in capsys.readouterr().err
 
 
-def test_missing_data_is_prepared(tmp_path, monkeypatch):
-    from gated_attention import data
-
-    seen = []
-    monkeypatch.setattr(data, "prepare", lambda cfg: seen.append(cfg.data_dir))
-    C.ensure_data(tmp_path / "fresh", log=lambda m: None)
-    assert seen == [str(tmp_path / "fresh")]
-    (tmp_path / "ready").mkdir()
-    (tmp_path / "ready" / "manifest.json").write_text("{}")
-    C.ensure_data(tmp_path / "ready", log=lambda m: None)
-    assert seen == [str(tmp_path / "fresh")]  # an already prepared dir is left alone
-
-
 def test_new_data_dir_is_prepared_there(tmp_path, tiny_corpus, monkeypatch):
     """`gattn compare --data-dir NEW` prepares the corpus in NEW (as its help says) with the budget's vocabulary."""
     from gated_attention import data
@@ -173,14 +160,10 @@ def test_new_data_dir_is_prepared_there(tmp_path, tiny_corpus, monkeypatch):
     assert (new / "manifest.json").exists()
 
 
-def test_long_budget_prepares_its_own_small_vocabulary_corpus(tmp_path, monkeypatch):
-    from gated_attention import data
-
-    seen = []
-    monkeypatch.setattr(data, "prepare", lambda cfg: seen.append((cfg.data_dir, cfg.vocab_size)))
-    C.ensure_data(tmp_path / "v1k", log=lambda m: None, vocab_size=C.BUDGETS["long"].vocab_size)
-    assert seen == [(str(tmp_path / "v1k"), 1024)]
-    # the sink budgets were measured on the 1k-vocabulary corpus; quick/small use the README's 8k corpus
+def test_long_budget_prepares_its_own_small_vocabulary_corpus():
+    # experiment.ensure_corpus prepares a missing corpus with the budget's vocabulary (test_experiment.py, and
+    # test_new_data_dir_is_prepared_there above through the CLI); the sink budgets were measured on the
+    # 1k-vocabulary corpus; quick/small use the default 8k corpus
     assert {C.BUDGETS[b].vocab_size for b in ("default", "long")} == {1024}
     assert C.BUDGETS["quick"].data_dir != C.BUDGETS["default"].data_dir and C.BUDGETS["quick"].vocab_size == 8192
 

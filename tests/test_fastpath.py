@@ -15,7 +15,8 @@ from gated_attention.train import fastpath
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.monitors import decoder_layers
-from gated_attention.train.trainer import build_model, train
+from gated_attention.train.model_setup import build_model
+from gated_attention.train.trainer import train
 
 
 def _run(tmp_path, name, sets):

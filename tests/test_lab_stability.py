@@ -96,12 +96,16 @@ def test_instability_check():
     assert S.instability_check([{**r, "variant": "sdpa_headwise"} for r in rows])["checked"] is False
 
 
-def test_strict_json():
-    flags = []
-    obj = S.strict({"a": 1.0, "b": NAN, "c": [float("inf"), 2], "d": {"e": -float("inf")}}, flags)
-    assert obj == {"a": 1.0, "b": None, "c": [None, 2], "d": {"e": None}}
-    assert flags == ["b", "c[0]", "d.e"]
-    json.dumps(obj, allow_nan=False)
+def test_strict_json_through_io():
+    """The lab writes strict JSON through io, the one convention: a non-finite value is null and the dict holding it
+    names it; lab.json's top-level "nonfinite" lists the paths."""
+    from gated_attention.util.io import json_dumps, nonfinite_paths, to_strict
+
+    obj = {"a": 1.0, "b": NAN, "c": [float("inf"), 2], "d": {"e": -float("inf")}}
+    assert nonfinite_paths(obj) == ["b", "c[0]", "d.e"]
+    assert to_strict(obj) == {"a": 1.0, "b": None, "c": [None, 2], "d": {"e": None, "nonfinite": {"e": "-inf"}},
+                              "nonfinite": {"b": "nan", "c": "inf"}}
+    json.loads(json_dumps(obj))
 
 
 # ---------------------------------------------------------------- the probe
@@ -269,7 +273,8 @@ def test_rerun_reuses_finished_runs_and_retrains_an_interrupted_one(small_lab, t
     capsys.readouterr()
     rc = _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
                "--lrs", "1e-3", "--steps", "31", "--qk-norm", "off"])
-    assert rc == 2 and "different settings (steps)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "different settings (steps: saved 30 vs requested 31" in err and "delete" in err
 
 
 def test_edge_seeds_run_at_the_edge_lrs(tiny_corpus, tmp_path):

@@ -78,6 +78,15 @@ def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
     assert on_disk["by_variant"]["baseline"]["seeds"] == 1
     for f in ("report.md", "report.html", "plots/per_position_loss.png"):
         assert (tmp_path / f).stat().st_size > 0
+    # the reuse rule (experiment.cache): a re-run reuses each model's measurement, another window stops the job
+    lines = []
+    again = run_streaming(cfg, tmp_path, log=lines.append)
+    assert sum("reuse" in line for line in lines) == 2 and again["models"] == lab["models"]
+    from gated_attention.experiment.cache import StaleResult
+
+    with pytest.raises(StaleResult, match="window: saved 8 vs requested 9"):
+        run_streaming(StreamingConfig(models=[str(sink_units)], window=9, sink_tokens=[0, 2, 40], sequences=6),
+                      tmp_path, log=lambda m: None)
     assert "baseline/seed0" in (tmp_path / "report.md").read_text()
 
 

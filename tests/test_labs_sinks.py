@@ -12,7 +12,8 @@ import torch
 
 from gated_attention.labs.sinks import metrics as M
 from gated_attention.labs.sinks.backcopy import BOS, BackcopyTask
-from gated_attention.labs.common import mean_std
+from gated_attention.experiment.stats import mean_std
+from gated_attention.experiment.cache import StaleResult
 from harness import build_lm, run_gattn
 
 SMALL = BackcopyTask(vocab=16, triggers=2, seq_len=32)
@@ -204,6 +205,13 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
         sinks.train_unit(job(tmp_path / "killed"))
     assert (tmp_path / "killed" / "ckpt.pt").exists()
     monkeypatch.setattr(BackcopyTask, "train_batch", real)
+    # the reuse rule (experiment.cache): a half-trained unit is not resumed, nor silently restarted, under other
+    # settings; a unit finished under other settings stops the job too
+    other = (asdict(replace(cfg, lr=cfg.lr / 2)), "sdpa_elementwise", 0, str(tmp_path / "killed"))
+    with pytest.raises(StaleResult, match="lr: saved"):
+        sinks.train_unit(other)
+    with pytest.raises(StaleResult, match="lr: saved"):
+        sinks.train_unit((other[0], "sdpa_elementwise", 0, str(tmp_path / "whole")))
     resumed = sinks.train_unit(job(tmp_path / "killed"))
     assert not (tmp_path / "killed" / "ckpt.pt").exists()
     for k in sinks.METRICS:

@@ -16,6 +16,7 @@ from gated_attention.cli import main
 from harness import prepare_text_corpus
 from gated_attention.longctx import pipeline as P
 from gated_attention.longctx import ruler
+from gated_attention.train import retrieval_mix as M
 from gated_attention.train.config import TrainConfig, tiny
 from gated_attention.train.data_source import CorpusSource, make_source
 
@@ -48,10 +49,10 @@ def corpus_dir(tmp_path_factory):
 def test_retrieval_mix_deterministic_by_seed_and_step(corpus_dir):
     source = CorpusSource(corpus_dir, None)
     corpus = source.corpus
-    mixed = P.RetrievalMixSource(source, 0.5, ["passkey", "niah_single_1"])
+    mixed = M.RetrievalMixSource(source, 0.5, ["passkey", "niah_single_1"])
     plain = source.train_batch(8, 160, 3, 5)  # (B, T+1)
     a = mixed.train_batch(8, 160, 3, 5)
-    b = P.RetrievalMixSource(CorpusSource(corpus_dir, None), 0.5, ["passkey", "niah_single_1"]).train_batch(8, 160, 3, 5)
+    b = M.RetrievalMixSource(CorpusSource(corpus_dir, None), 0.5, ["passkey", "niah_single_1"]).train_batch(8, 160, 3, 5)
     assert a.shape == plain.shape == (8, 161) and a.dtype == plain.dtype
     assert torch.equal(a, b)  # a fresh process-equivalent source gives the same batch
     changed = (a != plain).any(1)
@@ -70,15 +71,15 @@ def test_retrieval_mix_deterministic_by_seed_and_step(corpus_dir):
     assert not torch.equal(mixed.train_batch(8, 160, 3, 6)[changed], a[changed])
     assert not torch.equal(mixed.train_batch(8, 160, 4, 5), a)
     # fraction 0 leaves the batch alone; eval batches are never mixed (validation PPL stays corpus text)
-    assert torch.equal(P.mix_retrieval(plain, mixed.mix_tokenizer, 0.0, 3, 5), plain)
+    assert torch.equal(M.mix_retrieval(plain, mixed.mix_tokenizer, 0.0, 3, 5), plain)
     assert torch.equal(next(mixed.eval_batches("prose", 64, 1, 2)), next(source.eval_batches("prose", 64, 1, 2)))
 
 
 def test_retrieval_mix_config_hook(corpus_dir):
     cfg = dataclasses.replace(tiny(), data="corpus", data_dir=corpus_dir, retrieval_mix=0.25).validate()
     src = make_source(cfg)
-    assert isinstance(src, P.RetrievalMixSource) and src.tasks == P.DEFAULT_MIX_TASKS
-    assert not isinstance(make_source(dataclasses.replace(cfg, retrieval_mix=0.0)), P.RetrievalMixSource)
+    assert isinstance(src, M.RetrievalMixSource) and src.tasks == M.DEFAULT_MIX_TASKS
+    assert not isinstance(make_source(dataclasses.replace(cfg, retrieval_mix=0.0)), M.RetrievalMixSource)
     with pytest.raises(ValueError, match="needs data='corpus'"):
         dataclasses.replace(tiny(), retrieval_mix=0.5).validate()  # tiny trains on synthetic tokens
     with pytest.raises(ValueError, match="needs a corpus haystack"):
@@ -92,7 +93,7 @@ def test_retrieval_mix_config_hook(corpus_dir):
 
 def test_bos_tokenizer_prompt_lengths(corpus_dir):
     corpus = D.Corpus(corpus_dir)
-    tok = P.BosTokenizer(corpus.tokenizer, corpus.bos_id)
+    tok = M.BosTokenizer(corpus.tokenizer, corpus.bos_id)
     s = ruler.generate_sample("passkey", tok, 200, seed=1)
     ids = ruler.encode(tok, s["prompt"])
     assert ids[0] == corpus.bos_id and len(ids) == s["length"] <= 200
@@ -161,8 +162,10 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
     logs: list[str] = []
     b = dataclasses.replace(P.BUDGETS["small"], steps=4)
     rep = P.run_pipeline(out, b, corpus_dir, log=logs.append)
-    for name in ("report.md", "report.json", "report.png"):
+    for name in ("report.md", "report.html", "report.json", "report.png"):
         assert (out / name).stat().st_size > 0
+    page = (out / "report.html").read_text()  # the same tables, one self-contained file (the figure embedded)
+    assert "<table>" in page and "data:image/png;base64," in page and 'src="report.png"' not in page
     assert rep["lengths"] == [128, 256, 512, 1024]
     assert [(r["gate"], r["variant"]) for r in rep["rows"]] == [
         ("baseline", "none"), ("sdpa_elementwise", "none"), ("baseline", "yarn"), ("sdpa_elementwise", "yarn")]
@@ -188,7 +191,7 @@ def test_pipeline_small_budget_writes_report_and_reuses(corpus_dir, tmp_path):
 
     model = GatedQwen3ForCausalLM.from_pretrained(out / "runs" / "baseline" / "seed0" / "final").eval()
     corpus = D.Corpus(corpus_dir)
-    tok = P.BosTokenizer(corpus.tokenizer, corpus.bos_id)
+    tok = M.BosTokenizer(corpus.tokenizer, corpus.bos_id)
     s = ruler.generate_sample("passkey", tok, 256, 0, 0)
     prompt = ruler.encode(tok, s["prompt"])
     answer = corpus.tokenizer.encode(ruler.completion(s), add_special_tokens=False)
@@ -280,16 +283,14 @@ def test_trainer_step_hook_stops_and_pipeline_records_steps_to_skill(corpus_dir,
 
 
 def test_missing_budget_corpus_is_prepared_with_its_vocabulary(tmp_path, monkeypatch):
+    """The budget's corpus (experiment.ensure_corpus, tested on its own in test_experiment.py) is prepared with the
+    budget's vocabulary before anything else runs."""
     calls = []
-    monkeypatch.setattr(D, "prepare", lambda cfg: calls.append(cfg))
-    logs: list[str] = []
-    assert P.ensure_corpus(str(tmp_path / "v1k"), 1024, logs.append) == str(tmp_path / "v1k")
+    monkeypatch.setattr(D, "prepare", lambda cfg: calls.append(cfg) or (_ for _ in ()).throw(RuntimeError("stop")))
+    b = dataclasses.replace(P.BUDGETS["small"], data_dir=str(tmp_path / "v1k"), vocab_size=1024)
+    with pytest.raises(RuntimeError, match="stop"):
+        P.run_pipeline(tmp_path / "out", b, log=lambda m: None)
     assert [(c.data_dir, c.vocab_size) for c in calls] == [(str(tmp_path / "v1k"), 1024)]
-    assert "--vocab-size 1024" in logs[0]
-    (tmp_path / "v1k").mkdir()
-    (tmp_path / "v1k" / "manifest.json").write_text("{}")  # prepared: left alone
-    P.ensure_corpus(str(tmp_path / "v1k"), 1024, logs.append)
-    assert len(calls) == 1
     assert P.BUDGETS["default"].vocab_size == 1024 and P.BUDGETS["default"].data_dir == "data_v1k"
 
 
@@ -305,3 +306,24 @@ def test_budget_and_cli_errors(tmp_path, capsys):
         capsys.readouterr()
         assert main(["longctx", "--budget", "small", "--report-only", "--out", str(tmp_path), *bad]) == 2, bad
         assert msg in capsys.readouterr().err, bad
+
+
+def test_stored_evaluation_follows_the_reuse_rule(tmp_path):
+    """experiment.cache's policy on an evaluation: the same settings are reused, another setting stops the job with
+    the setting named, a model trained again since (its file is newer) makes the stored result obsolete."""
+    import os
+
+    from gated_attention.experiment.cache import StaleResult
+
+    model = tmp_path / "final"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"weights")
+    b, lengths, out_json = P.BUDGETS["small"], [128, 256], tmp_path / "eval.json"
+    stored = P.experiment.cache.save(out_json, P.eval_settings(model, b, lengths, 0), {"average": {"128": 1.0}},
+                                     key_field="settings")
+    assert P.cached_eval(model, out_json, b, lengths, 0) == stored
+    with pytest.raises(StaleResult, match="samples: saved 1 vs requested 5"):
+        P.cached_eval(model, out_json, dataclasses.replace(b, samples=5), lengths, 0)
+    st = (model / "model.safetensors").stat()
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # trained again
+    assert P.cached_eval(model, out_json, b, lengths, 0) is None

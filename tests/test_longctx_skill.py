@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from gated_attention.experiment import stats
 from gated_attention.longctx import pipeline as P
 from gated_attention.longctx import report as R
 from gated_attention.longctx import skill as S
@@ -67,14 +68,15 @@ def test_skill_log_after_resume_keeps_last_record_per_step_and_skips_torn_lines(
     assert S.read_skill_log(tmp_path / "missing.jsonl") == []
 
 
-def test_mean_spread_and_wilson():
-    s = S.mean_spread([80.0, 100.0, None])
+def test_report_spread_and_wilson():
+    """The report aggregates seeds with the toolkit's convention (experiment.stats): one seed has no spread."""
+    s = stats.spread([80.0, 100.0, None])
     assert s["mean"] == 90.0 and s["n"] == 2 and s["std"] == pytest.approx(math.sqrt(200.0))
-    assert S.mean_spread([None])["mean"] is None
-    assert S.mean_spread([5.0]) == {"mean": 5.0, "std": 0.0, "min": 5.0, "max": 5.0, "n": 1}
-    lo, hi = S.wilson(30, 30)
+    assert stats.spread([None])["mean"] is None
+    assert stats.spread([5.0]) == {"mean": 5.0, "std": None, "min": 5.0, "max": 5.0, "n": 1}
+    lo, hi = stats.wilson(30, 30)
     assert hi == pytest.approx(100.0) and 85 < lo < 92  # 30/30 is not certainty
-    lo, hi = S.wilson(15, 30)
+    lo, hi = stats.wilson(15, 30)
     assert lo < 50 < hi and hi - lo == pytest.approx(2 * 17.0, abs=1.5)  # ~ +-17 points at n=30
 
 
@@ -133,7 +135,7 @@ def test_report_aggregates_seeds_and_pools_intervals():
     fixed = dict(rep, budget={**rep["budget"], "until_skill": None},  # a fixed step count: no skill step to count
                  training={m: [dict(t, until_skill=None, steps_to_skill=None) for t in ts]
                            for m, ts in rep["training"].items()},
-                 steps_to_skill={m: R.mean_spread([]) for m in rep["training"]})
+                 steps_to_skill={m: stats.spread([]) for m in rep["training"]})
     md = R.format_markdown(fixed)
     assert "## Training steps (a fixed count" in md and "| Baseline | 300 (fixed) | 400 (fixed) | - |" in md
     json.dumps(rep)  # every number serialises

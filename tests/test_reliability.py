@@ -313,6 +313,8 @@ LOCKED_COMMANDS = {
     "extend": lambda out, src: ["extend", str(src), "--out", str(out)],
     "lab-sinks": lambda out, src: ["lab", "sinks", "--budget", "small", "--out", str(out)],
     "lab-stability": lambda out, src: ["lab", "stability", "--budget", "small", "--out", str(out)],
+    "lab-streaming": lambda out, src: ["lab", "streaming", "--models", str(src), "--window", "8", "--out", str(out)],
+    "ruler": lambda out, src: ["ruler", str(src), "--lengths", "64", "--out", str(out)],
 }
 
 
@@ -321,9 +323,9 @@ def holder(tmp_path, request):
     """Another process holding the lock on tmp_path/out (as a running command would). For longctx the locked folder
     is OUT/gates-<gate set>.seed<seed>x<seeds> (gate sets and seeds may share OUT in parallel), so OUT=tmp_path and
     the gate set is "out" (seed 0, the default budget's one seed)."""
-    from gated_attention.cli.longctx import longctx_lock_path
+    from gated_attention.longctx.pipeline import lock_path
 
-    out = longctx_lock_path(tmp_path, ["out"], 0, 1) if "longctx" in request.node.name else tmp_path / "out"
+    out = lock_path(tmp_path, ["out"], 0, 1) if "longctx" in request.node.name else tmp_path / "out"
     code = ("import sys, time; from gated_attention.util.io import lock_dir\n"
             f"with lock_dir({str(out)!r}):\n    print('locked', flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -13,7 +13,8 @@ from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import TrainConfig, apply_overrides, tiny
 from gated_attention.train.schedule import lr_at
 from gated_attention.train.monitors import SpikeDetector
-from gated_attention.train.trainer import param_groups, train
+from gated_attention.train.model_setup import param_groups
+from gated_attention.train.trainer import train
 from harness import run_gattn
 
 
@@ -61,7 +62,7 @@ def test_set_overrides_typed_and_checked():
 
 
 def test_param_groups_no_decay_on_norms_biases_embeddings():
-    from gated_attention.train.trainer import build_model
+    from gated_attention.train.model_setup import build_model
 
     cfg = tiny()
     model = build_model(cfg)

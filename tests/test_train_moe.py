@@ -7,7 +7,8 @@ from dataclasses import replace
 
 from gated_attention.moe import moe_blocks
 from gated_attention.train.config import tiny
-from gated_attention.train.trainer import build_model, train
+from gated_attention.train.model_setup import build_model
+from gated_attention.train.trainer import train
 
 
 def test_tiny_moe_training_logs_load_stats_and_resets_balance_per_step(tmp_path):

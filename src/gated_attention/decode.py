@@ -140,8 +140,8 @@ class SinkWindowCache:
 
 def _check_model(model: nn.Module) -> None:
     for mod in model.modules():
-        if getattr(mod, "baseline", None) is not None:
-            raise ValueError(f"generate_fast: attention baseline {type(mod.mechanism).__name__} may change the cache "
+        if getattr(mod, "mechanism", None) is not None:
+            raise ValueError(f"generate_fast: comparison mechanism {type(mod.mechanism).__name__} may change the cache "
                              f"layout or the mask; use model.generate for it")
     if model.config._attn_implementation not in (None, "sdpa", "eager"):
         raise ValueError(f"generate_fast supports the sdpa and eager kernels, not "

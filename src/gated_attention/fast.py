@@ -82,8 +82,8 @@ class FusedGatedAttention(GatedAttention):
     """
 
     def __init__(self, attn: GatedAttention, fused_gate_mul: bool = True, separate_params: bool = False):
-        if getattr(attn, "baseline", None) is not None:
-            raise ValueError(f"fuse_qkv: layer {attn.layer_idx} uses the comparison baseline "
+        if getattr(attn, "mechanism", None) is not None:
+            raise ValueError(f"fuse_qkv: layer {attn.layer_idx} uses the comparison mechanism "
                              f"{type(attn.mechanism).__name__}, which changes the projections; run it unfused")
         nn.Module.__init__(self)  # the parent's __init__ would build fresh projections; we take attn's weights
         self.mechanism = None
@@ -206,12 +206,12 @@ def fuse_qkv(model: nn.Module, fused_gate_mul: bool = True, separate_params: boo
     weights and before building the optimizer (the fused weight is a new Parameter). separate_params=True (what the
     trainer uses): the plain layer's Parameters are kept, with their names, and concatenated in every forward, so
     optimizer state, DDP/FSDP and checkpoints see exactly the plain model's parameters.
-    strict=False leaves layers it cannot fuse (comparison baselines) plain and converts zero layers without error."""
+    strict=False leaves layers it cannot fuse (comparison mechanisms) plain and converts zero layers without error."""
     n = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is GatedAttention:
-                if not strict and getattr(child, "baseline", None) is not None:
+                if not strict and getattr(child, "mechanism", None) is not None:
                     continue
                 setattr(parent, name, FusedGatedAttention(child, fused_gate_mul, separate_params))
                 n += 1

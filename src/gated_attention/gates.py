@@ -32,18 +32,19 @@ class Position(str, Enum):
 
 
 class Granularity(str, Enum):
-    ELEMENTWISE = "elementwise"
-    HEADWISE = "headwise"
+    ELEMENTWISE = "elementwise"  # one score per element of the head's output (H*D scores)
+    HEADWISE = "headwise"  # one score per head, broadcast over head_dim (H scores)
 
 
 class Sharing(str, Enum):
+    """Whether each head has its own gate projection, or all heads share one."""
     HEAD_SPECIFIC = "head_specific"
     HEAD_SHARED = "head_shared"
 
 
 class Combine(str, Enum):
-    MULTIPLY = "multiply"
-    ADD = "add"
+    MULTIPLY = "multiply"  # y * score (the paper's gates)
+    ADD = "add"  # y + score (the additive variant)
 
 
 class Activation(str, Enum):

@@ -1,4 +1,4 @@
-"""The comparison-mechanism registry: every mechanism the paper compares gating against (docs/paper_map.md §3.1, §3.6,
+"""The comparison-mechanism registry: every mechanism the paper compares gating against (paper map §3.1, §3.6,
 §6), selectable by name (config key `mechanism`).
 
 Like gates.py for gates: a frozen `MechanismSpec` per mechanism, `MECHANISMS` maps a stable name to a spec, and

@@ -121,7 +121,7 @@ def model_config(name: str, gate: str = "none", match_params: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The paper's comparison baselines at a preset's shape (mechanisms.py is the registry; sizing them needs the presets)
+# The paper's comparison mechanisms at a preset's shape (mechanisms.py is the registry; sizing them needs the presets)
 
 def added_params(spec: MechanismSpec | str, config) -> int:
     """Parameters the baseline adds to the whole model `config` describes (config is the model WITHOUT it)."""

@@ -6,7 +6,7 @@ the attention backend, layer/attention/FFN outputs from forward hooks; `output_a
 Nothing keeps a full tensor across batches: running maxima, sums, histograms and per-head sums are all that persist,
 and attention-sink numbers come from q.k0 and chunked log-sum-exps (sink.py), never from T x T maps for all heads.
 
-The returned dict is JSON-ready; its schema is documented in `analysis_schema()` and the README.
+The returned dict is JSON-ready; its schema is documented in `analysis_schema()` and docs/usage.md.
 """
 from __future__ import annotations
 
@@ -437,7 +437,7 @@ def token_batches(ids, seq_len: int, batch_size: int, batches: int, first_token:
 
 
 def analysis_schema() -> str:
-    """Human-readable description of analysis.json (the README pastes this)."""
+    """Human-readable description of analysis.json (docs/usage.md shows it)."""
     return SCHEMA
 
 
@@ -460,3 +460,47 @@ analysis.json (all numbers are floats; null = not measurable for this model, e.g
     gate_per_head {mean,std,min,max lists}, gate_histogram {edges, counts}
   attention_maps: {layer index: head-averaged n x n map of batch element 0} for the plotted layers
 """
+
+
+def analyze_folder(model_dir, out, text: str | None = None, domain: str | None = None, data_dir: str | None = None,
+                   seq_len: int = 512, batches: int = 4, batch_size: int = 2, bos: bool = True,
+                   layers_to_plot=None, map_len: int = 64, sink_eps: float = 0.3,
+                   attn_implementation: str = "sdpa") -> dict:
+    """`gattn analyze DIR`: analyse a local model (ours or any HF transformer) on windows of a text file or of a
+    corpus domain's validation tokens; writes OUT/analysis.json (strict JSON; non-finite metrics null, listed under
+    "nonfinite_metrics") and the PNG plots; returns the result."""
+    from pathlib import Path
+
+    from ..util.io import atomic_write_json, nonfinite_paths
+    from .plots import plot_all
+
+    for name, v in (("seq_len", seq_len), ("batches", batches), ("batch_size", batch_size), ("map_len", map_len)):
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    model, kind = load_model(model_dir, attn_implementation=attn_implementation)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and seq_len > max_pos:
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
+    n_layers = getattr(model.config, "num_hidden_layers", None)
+    if layers_to_plot and n_layers and any(not 0 <= i < n_layers for i in layers_to_plot):
+        raise ValueError(f"--layers-to-plot must be in 0..{n_layers - 1}")
+    tok = load_tokenizer(model_dir, data_dir)
+    if text:
+        ids = tok(Path(text).read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+    elif not data_dir:
+        raise ValueError("--domain needs --data-dir (the prepared corpus directory)")
+    else:
+        from ..data import Corpus
+
+        ids = Corpus(data_dir).tokens(domain, "val")
+    windows = token_batches(ids, seq_len, batch_size, batches, bos_id(tok) if bos else None)
+    cfg = AnalysisConfig(sink_eps=sink_eps, map_len=map_len, map_layers=tuple(layers_to_plot) if layers_to_plot else None)
+    result = {"model": str(model_dir), **analyze_model(model, windows, cfg, kind)}
+    bad = nonfinite_paths({k: v for k, v in result.items() if k != "attention_maps"})
+    if bad:
+        result["nonfinite_metrics"] = bad
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "analysis.json", result, indent=1)  # a NaN metric is null + "nonfinite", never bare NaN
+    plot_all(result, out, label=Path(model_dir).name)
+    return result

@@ -58,14 +58,11 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args) -> int:
-    from ..util.io import lock_dir
-
-    with lock_dir(args.out, "gattn compare"):  # one writer per output folder
-        res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
-                                  log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
-                                  stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,
-                                  streaming=args.streaming,
-                                  sink_lab_changes={"seeds": args.sink_lab_seeds} if args.sink_lab_seeds else None)
+    res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
+                              log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
+                              stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,
+                              streaming=args.streaming,
+                              sink_lab_changes={"seeds": args.sink_lab_seeds} if args.sink_lab_seeds else None)
     print(report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

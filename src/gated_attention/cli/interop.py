@@ -35,7 +35,7 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gate", required=True, help="gate to add (a name from `gattn gates`, e.g. sdpa_elementwise)")
     parser.add_argument("--init", required=True, choices=INITS,
                         help="identity: zero weights + 1/act(0) scale (2*sigmoid), logits unchanged at step 0 "
-                             "(issue #10's trick; the scale stays); random: official N(0, initializer_range) init")
+                             "(the official repository's issue #10 trick; the scale stays); random: official N(0, initializer_range) init")
     parser.add_argument("--out", type=E.out_dir, required=True, help="destination dir (native checkpoint, written atomically)")
     parser.add_argument("--from", dest="src_format", default="auto", choices=SOURCE_FORMATS,
                         help="layout of CKPT; auto reads config.json's model_type (qwen3 with official flags -> "

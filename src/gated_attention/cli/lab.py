@@ -11,7 +11,7 @@ from pathlib import Path
 from dataclasses import replace
 
 from ..labs.sinks import report as sinks_report
-from ..labs.common import default_jobs
+from ..experiment.runs import default_jobs
 from ..labs.sinks import BUDGETS, DEFAULT_VARIANTS, SinkLabConfig
 from ..labs.sinks import run_lab as run_sink_lab
 from ..labs.stability import lab as stab
@@ -57,12 +57,8 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden-size", type=int, default=None, help="model width d")
     parser.add_argument("--intermediate-size", type=int, default=None, help="FFN width of the ungated model")
     parser.add_argument("--eval-every", type=int, default=None, help="learning-curve interval in steps")
-    parser.add_argument("--vocab", type=int, default=None, help="task: normal tokens V")
-    parser.add_argument("--triggers", type=int, default=None, help="task: trigger tokens k")
-    parser.add_argument("--seq-len", type=int, default=None, help="task: tokens per sequence incl. BOS")
-    parser.add_argument("--alpha", type=float, default=None,
-                        help="task: Dirichlet concentration of the bigram rows (lower = more predictable)")
-    parser.add_argument("--task-seed", type=int, default=None, help="task: seed of the chain and the triggers")
+    for dest, (_, kind, text) in _SINK_TASK_OPTIONS.items():  # BackcopyTask fields
+        parser.add_argument("--" + dest.replace("_", "-"), type=kind, default=None, help="task: " + text)
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, one core each (default: min(2, available cores))")
     parser.add_argument("--report-only", action="store_true",
@@ -74,7 +70,7 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
 def _state_budget_defaults(parser: argparse.ArgumentParser) -> None:
     """Append each option's true default, read from the budgets themselves, to its help (so it cannot go stale)."""
     cfgs = {name: replace(SinkLabConfig(), **changes) for name, (_, changes) in BUDGETS.items()}
-    task_fields = {a: f for a, f in _SINK_TASK_OPTIONS.items()}
+    task_fields = {a: f for a, (f, _, _) in _SINK_TASK_OPTIONS.items()}
 
     def value(cfg, dest):
         v = cfg.task[task_fields[dest]] if dest in task_fields else getattr(cfg, dest)
@@ -96,15 +92,18 @@ def _state_budget_defaults(parser: argparse.ArgumentParser) -> None:
 _SINK_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
                 "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every",
                 "decay_frac", "weight_decay", "beta2", "adam_eps", "grad_clip")
-_SINK_TASK_OPTIONS = {"vocab": "vocab", "triggers": "triggers", "seq_len": "seq_len", "alpha": "alpha",
-                      "task_seed": "seed"}
+# option dest -> (BackcopyTask field, type, help)
+_SINK_TASK_OPTIONS = {"vocab": ("vocab", int, "normal tokens V"), "triggers": ("triggers", int, "trigger tokens k"),
+                      "seq_len": ("seq_len", int, "tokens per sequence incl. BOS"),
+                      "alpha": ("alpha", float, "Dirichlet concentration of the bigram rows (lower = more predictable)"),
+                      "task_seed": ("seed", int, "seed of the chain and the triggers")}
 
 
 def sinks_config(args) -> SinkLabConfig:
     """The budget's config with every option the user gave applied on top."""
     cfg = replace(SinkLabConfig(), **BUDGETS[args.budget][1])
     over = {k: getattr(args, k) for k in _SINK_OPTIONS if getattr(args, k, None) is not None}
-    task = {f: getattr(args, a) for a, f in _SINK_TASK_OPTIONS.items() if getattr(args, a, None) is not None}
+    task = {f: getattr(args, a) for a, (f, _, _) in _SINK_TASK_OPTIONS.items() if getattr(args, a, None) is not None}
     if task:
         over["task"] = {**cfg.task, **task}
     if getattr(args, "qk_norm", None) is not None:
@@ -234,7 +233,4 @@ def configure_lab(parser: argparse.ArgumentParser) -> None:
 
 
 def run_lab(args) -> int:
-    from ..util.io import lock_dir
-
-    with lock_dir(args.out, f"gattn lab {args.lab}"):  # one writer per lab folder (its worker processes write inside)
-        return int(LABS[args.lab][1](args) or 0)
+    return int(LABS[args.lab][1](args) or 0)

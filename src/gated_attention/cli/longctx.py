@@ -8,7 +8,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..util.io import atomic_write_json
+
 from ..longctx import extend, pipeline, ruler
 
 
@@ -36,22 +36,18 @@ def configure_extend(parser) -> None:
 
 
 def run_extend(args) -> int:
-    from ..util.io import lock_dir
-
     if args.finetune_steps:
-        with lock_dir(args.out, "gattn extend"):  # one writer per output folder
-            res = extend.finetune_checkpoint(args.dir, args.out, args.finetune_steps, args.seq_len, args.method,
-                                             args.factor, args.rope_theta, args.original_max_position_embeddings,
-                                             args.data_dir, args.sets, args.overwrite)
+        res = extend.finetune_checkpoint(args.dir, args.out, args.finetune_steps, args.seq_len, args.method,
+                                         args.factor, args.rope_theta, args.original_max_position_embeddings,
+                                         args.data_dir, args.sets, args.overwrite)
         print(f"wrote {args.out}: rope_parameters={json.dumps(res['config']['rope_parameters'])}, fine-tuned "
               f"{res['steps']} steps at {args.seq_len} tokens (final loss {res['final_loss']:.4f}; run in "
               f"{res['run_dir']})")
         return 0
     if args.seq_len is not None or args.sets:
         raise ValueError("--seq-len and --set only apply with --finetune-steps N")
-    with lock_dir(args.out, "gattn extend"):  # one writer per output folder
-        new = extend.extend_checkpoint(args.dir, args.out, args.method, args.factor, args.rope_theta,
-                                       args.original_max_position_embeddings, args.overwrite)
+    new = extend.extend_checkpoint(args.dir, args.out, args.method, args.factor, args.rope_theta,
+                                   args.original_max_position_embeddings, args.overwrite)
     print(f"wrote {args.out}: rope_parameters={json.dumps(new['rope_parameters'])} "
           f"max_position_embeddings={new['max_position_embeddings']}")
     return 0
@@ -79,37 +75,11 @@ def configure_ruler(parser) -> None:
 
 
 def run_ruler(args) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import gated_attention  # noqa: F401  (registers the gated model classes with the Auto factories)
-
-    from ..util.io import check_hf_dir
-
-    check_hf_dir(args.dir)  # a folder, config.json parses, weights present and intact (else one line)
-    corpus = Path(args.haystack_file).read_text(encoding="utf-8") if args.haystack_file else None
-    tokenizer = AutoTokenizer.from_pretrained(args.dir)
-    model = AutoModelForCausalLM.from_pretrained(args.dir, dtype=getattr(torch, args.dtype)).to(args.device)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
-    from ..util.progress import Progress
-
-    prog = Progress(len(args.tasks) * len(args.lengths), "ruler", "cell", heartbeat=True)
-
-    def progress(task, length, value):
-        print(f"  {task} @ {length}: {value:.1f}", flush=True)
-        prog.update(1, task=task, length=length, score=round(value, 1))
-
-    with prog:
-        result = ruler.evaluate(model, tokenizer, args.tasks, args.lengths, args.samples, args.max_new_tokens,
-                                args.seed, corpus=corpus, metric=args.metric, progress=progress)
-    result["config"]["checkpoint"] = str(args.dir)
-    result["config"]["rope_parameters"] = getattr(model.config, "rope_parameters", None)
-    atomic_write_json(out / "ruler.json", result, indent=2)
-    ruler.plot_scores(result, out / "ruler.png")
+    result = ruler.evaluate_folder(args.dir, args.out, args.tasks, args.lengths, args.samples, args.seed,
+                                   args.max_new_tokens, args.haystack_file, args.metric, args.device, args.dtype,
+                                   echo=lambda m: print(m, flush=True))
     print(ruler.format_table(result))
-    print(f"wrote {out / 'ruler.json'} and {out / 'ruler.png'}")
+    print(f"wrote {Path(args.out) / 'ruler.json'} and {Path(args.out) / 'ruler.png'}")
     return 0
 
 
@@ -179,26 +149,7 @@ def configure_longctx(parser) -> None:
                              "show the progress of the others (a partial table while runs are going)")
 
 
-def longctx_lock_path(out, gates, seed: int = 0, seeds: int | None = None) -> Path:
-    """The folder `gattn longctx` locks: one per gate set and seed range inside --out (the budget's defaults when None),
-    so one model's seeds can train in parallel processes (`--seed 1 --seeds 1` beside `--seed 0 --seeds 1`)."""
-    name = "gates-" + ("+".join(sorted(gates)) if gates else "default")
-    return Path(out) / (name + f".seed{seed}" + (f"x{seeds}" if seeds else ""))
-
-
 def run_longctx(args) -> int:
-    from ..experiment import cores, default_jobs
-    from ..util.io import lock_dir
-
-    b = budget_from_args(args)
-    if args.report_only:  # writes only the report (atomically), meant to run while the training processes go on
-        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed, report_only=True)
-        return 0
-    # one writer per gate set: two processes with the same --gates stop here; different --gates may share --out in
-    # parallel as documented (each training run folder also has its own lock in train())
-    jobs = args.jobs if args.jobs is not None else default_jobs()
-    threads = max(1, cores() // jobs)
-    with lock_dir(longctx_lock_path(args.out, args.gates, args.seed, b.seeds), "gattn longctx"):
-        pipeline.run_pipeline(args.out, b, args.data_dir, args.gates, args.factor, args.seed, report_only=False,
-                              jobs=jobs, threads=threads)
+    pipeline.run_pipeline(args.out, budget_from_args(args), args.data_dir, args.gates, args.factor, args.seed,
+                          report_only=args.report_only, jobs=args.jobs)
     return 0

@@ -10,12 +10,9 @@ from ..util import errors as E  # argparse types: numbers and paths checked wher
 
 import argparse
 import json
-from pathlib import Path
 
-import torch
-
-from ..util.io import atomic_write_json, check_hf_dir, json_dumps, read_json_object
-from ..train.config import TRAIN_PRESETS, TrainConfig, apply_overrides, check_model, config_from_args
+from ..train.config import TRAIN_PRESETS, run_config
+from ..util.io import json_dumps
 
 
 def configure_train(parser: argparse.ArgumentParser) -> None:
@@ -31,37 +28,10 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder (gattn data prepare)")
 
 
-def _same(key: str, value):
-    """Comparable form of a setting given again with --resume: the canonical gate name, the resolved corpus path."""
-    if value is None:
-        return None
-    if key == "gate":
-        from ..gates import canonical_name
-
-        try:
-            return canonical_name(value)
-        except ValueError:
-            return value
-    return str(Path(value).resolve())
-
-
 def run_train(args) -> int:
     from ..train.trainer import train
 
-    resume_cfg = Path(args.out) / "train_config.json"
-    if args.resume and not resume_cfg.exists() and not (Path(args.out) / "checkpoints").is_dir():
-        raise E.UserError(f"nothing to resume in {args.out} (no train_config.json, no checkpoints); drop --resume to "
-                          "start a new run there")
-    if args.resume and resume_cfg.exists() and args.preset is None:  # continue with the saved settings
-        cfg = TrainConfig.from_dict(read_json_object(resume_cfg, "saved run settings", "restore it or use a new --out"))
-        for flag, key, value in (("--gate", "gate", args.gate), ("--data-dir", "data_dir", args.data_dir)):
-            if value is not None and _same(key, value) != _same(key, getattr(cfg, key)):  # never silently ignored
-                raise E.UserError(f"--resume with {flag} {value} but the saved run has {key}={getattr(cfg, key)!r}; "
-                                  f"drop {flag} (or pass the saved value) or start a new --out")
-        cfg = apply_overrides(cfg, args.sets)
-        check_model(cfg)
-    else:
-        cfg = config_from_args(args.preset or "small", args.gate, args.sets, args.data_dir)
+    cfg = run_config(args.out, args.preset, args.gate, args.sets, args.data_dir, args.resume)
     summary = train(cfg, args.out, resume=args.resume)
     if summary:
         keys = ("final_loss", "avg_ppl", "spikes", "skipped_steps", "diverged", "tokens", "wall_time_s")
@@ -109,45 +79,14 @@ def _position_summary(pos: list[float], points: int = 8) -> list[tuple[int, floa
 
 
 def run_eval(args) -> int:
-    import gated_attention  # noqa: F401  (registers the model with the Auto classes)
-    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from ..train.evaluate import evaluate_folder
 
-    from ..train.config import TrainConfig
-    from ..train.data_source import make_source
-    from ..train.evaluate import domain_losses
-
-    root = Path(args.dir)
-    model_dir = root / "final" if (root / "final" / "config.json").exists() else root
-    if not (model_dir / "config.json").exists():
-        raise FileNotFoundError(f"no model in {root} (expected {root}/final/config.json or {root}/config.json)")
-    check_hf_dir(model_dir, "model folder")  # config.json parses, weights present and intact
-    cfg_path = root / "train_config.json"
-    cfg = (TrainConfig.from_dict(read_json_object(cfg_path, "run settings", "restore it or pass --data-dir"))
-           if cfg_path.exists() else TrainConfig())
-    if args.data_dir is not None:
-        cfg.data_dir, cfg.data = args.data_dir, "corpus"
-    seq_len = args.seq_len or cfg.seq_len
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = GatedQwen3ForCausalLM.from_pretrained(model_dir).to(device)
-    max_pos = getattr(model.config, "max_position_embeddings", None)
-    if max_pos and seq_len > max_pos:
-        raise E.UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower "
-                          "--seq-len (or extend the model first with `gattn extend`)")
-    source = make_source(cfg, model.config.vocab_size)
-    res = domain_losses(model, source, seq_len=seq_len, max_batches=args.batches, batch_size=args.batch_size,
-                        device=device, precision=args.precision, positions=True)
-    if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
-        raise E.UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")
-    from ..util.precision import resolve
-
-    res.update({"model": str(model_dir), "seq_len": seq_len, "batches": args.batches, "batch_size": args.batch_size,
-                "resolved_precision": resolve(args.precision, device)})
-    if args.out:
-        atomic_write_json(args.out, res)
+    res = evaluate_folder(args.dir, args.data_dir, args.seq_len, args.batches, args.batch_size, args.precision,
+                          args.out)
     if args.json:
         print(json_dumps(res, indent=1))  # strict JSON, as the file
         return 0
-    print(f"model: {model_dir}   seq_len {seq_len}, {args.batches} x {args.batch_size} sequences per domain")
+    print(f"model: {res['model']}   seq_len {res['seq_len']}, {args.batches} x {args.batch_size} sequences per domain")
     print(f"{'domain':<20} {'loss':>8} {'ppl':>10}")
     for d, loss in res["losses"].items():
         print(f"{d:<20} {loss:>8.4f} {res['ppl'][d]:>10.3f}")

@@ -10,8 +10,10 @@ are stated next to each rule so a reader can check them against the figures in t
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from ..util.errors import UserError
+from ..util.io import read_json_object
 
 # the verdict words and the stability rule belong to the stability lab (it prints its own verdict); the same objects
 from ..labs.stability.verdict import GATED, NOT_AT_SCALE, NOT_RUN, PARTLY, REPRODUCED, stability_verdict  # noqa: F401
@@ -19,8 +21,8 @@ STABILITY_CMD = "gattn lab stability --budget default --out runs/lab/stability"
 # the project's measured default-budget lab (lab.json + report), for a compare run that has no stability lab
 STABILITY_DOC = "docs/experiments/stability_lab.md (lab.json: --stability-lab docs/experiments/stability_lab)"
 LONGCTX_CMD = "gattn longctx --budget fair --out runs/longctx"
-# where the project's own equal-skill Table 5 (issue 12) is written up, for a compare run that has no long-context run
-LONGCTX_DOC = "docs/experiments/long_context.md (README: Long context, Table 5 at equal skill)"
+# where the project's own equal-skill Table 5 is written up, for a compare run that has no long-context run
+LONGCTX_DOC = "docs/experiments/long_context.md (Table 5 at equal skill)"
 SINK_LAB_CMD = "gattn lab sinks --out runs/lab/sinks"
 
 
@@ -143,9 +145,9 @@ def stability_claim(rows: dict, stability_dir) -> dict:
         return {"paper": STABILITY_PAPER, "this_run": f"loss spikes in this run: {spikes}; no stability lab at {path}; "
                 f"the project's measured table: {STABILITY_DOC}", "verdict": NOT_RUN, "command": STABILITY_CMD}
     try:
-        lab = json.loads(path.read_text())
+        lab = read_json_object(path, "stability lab.json")
         claim = stability_verdict(lab)
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+    except (UserError, KeyError, TypeError, AttributeError) as exc:
         return {"paper": STABILITY_PAPER, "this_run": f"unreadable stability lab {path} ({exc})", "verdict": NOT_RUN,
                 "command": STABILITY_CMD}
     out = {"paper": STABILITY_PAPER, "this_run": f"{claim['this_run']} ({path.parent})", "verdict": claim["verdict"]}
@@ -161,8 +163,8 @@ def longctx_claim(longctx_dir) -> dict:
         return {"paper": paper, "this_run": f"no long-context report at {path}; the project's measured table: "
                 f"{LONGCTX_DOC}", "verdict": NOT_RUN, "command": LONGCTX_CMD}
     try:
-        claim = json.loads(path.read_text()).get("claim")
-    except (json.JSONDecodeError, AttributeError):
+        claim = read_json_object(path, "long-context report.json").get("claim")
+    except UserError:
         claim = None
     if not isinstance(claim, dict) or not {"this_run", "verdict"} <= set(claim):
         return {"paper": paper, "this_run": f"{path} has no \"claim\" object (an older long-context run?)",
@@ -230,7 +232,7 @@ def streaming_claim(stream: dict | None) -> dict:
 
 
 def claims_table(result: dict, sink_lab: dict | None, stability_dir=None, longctx_dir=None) -> list[dict]:
-    """The rows of "Paper claims vs this run", in the issue's order."""
+    """The rows of "Paper claims vs this run", in the paper's order of claims."""
     rows = _with_base(result["rows"])
     if sink_lab:
         sink_lab = {**sink_lab, "variants": _with_base(sink_lab.get("variants", {}))}

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import experiment
-from ..util.io import atomic_write_text, json_dumps
+from ..util.io import atomic_write_text, json_dumps, locks_output, read_jsonl
 
 # variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
@@ -66,6 +66,15 @@ class Budget:
 # 1.2M-token default: massive activations and the PPL gain, no sink yet.
 _CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
+
+
+def _cpu_recipe(**changes) -> dict:
+    """The TrainConfig changes the CPU budgets share (batch 16, peak LR 6e-3 decaying to 6e-5, weight decay 0.1, the
+    CPU shape) with `changes` on top."""
+    return dict(batch_size=16, lr=6e-3, min_lr=6e-5, weight_decay=0.1, eval_every=0, eval_batch_size=8,
+                spike_window=50, model_overrides=dict(_CPU_SHAPE), **changes)
+
+
 BUDGETS: dict[str, Budget] = {
     "small": Budget(
         help="CI smoke run: a ~0.6M-parameter 2-layer model, 60 steps per variant (a minute or two on 2 cores)",
@@ -78,25 +87,20 @@ BUDGETS: dict[str, Budget] = {
         help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model (8k-vocabulary corpus, windows of 128): "
              "about 5 minutes for three variants on 2 quiet CPU cores; shows the massive activations and the PPL "
              "gain, not yet a first-token sink",
-        train=dict(seq_len=128, batch_size=16, steps=600, lr=6e-3, min_lr=6e-5, warmup_steps=30, weight_decay=0.1,
-                   eval_every=0, eval_batches=4, eval_batch_size=8, stats_every=50, spike_window=50,
-                   ckpt_every=100, model_overrides=dict(_CPU_SHAPE))),
+        train=_cpu_recipe(seq_len=128, steps=600, warmup_steps=30, eval_batches=4, stats_every=50, ckpt_every=100)),
     "default": Budget(
         help="~5.7M tokens per variant in windows of 256 on the same model, WSD schedule (holds the peak LR, where "
              "the sink grows), on the default sources with a 1024-token vocabulary (prepared automatically in "
              "data_v1k unless --data-dir is given): about 15 minutes for three variants on 2 quiet CPU cores; the "
              "baseline's first-token sink is visible (F-Attn 1.5x uniform) and the gated models stay near uniform",
-        train=dict(seq_len=256, batch_size=16, steps=1400, lr=6e-3, min_lr=6e-5, warmup_steps=50, weight_decay=0.1,
-                   schedule="wsd", eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200,
-                   spike_window=50, ckpt_every=700, model_overrides=dict(_CPU_SHAPE)),
+        train=_cpu_recipe(seq_len=256, steps=1400, warmup_steps=50, schedule="wsd", eval_batches=8, stats_every=200,
+                          ckpt_every=700),
         data_dir="data_v1k", vocab_size=1024),
     "long": Budget(
         help="the budget that shows the first-token sink forming: ~12M tokens per variant in windows of 256 (same "
              "model, cosine schedule) on the 1024-token-vocabulary corpus: about 40 minutes for three variants on 2 "
              "quiet CPU cores; the sink is clearer (baseline 1.8x uniform, layer 0 3.7x)",
-        train=dict(seq_len=256, batch_size=16, steps=3000, lr=6e-3, min_lr=6e-5, warmup_steps=100, weight_decay=0.1,
-                   eval_every=0, eval_batches=8, eval_batch_size=8, stats_every=200, spike_window=50,
-                   ckpt_every=500, model_overrides=dict(_CPU_SHAPE)),
+        train=_cpu_recipe(seq_len=256, steps=3000, warmup_steps=100, eval_batches=8, stats_every=200, ckpt_every=500),
         data_dir="data_v1k", vocab_size=1024),
 }
 
@@ -134,17 +138,7 @@ def check_variants(variants: list[str]) -> list[str]:
     return list(variants)
 
 
-def ensure_data(data_dir: str | Path, log=print, vocab_size: int = 8192) -> Path:
-    """Prepare the default corpus in `data_dir` if it has no manifest yet (experiment.ensure_corpus)."""
-    return experiment.ensure_corpus(data_dir, vocab_size, log, "[compare]")
-
-
 # ---------------------------------------------------------------- one variant: train (or reuse), then analyse
-
-def train_variant(cfg, run_dir: Path, log=print) -> dict:
-    """Train into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's content."""
-    return experiment.train_or_reuse(cfg, run_dir, log, "[compare]")
-
 
 def analysis_batches(cfg, budget: Budget):
     """Val windows of every domain, each starting with <|bos|> as in training: a list of (b, T) LongTensors."""
@@ -182,12 +176,6 @@ def count_params(run_dir: Path) -> int:
 
     conf = GatedQwen3Config.from_pretrained(run_dir / "final")
     return int(param_report(conf)["total"])
-
-
-def read_log(run_dir: Path) -> list[dict]:
-    from ..util.io import read_jsonl
-
-    return read_jsonl(run_dir / "log.jsonl")
 
 
 # ---------------------------------------------------------------- the whole job
@@ -322,7 +310,7 @@ def _unit(task: tuple, log=_stderr):
 
         return sinks.train_unit(payload)
     cfg, run_dir, budget = payload
-    summary = train_variant(cfg, run_dir, log)
+    summary = experiment.train_or_reuse(cfg, run_dir, log, "[compare]")
     return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
 
 
@@ -339,6 +327,7 @@ def schedule_units(out: Path, base, variants: list[str], budget: Budget, sink_cf
     return tasks
 
 
+@locks_output("out", "gattn compare")  # one writer per output folder
 def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str = "default",
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print,
                 sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
@@ -363,7 +352,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     if budget not in BUDGETS:
         raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
     b = BUDGETS[budget]
-    data_dir = ensure_data(data_dir or b.data_dir, log, b.vocab_size)
+    data_dir = experiment.ensure_corpus(data_dir or b.data_dir, b.vocab_size, log, "[compare]")
     base = budget_config(budget, str(data_dir), sets)
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
@@ -392,7 +381,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         # a finished run is reused here (a file read; its analysis too, when cached)
         summary, analysis = trained.get(v) or _unit(("lm", (replace(base, gate=v).validate(), run_dir, b)), log)
         rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
-        analyses[v], logs[v] = analysis, read_log(run_dir)
+        analyses[v], logs[v] = analysis, read_jsonl(run_dir / "log.jsonl")
         r = rows[v]
         log(f"[compare] {v}: Avg PPL {report.fmt(r['avg_ppl'], 3)}  F-Attn {report.fmt(r['f_attn'], 3)}  "
             f"M-Act {report.fmt(r['m_act'], 1)}  gate {report.fmt(r['gate_mean'], 3)}  spikes {r['spikes']}")
@@ -427,6 +416,5 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     result["timings_s"] = timings
     result["wall_time_s"] = time.perf_counter() - t0
     atomic_write_text(out / "compare.json", json_dumps(result, indent=1))
-    atomic_write_text(out / "report.md", report.render_markdown(result))
-    atomic_write_text(out / "report.html", report.render_html(result, out))
+    report.write(out, result)
     return result

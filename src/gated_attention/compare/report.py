@@ -1,35 +1,23 @@
-"""Rendering of a `gattn compare` result: the Table-4 style table (text, Markdown, HTML), the loss-curve plot, and a
-self-contained report.html whose PNG plots are embedded as base64 data URIs (one file to mail or archive).
+"""Rendering of a `gattn compare` result: the Table-4 style table (the text `gattn compare` prints), the report's blocks
+(report.md and the self-contained report.html through experiment.report, like every job's) and the loss-curve plot.
 
 The per-layer, attention-map and gate-histogram plots come from gated_attention.analysis.plots; only the loss-curve
 plot (which needs the training logs) lives here.
 """
 from __future__ import annotations
 
-import base64
-import html
 import math
 from pathlib import Path
 
-from ..experiment.report import html_table as _html_table, md_table as _md_table
+from ..experiment import report as page
+from ..experiment.report import fmt
+from ..util.io import save_png
 
 # (column title, row key, decimals); the first seven are the paper's Table 4 columns that we can measure
 TABLE4 = [("Variant", "variant", None), ("Params", "params", None), ("Avg PPL", "avg_ppl", 3),
           ("Mean gate", "gate_mean", 3), ("M-Act", "m_act", 1), ("F-Attn", "f_attn", 3), ("Loss spikes", "spikes", 0),
           ("F-Attn max layer", "f_attn_max_layer", 3), ("uniform F-Attn", "uniform_f_attn", 3),
           ("Sink rate", "sink_rate", 2)]
-
-
-def fmt(v, digits: int | None = 3) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return str(v)
-    if isinstance(v, int) and digits in (None, 0):
-        return f"{v:,}"
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return f"{v:.{digits}f}" if digits is not None else str(v)
 
 
 def _table4_cells(result: dict) -> tuple[list[str], list[list[str]]]:
@@ -79,15 +67,9 @@ def _layer_cells(result: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
-def _text_table(head: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), "-" * len(line(head))] + [line(r) for r in rows])
-
-
 def render_table(result: dict) -> str:
     """The Table-4 style table as aligned text (what `gattn compare` prints)."""
-    return _text_table(*_table4_cells(result))
+    return page.text_table(*_table4_cells(result))
 
 
 def _intro(result: dict) -> list[str]:
@@ -164,56 +146,31 @@ def _lab_sections(result: dict) -> list[tuple[str, str, list[str], list[list[str
     return out
 
 
-def render_markdown(result: dict) -> str:
-    parts = ["# gattn compare: gated attention vs baseline", ""]
+TITLE = "gattn compare: gated attention vs baseline"
+
+
+def blocks(result: dict) -> list[tuple]:
+    """The whole report as experiment.report blocks: the claims table first, then Table 4 and its companions, the
+    labs compare ran, and the plots."""
+    out = []
     if result.get("claims"):
-        parts += ["## Paper claims vs this run", "", _md_table(*_claims_cells(result)), "", _CLAIMS_NOTE, ""]
-    parts += [p + "\n" for p in _intro(result)]
-    parts += ["## Table 4 form", "", _md_table(*_table4_cells(result)), "",
-              "## Per-domain perplexity (held-out)", "", _md_table(*_domain_cells(result)), "",
-              "## Per-layer F-Attn and M-Act", "", _md_table(*_layer_cells(result)), "",
-              "## More measurements", "", _md_table(*_extra_cells(result)), ""]
+        out += [("h2", "Paper claims vs this run"), ("table", *_claims_cells(result)), ("p", _CLAIMS_NOTE)]
+    out += [("p", p) for p in _intro(result)]
+    out += [("h2", "Table 4 form"), ("table", *_table4_cells(result)),
+            ("h2", "Per-domain perplexity (held-out)"), ("table", *_domain_cells(result)),
+            ("h2", "Per-layer F-Attn and M-Act"), ("table", *_layer_cells(result)),
+            ("h2", "More measurements"), ("table", *_extra_cells(result))]
     for title, intro, head, rows, plots in _lab_sections(result):
-        parts += [f"## {title}", "", intro, "", _md_table(head, rows), ""]
-        for key, rel in plots.items():
-            parts += [f"### {title.split(' (')[0]}: {key}", "", f"![{key}]({rel})", ""]
-    parts += ["## Plots", ""]
-    for key, rel in result.get("plots", {}).items():
-        parts += [f"### {_plot_title(key)}", "", f"![{key}]({rel})", ""]
-    return "\n".join(parts)
+        out += [("h2", title), ("p", intro), ("table", head, rows)]
+        out += [("img", f"{title.split(' (')[0]}: {key}", rel) for key, rel in plots.items()]
+    out.append(("h2", "Plots"))
+    out += [("img", _plot_title(key), rel) for key, rel in result.get("plots", {}).items()]
+    return out
 
 
-_CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:14px}"
-        "th,td{border:1px solid #bbb;padding:3px 8px;text-align:right}th{background:#eee}"
-        "td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px solid #ddd}")
-
-
-def render_html(result: dict, out_dir: str | Path) -> str:
-    """One self-contained HTML page: every PNG is inlined as a base64 data URI."""
-    out_dir = Path(out_dir)
-    body = ["<h1>gattn compare: gated attention vs baseline</h1>"]
-    if result.get("claims"):
-        body += ["<h2>Paper claims vs this run</h2>", _html_table(*_claims_cells(result)),
-                 f"<p>{html.escape(_CLAIMS_NOTE)}</p>"]
-    body += [f"<p>{html.escape(p)}</p>" for p in _intro(result)]
-    body += ["<h2>Table 4 form</h2>", _html_table(*_table4_cells(result)),
-             "<h2>Per-domain perplexity (held-out)</h2>", _html_table(*_domain_cells(result)),
-             "<h2>Per-layer F-Attn and M-Act</h2>", _html_table(*_layer_cells(result)),
-             "<h2>More measurements</h2>", _html_table(*_extra_cells(result))]
-    for title, intro, head, rows, plots in _lab_sections(result):
-        body += [f"<h2>{html.escape(title)}</h2>", f"<p>{html.escape(intro)}</p>", _html_table(head, rows)]
-        for key, rel in plots.items():
-            data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
-            body += [f"<h3>{html.escape(title.split(' (')[0])}: {html.escape(key)}</h3>",
-                     f'<img alt="{html.escape(key)}" src="data:image/png;base64,{data}">']
-    body += ["<h2>Plots</h2>"]
-    for key, rel in result.get("plots", {}).items():
-        data = base64.b64encode((out_dir / rel).read_bytes()).decode("ascii")
-        body += [f"<h3>{html.escape(_plot_title(key))}</h3>", f'<img alt="{html.escape(key)}" '
-                 f'src="data:image/png;base64,{data}">']
-    return ("<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>gattn compare</title>"
-            f"<style>{_CSS}</style></head><body>" + "\n".join(body) + "</body></html>\n")
+def write(out_dir: str | Path, result: dict) -> None:
+    """report.md and the self-contained report.html into out_dir."""
+    page.write(out_dir, TITLE, blocks(result))
 
 
 # ---------------------------------------------------------------- plots
@@ -232,10 +189,8 @@ def _smooth(ys: list[float], window: int) -> list[float]:
 
 def plot_loss_curves(logs: dict[str, list[dict]], path) -> Path:
     """All variants' training loss on one chart (trailing mean), spikes marked."""
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = page.subplots(figsize=(8, 4.5))
     for label, recs in logs.items():
         recs = [r for r in recs if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
         if not recs:

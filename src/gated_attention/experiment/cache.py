@@ -73,9 +73,10 @@ def check(where: str | Path, stored: dict, wanted: dict, defaults: dict | None =
 
 
 def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | None = None,
-         inputs: tuple[str, ...] = ()) -> dict | None:
+         inputs: tuple[str, ...] = (), diff: Callable[[dict, dict], list[str]] | None = None) -> dict | None:
     """The stored result at `path` if it was made with `key`; None when there is none, it is unreadable, or only its
-    `inputs` fields differ (obsolete: recompute it); StaleResult when a setting differs."""
+    `inputs` fields differ (obsolete: recompute it); StaleResult when a setting differs. diff(stored, requested): the
+    caller's own comparison of the settings, when a key has one (a TrainConfig: train.config.setting_differences)."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -87,7 +88,9 @@ def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | N
         return None  # not one of our results (or written before it carried a key): recompute it
     stored = old[key_field] if isinstance(old[key_field], dict) else {}
     settings = [k for k in set(stored) | set(key) if k not in inputs]
-    check(path, {k: stored[k] for k in settings if k in stored}, {k: key[k] for k in settings if k in key}, defaults)
+    old_settings = {k: stored[k] for k in settings if k in stored}
+    new_settings = {k: key[k] for k in settings if k in key}
+    check(path, old_settings, new_settings, defaults, diff(old_settings, new_settings) if diff else None)
     if differences({k: stored.get(k) for k in inputs}, {k: key.get(k) for k in inputs}):
         return None  # computed from an earlier version of its input: obsolete
     return old

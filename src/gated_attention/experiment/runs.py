@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..util.io import read_json_object
-from ..train.config import describe_changes
+from ..train.config import setting_differences
 from . import cache
 
 Log = Callable[[str], Any]
@@ -57,8 +57,7 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
     cfg_path = run_dir / "train_config.json"
     if cfg_path.exists():
         saved = read_json_object(cfg_path, "saved run settings", "delete that run folder")
-        diff = describe_changes(saved, cfg.to_dict())
-        cache.check(run_dir, saved, cfg.to_dict(), diffs=[diff] if diff else [])
+        cache.check(run_dir, saved, cfg.to_dict(), diffs=setting_differences(saved, cfg.to_dict()))
     if is_finished(run_dir):
         log(f"{tag} {cfg.gate}: reuse finished run {run_dir}")
         return read_json_object(run_dir / "summary.json", "run summary", "delete that run folder to retrain it")

@@ -12,7 +12,7 @@ attention <-> native.
 Every conversion goes through the native layout (hub and spokes): SRC -> native (config kwargs + state dict) -> DST.
 All formats use stock Qwen3 parameter names; they differ only in what `LAYOUTS` declares:
   native      the gate in its own module: `self_attn.gate.proj.weight` (H*D or H rows, head-major), plain RMSNorm weights
-  official    (qiuzh20/gated_attention, docs/paper_map.md §1.3) gate rows fused into `q_proj` per KV group g:
+  official    (qiuzh20/gated_attention, paper map §1.3) gate rows fused into `q_proj` per KV group g:
               [query rows of heads gG..gG+G-1 | gate rows of the same heads]; flags `elementwise_attn_output_gate` /
               `headwise_attn_output_gate` (headwise wins if both), `use_qk_norm`, `qkv_bias` (also the o_proj bias)
   qwen3       stock transformers `Qwen3ForCausalLM`: no gate, QK-norm always on

@@ -4,13 +4,12 @@ folder), with the checkpoint-folder reading (`load_dir`: safetensors only, pickl
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 from ..util.errors import UserError
-from ..util.io import PICKLE_SUFFIXES, atomic_dir, load_hf_state, read_json_object
+from ..util.io import PICKLE_SUFFIXES, atomic_dir, json_dumps, load_hf_state, read_json_object
 from .configs import check_native_for, config_from_native, config_to_native
 from .layouts import FORMATS, ConversionError
 from .states import state_from_native, state_to_native
@@ -63,7 +62,7 @@ def save_dir(dst: str | os.PathLike, config: dict, state: dict, src: str | os.Pa
     if dst.exists() and not overwrite:
         raise ConversionError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     with atomic_dir(dst, overwrite=True) as tmp:  # DST is the old folder or the complete new one, never half
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json_dumps(config, indent=2, sort_keys=True) + "\n")
         # save_file refuses shared storage; tensors from permutations are fresh, others may alias: clone those
         seen, clean = set(), {}
         for k, v in state.items():

@@ -1,5 +1,5 @@
 """Gate retrofit: add a gate to a trained ungated checkpoint for continued pre-training (paper App. A.7, official
-issue #10). `gattn retrofit CKPT --gate NAME --init {identity,random} --out DST`.
+repository's issue #10). `gattn retrofit CKPT --gate NAME --init {identity,random} --out DST`.
 
 Input: a native checkpoint (`save_pretrained` dir, e.g. a training run's `final/`), or a stock transformers Qwen3 /
 Qwen3-MoE / Llama / Mistral / Qwen2 dir or an ungated official one, which first go through interop's format ->

@@ -1,13 +1,16 @@
-"""Science labs: small controlled experiments that make one signature effect of gated attention visible in minutes.
+"""Science labs: small controlled experiments that make one signature effect of gated attention visible in minutes,
+measured over seeds. Each lab is a folder: `lab.py` (its config and budgets, and `run_lab` / `run_streaming`, the entry
+point that writes OUT/lab.json, OUT/report.md, a self-contained OUT/report.html and OUT/plots/*.png), `report.py`
+(its tables and plots as experiment.report blocks) and its own parts; its `__init__` re-exports the API. The command
+line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
 
-Each lab is one module with `configure(parser)` / `run(args)` (its `gattn lab NAME` subcommand, registered in
-`cli/lab.py`) and a library entry point that writes `OUT/lab.json`, `OUT/report.md`, a self-contained
-`OUT/report.html` and `OUT/plots/*.png`:
+  sinks/      the Bigram-Backcopy task of Guo et al. 2024: where an idle head parks its attention (a BOS sink in
+              softmax attention) and whether the G1 gate lets it switch off instead (backcopy.py the task,
+              metrics.py its metrics)
+  stability/  learning-rate sweeps with and without QK-norm (Wortsman et al. 2023 proxies; probe.py)
+  streaming/  a plain sliding KV window vs one keeping sink tokens (StreamingLLM), on any of the above models
 
-  sinks      (sinks.py)      the Bigram-Backcopy task of Guo et al. 2024: where an idle head parks its attention
-                             (a BOS sink in softmax attention) and whether the G1 gate lets it switch off instead
-  stability  (stability.py)  learning-rate sweeps with and without QK-norm (Wortsman et al. 2023 proxies)
-
-Shared plumbing (per-seed aggregation, cached resumable unit results, parallel jobs, report rendering) lives in
-`common.py`; labs import the model, never the reverse.
+Runs, cached units, seed statistics and report pages are the experiment toolkit's (gated_attention.experiment), the
+same for every job; common.py keeps what only the labs share. Labs use the model, training and analysis, never the
+reverse.
 """

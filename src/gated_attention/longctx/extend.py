@@ -17,12 +17,11 @@ model is published to DST, so DST never holds an untrained checkpoint that looks
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from gated_attention.util.io import atomic_dir
+from gated_attention.util.io import atomic_dir, json_dumps, locks_output, read_json_object
 from gated_attention.rope import compute_rope_parameters
 
 METHODS = ("default", "linear", "dynamic", "yarn")
@@ -68,6 +67,7 @@ def extended_config(config: dict, method: str = "yarn", factor: float = 4.0, rop
     return new
 
 
+@locks_output("dst_dir", "gattn extend")  # one writer per output folder
 def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.0, rope_theta: float | None = None,
                       original_max_position_embeddings: int | None = None, overwrite: bool = False) -> dict:
     """Write an extended copy of the checkpoint in `src_dir` to `dst_dir`; returns the new config dict."""
@@ -79,8 +79,6 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
         raise ValueError("--out must differ from the source checkpoint (the source is kept untouched)")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
         raise ValueError(f"{dst} exists and is not empty; choose another --out or pass --overwrite")
-    from gated_attention.util.io import read_json_object
-
     new = extended_config(read_json_object(cfg_path, "config", "pass a checkpoint folder written by save_pretrained"),
                           method, factor, rope_theta,
                           original_max_position_embeddings)
@@ -92,7 +90,7 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
                 shutil.copytree(item, tmp / item.name)
             else:
                 shutil.copy2(item, tmp / item.name)
-        (tmp / "config.json").write_text(json.dumps(new, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json_dumps(new, indent=2, sort_keys=True) + "\n")
     return new
 
 
@@ -103,12 +101,11 @@ def _base_train_config(src: Path):
 
     for cand in (src / "train_config.json", src.parent / "train_config.json"):
         if cand.is_file():
-            from gated_attention.util.io import read_json_object
-
             return TrainConfig.from_dict(read_json_object(cand, "run settings", "restore it or remove it"))
     return train_preset("small")
 
 
+@locks_output("dst_dir", "gattn extend")
 def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str = "yarn", factor: float = 4.0,
                         rope_theta: float | None = None, original_max_position_embeddings: int | None = None,
                         data_dir: str | None = None, sets=(), overwrite: bool = False) -> dict:
@@ -158,7 +155,7 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
     if summary.get("diverged"):
         raise ValueError(f"fine-tuning diverged ({summary.get('stop_reason')}); lower lr with --set lr=...")
     final = run_dir / "final"
-    saved = json.loads((final / "config.json").read_text())
+    saved = read_json_object(final / "config.json", "fine-tuned model config")
     if saved.get("rope_parameters") != new_cfg["rope_parameters"]:
         raise RuntimeError(f"the fine-tuned model saved rope_parameters={saved.get('rope_parameters')}, expected "
                            f"{new_cfg['rope_parameters']}")

@@ -24,20 +24,17 @@ baseline's attention sink forms on that fixed first token, so evaluation must fe
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from gated_attention import experiment
-from gated_attention.util.io import atomic_write_json, atomic_write_text
 from gated_attention.longctx import ruler
-from gated_attention.longctx.report import build_report, format_markdown, plot_report
+from gated_attention.longctx.report import build_report, format_markdown, write as write_report
+from gated_attention.util.io import atomic_write_json, locks_output, read_json_object
 from gated_attention.util.progress import Progress
-# retrieval mixing is training-data code; re-exported here for callers of the pipeline's former home
-from gated_attention.train.retrieval_mix import (DEFAULT_MIX_TASKS, BosTokenizer, RetrievalMixSource,  # noqa: F401
-                                                 check_mix_tasks, mix_retrieval)
+from gated_attention.train.retrieval_mix import DEFAULT_MIX_TASKS, BosTokenizer, check_mix_tasks
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Budgets
@@ -85,7 +82,7 @@ BUDGETS = {
     "default": Budget(model="small", model_overrides=_D128,
                       seq_len=256, steps=2400, batch_size=16, lr=6e-3, warmup_steps=50, retrieval_mix=1.0,
                       mix_tasks=("passkey",), samples=10, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024),
-    # Table 5 at equal skill (issue 12): every model trained until it retrieves at L (>= 90 % held-out passkey exact
+    # Table 5 at equal skill (docs/experiments/long_context.md): every model trained until it retrieves at L (>= 90 % held-out passkey exact
     # match), 4 seeds, baseline vs G1 elementwise with the official (gate ~0.5) and the identity gate init and G1
     # headwise, 30 samples per cell; the default budget's model (measured in bf16), the cap raised to 4000 steps (~8 min per model
     # on one core; docs/experiments/long_context.md)
@@ -184,11 +181,9 @@ def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None 
     (a run from before the rule existed counts as "no rule").
     """
     skill_path = run_dir / "skill_config.json"
-    if (run_dir / "train_config.json").exists():
-        old_rule = json.loads(skill_path.read_text())["rule"] if skill_path.exists() else None
-        if old_rule != skill:
-            raise ValueError(f"{run_dir} holds a run with other settings (stopping rule {old_rule} != {skill}); "
-                             f"use a new --out or delete that folder")
+    if (run_dir / "train_config.json").exists():  # the stopping rule is part of the run's key (experiment.cache)
+        old = read_json_object(skill_path, "stopping rule").get("rule") if skill_path.exists() else None
+        experiment.cache.check(run_dir, {"stopping rule": old}, {"stopping rule": skill})
     if not skill_path.exists():
         atomic_write_json(skill_path, {"rule": skill}, indent=1)
     summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]", step_hook=stopper)
@@ -198,15 +193,20 @@ def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None 
 
 
 def extend_stage(final: Path, dst: Path, seq_len: int, factor: int, log=print) -> Path:
+    """The YaRN-extended copy of `final` in dst, under the reuse rule (experiment.cache): its key is the RoPE scaling
+    (config.json's rope_parameters; another one stops the job), its input the trained model (a newer one makes the
+    copy obsolete: it is made again)."""
     from gated_attention.longctx.extend import extend_checkpoint, extended_config
 
-    want = extended_config(json.loads((final / "config.json").read_text()), "yarn", float(factor),
+    want = extended_config(read_json_object(final / "config.json", "model config"), "yarn", float(factor),
                            original_max_position_embeddings=seq_len)["rope_parameters"]
     cfg_path = dst / "config.json"
-    if cfg_path.exists() and json.loads(cfg_path.read_text()).get("rope_parameters") == want \
-            and (dst / "model.safetensors").stat().st_mtime >= (final / "model.safetensors").stat().st_mtime:
-        log(f"[longctx] reuse {dst}")
-        return dst
+    if cfg_path.exists():
+        saved = read_json_object(cfg_path, "extended model config").get("rope_parameters")
+        experiment.cache.check(dst, {"rope_parameters": saved}, {"rope_parameters": want})
+        if (dst / "model.safetensors").stat().st_mtime >= (final / "model.safetensors").stat().st_mtime:
+            log(f"[longctx] reuse {dst}")
+            return dst
     extend_checkpoint(final, dst, "yarn", float(factor), original_max_position_embeddings=seq_len, overwrite=True)
     log(f"[longctx] extended {final} -> {dst} (YaRN x{factor} over {seq_len})")
     return dst
@@ -240,6 +240,11 @@ def answer_nll(model, tokenizer, sample: dict) -> float:
     return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
 
 
+# the evaluated checkpoint's identity (its folder and its weights' modification time): a model trained again, or an OUT
+# copied elsewhere, makes a stored evaluation obsolete (recomputed), not stale
+EVAL_INPUTS = ("model", "mtime")
+
+
 def eval_settings(model_dir: Path, b: Budget, lengths: list[int], seed: int) -> dict:
     """What an evaluation depends on (its cache key), the checkpoint's mtime included."""
     return dict(model=str(model_dir), tasks=list(b.mix_tasks), lengths=lengths, samples=b.samples,
@@ -248,11 +253,11 @@ def eval_settings(model_dir: Path, b: Budget, lengths: list[int], seed: int) -> 
 
 
 def cached_eval(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], seed: int) -> dict | None:
-    """eval_stage's cached result when it is current, else None (no work: for --report-only)."""
-    if not (out_json.exists() and (model_dir / "model.safetensors").exists()):
+    """eval_stage's stored result when it is current (the reuse rule, no work: for --report-only), else None."""
+    if not (model_dir / "model.safetensors").exists():
         return None
-    cached = json.loads(out_json.read_text())
-    return cached if cached.get("settings") == eval_settings(model_dir, b, lengths, seed) else None
+    return experiment.cache.load(out_json, eval_settings(model_dir, b, lengths, seed), key_field="settings",
+                                 inputs=EVAL_INPUTS)
 
 
 def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], data_dir: str, seed: int,
@@ -260,7 +265,7 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
     """RULER scores by length and PPL by position of one checkpoint (cached in out_json)."""
     settings = eval_settings(model_dir, b, lengths, seed)
     return experiment.cached(out_json, settings, lambda: _evaluate(model_dir, b, lengths, data_dir, seed, log), log,
-                             "[longctx]", key_field="settings", indent=2, inputs=("mtime",))
+                             "[longctx]", key_field="settings", indent=2, inputs=EVAL_INPUTS)
 
 
 def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:
@@ -311,22 +316,38 @@ def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, see
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The pipeline
-def ensure_corpus(data_dir: str, vocab_size: int, log=print) -> str:
-    """Prepare the default corpus in `data_dir` with `vocab_size` if it has no manifest yet (experiment.ensure_corpus)."""
-    return str(experiment.ensure_corpus(data_dir, vocab_size, log, "[longctx]"))
+def lock_path(out, gates, seed: int = 0, seeds: int | None = None) -> Path:
+    """The folder `gattn longctx` locks: one per gate set and seed range inside --out (the budget's defaults when None),
+    so one model's seeds can train in parallel processes (`--seed 1 --seeds 1` beside `--seed 0 --seeds 1`)."""
+    name = "gates-" + ("+".join(sorted(gates)) if gates else "default")
+    return Path(out) / (name + f".seed{seed}" + (f"x{seeds}" if seeds else ""))
 
 
+def _pipeline_lock(out_dir, b, gates, seed, report_only, **_):
+    # one writer per gate set: two processes with the same --gates stop here; different --gates may share --out in
+    # parallel (each training run folder also has its own lock, the trainer's); --report-only writes only the
+    # report (atomically), meant to run while training processes go on: no lock
+    return None if report_only else lock_path(out_dir, gates, seed, b.seeds)
+
+
+@locks_output(_pipeline_lock, "gattn longctx")
 def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, factor: int = 4, seed: int = 0,
-                 log=print, report_only: bool = False, jobs: int = 1, threads: int = 1) -> dict:
+                 log=print, report_only: bool = False, jobs: int | None = 1, threads: int | None = None) -> dict:
     """Train, extend, evaluate and report (see the module docstring); returns the report dict.
 
     gates: model specs GATE or GATE:INIT (None: the budget's models); seeds seed .. seed + b.seeds - 1.
     report_only: train and evaluate nothing; report the finished, evaluated (model, seed) pairs and the progress of
     the others (a partial report while runs are still going, or after an interrupted run).
     data_dir=None uses the budget's corpus (b.data_dir, prepared with b.vocab_size if missing).
-    jobs > 1 runs the (model, seed) cells in that many worker processes of `threads` torch threads each (run_cell);
-    every stage is cached per cell, so the result is the same as one after another.
+    jobs > 1 runs the (model, seed) cells in that many worker processes of `threads` torch threads each (run_cell;
+    jobs None: experiment.default_jobs(), threads None: the cores shared out); every stage is cached per cell, so the
+    result is the same as one after another. The call holds the gate set's lock in OUT (`lock_path`) unless
+    report_only.
     """
+    if jobs is None:
+        jobs = experiment.default_jobs()
+    if threads is None:
+        threads = max(1, experiment.cores() // jobs)
     if factor < 2 or factor & (factor - 1):
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
     check_budget(b)
@@ -341,7 +362,8 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
     lengths = lengths_for(b, factor)
     from gated_attention.data import Corpus
 
-    data_dir = ensure_corpus(b.data_dir, b.vocab_size, log) if data_dir is None else str(data_dir)
+    data_dir = str(experiment.ensure_corpus(b.data_dir, b.vocab_size, log, "[longctx]") if data_dir is None
+                   else data_dir)
     corpus = Corpus(data_dir)
     tok = BosTokenizer(corpus.tokenizer, corpus.bos_id)
     for task in b.mix_tasks:  # fail now, not after training, if a task cannot even be posed at L
@@ -368,12 +390,10 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
             training[(m, s)] = outcome
             results.update({(m, s, variant): res for variant, res in evals.items()})
     rep = build_report(results, training, b, lengths, factor, models, seeds)
-    md = format_markdown(rep)
     atomic_write_json(out / "report.json", rep, indent=2)  # int length keys become strings, as JSON has them
-    atomic_write_text(out / "report.md", md)  # unique temp file per write: one-model runs in parallel share OUT
-    plot_report(rep, out / "report.png")
-    log(md)
-    log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.json'}, {out / 'report.png'}")
+    write_report(out, rep)  # report.png, report.md, report.html (atomic: one-model runs in parallel share OUT)
+    log(format_markdown(rep))
+    log(f"[longctx] wrote {out / 'report.md'}, {out / 'report.html'}, {out / 'report.json'}, {out / 'report.png'}")
     return rep
 
 

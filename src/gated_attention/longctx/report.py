@@ -3,23 +3,24 @@ each model needed to reach the retrieval skill, and the paper-vs-this-run claim 
 
 Input: per (model, seed, variant) the eval_stage dicts (scores by length, per-sample records, answer NLL, loss by
 position) and per (model, seed) the training outcome (steps run, held-out skill checks). Output: report.json (every
-number), report.md (tables) and report.png (score vs length, PPL vs position).
+number; written by the pipeline), report.png (score vs length, PPL vs position, skill over training), and report.md
+with a self-contained report.html (the tables and the figure) through experiment.report, like every job's report.
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
-from gated_attention.gates import get_gate
-from gated_attention.util.io import atomic_save_figure
-from gated_attention.longctx.skill import mean_spread, wilson
+from ..experiment import report as page
+from ..experiment.stats import spread, wilson
+from ..gates import get_gate
+from ..util.io import json_dumps, save_png
 
 VARIANTS = ("none", "yarn")
 
-# SPEC 3.5: RULER after YaRN x4 (training-free) beyond the 32k training length, baseline vs SDPA-gate
+# the paper's Table 5 (paper map §3.5): RULER after YaRN x4 (training-free) beyond the 32k training length
 PAPER_CLAIM = ("Table 5: after YaRN x4 without training (32k -> 128k), the SDPA-gated model keeps far more of its "
                "RULER score beyond the training length: 72.88 vs 37.94 at 32k (-6.9 vs -41.6 from the no-YaRN model) and "
                "58.82 vs 31.65 at 128k; within the trained length the two are equal (79.77 vs 79.50 at 32k).")
@@ -87,7 +88,7 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
             if not have:
                 continue
             per = [results[(m, s, variant)] for s in have]
-            avg = {n: mean_spread([r["average"][str(n)] for r in per]) for n in lengths}
+            avg = {n: spread([r["average"][str(n)] for r in per]) for n in lengths}
             ci = {}
             for n in lengths:
                 k = sum(_hits(r["records"], n)[0] for r in per)
@@ -97,23 +98,23 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
                        average={n: avg[n]["mean"] for n in lengths}, average_std={n: avg[n]["std"] for n in lengths},
                        per_seed={str(s): {n: r["average"][str(n)] for n in lengths} for s, r in zip(have, per)},
                        pooled=ci,
-                       drop_from_L={n: mean_spread([None if r["average"][str(n)] is None or r["average"][str(L)] is None
+                       drop_from_L={n: spread([None if r["average"][str(n)] is None or r["average"][str(L)] is None
                                                     else r["average"][str(n)] - r["average"][str(L)] for r in per])["mean"]
                                     for n in lengths if n > L},
-                       tasks={t: {n: mean_spread([r["scores"][t][str(n)] for r in per])["mean"] for n in lengths}
+                       tasks={t: {n: spread([r["scores"][t][str(n)] for r in per])["mean"] for n in lengths}
                               for t in per[0]["scores"]},
-                       answer_nll={n: mean_spread([r["average_answer_nll"][str(n)] for r in per])["mean"] for n in lengths},
-                       answer_nll_std={n: mean_spread([r["average_answer_nll"][str(n)] for r in per])["std"]
+                       answer_nll={n: spread([r["average_answer_nll"][str(n)] for r in per])["mean"] for n in lengths},
+                       answer_nll_std={n: spread([r["average_answer_nll"][str(n)] for r in per])["std"]
                                        for n in lengths},
                        ppl_buckets=dict(zip(names, np.mean([bucket_ppl(r["pos_loss"], edges) for r in per], 0).tolist())))
             if variant == "yarn":
                 base = [results[(m, s, "none")] for s in have]
-                row["delta"] = {n: mean_spread([None if r["average"][str(n)] is None or q["average"][str(n)] is None
+                row["delta"] = {n: spread([None if r["average"][str(n)] is None or q["average"][str(n)] is None
                                                 else r["average"][str(n)] - q["average"][str(n)]
                                                 for r, q in zip(per, base)])["mean"] for n in lengths}
             rows.append(row)
     train = {m: [dict(seed=s, **training[(m, s)]) for s in seeds if (m, s) in training] for m in models}
-    skill = {m: mean_spread([t["steps_to_skill"] for t in train[m]]) for m in models}
+    skill = {m: spread([t["steps_to_skill"] for t in train[m]]) for m in models}
     done = {r["model"]: r["seeds"] for r in rows}
     rep = dict(train_length=L, factor=factor, lengths=lengths, gates=models, models=models, seeds=seeds,
                budget=_budget_dict(b), rows=rows, training=train, steps_to_skill=skill, excluded=excluded,
@@ -186,7 +187,13 @@ def rep_row(rows: list[dict], model: str, variant: str) -> dict:
     return next(r for r in rows if r["model"] == model and r["variant"] == variant)
 
 
-def format_markdown(rep: dict) -> str:
+def title(rep: dict) -> str:
+    return f"Table 5 in small: RULER average (%) by context length (trained at L={rep['train_length']})"
+
+
+def blocks(rep: dict, plot: str | None = None) -> list[tuple]:
+    """The report as experiment.report blocks (report.md and the self-contained report.html); plot: the figure's path
+    relative to the report folder, shown at the end when given."""
     L, factor, lengths, seeds = rep["train_length"], rep["factor"], rep["lengths"], rep["seeds"]
     b = rep["budget"]
 
@@ -198,22 +205,22 @@ def format_markdown(rep: dict) -> str:
     stop = (f"each model trained until its held-out {b['mix_tasks'][0]} exact match at L reached "
             f"{b['until_skill']:.0%} (checked every {b['skill_every']} steps on {b['skill_samples']} samples), at most "
             f"{b['steps']} steps" if b.get("until_skill") else f"{b['steps']} steps per model")
-    head = " | ".join(str(n) for n in lengths)
-    out = [f"# Table 5 in small: RULER average (%) by context length (trained at L={L})", ""]
+    by_length = ["Method"] + [str(n) for n in lengths]
+    out = []
     if not rep.get("complete", True):
-        out += ["**Partial report** (`--report-only` while runs are unfinished): rows average the seeds that have "
-                "finished; re-run the same command without `--report-only` to resume and complete it.", ""]
-    out += [
-           f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task, length and seed; seeds "
-           f"{', '.join(map(str, seeds))}; {stop}; model preset {b['model']}"
-           f"{' ' + json.dumps(b['model_overrides']) if b['model_overrides'] else ''}, batch {b['batch_size']} x {L} "
-           f"tokens, lr {b['lr']}, {b.get('resolved_precision', b.get('precision', 'fp32'))}, retrieval mix {b['retrieval_mix']}. Cells: mean ± "
-           f"standard deviation over seeds; YaRN rows: in brackets the change against the same models without YaRN "
-           f"(the paper's deltas). Lengths above L are beyond the training length; '-' = the prompt does not fit.", "",
-           "## Steps to reach the skill at L" if b.get("until_skill") else
-           "## Training steps (a fixed count, no stopping rule: the skill at L is the score table's L column)", "",
-           "| Model | " + " | ".join(f"seed {s}" for s in seeds)
-           + " | mean ± std |", "|---|" + "---|" * (len(seeds) + 1)]
+        out.append(("p", "**Partial report** (`--report-only` while runs are unfinished): rows average the seeds that "
+                         "have finished; re-run the same command without `--report-only` to resume and complete it."))
+    out.append(("p", f"Tasks {', '.join(b['mix_tasks'])}; {b['samples']} samples per task, length and seed; seeds "
+                     f"{', '.join(map(str, seeds))}; {stop}; model preset {b['model']}"
+                     f"{' ' + json_dumps(b['model_overrides']) if b['model_overrides'] else ''}, batch "
+                     f"{b['batch_size']} x {L} tokens, lr {b['lr']}, "
+                     f"{b.get('resolved_precision', b.get('precision', 'fp32'))}, retrieval mix {b['retrieval_mix']}. "
+                     f"Cells: mean ± standard deviation over seeds; YaRN rows: in brackets the change against the same "
+                     f"models without YaRN (the paper's deltas). Lengths above L are beyond the training length; '-' = "
+                     f"the prompt does not fit."))
+    out.append(("h2", "Steps to reach the skill at L" if b.get("until_skill") else
+                "Training steps (a fixed count, no stopping rule: the skill at L is the score table's L column)"))
+    rows = []
     for m, ts in rep["training"].items():
         cells = []
         by_seed = {t["seed"]: t for t in ts}
@@ -234,20 +241,21 @@ def format_markdown(rep: dict) -> str:
         sk = rep["steps_to_skill"][m]
         ruled = any(t.get("until_skill") for t in done)  # fixed-step runs have no skill step to count
         mean = _pm(sk, ".0f") + (f" ({sk['n']} of {len(done)} reached)" if ruled and sk["n"] < len(done) else "")
-        out.append(f"| {model_label(m)} | " + " | ".join(cells) + f" | {mean} |")
+        rows.append([model_label(m), *cells, mean])
+    out.append(("table", ["Model"] + [f"seed {s}" for s in seeds] + ["mean ± std"], rows))
     for x in rep.get("excluded", []):
         last = x["last_check"]
         seen = f"; held-out {100 * last['exact_match']:.0f} % at its last check, step {last['step']}" if last else ""
-        out += ["", f"Left out of the score tables (not at equal skill): {model_label(x['model'])} seed {x['seed']} "
-                    f"did not reach the skill in {x['steps_run']} steps{seen}; its scores at "
-                    + ", ".join(str(n) for n in lengths) + ": "
-                    + " / ".join(_fmt(x["average"]["none"][n], ".0f") for n in lengths) + " without YaRN, "
-                    + " / ".join(_fmt(x["average"]["yarn"][n], ".0f") for n in lengths) + " with YaRN."]
+        out.append(("p", f"Left out of the score tables (not at equal skill): {model_label(x['model'])} seed "
+                         f"{x['seed']} did not reach the skill in {x['steps_run']} steps{seen}; its scores at "
+                         + ", ".join(str(n) for n in lengths) + ": "
+                         + " / ".join(_fmt(x["average"]["none"][n], ".0f") for n in lengths) + " without YaRN, "
+                         + " / ".join(_fmt(x["average"]["yarn"][n], ".0f") for n in lengths) + " with YaRN."))
     if not rep["rows"]:
-        out += ["", "No model has finished training and evaluation yet." if not rep.get("excluded") else
-                "No model has reached the skill at L yet."]
-        return _claim_md(out, rep)
-    out += ["", "## Score by length (mean ± std over seeds)", "", f"| Method | {head} |", "|---|" + "---|" * len(lengths)]
+        out.append(("p", "No model has finished training and evaluation yet." if not rep.get("excluded") else
+                         "No model has reached the skill at L yet."))
+        return out + _claim_blocks(rep) + _plot_block(plot)
+    rows = []
     for row in rep["rows"]:
         cells = []
         for n in lengths:
@@ -255,61 +263,69 @@ def format_markdown(rep: dict) -> str:
             if row["variant"] == "yarn" and row["delta"][n] is not None:
                 c += f" ({row['delta'][n]:+.1f})"
             cells.append(c)
-        out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
-    out += ["", "## Pooled over seeds: hits / samples [95 % Wilson interval, %]", "", f"| Method | {head} |",
-            "|---|" + "---|" * len(lengths)]
+        rows.append([name(row), *cells])
+    out += [("h2", "Score by length (mean ± std over seeds)"), ("table", by_length, rows)]
+    rows = []
     for row in rep["rows"]:
         cells = []
         for n in lengths:
             p = row["pooled"][n]
             cells.append("-" if not p["samples"] else
                          f"{p['hits']}/{p['samples']} [{p['wilson95'][0]:.0f}, {p['wilson95'][1]:.0f}]")
-        out.append(f"| {name(row)} | " + " | ".join(cells) + " |")
+        rows.append([name(row), *cells])
+    out += [("h2", "Pooled over seeds: hits / samples [95 % Wilson interval, %]"), ("table", by_length, rows)]
     longer = [n for n in lengths if n > L]
-    out += ["", f"## Degradation beyond the training length: score at n minus score at L={L}", "",
-            "| Method | " + " | ".join(str(n) for n in longer) + " |", "|---|" + "---|" * len(longer)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(_fmt(row['drop_from_L'][n], "+.1f") for n in longer) + " |")
-    out += ["", "## Answer NLL (nats/token, teacher-forced, lower is better; mean ± std over seeds)", "",
-            f"| Method | {head} |", "|---|" + "---|" * len(lengths)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(
-            _pm({"mean": row["answer_nll"][n], "std": row["answer_nll_std"][n], "n": len(row["seeds"])}, ".3f")
-            for n in lengths) + " |")
+    out += [("h2", f"Degradation beyond the training length: score at n minus score at L={L}"),
+            ("table", ["Method"] + [str(n) for n in longer],
+             [[name(row)] + [_fmt(row["drop_from_L"][n], "+.1f") for n in longer] for row in rep["rows"]])]
+    out += [("h2", "Answer NLL (nats/token, teacher-forced, lower is better; mean ± std over seeds)"),
+            ("table", by_length, [[name(row)] + [_pm({"mean": row["answer_nll"][n], "std": row["answer_nll_std"][n],
+                                                      "n": len(row["seeds"])}, ".3f") for n in lengths]
+                                  for row in rep["rows"]])]
     if any(len(r["tasks"]) > 1 for r in rep["rows"]):
-        out += ["", "## Per task (mean over seeds)", "", f"| Method | Task | {head} |",
-                "|---|---|" + "---|" * len(lengths)]
-        for row in rep["rows"]:
-            for t, s in row["tasks"].items():
-                out.append(f"| {name(row)} | {t} | " + " | ".join(_fmt(s[n]) for n in lengths) + " |")
+        out += [("h2", "Per task (mean over seeds)"),
+                ("table", ["Method", "Task"] + [str(n) for n in lengths],
+                 [[name(row), t] + [_fmt(s[n]) for n in lengths] for row in rep["rows"] for t, s in row["tasks"].items()])]
     buckets = list(rep["rows"][0]["ppl_buckets"])
-    out += ["", "## Perplexity by position on corpus validation text (mean over seeds; beyond L is extrapolation)", "",
-            "| Method | " + " | ".join(f"pos {k}" for k in buckets) + " |", "|---|" + "---|" * len(buckets)]
-    for row in rep["rows"]:
-        out.append(f"| {name(row)} | " + " | ".join(f"{row['ppl_buckets'][k]:.2f}" for k in buckets) + " |")
-    return _claim_md(out, rep)
+    out += [("h2", "Perplexity by position on corpus validation text (mean over seeds; beyond L is extrapolation)"),
+            ("table", ["Method"] + [f"pos {k}" for k in buckets],
+             [[name(row)] + [f"{row['ppl_buckets'][k]:.2f}" for k in buckets] for row in rep["rows"]])]
+    return out + _claim_blocks(rep) + _plot_block(plot)
 
 
-def _claim_md(out: list[str], rep: dict) -> str:
+def _claim_blocks(rep: dict) -> list[tuple]:
     c = rep["claim"]
-    out += ["", "## Paper claim vs this run", "", f"- Paper: {c['paper']}", f"- This run: {c['this_run']}",
-            f"- Verdict: **{c['verdict']}**"]
-    return "\n".join(out) + "\n"
+    return [("h2", "Paper claim vs this run"),
+            ("ul", [f"Paper: {c['paper']}", f"This run: {c['this_run']}", f"Verdict: **{c['verdict']}**"])]
+
+
+def _plot_block(plot: str | None) -> list[tuple]:
+    return [("h2", "Plots"), ("img", "Score vs length, perplexity vs position, held-out skill over training", plot)] \
+        if plot else []
+
+
+def format_markdown(rep: dict) -> str:
+    """report.md's text without the figure (what `gattn longctx` prints)."""
+    return page.render(title(rep), blocks(rep), ".")[0]
+
+
+def write(out_dir: str | Path, rep: dict) -> None:
+    """report.png, then report.md and the self-contained report.html (the figure embedded) into out_dir."""
+    out_dir = Path(out_dir)
+    plot_report(rep, out_dir / "report.png")
+    page.write(out_dir, title(rep), blocks(rep, "report.png" if (out_dir / "report.png").exists() else None))
 
 
 def plot_report(rep: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless
-    import matplotlib.pyplot as plt
-
+    """report.png: score vs length and perplexity vs position (and the held-out skill checks over training when the
+    stopping rule ran); nothing when no model has results yet."""
     L, lengths = rep["train_length"], rep["lengths"]
     if not rep["rows"]:
         return
     curves = {m: [t for t in ts if t.get("checks")] for m, ts in rep.get("training", {}).items()
               if any(t.get("checks") for t in ts)}
     # a third panel with the held-out skill checks over training when the run used the stopping rule
-    fig, axes = plt.subplots(1, 3 if curves else 2, figsize=(18 if curves else 12, 4.5))
+    fig, axes = page.subplots(1, 3 if curves else 2, figsize=(18 if curves else 12, 4.5))
     ax1, ax2 = axes[0], axes[1]
     palette = ["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
     colors = {m: c for m, c in zip(rep["models"], palette)}
@@ -351,5 +367,4 @@ def plot_report(rep: dict, path: Path) -> None:
     ax2.set_ylabel("perplexity (corpus validation)")
     ax2.set_yscale("log")
     fig.tight_layout()
-    atomic_save_figure(fig, path, dpi=110)  # unique temp file: parallel runs share OUT
-    plt.close(fig)
+    save_png(fig, path)  # a unique temp file per write: parallel runs share OUT

@@ -13,7 +13,8 @@ import torch
 from gated_attention.data.ruler_tasks import *  # noqa: F401,F403  (the task API, re-exported)
 from gated_attention.data.ruler_tasks import (METRICS, NEEDS_CORPUS, NO_CORPUS_TASKS, _fit, _spec, decode,  # noqa: F401
                                               encode, generate_sample, score)
-from gated_attention.util.io import atomic_save_figure
+from gated_attention.experiment.report import subplots
+from gated_attention.util.io import locks_output, save_png
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -92,13 +93,8 @@ def format_table(result: dict) -> str:
 
 def plot_scores(result: dict, path: Path) -> None:
     """Score vs length per task, plus the average (a PNG, written atomically)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: no display on training machines
-    import matplotlib.pyplot as plt
-
     lengths = result["config"]["lengths"]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     for task, by_len in result["scores"].items():
         ax.plot(lengths, [by_len[L] for L in lengths], marker="o", label=task, alpha=0.8)
     ax.plot(lengths, [result["average"][L] for L in lengths], marker="s", color="black", lw=2.5, label="average")
@@ -110,5 +106,38 @@ def plot_scores(result: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    atomic_save_figure(fig, path, dpi=120)
-    plt.close(fig)
+    save_png(fig, path, dpi=120)
+
+
+@locks_output("out", "gattn ruler")  # one writer per output folder
+def evaluate_folder(folder, out, tasks: list[str], lengths: list[int], samples: int = 10, seed: int = 0,
+                    max_new_tokens: int | None = None, haystack_file: str | None = None, metric: str = "all",
+                    device: str = "cpu", dtype: str = "float32", echo=print) -> dict:
+    """`gattn ruler DIR`: RULER scores by task and length of an HF checkpoint folder (model + tokenizer), written to
+    OUT/ruler.json and OUT/ruler.png; `echo` gets one line per scored cell. Returns the result."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import gated_attention  # noqa: F401  (registers the gated model classes with the Auto factories)
+    from gated_attention.util.io import atomic_write_json, check_hf_dir
+    from gated_attention.util.progress import Progress
+
+    check_hf_dir(folder)  # a folder, config.json parses, weights present and intact (else one line)
+    corpus = Path(haystack_file).read_text(encoding="utf-8") if haystack_file else None
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prog = Progress(len(tasks) * len(lengths), "ruler", "cell", heartbeat=True)
+
+    def progress(task, length, value):
+        echo(f"  {task} @ {length}: {value:.1f}")
+        prog.update(1, task=task, length=length, score=round(value, 1))
+
+    with prog:
+        result = evaluate(model, tokenizer, tasks, lengths, samples, max_new_tokens, seed, corpus=corpus,
+                          metric=metric, progress=progress)
+    result["config"]["checkpoint"] = str(folder)
+    result["config"]["rope_parameters"] = getattr(model.config, "rope_parameters", None)
+    atomic_write_json(out / "ruler.json", result, indent=2)
+    plot_scores(result, out / "ruler.png")
+    return result

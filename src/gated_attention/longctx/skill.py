@@ -12,13 +12,12 @@ the cost of one forward per sample instead of a decoding loop.
 """
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 
 import torch
 
-from gated_attention.longctx import ruler
+from ..util.io import append_jsonl, read_json_object, read_jsonl
+from . import ruler
 
 # held-out samples: a seed namespace of their own, so the check never sees the final evaluation's samples (seed)
 # nor the training rows (ruler.training_samples' "train" namespace)
@@ -76,8 +75,7 @@ class SkillStop:
         rec = {"step": int(step), "exact_match": float(res["exact_match"]),
                "answer_nll": None if res.get("answer_nll") is None else float(res["answer_nll"])}
         if self.log_path is not None:
-            with open(self.log_path, "a") as fh:
-                fh.write(json.dumps(rec) + "\n")
+            append_jsonl(self.log_path, rec)
         nll = "" if rec["answer_nll"] is None else f", answer NLL {rec['answer_nll']:.3f}"
         self.log(f"[longctx] step {step}: held-out skill {100 * rec['exact_match']:.0f}%{nll}")
         if rec["exact_match"] >= self.threshold:
@@ -86,18 +84,9 @@ class SkillStop:
 
 
 def read_skill_log(path: Path) -> list[dict]:
-    """The checks of one run in step order (the last record wins for a step checked twice across a resume)."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    by_step = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a kill mid-write
-                continue
-            by_step[rec["step"]] = rec
+    """The checks of one run in step order (the last record wins for a step checked twice across a resume; a line cut
+    by a kill mid-write is skipped)."""
+    by_step = {rec["step"]: rec for rec in read_jsonl(path)}
     return [by_step[k] for k in sorted(by_step)]
 
 
@@ -111,31 +100,9 @@ def steps_to_skill(checks: list[dict], threshold: float, steps_run: int | None =
     return None
 
 
-def mean_spread(values) -> dict:
-    """mean, sample standard deviation, min, max and n of the non-None values (None fields when there are none)."""
-    vals = [float(v) for v in values if v is not None]
-    n = len(vals)
-    if not n:
-        return {"mean": None, "std": None, "min": None, "max": None, "n": 0}
-    mean = sum(vals) / n
-    std = math.sqrt(sum((v - mean) ** 2 for v in vals) / (n - 1)) if n > 1 else 0.0
-    return {"mean": mean, "std": std, "min": min(vals), "max": max(vals), "n": n}
-
-
-def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95 % Wilson score interval of a proportion, in %: honest at 0 % and 100 %, where the normal one collapses."""
-    if n <= 0:
-        return (0.0, 100.0)
-    p = successes / n
-    den = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (100 * max(0.0, centre - half), 100 * min(1.0, centre + half))
-
-
 def training_outcome(run_dir: Path, skill: dict | None) -> dict:
     """steps_run, the held-out checks and steps_to_skill (None: not reached, or no stopping rule) of a finished run."""
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_json_object(run_dir / "summary.json", "run summary", "delete that run folder to retrain it")
     checks = read_skill_log(run_dir / "skill.jsonl")
     steps_run = int(summary["steps"])
     reached = steps_to_skill(checks, skill["until_skill"], steps_run) if skill else None

@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass, field, replace
 
 
-TRAINABLE = ("all", "gates")  # what the optimizer updates (train.trainer.apply_trainable)
+TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.apply_trainable)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
 RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 
@@ -305,6 +305,50 @@ def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: s
     return cfg
 
 
+def run_config(out: str, preset: str | None = None, gate: str | None = None, sets: list[str] = (),
+               data_dir: str | None = None, resume: bool = False) -> TrainConfig:
+    """The settings of `gattn train --out OUT [--resume]`. With resume and no preset: the saved run's own settings
+    (OUT/train_config.json) plus `sets`, where a gate or corpus given again must be the saved one (never silently
+    ignored). Otherwise the preset's (default `small`) with `gate`, `data_dir` and `sets`. The trainer then checks a
+    resumed run's settings against its checkpoint (changed_settings)."""
+    from pathlib import Path
+
+    from ..util.errors import UserError
+    from ..util.io import read_json_object
+
+    saved = Path(out) / "train_config.json"
+    if resume and not saved.exists() and not (Path(out) / "checkpoints").is_dir():
+        raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
+                        "a new run there")
+    if not (resume and saved.exists() and preset is None):
+        return config_from_args(preset or "small", gate, list(sets), data_dir)
+    cfg = TrainConfig.from_dict(read_json_object(saved, "saved run settings", "restore it or use a new --out"))
+    for flag, key, value in (("--gate", "gate", gate), ("--data-dir", "data_dir", data_dir)):
+        if value is not None and _comparable(key, value) != _comparable(key, getattr(cfg, key)):
+            raise UserError(f"--resume with {flag} {value} but the saved run has {key}={getattr(cfg, key)!r}; drop "
+                            f"{flag} (or pass the saved value) or start a new --out")
+    cfg = apply_overrides(cfg, list(sets))
+    check_model(cfg)
+    return cfg
+
+
+def _comparable(key: str, value):
+    """A setting given again with --resume, in the form it is compared in: the canonical gate name, the resolved
+    corpus path."""
+    from pathlib import Path
+
+    if value is None:
+        return None
+    if key == "gate":
+        from gated_attention.gates import canonical_name
+
+        try:
+            return canonical_name(value)
+        except ValueError:
+            return value
+    return str(Path(value).resolve())
+
+
 def check_model(cfg: TrainConfig) -> None:
     """Build the model config now (cheap), so a bad model.* override fails before anything is written."""
     if cfg.init_from:
@@ -358,8 +402,8 @@ def changed_settings(saved: dict, want: dict) -> list[str]:
     return sorted(diff)
 
 
-def describe_changes(saved: dict, want: dict) -> str:
-    """`changed_settings` as one readable clause ("steps: saved 2 vs requested 3; lr: ..."), "" when none."""
+def setting_differences(saved: dict, want: dict) -> list[str]:
+    """`changed_settings` as readable items ("steps: saved 2 vs requested 3"); [] when the runs are the same."""
     defaults = TrainConfig().to_dict()
 
     def show(d: dict, k: str) -> str:
@@ -367,4 +411,9 @@ def describe_changes(saved: dict, want: dict) -> str:
             return f"{d.get('precision', 'auto')!r} ({run_precision(d)})"
         return repr(d.get(k, defaults.get(k)))
 
-    return "; ".join(f"{k}: saved {show(saved, k)} vs requested {show(want, k)}" for k in changed_settings(saved, want))
+    return [f"{k}: saved {show(saved, k)} vs requested {show(want, k)}" for k in changed_settings(saved, want)]
+
+
+def describe_changes(saved: dict, want: dict) -> str:
+    """`setting_differences` as one clause ("steps: saved 2 vs requested 3; lr: ..."), "" when none."""
+    return "; ".join(setting_differences(saved, want))

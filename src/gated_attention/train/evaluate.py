@@ -49,3 +49,47 @@ def domain_losses(model, source, *, seq_len: int, max_batches: int, batch_size: 
     if positions and pos_count:
         out["pos_loss"] = (pos_sum / pos_count).tolist()
     return out
+
+
+def evaluate_folder(folder, data_dir: str | None = None, seq_len: int | None = None, batches: int = 8,
+                    batch_size: int = 8, precision: str = "auto", out: str | None = None) -> dict:
+    """`gattn eval DIR`: per-domain loss and PPL and the loss by position of a training run folder (its final/ model
+    and, unless data_dir is given, the corpus and length it trained with) or any save_pretrained folder. Writes the
+    result to `out` (strict JSON, atomically) when given; returns it."""
+    from pathlib import Path
+
+    import gated_attention  # noqa: F401  (registers the model with the Auto classes)
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    from ..util.errors import UserError
+    from ..util.io import atomic_write_json, check_hf_dir, read_json_object
+    from ..util.precision import resolve
+    from .config import TrainConfig
+    from .data_source import make_source
+
+    root = Path(folder)
+    model_dir = root / "final" if (root / "final" / "config.json").exists() else root
+    if not (model_dir / "config.json").exists():
+        raise FileNotFoundError(f"no model in {root} (expected {root}/final/config.json or {root}/config.json)")
+    check_hf_dir(model_dir, "model folder")  # config.json parses, weights present and intact
+    cfg_path = root / "train_config.json"
+    cfg = (TrainConfig.from_dict(read_json_object(cfg_path, "run settings", "restore it or pass --data-dir"))
+           if cfg_path.exists() else TrainConfig())
+    if data_dir is not None:
+        cfg.data_dir, cfg.data = data_dir, "corpus"
+    seq_len = seq_len or cfg.seq_len
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = GatedQwen3ForCausalLM.from_pretrained(model_dir).to(device)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos and seq_len > max_pos:
+        raise UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower --seq-len "
+                        "(or extend the model first with `gattn extend`)")
+    res = domain_losses(model, make_source(cfg, model.config.vocab_size), seq_len=seq_len, max_batches=batches,
+                        batch_size=batch_size, device=device, precision=precision, positions=True)
+    if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
+        raise UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")
+    res.update({"model": str(model_dir), "seq_len": seq_len, "batches": batches, "batch_size": batch_size,
+                "resolved_precision": resolve(precision, device)})
+    if out:
+        atomic_write_json(out, res)
+    return res

@@ -6,7 +6,7 @@ fast=true (default):
     plain layer's Parameters are kept under their own names and concatenated per forward, so optimizer state,
     DDP/FSDP, checkpoints and `final/` are exactly the plain model's (a run may switch `fast` on resume).
   - the chunked lm_head + cross-entropy (`fast.chunked_lm_loss`): no fp32 (B, T, V) logits.
-  Layers the fused projection cannot take (comparison baselines that change the projections) stay plain.
+  Layers the fused projection cannot take (comparison mechanisms that change the projections) stay plain.
 fast=false: the plain layers and the plain full-logits cross-entropy (the reference the fast path is tested against).
 
 compile ("auto" by default, or "true" / "false"): what is compiled is the decoder layer's forward, ONCE for every

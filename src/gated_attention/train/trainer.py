@@ -31,21 +31,23 @@ from torch import nn
 from . import checkpoint as ckpt_mod
 from . import dist as D
 from . import fastpath
-from .config import RESUMABLE_CHANGES, TrainConfig, describe_changes
+from .config import TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
-# the model and optimizer set-up lives in model_setup.py; re-exported here for callers that import it from trainer
-from .model_setup import (apply_trainable, build_model, build_model_config, check_attn_implementation,  # noqa: F401
-                          load_init_model, param_groups)
+from .model_setup import apply_trainable, build_model, check_attn_implementation, param_groups
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .monitors import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
                         update_weight_ratio)
 from ..util.errors import UserError
 from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
+from ..util.deprecation import renamed_attributes
 from ..util.progress import Progress
 
-_RESUMABLE_CHANGES = RESUMABLE_CHANGES  # the former private name
+# the model and optimizer set-up lives in model_setup.py (the loop imports what it uses from there); the names it
+# re-exported before answer here, with a warning, for one release
+__getattr__ = renamed_attributes(__name__, globals(), {
+    name: f"gated_attention.train.model_setup:{name}" for name in ("build_model_config", "load_init_model")})
 
 
 # ---------------------------------------------------------------- state helpers

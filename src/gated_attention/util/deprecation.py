@@ -85,15 +85,17 @@ _FINDER = _MovedFinder()
 
 
 def renamed_attributes(module_name: str, namespace: dict, renames: dict[str, str]):
-    """A module-level `__getattr__` that still answers renamed attributes for one release: `renames` maps an old name
-    to its new one in the same module (`namespace` is the module's globals()); each use warns once per call site."""
+    """A module-level `__getattr__` that still answers renamed or moved attributes for one release, with a
+    DeprecationWarning: `renames` maps an old name to its new one in the same module (`namespace` is the module's
+    globals()) or to "package.module:name" elsewhere (imported on first use)."""
 
     def __getattr__(name: str):
-        if name in renames:
-            warnings.warn(f"{module_name}.{name} is now {module_name}.{renames[name]} (the old name goes in the next "
-                          "release)", DeprecationWarning, stacklevel=2)
-            return namespace[renames[name]]
-        raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        if name not in renames:
+            raise AttributeError(f"module {module_name!r} has no attribute {name!r}")
+        where, _, new = renames[name].rpartition(":")
+        warnings.warn(f"{module_name}.{name} is now {where or module_name}.{new} (the old name goes in the next "
+                      "release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(where), new) if where else namespace[new]
 
     return __getattr__
 

@@ -9,8 +9,9 @@ Temp files get the user's umask (mkstemp alone would make them 0600) and are rem
   "nan"}}` (key -> "nan" / "inf" / "-inf"; a list element is recorded under the list's key).
 - Strict JSON in: `read_json` turns a missing file, a folder, bad UTF-8 or bad JSON into one UserError line.
 - Folder locks: `lock_dir(path)` — an exclusive OS lock (fcntl.flock) held while a command writes `path`; a second
-  process gets a UserError naming the holder's PID. Every command that writes an output folder (train, sweep,
-  compare, lab, longctx, extend) takes it; new commands (the labs) call it on their --out the same way.
+  process gets a UserError naming the holder's PID. Every command that writes an output folder takes it in the
+  library, the same way: its entry point is decorated `@locks_output("out", "gattn CMD")` (compare, each lab,
+  longctx, extend, sweep; the trainer locks its run folder itself, rank 0 only), never in the CLI.
 - HF checkpoint folders: `hf_weight_files` finds the weights the way transformers does (`model.safetensors`, else the
   shards named by `model.safetensors.index.json`, each confined to the folder; any other .safetensors is ignored);
   `load_safetensors` / `check_hf_dir` verify headers and sizes first, so a corrupt or truncated file is a clear
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import inspect
 import json
 import math
 import os
@@ -29,7 +32,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from .errors import UserError
 
@@ -42,22 +45,32 @@ def chmod_like_umask(path: str | os.PathLike) -> None:
     os.chmod(path, 0o666 & ~_UMASK)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def _replace_atomically(path: str | os.PathLike, write, suffix: str = ".tmp") -> None:
+    """`write(temp_path)` into a unique temp file beside `path`, then rename it over `path`; on any failure the temp
+    file is removed and `path` is untouched. Unique per call: concurrent writers (parallel runs sharing an output
+    folder) never share a temp file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # unique per call: concurrent writers (parallel runs sharing an output folder) never share a temp file
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
         chmod_like_umask(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _replace_atomically(path, write)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -72,18 +85,7 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 1,
 
 def atomic_save_figure(fig, path: str | os.PathLike, **savefig_kwargs) -> None:
     """matplotlib `fig.savefig` through a temp file (the format is taken from `path`'s suffix)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".tmp{path.suffix}")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, **savefig_kwargs)
-        chmod_like_umask(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    _replace_atomically(path, lambda tmp: fig.savefig(tmp, **savefig_kwargs), suffix=f".tmp{Path(path).suffix}")
 
 
 def save_png(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
@@ -215,6 +217,15 @@ def jsonl_line(obj: Any) -> str:
     return json_dumps(obj) + "\n"
 
 
+def append_jsonl(path: str | os.PathLike, obj: Any) -> None:
+    """Append one strict JSON line to a .jsonl log (created if missing), flushed and fsynced: a kill leaves at most
+    the last line cut short, which `read_jsonl` skips."""
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(jsonl_line(obj))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The objects of a .jsonl log, in order; a missing file is empty and a line cut short by a kill is skipped."""
     path = Path(path)
@@ -318,6 +329,35 @@ def lock_dir(path: str | os.PathLike, cmd: str = "gattn") -> Iterator[Path]:
                 del _held[key]
                 fcntl.flock(entry[0], fcntl.LOCK_UN)
                 os.close(entry[0])
+
+
+def locks_output(where: str | Callable[..., Any], cmd: str):
+    """Decorator for the library entry point of a command that writes an output folder: the whole call holds
+    `lock_dir` on that folder, so every command locks the same way whatever calls it (the CLI only parses). `where`
+    names the argument holding the folder ("out", or "lab.out": an attribute of an argument), or is a function of
+    the call's arguments (by name) returning it; None from it means no lock (a run that only reads)."""
+    def decorate(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def locked(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            if callable(where):
+                folder = where(**bound.arguments)
+            else:
+                name, *attrs = where.split(".")
+                folder = bound.arguments[name]
+                for a in attrs:
+                    folder = getattr(folder, a)
+            if folder is None:
+                return fn(*args, **kwargs)
+            with lock_dir(folder, cmd):
+                return fn(*args, **kwargs)
+
+        return locked
+
+    return decorate
 
 
 # ------------------------------------------------------------------------------------------------ HF weights
@@ -430,8 +470,7 @@ def check_hf_dir(folder: str | os.PathLike, what: str = "checkpoint folder") -> 
 
 
 __all__ = ["chmod_like_umask", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_save_figure",
-           "save_png",
-           "atomic_dir", "to_strict", "from_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
-           "strict_loads", "read_json", "read_json_object", "lock_path_for", "lock_dir", "SAFE_WEIGHTS", "SAFE_INDEX",
-           "PICKLE_SUFFIXES", "hf_weight_files", "verify_safetensors", "load_safetensors", "load_hf_state",
-           "check_hf_dir"]
+           "save_png", "atomic_dir", "to_strict", "from_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
+           "append_jsonl", "read_jsonl", "strict_loads", "read_json", "read_json_object", "lock_path_for", "lock_dir",
+           "locks_output", "SAFE_WEIGHTS", "SAFE_INDEX", "PICKLE_SUFFIXES", "hf_weight_files", "verify_safetensors",
+           "load_safetensors", "load_hf_state", "check_hf_dir"]

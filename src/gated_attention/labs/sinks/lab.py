@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import math
 import sys
 import time
@@ -36,7 +35,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .backcopy import BackcopyTask
-from ..common import load_unit, mean_std, run_units, save_unit
+from ...experiment import cache
+from ...util.io import locks_output
+from ...experiment.runs import run_units
+from ...experiment.stats import mean_std
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
@@ -67,7 +69,7 @@ class SinkLabConfig:
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
     steps: int = 800  # at lr 1e-2 the gated models solve the backcopy in ~100 steps, the baseline in ~150-200
     batch_size: int = 32
-    lr: float = 1e-2  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (issue 11)
+    lr: float = 1e-2  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (docs/experiments/sink_lab.md)
     min_lr: float = 1e-3
     warmup_steps: int = 50
     schedule: str = "wsd"  # wsd | cosine (train.schedule): the sink grows while the LR is high; a cosine decay
@@ -273,6 +275,13 @@ def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
     return {**d, "variant": variant, "seed": seed, "format": 1}
 
 
+def _stored_unit(unit_dir: str | Path, cfg: SinkLabConfig, variant: str, seed: int) -> dict | None:
+    """The unit's result.json when it was made with these settings (cache.load: None if absent, StaleResult if made
+    with others). A knob added to the lab after a unit was trained counts as its default for that unit."""
+    return cache.load(Path(unit_dir) / "result.json", _unit_key(cfg, variant, seed),
+                      defaults=_unit_key(SinkLabConfig(), variant, seed))
+
+
 def _save_ckpt(path: Path, state: dict) -> None:
     import torch
 
@@ -291,7 +300,7 @@ def train_unit(job: tuple) -> dict:
 
     from gated_attention.modeling import GatedQwen3ForCausalLM
     from gated_attention.train.schedule import lr_at
-    from gated_attention.train.trainer import param_groups
+    from gated_attention.train.model_setup import param_groups
 
     from .metrics import trailing_mean
 
@@ -299,7 +308,7 @@ def train_unit(job: tuple) -> dict:
     cfg = SinkLabConfig(**cfg_d)
     unit_dir = Path(unit_dir)
     key = _unit_key(cfg, variant, seed)
-    done = load_unit(unit_dir / "result.json", key)
+    done = _stored_unit(unit_dir, cfg, variant, seed)
     if done is not None:
         _log(f"{variant} seed {seed}: reusing {unit_dir / 'result.json'}")
         return done
@@ -314,11 +323,11 @@ def train_unit(job: tuple) -> dict:
     ckpt = unit_dir / "ckpt.pt"
     if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
         saved = torch.load(ckpt, map_location="cpu", weights_only=True)
-        if saved.get("key") == key:
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
-            state = saved["state"]
-            _log(f"{variant} seed {seed}: resuming at step {state['step']}")
+        cache.check(ckpt, saved.get("key") or {}, key, defaults=_unit_key(SinkLabConfig(), variant, seed))
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        _log(f"{variant} seed {seed}: resuming at step {state['step']}")
     amp = key["precision"] == "bf16"
     fwd = model
     if cfg.compile:
@@ -386,7 +395,7 @@ def train_unit(job: tuple) -> dict:
               "per_layer": final["per_layer"], "attention_map": final["attention_map"],
               "map_active_rows": final["map_active_rows"], "curve": state["curve"]}
     model.save_pretrained(unit_dir)  # the model first: result.json is the "finished" marker, written last
-    out = save_unit(unit_dir / "result.json", key, result)
+    out = cache.save(unit_dir / "result.json", key, result)
     if ckpt.exists():
         ckpt.unlink()
     return out
@@ -407,19 +416,24 @@ class SinkRun:
 
 def is_run_dir(path: str | Path) -> bool:
     """True for a sink-lab unit folder OUT/runs/<variant>/seed<k> (result.json with a sink-lab key)."""
+    from gated_attention.util.errors import UserError
+    from gated_attention.util.io import read_json_object
+
     f = Path(path) / "result.json"
     if not f.is_file():
         return False
     try:
-        key = json.loads(f.read_text()).get("key") or {}
-    except (json.JSONDecodeError, AttributeError):
+        key = read_json_object(f, "sink-lab result").get("key") or {}
+    except UserError:
         return False
-    return "task" in key and "variant" in key and "seed" in key
+    return isinstance(key, dict) and "task" in key and "variant" in key and "seed" in key
 
 
 def load_run_meta(path: str | Path) -> dict:
     """{"variant", "seed", "task"} of a finished unit folder without loading its model."""
-    key = json.loads((Path(path) / "result.json").read_text())["key"]
+    from gated_attention.util.io import read_json_object
+
+    key = read_json_object(Path(path) / "result.json", "sink-lab result", "point at a finished unit folder")["key"]
     return {"variant": key["variant"], "seed": key["seed"], "task": key["task"]}
 
 
@@ -467,10 +481,10 @@ def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[in
     out = Path(out)
     jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
                  for v in cfg.variants]
-    return jobs_list, {i: load_unit(Path(j[3]) / "result.json", _unit_key(cfg, j[1], j[2]))
-                       for i, j in enumerate(jobs_list)}
+    return jobs_list, {i: _stored_unit(j[3], cfg, j[1], j[2]) for i, j in enumerate(jobs_list)}
 
 
+@locks_output("out", "gattn lab sinks")  # one writer per lab folder (its worker processes write inside)
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
@@ -517,8 +531,8 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "wall_time_s": time.perf_counter() - t0,
     }
     lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
-    from gated_attention.util.io import atomic_write_text
+    from gated_attention.util.io import atomic_write_json
 
-    atomic_write_text(out / "lab.json", json.dumps(lab, indent=1))
+    atomic_write_json(out / "lab.json", lab, indent=1)
     report.write(out, lab)
     return lab

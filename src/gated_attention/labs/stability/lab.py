@@ -19,7 +19,6 @@ early already holds whole LR curves. The checkpoints and exported model of a fin
 """
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
@@ -27,12 +26,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ...util.io import atomic_write_text, read_jsonl
-from ...experiment import ensure_corpus
+from ...experiment import cache
+from ...experiment.runs import ensure_corpus, run_units
 from ...gates import canonical_name
-from ..common import load_unit, run_units, save_unit
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
+from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, to_strict
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
@@ -255,22 +254,6 @@ def edge_lrs(runs: list[dict], grid: tuple[float, ...], margin: float = EDGE_MAR
     return lrs[max(0, i - 1): i + 1]
 
 
-def strict(obj, flags: list[str] | None = None, path: str = ""):
-    """A copy of `obj` that json.dumps(allow_nan=False) accepts: non-finite floats become None and their key path
-    is appended to `flags`."""
-    if isinstance(obj, float):
-        if math.isfinite(obj):
-            return obj
-        if flags is not None:
-            flags.append(path or "<root>")
-        return None
-    if isinstance(obj, dict):
-        return {k: strict(v, flags, f"{path}.{k}" if path else str(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [strict(v, flags, f"{path}[{i}]") for i, v in enumerate(obj)]
-    return obj
-
-
 def _curve(log: list[dict], probes: list[dict], every: int) -> dict:
     """Compact training curves for the report: train loss every `every` steps, the probe series (max attention logit,
     max |output logit|) and the trainer's max |hidden state| over layers at its stats steps."""
@@ -283,14 +266,22 @@ def _curve(log: list[dict], probes: list[dict], every: int) -> dict:
             "max_hidden": [max(r["max_act"]) for r in log if r.get("max_act")]}
 
 
+def stored_run(run_dir: str | Path, cfg_dict: dict) -> dict | None:
+    """The finished run's result.json when it was made with these trainer settings (the trainer's own comparison:
+    a setting added since counts as its default), None when the run is not finished; StaleResult otherwise."""
+    from gated_attention.train.config import setting_differences
+
+    return cache.load(Path(run_dir) / "result.json", cfg_dict, diff=setting_differences)
+
+
 def train_run(task: tuple) -> dict:
     """Train one grid point (cfg_dict, run_dir) and write its result.json (the trainer settings are its key), unless
     a finished one is there. A run without result.json (interrupted) is wiped and restarts (runs are minutes long at
-    most).
-    Picklable, so --jobs can run it in a worker process (common.run_units)."""
+    most: a restart loses at most one run per worker).
+    Picklable, so --jobs can run it in a worker process (experiment.run_units)."""
     cfg_dict, run_dir = task
     out = Path(run_dir)
-    done = load_unit(out / "result.json", cfg_dict)
+    done = stored_run(out, cfg_dict)
     if done is not None:
         return done
     import torch
@@ -298,7 +289,8 @@ def train_run(task: tuple) -> dict:
     from gated_attention.train.config import TrainConfig
     from gated_attention.train.data_source import make_source
     from gated_attention.train.evaluate import domain_losses
-    from gated_attention.train.trainer import build_model, train
+    from gated_attention.train.model_setup import build_model
+    from gated_attention.train.trainer import train
 
     from .probe import StabilityProbe
 
@@ -322,12 +314,10 @@ def train_run(task: tuple) -> dict:
     result = {**run_metrics(summary, log, probes, holder["init"], cfg.warmup_steps),
               "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
               "curve": _curve(log, probes, cfg.stats_every)}
-    flags: list[str] = []
-    result = strict(result, flags)
-    result["nonfinite"] = [f for f in flags if not f.startswith("curve.")]  # metrics only: curves hold NaN steps
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the lab needs the numbers, not the weights
     shutil.rmtree(out / "final", ignore_errors=True)
-    result = save_unit(out / "result.json", cfg_dict, result)
+    # strict JSON (io): a non-finite metric is null, named in the run's "nonfinite" {metric: "nan" | "inf" | "-inf"}
+    result = cache.save(out / "result.json", cfg_dict, result)
     loss = result["final_loss"]
     print(f"[stability] {out.name}: loss {'-' if loss is None else f'{loss:.3f}'} (init {result['loss_at_init']:.3f})"
           f"{' DIVERGED' if result['diverged'] else ''}  spikes {result['spikes']}  max attn logit "
@@ -341,15 +331,15 @@ def train_run(task: tuple) -> dict:
 def _row(variant: str, qk: bool, lr: float, seed: int, res: dict, run_dir: Path, out: Path) -> dict:
     keep = ("final_loss", "loss_at_init", "diverged", "spikes", "spike_steps", "peak_train_loss", "skipped_steps",
             "max_attention_logit", "max_hidden", "max_output_logit", "final_train_loss", "steps", "tokens", "wall_s",
-            "cpu_s", "nonfinite")
+            "cpu_s")
     return {"variant": variant, "qk_norm": qk, "lr": lr, "seed": seed, **{k: res.get(k) for k in keep},
-            "dir": str(run_dir.relative_to(out))}
+            "nonfinite": res.get("nonfinite") or {}, "dir": str(run_dir.relative_to(out))}
 
 
 def _execute(points: list[tuple], lab: LabConfig, data_dir: Path, out: Path, log) -> dict[tuple, dict]:
     """Run (or reuse) every (variant, qk, lr, seed) point, `lab.jobs` at a time. Returns point -> result."""
     tasks = [(train_config(lab, data_dir, *p).to_dict(), str(out / "runs" / run_name(*p))) for p in points]
-    finished = sum(load_unit(Path(d) / "result.json", c) is not None for c, d in tasks)  # also checks settings
+    finished = sum(stored_run(d, c) is not None for c, d in tasks)  # also checks settings
     if finished:
         log(f"[stability] reusing {finished} finished run(s)")
     if len(tasks) > finished:
@@ -412,6 +402,7 @@ def setting_stats(runs: list[dict], margin: float) -> dict:
     }
 
 
+@locks_output("lab.out", "gattn lab stability")  # one writer per lab folder (its worker processes write inside)
 def run_lab(lab: LabConfig, log=print) -> dict:
     """Train/reuse the grid, then write lab.json, report.md, report.html and plots into lab.out."""
     from . import report as R
@@ -462,12 +453,11 @@ def run_lab(lab: LabConfig, log=print) -> dict:
         "instability": instability_check(rows),
         "curves": {run_name(*p): results[p].get("curve") for p in results},
     }
-    flags: list[str] = []
-    lab_json = strict(lab_json, flags)
-    lab_json["nonfinite"] = [f for f in flags if not f.startswith("curves.")]
+    lab_json["nonfinite"] = [f for f in nonfinite_paths(lab_json) if not f.startswith("curves.")]
+    lab_json = to_strict(lab_json)  # strict JSON (io): non-finite values null, each dict naming its own
     lab_json["plots"] = {k: str(p.relative_to(out)) for k, p in R.make_plots(lab_json, out / "plots").items()}
     lab_json["wall_time_s"] = time.perf_counter() - t0
     lab_json["cpu_s_runs"] = sum(r.get("cpu_s") or 0.0 for r in rows)
-    atomic_write_text(out / "lab.json", json.dumps(lab_json, indent=1, allow_nan=False))
+    atomic_write_json(out / "lab.json", lab_json, indent=1)
     R.write(lab_json, out)
     return lab_json

@@ -1,14 +1,16 @@
 """Rendering of a stability-lab result (lab.json): plots (final loss vs LR per QK-norm setting, max attention logit
 vs LR, training curves at the highest LR and where the baseline spiked most), report.md and a self-contained
-report.html (PNGs inlined as base64). The verdict line is verdict.stability_verdict's, the rule compare's claims row uses (one rule, two places).
+report.html (PNGs inlined as base64). The verdict line is verdict.stability_verdict's, the rule compare's claims row
+uses (one rule, two places).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from ...experiment.report import fmt
+from ...experiment import report as page
+from ...experiment.report import fmt, md_table
 from ...gates import canonical_name
-from ..common import md_table, write_report
+from ...util.io import save_png
 
 _NAMES = {"baseline": "baseline", "none": "baseline (none)", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
@@ -44,10 +46,8 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 # ---------------------------------------------------------------- plots
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """Final loss (clipped at the loss at init) vs LR per variant at one QK-norm setting; x marks a diverged run."""
+    fig, ax = page.subplots(figsize=(7, 4.5))
     inits = []
     for v, q in _settings(lab):
         if q is not qk:
@@ -74,10 +74,8 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
 
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """Seed-mean max attention logit vs LR, every setting (QK-norm on dashed)."""
+    fig, ax = page.subplots(figsize=(7, 4.5))
     colors = {}
     for v, qk in _settings(lab):
         rows = [r for r in lab["runs"] if r["variant"] == v and r["qk_norm"] is qk]
@@ -99,10 +97,7 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss, max attention logit and max |hidden state| over steps at one LR, every setting (seed 0)."""
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
-
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(16, 4))
+    fig, (a1, a2, a3) = page.subplots(1, 3, figsize=(16, 4))
     drawn = False
     for v, qk in _settings(lab):
         row = next((r for r in lab["runs"] if (r["variant"], r["qk_norm"], r["lr"], r["seed"]) == (v, qk, lr, 0)), None)
@@ -122,9 +117,9 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
                 a3.plot(*zip(*pts3), ls=ls, lw=1.2, color=line.get_color())
             drawn = True
     if not drawn:
-        import matplotlib.pyplot as plt2
+        import matplotlib.pyplot as plt
 
-        plt2.close(fig)
+        plt.close(fig)
         return None
     a1.set(xlabel="step", ylabel="train loss", title=f"training loss at lr {lr:g}")
     a2.set(xlabel="step", ylabel="max attention logit", yscale="log", title=f"max attention logit at lr {lr:g}")
@@ -356,7 +351,7 @@ _TITLES = {"loss_vs_lr_qk_off": "Final loss vs LR, QK-norm off", "loss_vs_lr_qk_
 
 
 def blocks(lab: dict) -> list[tuple]:
-    """The report as common.render_report blocks."""
+    """The report as experiment.report blocks."""
     out = [("p", p) for p in _intro(lab)]
     out += [("h2", "Findings")] + [("p", f) for f in findings(lab)]
     out += [("h2", "Per setting"), ("table", *_summary_cells(lab)),
@@ -379,4 +374,4 @@ def blocks(lab: dict) -> list[tuple]:
 
 def write(lab: dict, out_dir) -> None:
     """report.md and the self-contained report.html into out_dir."""
-    write_report(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))
+    page.write(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))

@@ -24,6 +24,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ...experiment import cache
+from ...util.io import locks_output
+
 DEFAULT_SINK_TOKENS = (0, 1, 4)
 
 
@@ -214,6 +217,19 @@ def _load(entry: Entry, cfg: StreamingConfig):
     return model, seqs, None, seq_len
 
 
+def _measure_key(e: Entry, cfg: StreamingConfig) -> dict:
+    """What one model's measurement depends on (experiment.cache): the window settings and the held-out data; its
+    inputs are the model (its folder and its weights' modification time: a model copied or trained again since is
+    measured again)."""
+    from gated_attention.util.io import hf_weight_files
+
+    return {"model": str(e.path), "kind": e.kind, "window": cfg.window, "sink_tokens": list(cfg.sink_tokens),
+            "seq_len": cfg.seq_len, "sequences": cfg.sequences, "text": cfg.text,
+            "data_dir": cfg.data_dir or e.data_dir,
+            "model_mtime": max(f.stat().st_mtime for f in hf_weight_files(e.path))}
+
+
+@locks_output("out", "gattn lab streaming")
 def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     """Measure every model, write lab.json, report.md, report.html and the per-position plot into out."""
     import torch
@@ -230,15 +246,23 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     log(f"[streaming] {len(entries)} model(s), window {cfg.window}, sink tokens {cfg.sink_tokens} -> {out}")
     models = {}
     for e in entries:
-        ts = time.process_time()
-        model, seqs, masks, seq_len = _load(e, cfg)
-        if seq_len <= cfg.window + 1:
-            raise ValueError(f"{e.label}: sequences of {seq_len} tokens leave no position past the window "
-                             f"{cfg.window}; pass a longer --seq-len or a smaller --window")
-        with torch.no_grad():
-            res = measure_model(model, seqs, cfg.window, list(cfg.sink_tokens), masks)
-        models[e.label] = {"path": str(e.path), "kind": e.kind, "variant": e.variant, "seq_len": seq_len,
-                           "sequences": int(seqs.shape[0]), **res, "cpu_time_s": time.process_time() - ts}
+        def measure(e=e) -> dict:
+            ts = time.process_time()
+            model, seqs, masks, seq_len = _load(e, cfg)
+            if seq_len <= cfg.window + 1:
+                raise ValueError(f"{e.label}: sequences of {seq_len} tokens leave no position past the window "
+                                 f"{cfg.window}; pass a longer --seq-len or a smaller --window")
+            with torch.no_grad():
+                res = measure_model(model, seqs, cfg.window, list(cfg.sink_tokens), masks)
+            return {"path": str(e.path), "kind": e.kind, "variant": e.variant, "seq_len": seq_len,
+                    "sequences": int(seqs.shape[0]), **res, "cpu_time_s": time.process_time() - ts}
+
+        # one model's measurement, reused under the toolkit's rule (the settings it depends on, and the model file
+        # as its input: a model trained again since is measured again)
+        got = cache.cached(out / "models" / (e.label.replace("/", "__") + ".json"), _measure_key(e, cfg), measure,
+                           log, "[streaming]", inputs=("model", "model_mtime"))
+        models[e.label] = {k: v for k, v in got.items() if k != "key"}
+        res = models[e.label]
         w = res["window"]
         log(f"[streaming] {e.label}: full loss {res['full']['loss']:.3f}; window " + ", ".join(
             f"K={k} {w[k]['loss']:.3f}" for k in w))

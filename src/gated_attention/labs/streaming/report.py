@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..common import fmt_mean_std, mean_std, write_report
+from ...experiment import report as page
+from ...experiment.stats import mean_std
+from ...util.io import save_png
 
 TASK_KEYS = ("backcopy_ce", "bigram_ce")  # sink-lab models also report the task's two kinds of positions
 
@@ -74,7 +76,7 @@ def variant_table(lab: dict) -> tuple[list[str], list[list[str]]] | None:
         ["backcopy CE full"] + [f"backcopy CE K={k}" for k in ks] + ["bigram CE full"] + [f"bigram CE K={k}" for k in ks]
     rows = []
     for v, e in bv.items():
-        c = lambda key, d=3: fmt_mean_std(e["mean"].get(key), e["std"].get(key), d)
+        c = lambda key, d=3: page.fmt_mean_std(e["mean"].get(key), e["std"].get(key), d)
         rows.append([v, str(e["seeds"]), c("full_loss")] + [c(f"K{k}_dloss") for k in ks] + [c("full_backcopy_ce")]
                     + [c(f"K{k}_backcopy_ce") for k in ks] + [c("full_bigram_ce")] + [c(f"K{k}_bigram_ce") for k in ks])
     return head, rows
@@ -89,14 +91,12 @@ def text_table(lab: dict) -> str:
 
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     """Per-position loss (mean over sequences) per model: full attention and each K, the window edge marked."""
-    from gated_attention.analysis.plots import plt
-    from gated_attention.util.io import save_png
 
     models = lab["models"]
     n = len(models)
     cols = min(3, n)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = page.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
     W = lab["config"]["window"]
     for ax, (name, m) in zip(axes.flat, models.items()):
         ax.plot(m["full"]["per_position"], color="black", lw=1.2, label="full attention")
@@ -132,4 +132,4 @@ def write(out_dir, lab: dict) -> None:
     for key, rel in lab.get("plots", {}).items():
         out.append(("img", "Loss per position: full attention vs the rolling window", rel))
     out.append(("p", f"CPU time {lab['cpu_time_s']:.0f} s, wall {lab['wall_time_s']:.0f} s."))
-    write_report(Path(out_dir), "gattn lab streaming: sliding-window decoding with and without sink tokens", out)
+    page.write(Path(out_dir), "gattn lab streaming: sliding-window decoding with and without sink tokens", out)
