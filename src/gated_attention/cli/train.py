@@ -49,6 +49,9 @@ SWEEP_RETIRED = ("`gattn sweep` is retired; the stability lab replaces it (gates
 def configure_sweep(parser: argparse.ArgumentParser) -> None:
     parser.description = SWEEP_RETIRED
     parser.add_argument("args", nargs=argparse.REMAINDER, help="ignored: the command only names its replacement")
+    # its old options (--preset, --gates, ...) are accepted too, so every old command line gets the one-line pointer
+    # (run_sweep) rather than an argparse error about an option the retired command no longer defines
+    parser.parse_args = lambda args=None, namespace=None: parser.parse_known_args(args, namespace)[0]
 
 
 def run_sweep(args) -> int:
