@@ -314,6 +314,7 @@ LOCKED_COMMANDS = {
     "lab-sinks": lambda out, src: ["lab", "sinks", "--budget", "small", "--out", str(out)],
     "lab-stability": lambda out, src: ["lab", "stability", "--budget", "small", "--out", str(out)],
     "lab-streaming": lambda out, src: ["lab", "streaming", "--models", str(src), "--window", "8", "--out", str(out)],
+    "lab-retrofit": lambda out, src: ["lab", "retrofit", "--from", str(src), "--steps", "1", "--out", str(out)],
     "ruler": lambda out, src: ["ruler", str(src), "--lengths", "64", "--out", str(out)],
 }
 

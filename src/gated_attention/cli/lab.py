@@ -10,6 +10,8 @@ from pathlib import Path
 
 from dataclasses import replace
 
+from ..util import errors as E
+
 from ..labs.sinks import report as sinks_report
 from ..experiment.runs import default_jobs
 from ..labs.sinks import BUDGETS, DEFAULT_VARIANTS, SinkLabConfig
@@ -210,6 +212,73 @@ def run_streaming(args) -> int:
     return 0
 
 
+def configure_retrofit(parser: argparse.ArgumentParser) -> None:
+    from ..labs import retrofit as rl
+    from ..labs.retrofit.recipes import CONTROL, DEFAULT_RECIPES, RECIPES, REST_LR
+
+    d = rl.RetrofitLabConfig()
+    parser.add_argument("--from", dest="starts", nargs="+", required=True, metavar="DIR",
+                        help="trained UNGATED starting models, all of one kind: sink-lab runs (OUT/runs/baseline/seed0 "
+                             "of `gattn lab sinks`), training runs (RUN or RUN/final of gattn train / compare), or HF "
+                             "checkpoint folders (with --data-dir: a corpus in the model's vocabulary)")
+    parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), metavar="NAME",
+                        help=f"recipes to compare against the control ({CONTROL!r} always runs; REST_LR = "
+                             f"{REST_LR:g}): " + "; ".join(f"{n}: {r.help}".replace("%", "%%") for n, r in RECIPES.items())
+                             + f". Default: {' '.join(DEFAULT_RECIPES)}")
+    parser.add_argument("--steps", type=E.positive_int, default=None,
+                        help="retrofit steps per unit (default: --step-share x the steps the start was trained for)")
+    parser.add_argument("--step-share", type=E.positive_float, default=d.step_share,
+                        help=f"default --steps as a share of the start's training steps (default {d.step_share:g})")
+    parser.add_argument("--seeds", type=E.positive_int, default=d.seeds,
+                        help=f"seeds 0..N-1 per start and recipe: gate init (random) and data order (default {d.seeds})")
+    parser.add_argument("--lr", type=E.positive_float, default=None,
+                        help="peak LR of the gates; recipes train the pretrained weights at REST_LR x this (default: "
+                             "the start's own training peak LR)")
+    parser.add_argument("--batch-size", type=E.positive_int, default=None,
+                        help="sequences per step (default: the start's training batch size, 16 when unknown)")
+    parser.add_argument("--weight-decay", type=E.nonneg_float, default=None,
+                        help="AdamW weight decay on matrices (default: the start's own, 0.1 when unknown)")
+    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=d.precision,
+                        help=f"training numerics (default {d.precision}: bf16 autocast where a measured bf16 GEMM "
+                             "beats fp32 on this CPU, else fp32; lab.json records the resolved one); measurements "
+                             "always run in fp32")
+    parser.add_argument("--eval-every", type=E.positive_int, default=None,
+                        help="learning-curve interval in steps (default: a tenth of the steps)")
+    parser.add_argument("--eval-size", type=E.positive_int, default=d.eval_size,
+                        help=f"held-out sequences (sink task; text: eval-size/32 batches of 8 windows per domain) "
+                             f"(default {d.eval_size})")
+    parser.add_argument("--stream-window", type=E.positive_int, default=None,
+                        help="sliding window W of the streaming loss (default: a quarter of the sequence length)")
+    parser.add_argument("--data-dir", default=None,
+                        help="text: the prepared corpus (default: the training run's; required for an HF checkpoint, "
+                             "prepared with `gattn data prepare --tokenizer DIR`)")
+    parser.add_argument("--seq-len", type=E.positive_int, default=None,
+                        help="text: window length (default: the training run's, else 256)")
+    parser.add_argument("--keep-models", action=argparse.BooleanOptionalAction, default=d.keep_models,
+                        help="keep each unit's final model in OUT/runs/<start>/<recipe>/seed<k>/model (default on)")
+    parser.add_argument("--jobs", type=E.positive_int, default=None,
+                        help="units trained at once, one core each (default: min(2, available cores))")
+    parser.add_argument("--out", type=E.out_dir, default="runs/lab/retrofit",
+                        help="output folder: runs/<start>/<recipe>/seed<k>/, lab.json, report.md, report.html, plots/ "
+                             "(default runs/lab/retrofit; a re-run reuses finished units and continues killed ones)")
+
+
+def run_retrofit(args) -> int:
+    from ..labs import retrofit as rl
+    from ..labs.retrofit import report as retrofit_report
+
+    cfg = rl.RetrofitLabConfig(
+        starts=list(args.starts), recipes=list(args.recipes), steps=args.steps, step_share=args.step_share,
+        seeds=args.seeds, lr=args.lr, batch_size=args.batch_size, weight_decay=args.weight_decay,
+        precision=args.precision, eval_every=args.eval_every, eval_size=args.eval_size,
+        stream_window=args.stream_window, data_dir=args.data_dir, seq_len=args.seq_len,
+        keep_models=args.keep_models).validate()
+    lab = rl.run_lab(cfg, args.out, jobs=args.jobs if args.jobs is not None else default_jobs())
+    print(retrofit_report.text_table(lab))
+    print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
+    return 0
+
+
 # name -> (configure, run, one-line help)
 LABS = {
     "sinks": (configure_sinks, run_sinks,
@@ -220,6 +289,9 @@ LABS = {
     "stability": (configure_stability, run_stability,
                   "LR sweeps of deep narrow models with/without QK-norm (Wortsman et al. 2023 proxies): loss "
                   "spikes, divergence, max stable LR, LR sensitivity with intervals over seeds, logit growth."),
+    "retrofit": (configure_retrofit, run_retrofit,
+                 "Gates added to a trained ungated model: can they remove its sink? Recipes vs a control, over "
+                 "seeds (sink, skill, gates, streaming loss, learning curves)."),
 }
 
 

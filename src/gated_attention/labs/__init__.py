@@ -9,6 +9,9 @@ line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
               metrics.py its metrics)
   stability/  learning-rate sweeps with and without QK-norm (Wortsman et al. 2023 proxies; probe.py)
   streaming/  a plain sliding KV window vs one keeping sink tokens (StreamingLLM), on any of the above models
+  retrofit/   gates added to a trained ungated model: which recipe, if any, removes its sink and at what cost,
+              each against a control trained the same steps on the same batches (recipes.py the recipes and their
+              loss terms, starts.py the starting models, their data and measurements)
 
 Runs, cached units, seed statistics and report pages are the experiment toolkit's (gated_attention.experiment), the
 same for every job; common.py keeps what only the labs share. Labs use the model, training and analysis, never the

@@ -27,7 +27,6 @@ OUT fail loudly.
 from __future__ import annotations
 
 import argparse
-import io
 import math
 import sys
 import time
@@ -282,16 +281,6 @@ def _stored_unit(unit_dir: str | Path, cfg: SinkLabConfig, variant: str, seed: i
                       defaults=_unit_key(SinkLabConfig(), variant, seed))
 
 
-def _save_ckpt(path: Path, state: dict) -> None:
-    import torch
-
-    from gated_attention.util.io import atomic_write_bytes
-
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    atomic_write_bytes(path, buf.getvalue())
-
-
 def train_unit(job: tuple) -> dict:
     """Train one variant x seed (or reuse / resume it) and return its result dict. job = (cfg dict, variant, seed,
     unit dir); a plain tuple so it can cross to a worker process."""
@@ -321,9 +310,8 @@ def train_unit(job: tuple) -> dict:
     opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps)
     state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
     ckpt = unit_dir / "ckpt.pt"
-    if ckpt.exists():  # weights_only: no pickle code runs from a file in a user folder
-        saved = torch.load(ckpt, map_location="cpu", weights_only=True)
-        cache.check(ckpt, saved.get("key") or {}, key, defaults=_unit_key(SinkLabConfig(), variant, seed))
+    saved = cache.load_checkpoint(ckpt, key, defaults=_unit_key(SinkLabConfig(), variant, seed))
+    if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
@@ -386,7 +374,7 @@ def train_unit(job: tuple) -> dict:
             record(step + 1)
         if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
             state["step"], state["wall"], state["cpu"] = step + 1, time.perf_counter() - t0, time.process_time() - c0
-            _save_ckpt(ckpt, {"key": key, "model": model.state_dict(), "opt": opt.state_dict(), "state": state})
+            cache.save_checkpoint(ckpt, key, model=model.state_dict(), opt=opt.state_dict(), state=state)
     final = measure(model, task, eval_seqs)
     result = {"variant": variant, "seed": seed, **{k: final[k] for k in METRICS if k in final},
               "steps_to_skill": state["skill"], "null_attention_dormant": final["null_attention_dormant"],

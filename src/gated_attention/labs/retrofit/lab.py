@@ -1,0 +1,412 @@
+"""`gattn lab retrofit`: can gates added to a trained model remove its attention sink? Recipes measured against a
+control, over seeds (issue 21).
+
+For each starting model (`--from`: sink-lab runs or text models, starts.py), each recipe
+(recipes.py) and each seed, one *unit*: add the recipe's gate with `gattn retrofit`'s code (in memory),
+train `--steps` steps (default: 25 % of the steps the start was trained for) on batches that are a function of
+(seed, step) only — so the control and every recipe see the same batches — and measure before, along the way
+(learning curves) and after. The `control` unit (the ungated model, the same steps and batches, the pretrained
+weights' LR of the recipes) always runs: each recipe is read against it.
+
+Training: AdamW (betas 0.9/0.95, eps 1e-8, the start's own weight decay on matrices only, as the sink lab and the
+trainer; the start's peak LR and batch size),
+linear warm-up over 5 % of the steps then cosine to 10 % of the peak, global-norm clipping at 1.0 over the trainable
+parameters, autocast in the resolved precision (util/precision.py: bf16 where this CPU runs it fast);
+measurements in fp32. The gate seed of the `random` init is the unit's seed.
+
+Layout of OUT: runs/<start>/start.json (the starting model's measurements, cached), runs/<start>/<recipe>/seed<k>/
+(result.json, ckpt.pt while training, model/ = the retrofitted model, loadable with AutoModelForCausalLM after
+`import gated_attention`), lab.json, report.md, report.html, plots/. Finished units are reused, a killed unit
+continues from its last checkpoint, other settings in an existing OUT stop the job naming them (experiment.cache).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ...experiment import cache
+from ...experiment.runs import run_units
+from ...experiment.stats import mean_std, spread
+from ...util.io import locks_output
+from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
+from .starts import Start, resolve_starts
+
+# the per-seed scalars lab.json aggregates (mean/std over seeds); the first eight are the issue's contract
+KEYS = ("sink_before", "sink_after", "skill_before", "skill_after", "gate_dormant", "gate_active",
+        "streaming_loss_after", "steps")
+EXTRA_KEYS = ("backcopy_ce_before", "backcopy_ce_after", "bigram_ce_before", "bigram_ce_after", "f_attn_before",
+              "f_attn_after", "sink_rate_before", "sink_rate_after", "m_act_before", "m_act_after",
+              "residual_peak_before", "residual_peak_after", "streaming_loss_before", "streaming_loss_kept_before",
+              "streaming_loss_kept_after", "window_full_loss_before", "window_full_loss_after", "gate_dormant_start",
+              "gate_active_start", "val_loss_after", "final_train_loss", "steps_to_sink_target", "trained_steps",
+              "step_share",
+              "trainable_params", "cpu_time_s")
+# measurement name -> lab.json key stem (before: the starting model; after: the unit's final model)
+MEASURED = {"sink": "sink", "skill": "skill", "backcopy_ce": "backcopy_ce", "bigram_ce": "bigram_ce",
+            "f_attn": "f_attn", "sink_rate": "sink_rate", "m_act": "m_act", "residual_peak": "residual_peak",
+            "streaming_loss": "streaming_loss", "streaming_loss_kept": "streaming_loss_kept",
+            "window_full_loss": "window_full_loss", "val_loss": "val_loss"}
+PAIRED = ("sink_after", "skill_after", "backcopy_ce_after", "bigram_ce_after", "streaming_loss_after", "m_act_after")
+INPUTS = ("start",)  # the key field naming the starting model (its folder and weights' mtime): a retrained start
+# makes a stored unit obsolete (recomputed), not a conflict
+TARGET_SINK, TARGET_SKILL_MARGIN, TARGET_STEP_SHARE = 0.2, 0.05, 0.25  # issue 21's targets on the sink lab
+
+
+@dataclass
+class RetrofitLabConfig:
+    """Every knob of a retrofit lab (one per CLI option)."""
+
+    starts: list = field(default_factory=list)  # --from folders
+    recipes: list = field(default_factory=lambda: list(DEFAULT_RECIPES))  # `control` is always added
+    steps: int | None = None  # steps per unit; None: step_share x the steps the start was trained for
+    step_share: float = TARGET_STEP_SHARE  # the default budget: a quarter of the start's training (issue 21's target)
+    seeds: int = 1  # seeds 0..n-1 per start and recipe: gate init (random) and data order
+    lr: float | None = None  # peak LR of the gates (recipes scale it); None: the start's own training peak LR
+    batch_size: int | None = None  # None: the start's training batch size (16 when unknown)
+    warmup_frac: float = 0.05  # linear warm-up over this share of the steps
+    min_lr_frac: float = 0.1  # cosine decay to this share of the peak
+    weight_decay: float | None = None  # on matrices only (the trainer's rule); None: the start's own (0.1 if unknown)
+    grad_clip: float = 1.0
+    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
+    eval_every: int | None = None  # learning-curve interval; None: a tenth of the steps
+    eval_size: int = 64  # held-out sequences (sink task) / ~windows (text: eval_size // 32 batches of 8 per domain)
+    stream_window: int | None = None  # streaming window W; None: a quarter of the sequence length
+    ckpt_every: int = 250  # resumable checkpoint interval in steps (0 = none)
+    keep_models: bool = True  # keep each unit's final model in its model/ folder
+    data_dir: str | None = None  # text: the corpus (default: the training run's); required for HF checkpoints
+    seq_len: int | None = None  # text: window length (default: the training run's, else 256)
+
+    def validate(self) -> "RetrofitLabConfig":
+        if not self.starts:
+            raise ValueError("--from: give at least one starting model folder")
+        for r in self.recipes:
+            get_recipe(r)
+        if len(set(self.recipes)) != len(self.recipes):
+            raise ValueError(f"--recipes lists a recipe twice: {self.recipes}")
+        for k in ("seeds", "eval_size"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
+        for k in ("steps", "batch_size", "eval_every", "stream_window", "seq_len"):
+            if getattr(self, k) is not None and getattr(self, k) < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
+        if self.lr is not None and not self.lr > 0:
+            raise ValueError(f"--lr must be > 0; got {self.lr}")
+        if self.weight_decay is not None and not self.weight_decay >= 0:
+            raise ValueError(f"--weight-decay must be >= 0; got {self.weight_decay}")
+        if not 0 < self.step_share <= 10:
+            raise ValueError(f"--step-share must be in (0, 10]; got {self.step_share}")
+        from gated_attention.util.precision import check
+
+        check(self.precision, "--precision")
+        return self
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A unit's resolved numbers (from the config and its start)."""
+
+    steps: int
+    lr: float
+    batch_size: int
+    weight_decay: float
+    eval_every: int
+    window: int
+
+
+def plan_for(cfg: RetrofitLabConfig, start: Start) -> Plan:
+    steps = cfg.steps
+    if steps is None:
+        if not start.trained_steps:
+            raise ValueError(f"{start.path}: the steps it was trained for are unknown; give --steps")
+        steps = max(1, round(cfg.step_share * start.trained_steps))
+    lr = cfg.lr or start.train_lr
+    if not lr:
+        raise ValueError(f"{start.path}: its training LR is unknown; give --lr")
+    seq = start.seq_len if start.kind == "text" else start.task["seq_len"]
+    wd = cfg.weight_decay if cfg.weight_decay is not None else start.train_wd if start.train_wd is not None else 0.1
+    return Plan(steps=steps, lr=float(lr), batch_size=cfg.batch_size or start.batch_size or 16, weight_decay=wd,
+                eval_every=cfg.eval_every or max(1, steps // 10), window=cfg.stream_window or max(1, seq // 4))
+
+
+def _measure_key(cfg: RetrofitLabConfig, start: Start) -> dict:
+    return {"start": start.to_dict(), "eval_size": cfg.eval_size, "window": plan_for(cfg, start).window, "format": 1}
+
+
+def _unit_key(cfg: RetrofitLabConfig, start: Start, name: str, recipe: dict, seed: int) -> dict:
+    from gated_attention.util.precision import resolve
+
+    d = asdict(cfg)
+    for k in ("starts", "recipes", "seeds", "ckpt_every", "keep_models"):  # a unit does not depend on these
+        d.pop(k)
+    d["precision"] = resolve(cfg.precision, "cpu")  # what it resolved to here: "auto" reuses a bf16 unit, not fp32
+    return {**d, **_measure_key(cfg, start), "plan": asdict(plan_for(cfg, start)), "recipe": name,
+            "recipe_settings": recipe, "seed": seed}
+
+
+def _log(msg: str) -> None:
+    print(f"[retrofit] {msg}", file=sys.stderr, flush=True)
+
+
+def _f(v, d: int = 3) -> str:
+    return "–" if v is None else f"{v:.{d}f}"
+
+
+# ---------------------------------------------------------------- one unit: start x recipe x seed
+
+def train_unit(job: tuple) -> dict:
+    """Train one unit (or reuse / resume it) and return its result. job = (cfg dict, start dict, recipe name, recipe
+    dict, seed, unit dir): plain data, so it can cross to a worker process."""
+    import torch
+    import torch.nn.functional as F
+
+    from gated_attention.capture import capture
+    from gated_attention.util.io import atomic_dir
+    from gated_attention.train.schedule import lr_at
+
+    from . import starts as S
+    from .recipes import GradTap, extra_loss, param_groups, set_phase
+
+    cfg_d, start_d, name, recipe_d, seed, unit_dir = job
+    cfg, start, recipe = RetrofitLabConfig(**cfg_d), Start(**start_d), recipe_from_dict(recipe_d)
+    unit_dir = Path(unit_dir)
+    key = _unit_key(cfg, start, name, recipe_d, seed)
+    done = cache.load(unit_dir / "result.json", key, inputs=INPUTS)
+    if done is not None:
+        _log(f"{start.label} {name} seed {seed}: reusing {unit_dir / 'result.json'}")
+        return done
+    plan = plan_for(cfg, start)
+    torch.manual_seed(seed)
+    model = S.build_model(start.model_dir, recipe.gate, recipe.init, seed)
+    data = S.make_data(start, plan.batch_size, cfg.eval_size, model.config.vocab_size)
+    masks = None
+    if data.kind == "text" and recipe.gate is not None:
+        masks = S.start_masks(S.build_model(start.model_dir, None, "identity", seed), data.eval_batches())
+    opt = torch.optim.AdamW(param_groups(model, recipe, plan.lr, plan.weight_decay), lr=plan.lr, betas=(0.9, 0.95),
+                            eps=1e-8)
+    state = {"step": 0, "curve": [], "losses": [], "extra": {}, "wall": 0.0, "cpu": 0.0}
+    ckpt = unit_dir / "ckpt.pt"
+    saved = cache.load_checkpoint(ckpt, key, inputs=INPUTS)
+    if saved is not None:
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        _log(f"{start.label} {name} seed {seed}: resuming at step {state['step']}")
+    t0, c0 = time.perf_counter() - state["wall"], time.process_time() - state["cpu"]
+    gates_only_until = round(recipe.gates_first * plan.steps)
+    penalty_until = round(recipe.penalty_until * plan.steps)
+    warmup = max(1, round(cfg.warmup_frac * plan.steps))
+
+    def record(step: int) -> None:
+        m = S.measure(model, data, masks, full=False)
+        recent = state["losses"][-plan.eval_every:]
+        point = {"step": step, **{k: m.get(k) for k in ("sink", "skill", "backcopy_ce", "bigram_ce", "val_loss",
+                                                        "gate_dormant", "gate_active", "sink_rate", "m_act")},
+                 "train_loss": sum(recent) / len(recent) if recent else None,
+                 **{k: (sum(v[-plan.eval_every:]) / len(v[-plan.eval_every:]) if v else None)
+                    for k, v in state["extra"].items()}}
+        state["curve"].append(point)
+        _log(f"{start.label} {name} seed {seed}: step {step}/{plan.steps}  sink {_f(m.get('sink'))}  skill "
+             f"{_f(m.get('skill'))}  gate dormant/active {_f(m.get('gate_dormant'))}/{_f(m.get('gate_active'))}  "
+             f"({time.perf_counter() - t0:.0f}s)")
+
+    if state["step"] == 0:
+        record(0)
+    amp = key["precision"] == "bf16"
+    for step in range(state["step"], plan.steps):
+        set_phase(model, recipe, gates_only=step < gates_only_until)
+        f = lr_at(step, lr=1.0, min_lr=cfg.min_lr_frac, warmup_steps=warmup, steps=plan.steps, schedule="cosine")
+        for g in opt.param_groups:
+            g["lr"] = plan.lr * g["lr_mult"] * f
+        seqs = data.train_batch(seed, step)  # (B, T+1)
+        inputs, targets = seqs[:, :-1], seqs[:, 1:]
+        tap = GradTap() if recipe.uses_tap and step < penalty_until else None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), \
+                (capture(model, tap) if tap is not None else nullcontext()):
+            logits = model(input_ids=inputs).logits  # (B, T, V)
+        ce = F.cross_entropy(logits.float().transpose(1, 2), targets)
+        extra, logged = extra_loss(recipe, tap, True)
+        loss = ce if extra is None else ce + extra
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        trainable = [p for p in model.parameters() if p.grad is not None]
+        if cfg.grad_clip > 0 and trainable:
+            torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+        opt.step()
+        state["losses"] = (state["losses"] + [float(ce.detach())])[-max(plan.eval_every, 50):]
+        for k, v in logged.items():
+            state["extra"][k] = (state["extra"].get(k, []) + [v])[-plan.eval_every:]
+        if not math.isfinite(state["losses"][-1]):
+            raise ValueError(f"{start.label} {name} seed {seed}: loss is {state['losses'][-1]} at step {step}; "
+                             "lower --lr")
+        if (step + 1) % plan.eval_every == 0 or step + 1 == plan.steps:
+            record(step + 1)
+        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < plan.steps:
+            state.update(step=step + 1, wall=time.perf_counter() - t0, cpu=time.process_time() - c0)
+            cache.save_checkpoint(ckpt, key, model=model.state_dict(), opt=opt.state_dict(), state=state)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    final = S.measure(model, data, masks, window=plan.window, full=True)
+    result = {"start": start.label, "recipe": name, "seed": seed, "steps": plan.steps,
+              **{f"{stem}_after": final.get(k) for k, stem in MEASURED.items()},
+              "gate_dormant": final.get("gate_dormant"), "gate_active": final.get("gate_active"),
+              "steps_to_sink_target": next((p["step"] for p in state["curve"] if p.get("sink") is not None
+                                            and p["sink"] <= TARGET_SINK), None),
+              "gate_dormant_start": state["curve"][0].get("gate_dormant"),
+              "gate_active_start": state["curve"][0].get("gate_active"), "ppl_after": final.get("ppl"),
+              "f_attn_per_layer_after": final.get("f_attn_per_layer"),
+              "final_train_loss": sum(state["losses"][-50:]) / max(1, len(state["losses"][-50:])),
+              "trainable_params": sum(p.numel() for g in opt.param_groups for p in g["params"]),
+              "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0,
+              "curve": state["curve"]}
+    if cfg.keep_models:
+        with atomic_dir(unit_dir / "model", overwrite=True) as tmp:
+            model.save_pretrained(tmp)
+    out = cache.save(unit_dir / "result.json", key, result)
+    if ckpt.exists():
+        ckpt.unlink()
+    return out
+
+
+def measure_start(cfg: RetrofitLabConfig, start: Start, out: Path, log=_log) -> dict:
+    """The starting model's measurements (cached in runs/<start>/start.json)."""
+    from . import starts as S
+
+    def compute() -> dict:
+        model = S.build_model(start.model_dir, None, "identity", 0)
+        plan = plan_for(cfg, start)
+        data = S.make_data(start, plan.batch_size, cfg.eval_size, model.config.vocab_size)
+        m = S.measure(model, data, None, window=plan.window, full=True)
+        return {"params": sum(p.numel() for p in model.parameters()), **m}
+
+    return cache.cached(out / "runs" / start.label / "start.json", _measure_key(cfg, start), compute, log, "",
+                        inputs=INPUTS)
+
+
+# ---------------------------------------------------------------- aggregation
+
+T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086)  # two-sided 95 % Student t quantiles, df 1..20
+
+
+def interval(values: list[float]) -> dict:
+    """Mean, sample std and the 95 % t-interval half-width of a list (None where it cannot be computed)."""
+    s = spread(values)
+    n, sd = s["n"], s["std"]
+    t = T95[n - 2] if 2 <= n <= len(T95) + 1 else 1.96
+    return {"mean": s["mean"], "std": sd, "ci95": t * sd / math.sqrt(n) if sd is not None else None, "n": n}
+
+
+def _record(unit: dict, before: dict) -> dict:
+    """One lab.json per_seed entry: the unit's result plus its start's before-values (curve kept)."""
+    r = {k: v for k, v in unit.items() if k != "key"}
+    for k, stem in MEASURED.items():
+        r[f"{stem}_before"] = before.get(k)
+    r["ppl_before"] = before.get("ppl")
+    return r
+
+
+def _entry(records: list[dict]) -> dict:
+    mean, std = mean_std(records, KEYS + EXTRA_KEYS)
+    return {"per_seed": records, "mean": mean, "std": std}
+
+
+def _paired(entry: dict, control: dict) -> dict:
+    """recipe - control per (start, seed), for the PAIRED keys: mean, std, 95 % interval, n."""
+    ctrl = {(r["start"], r["seed"]): r for r in control["per_seed"]}
+    out = {}
+    for k in PAIRED:
+        diffs = [r[k] - ctrl[(r["start"], r["seed"])][k] for r in entry["per_seed"]
+                 if (r["start"], r["seed"]) in ctrl and r.get(k) is not None
+                 and ctrl[(r["start"], r["seed"])].get(k) is not None]
+        out[k] = interval(diffs)
+    return out
+
+
+def target_check(entry: dict, control: dict, kind: str) -> dict:
+    """Issue 21's target on the sink lab: sink <= 0.2 (mean and every seed), backcopy and bigram CE no worse than the
+    control's + 0.05 (means), within 25 % of the start's training steps."""
+    recs = entry["per_seed"]
+    sinks = [r["sink_after"] for r in recs if r.get("sink_after") is not None]
+    share = [r["step_share"] for r in recs if r.get("step_share") is not None]
+    out = {"sink_after_max": max(sinks) if sinks else None,
+           "sink_le_target": bool(sinks) and max(sinks) <= TARGET_SINK,
+           "steps_le_target": bool(share) and max(share) <= TARGET_STEP_SHARE + 1e-9}
+    skill_keys = ("backcopy_ce_after", "bigram_ce_after") if kind == "sink" else ("skill_after",)
+    for k in skill_keys:
+        m, c = entry["mean"].get(k), control["mean"].get(k)
+        out[f"{k}_vs_control"] = None if m is None or c is None else m - c
+        if kind == "sink":
+            out[f"{k}_within_margin"] = m is not None and c is not None and m <= c + TARGET_SKILL_MARGIN
+    out["met"] = kind == "sink" and out["sink_le_target"] and out["steps_le_target"] and all(
+        out[f"{k}_within_margin"] for k in skill_keys)
+    return out
+
+
+def aggregate(units: list[dict], befores: dict[str, dict], starts: list[Start], recipes: list[str]) -> dict:
+    kind = starts[0].kind
+    trained = {s.label: s.trained_steps for s in starts}
+    by_recipe: dict[str, list] = {}
+    for u in units:
+        r = _record(u, befores[u["start"]])
+        r["trained_steps"] = trained.get(u["start"])
+        r["step_share"] = r["steps"] / r["trained_steps"] if r.get("trained_steps") else None
+        by_recipe.setdefault(u["recipe"], []).append(r)
+    control = _entry(by_recipe.get(CONTROL, []))
+    out = {}
+    for name in recipes:
+        if name == CONTROL or name not in by_recipe:
+            continue
+        e = _entry(by_recipe[name])
+        e["vs_control"] = _paired(e, control)
+        e["target"] = target_check(e, control, kind)
+        out[name] = e
+    return {"control": control, "recipes": out}
+
+
+# ---------------------------------------------------------------- the lab
+
+@locks_output("out", "gattn lab retrofit")  # one writer per lab folder (its worker processes write inside)
+def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
+    """Measure every start, train/reuse every unit, aggregate, write lab.json and the report into out."""
+    from gated_attention.util.io import atomic_write_json
+    from gated_attention.util.precision import describe, resolve
+
+    from . import report
+    from .recipes import RECIPES
+
+    cfg.validate()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    starts = resolve_starts(cfg.starts, cfg.data_dir, cfg.seq_len, log)
+    names = [CONTROL] + [r for r in cfg.recipes if r != CONTROL]
+    befores = {}
+    for s in starts:
+        befores[s.label] = measure_start(cfg, s, out, log)
+    jobs_list = [(asdict(cfg), s.to_dict(), n, get_recipe(n).to_dict(), seed,
+                  str(out / "runs" / s.label / n / f"seed{seed}"))
+                 for seed in range(cfg.seeds) for s in starts for n in names]
+    log(f"{len(jobs_list)} units ({len(starts)} start(s) x {len(names)} recipes x {cfg.seeds} seed(s)), "
+        f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
+    units = run_units(train_unit, jobs_list, jobs=jobs, log=log)
+    agg = aggregate(units, befores, starts, names)
+    lab = {
+        "kind": starts[0].kind,
+        "config": {**asdict(cfg), "recipes": names, "resolved_precision": resolve(cfg.precision, "cpu"),
+                   "plans": {s.label: asdict(plan_for(cfg, s)) for s in starts}},
+        "recipe_settings": {n: RECIPES[n].to_dict() for n in names},
+        "start": {s.label: {**s.to_dict(), "before": {k: v for k, v in befores[s.label].items() if k != "key"}}
+                  for s in starts},
+        **agg,
+        "targets": {"sink_after_le": TARGET_SINK, "skill_margin_vs_control": TARGET_SKILL_MARGIN,
+                    "step_share_le": TARGET_STEP_SHARE},
+        "wall_time_s": time.perf_counter() - t0,
+    }
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    atomic_write_json(out / "lab.json", lab)
+    report.write(out, lab)
+    return lab
