@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 import types
 
+import common  # bench/common.py: machine facts (CPU kind, ISA flags, load, time) beside the result
 import torch
 import torch.nn as nn
 
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
         p.error(f"--tokens {args.tokens} must be a multiple of --seq {args.seq}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from gated_attention import precision as P
+    from gated_attention.util import precision as P
 
     if args.dtype:
         args.precision = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     if args.out:
         result = {"benchmark": "moe_train_step" if args.model is None else "moe_model_train_step",
                   "args": vars(args), "torch": torch.__version__, "resolved_precision": resolved,
-                  "threads": torch.get_num_threads(), "machine": platform.machine(),
+                  "threads": torch.get_num_threads(), "machine": common.machine(),
                   "grouped_mm_available": hasattr(torch, "_grouped_mm"), "results": rows}
         out_dir = os.path.dirname(os.path.abspath(args.out))
         fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".bench_moe.", suffix=".json")

@@ -86,7 +86,7 @@ def precision_arg(ap) -> None:
 
 def resolve_precision(asked: str, device="cpu") -> str:
     """'bf16' | 'fp32' for the bench's --precision, with the product's log line (what and why) printed once."""
-    from gated_attention import precision as P
+    from gated_attention.util import precision as P
 
     resolved = P.resolve(asked, device)
     print(f"bench: {P.describe(asked, device)}", flush=True)
@@ -95,7 +95,7 @@ def resolve_precision(asked: str, device="cpu") -> str:
 
 def autocast(resolved: str, device="cpu"):
     """The workload's autocast context: bf16 autocast, or a no-op for fp32 (what the trainer uses)."""
-    from gated_attention import precision as P
+    from gated_attention.util import precision as P
 
     return P.autocast(resolved, device)
 
@@ -131,10 +131,10 @@ def machine() -> dict:
     isa = cpu_isa(flags)
     import transformers
 
-    from gated_attention import precision as P
+    from gated_attention.util import precision as P
 
     return {"cpu": cpu, "isa": isa, "cpu_kind": cpu_kind(isa), "bf16_gemm_speedup": P.bf16_speedup("cpu"),
-            "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "arch": platform.machine(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
             "load_avg": os.getloadavg(), "clock": os.environ.get("BENCH_CLOCK", "wall"), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
 

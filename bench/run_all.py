@@ -249,6 +249,11 @@ def main(argv=None) -> int:
     if "moe" not in skip and (common.ROOT / "bench_moe.py").exists():
         q = ["--steps", "2", "--warmup", "1", "--tokens", "256"] if args.quick else []
         ok &= run("bench_moe.py", *th, *pr, *q, "--out", str(common.RESULTS / "moe.json"))
+    # a run of some benches (--skip) keeps the recorded loads of the others, so SUMMARY.md shows every result's
+    ran = {m.split(" ", 1)[1] for m, _ in LOADS}
+    kept = [(m, tuple(v)) for m, v in (load("loads") or [])
+            if m.startswith(("before ", "after ")) and m.split(" ", 1)[1] not in ran]
+    LOADS[:0] = kept
     common.write_json("loads", LOADS)
     text = summary()
     common.write_text(common.RESULTS / "SUMMARY.md", text + "\n")

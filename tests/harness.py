@@ -2,11 +2,16 @@
 
   tiny_lm(gate, backend, seed, ...)          a tiny GatedQwen3ForCausalLM for any gate / mechanism / backend / seed
   build_lm(config, backend, seed, ...)       the same from a ready GatedQwen3Config (a lab's, a hand-written one)
+  stock_lm(config, seed, ...)                a stock transformers model (Llama, Qwen3, ...): the trusted peer
   perturb(model, seed, ...)                  every parameter moved off its init (the one helper; any nn.Module)
   prepare_text_corpus(out, domains, ...)     a prepared corpus (gattn data prepare) from in-memory texts, in seconds
   run_gattn(*args, env=..., kill_hooks=...)  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
   gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
+  torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine)
   assert_matches_reference(fast, ref, ...)   a fast path against its plain reference: outputs AND input gradients
+
+In-process CLI calls go through `gated_attention.cli.main([...])` itself (or the gattn_main fixture, which also
+captures the output); a CLI in another process always through run_gattn / gattn_argv / torchrun_argv.
 """
 from __future__ import annotations
 
@@ -46,6 +51,19 @@ def tiny_lm(gate: str = "baseline", backend: str | None = "sdpa", seed: int | No
     from gated_attention.presets import model_config
 
     return build_lm(model_config(preset, gate, match_params=match_params, **overrides), backend, seed, eval, perturbed)
+
+
+def stock_lm(config, seed: int | None = 0, eval: bool = True, perturbed: bool = False):
+    """A stock transformers causal LM from its config (transformers.LlamaConfig, Qwen3Config, Qwen3MoeConfig, ...):
+    the independent peer our models and converters are compared with. seed, eval and perturbed as in build_lm."""
+    import transformers
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    if perturbed:
+        perturb(model, seed=1 if seed is None else seed + 1)
+    return model.eval() if eval else model
 
 
 def perturb(model, seed: int = 1, std: float = 0.05, norm_std: float = 0.2):
@@ -90,6 +108,12 @@ def gattn_argv(*args, kill_hooks: bool = False) -> list[str]:
     through tests/kill_hooks.py, whose GATTN_TEST_KILL_* variables SIGKILL it at a chosen point."""
     runner = [str(KILL_HOOKS)] if kill_hooks else ["-m", "gated_attention.cli"]
     return [sys.executable, *runner, *map(str, args)]
+
+
+def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False) -> list[str]:
+    """`gattn ARGS` under torchrun: nproc ranks on this machine (--standalone), each the command of gattn_argv."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            *gattn_argv(*args, kill_hooks=kill_hooks)[1:]]
 
 
 def run_gattn(*args, env: dict | None = None, timeout: float = 600, kill_hooks: bool = False

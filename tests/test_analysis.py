@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from _extras import need
 from gated_attention.analysis import metrics as M
 from gated_attention.analysis.analyze import AnalysisConfig, analyze_model, load_model, token_batches
 from gated_attention.analysis.attention_sinks import _query_chunk, head_mean_map, key_probs_chunked
+from harness import stock_lm, tiny_lm
 
 
 # --- metrics with known answers ------------------------------------------------------------------------------------
@@ -126,10 +126,9 @@ def test_chunk_budget_keeps_16k_tokens_under_2gib():
 # --- HF models through hooks -------------------------------------------------------------------------------------
 
 def _tiny_llama(seed=0):
-    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    return transformers.LlamaForCausalLM(cfg).eval()
+    return stock_lm(cfg, seed=seed)
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
@@ -171,9 +170,8 @@ def test_hf_eager_probs_fallback_agrees_with_qk_hooks_with_padding():
 
 
 def test_hf_gpt2_saved_and_loaded_from_disk(tmp_path):
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    stock_lm(transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=4, n_positions=32)).save_pretrained(
+        tmp_path)
     model, kind = load_model(tmp_path)
     assert kind == "causal"
     ids = torch.randint(0, 50, (2, 9))
@@ -219,7 +217,6 @@ def test_offline_bert_encoder_with_padding():
 def test_our_gated_model_has_gate_stats_and_baseline_has_none():
     pytest.importorskip("gated_attention.modeling")
     from gated_attention.capture import Recorder, capture
-    from harness import tiny_lm
 
     results = {}
     for gate in ("baseline", "sdpa_elementwise", "sdpa_headwise"):

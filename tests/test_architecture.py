@@ -241,3 +241,33 @@ def test_moved_package_carries_its_submodules():
         assert got is importlib.import_module(sub)
     finally:
         sys.modules.update(saved)
+
+
+def read_reuse_table(text: str) -> dict[str, list[str]]:
+    """{job: [test ids]} from ARCHITECTURE.md's table `| job | stored under the rule | changed-setting test |`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if re.match(r"\|\s*job\s*\|.*\|\s*changed-setting test\s*\|", line))
+    jobs = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        job, _, tests = line.strip().strip("|").split("|")
+        jobs[re.search(r"`(gattn [^`]+)`", job).group(1)] = re.findall(r"`(tests/[^`]+::\w+)`", tests)
+    return jobs
+
+
+def test_every_job_names_its_changed_setting_test():
+    """ARCHITECTURE.md's reuse section lists every multi-run job and every lab, each with a test that exists (a test
+    that changes a setting of a stored result and checks the stated policy)."""
+    from gated_attention.cli.lab import LABS
+
+    jobs = read_reuse_table((REPO / "ARCHITECTURE.md").read_text(encoding="utf-8"))
+    want = {"gattn compare", "gattn sweep", "gattn longctx", *(f"gattn lab {name}" for name in LABS)}
+    missing = sorted(want - set(jobs))
+    assert not missing, f"ARCHITECTURE.md's reuse table has no row for {missing}: add the job and its test"
+    for job, tests in jobs.items():
+        assert tests, f"ARCHITECTURE.md's reuse table names no test for {job}"
+        for t in tests:
+            path, name = t.split("::")
+            assert (REPO / path).exists() and re.search(rf"^def {name}\(", (REPO / path).read_text(encoding="utf-8"),
+                                                        re.M), f"{job}: {t} does not exist"

@@ -200,3 +200,20 @@ def test_units_are_scheduled_longest_first_and_finished_ones_skipped(small_run, 
     assert C.schedule_units(small_run, base, list(C.DEFAULT_VARIANTS), b, sink_cfg) == []  # all finished
     assert len(C.schedule_units(tmp_path / "new", base, ["baseline"], b, None)) == 1  # --no-sink-lab
     assert replace(base, gate="baseline").validate() == fresh[0][1][0]
+
+
+def test_parallel_workers_reproduce_the_in_process_run(small_run, tiny_corpus, tmp_path):
+    """The default layout (LM variants and sink-lab units in 2 worker processes, one thread each) trains the same
+    models as one after another in-process (--jobs 1): same data, seeds and steps; float sums may differ with the
+    thread count, so the figures agree to rounding."""
+    res = C.run_compare(tmp_path / "par", tiny_corpus, "small", log=lambda m: None, jobs=2, streaming=False,
+                        stability_lab=None, longctx=None)
+    ref = json.loads((small_run / "compare.json").read_text())
+    assert res["layout"] == {"jobs": 2, "threads_per_job": 1, "trained": 3 + 3}  # 3 LM variants + 3 sink units
+    for v, r in res["rows"].items():
+        for k in ("avg_ppl", "m_act", "final_loss_avg10"):
+            assert r[k] == pytest.approx(ref["rows"][v][k], rel=2e-3), (v, k)
+    for v, x in res["sink_lab"]["variants"].items():
+        assert x["mean"]["backcopy_ce"] == pytest.approx(ref["sink_lab"]["variants"][v]["mean"]["backcopy_ce"],
+                                                         rel=2e-3, abs=1e-4)
+    assert set(res["timings_s"]) == {"setup", "models", "sink_lab_report", "streaming", "report"}

@@ -13,7 +13,7 @@ from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.configuration import GatedQwen3Config
 from gated_attention.interop import ConversionError, convert_checkpoint, convert_state_dict
-from harness import build_lm, perturb
+from harness import build_lm, stock_lm
 
 TOL = 1e-5  # the fp32 bound (measured: bit-identical)
 BASE = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -39,9 +39,8 @@ SEQ = 24  # longer than every window above and than LongRoPE's original length (
 
 
 def _stock(fmt, kw, tmp_path):
-    torch.manual_seed(0)
     # norms and biases off their init, so a dropped or misplaced one shows in the logits
-    model = perturb(transformers.AutoModelForCausalLM.from_config(CLASSES[fmt](**BASE, **kw)).eval())
+    model = stock_lm(CLASSES[fmt](**BASE, **kw), perturbed=True)
     src = tmp_path / f"{fmt}-src"
     model.save_pretrained(src)
     return model, src

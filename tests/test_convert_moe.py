@@ -11,22 +11,19 @@ import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.interop import ConversionError, convert_state_dict, load_dir
-from harness import tiny_lm
+from harness import stock_lm, tiny_lm
 
 
 def _hf_moe(seed=0, **kw) -> Qwen3MoeForCausalLM:
     """Tiny stock Qwen3-MoE: 3 layers, layer 1 dense via mlp_only_layers, GQA, non-trivial norms."""
-    torch.manual_seed(seed)
     cfg = Qwen3MoeConfig(**{**dict(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16,
         norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=64), **kw})
-    model = Qwen3MoeForCausalLM(cfg).eval()
+    model = stock_lm(cfg, seed=seed, perturbed=True)  # a dropped or misplaced norm must show in the logits
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))  # a dropped or misplaced norm must show in the logits
-            elif name.endswith("mlp.gate.weight"):
+            if name.endswith("mlp.gate.weight"):
                 p.normal_(0, 0.5)  # spread router logits so the top-k choice is not a near-tie
     return model
 

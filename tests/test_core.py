@@ -10,7 +10,7 @@ import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GATES, GatedQwen3Config, GatedQwen3ForCausalLM
 from gated_attention.gates import Gate, GateSpec, get_gate
 from gated_attention.presets import model_config, param_report
-from harness import build_lm, tiny_lm
+from harness import build_lm, stock_lm, tiny_lm
 
 VARIANTS = list(GATES)
 BACKENDS = ["eager", "sdpa"]
@@ -210,18 +210,16 @@ def test_save_pretrained_auto_round_trip(tmp_path, gate):
 
 
 def test_ungated_state_dict_has_exactly_stock_qwen3_keys():
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config
 
     ours = tiny_model("baseline")
     c = ours.config
-    stock = Qwen3ForCausalLM(Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-                                         intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
-                                         num_attention_heads=c.num_attention_heads,
-                                         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                                         tie_word_embeddings=True))
+    stock = stock_lm(Qwen3Config(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                 intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                                 num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                                 head_dim=c.head_dim, tie_word_embeddings=True), seed=None)
     assert set(ours.state_dict()) == set(stock.state_dict())
     stock.load_state_dict(ours.state_dict())
-    stock.eval()
     x = torch.randint(0, 128, (2, 10))
     torch.testing.assert_close(stock(x).logits, ours(x).logits, atol=0, rtol=0)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.trainer import train
+from harness import torchrun_argv
 
 SETS = ["steps=6", "precision=fp32", "stats_every=3", "ckpt_every=3", "seed=1"]
 
@@ -20,12 +20,8 @@ def losses(run: Path) -> list[float]:
 
 
 def torchrun(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).with_name("kill_hooks.py")), "train", "--preset", "tiny", "--out", str(out)]
-    for s in sets:
-        cmd += ["--set", s]
-    if resume:
-        cmd.append("--resume")
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in sets), []),
+                        *(["--resume"] if resume else []), kill_hooks=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 

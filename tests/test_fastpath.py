@@ -15,8 +15,9 @@ from gated_attention.train import fastpath
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.monitors import decoder_layers
-from gated_attention.train.model_setup import build_model
+from gated_attention.train.model_setup import build_model_config
 from gated_attention.train.trainer import train
+from harness import build_lm
 
 
 def _run(tmp_path, name, sets):
@@ -98,8 +99,7 @@ def test_compiled_layers_match_eager_and_share_one_graph(gate):
     from torch._dynamo.utils import counters
 
     cfg = apply_overrides(tiny(), [f"gate={gate}"])
-    torch.manual_seed(0)
-    model = build_model(cfg).train()
+    model = build_lm(build_model_config(cfg), eval=False)
     fuse_qkv(model, separate_params=True)
     ref = copy.deepcopy(model)
     layers = decoder_layers(model)
@@ -127,7 +127,7 @@ def test_compiled_layers_match_eager_and_share_one_graph(gate):
 def test_fast_path_leaves_comparison_baselines_plain():
     cfg = apply_overrides(tiny(), ["model.mechanism=sink_logits"],
                           model_fields={"mechanism": "none"})
-    model = build_model(cfg)
+    model = build_lm(build_model_config(cfg), seed=None, eval=False)
     plan = fastpath.prepare(cfg, model, decoder_layers(model), torch.device("cpu"))
     assert plan.fused_layers == 0 and plan.fused_loss
     assert not any(isinstance(m, FusedGatedAttention) for m in model.modules())

@@ -16,6 +16,7 @@ from gated_attention.labs.retrofit import lab as RL
 from gated_attention.labs.retrofit import recipes as R
 from gated_attention.labs.retrofit import starts as S
 from gated_attention.labs.sinks.backcopy import BackcopyTask
+from harness import build_lm, stock_lm
 
 TASK = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 
@@ -24,14 +25,12 @@ def _sink_start(root, seed: int = 0, steps: int = 40, model: bool = True, varian
     """A sink-lab unit folder (result.json + the model's HF files, as `gattn lab sinks` keeps it) holding a tiny
     random model on TASK."""
     from gated_attention.labs.sinks import BUDGETS, SinkLabConfig, model_config_for
-    from gated_attention.modeling import GatedQwen3ForCausalLM
 
     cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "steps": steps, "variants": [variant]})
     unit = root / "runs" / variant / f"seed{seed}"
     unit.mkdir(parents=True)
     if model:
-        torch.manual_seed(seed)
-        GatedQwen3ForCausalLM(model_config_for(cfg, variant)).save_pretrained(unit)
+        build_lm(model_config_for(cfg, variant), seed=seed).save_pretrained(unit)
     key = {**asdict(cfg), "variant": variant, "seed": seed, "format": 1}
     (unit / "result.json").write_text(json.dumps({"key": key, "variant": variant, "seed": seed}))
     return unit
@@ -139,13 +138,11 @@ def test_bad_recipes_fail_clearly():
 # ---------------------------------------------------------------- the extra loss terms against plain references
 
 def _tiny_gated(seed=0):
-    from gated_attention.modeling import GatedQwen3ForCausalLM
     from gated_attention.presets import model_config
 
-    torch.manual_seed(seed)
     cfg = model_config("tiny", gate="sdpa_elementwise", num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2)
-    return GatedQwen3ForCausalLM(cfg).float()
+    return build_lm(cfg, seed=seed, eval=False).float()
 
 
 def test_first_token_penalty_matches_eager_attention_in_value_and_gradient():
@@ -418,12 +415,10 @@ def test_killed_unit_resumes_exactly(sink_start, tmp_path, monkeypatch):
 def test_text_start_from_a_training_run(tmp_path, tiny_corpus):
     """A training-run folder (train_config.json + final/): per-domain PPL, F-Attn, gate split from the start's
     attention; the gate's identity init leaves the skill unchanged at step 0."""
-    from gated_attention.modeling import GatedQwen3ForCausalLM
     from gated_attention.presets import model_config
 
     run = tmp_path / "run"
-    torch.manual_seed(0)
-    GatedQwen3ForCausalLM(model_config("tiny", vocab_size=300)).save_pretrained(run / "final")
+    build_lm(model_config("tiny", vocab_size=300)).save_pretrained(run / "final")
     (run / "train_config.json").write_text(json.dumps({"data": "corpus", "data_dir": str(tiny_corpus), "steps": 24,
                                                        "lr": 3e-3, "batch_size": 4, "seq_len": 32}))
     out = tmp_path / "lab"
@@ -446,10 +441,9 @@ def test_stock_llama_start_with_its_own_corpus(tmp_path, tiny_corpus):
 
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
-    torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    stock_lm(cfg).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="trained for are unknown; give --steps"):
         RL.run_lab(RL.RetrofitLabConfig(starts=[str(tmp_path / "llama")], data_dir=str(tiny_corpus), seq_len=32,
                                         lr=1e-2), tmp_path / "x", log=lambda m: None)

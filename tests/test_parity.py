@@ -15,7 +15,7 @@ import gated_attention  # noqa: F401 - registers the Auto classes
 from gated_attention.interop import convert_checkpoint, convert_state_dict, load_dir
 from official_reference import official_forward
 from gated_attention.presets import model_config
-from harness import build_lm, perturb
+from harness import build_lm, perturb, stock_lm
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
@@ -120,8 +120,7 @@ def test_official_forward_split_matters(tmp_path):
 @pytest.mark.parametrize("rope", [DEFAULT, YARN], ids=["default", "yarn"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_stock_qwen3_to_native(tmp_path, rope, tied):
-    torch.manual_seed(0)
-    stock = perturb(Qwen3ForCausalLM(Qwen3Config(**TINY, rope_parameters=dict(rope), tie_word_embeddings=tied))).eval()
+    stock = stock_lm(Qwen3Config(**TINY, rope_parameters=dict(rope), tie_word_embeddings=tied), perturbed=True)
     stock.save_pretrained(tmp_path / "stock")
     convert_checkpoint(tmp_path / "stock", tmp_path / "native", "qwen3")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
@@ -194,8 +193,7 @@ def test_native_to_qwen3_next_model(tmp_path, prf):
 
 
 def test_qwen3_next_model_to_native(tmp_path):
-    torch.manual_seed(0)
-    theirs = perturb(Qwen3NextForCausalLM(_next_config(prf=0.25)), seed=5).eval()
+    theirs = perturb(stock_lm(_next_config(prf=0.25)), seed=5)
     theirs.save_pretrained(tmp_path / "next")
     convert_checkpoint(tmp_path / "next", tmp_path / "native", "qwen3-next")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()

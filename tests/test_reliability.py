@@ -23,7 +23,7 @@ from gated_attention.util.io import json_dumps, lock_dir, strict_loads, to_stric
 from gated_attention.train import checkpoint as ckpt_mod
 from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.trainer import train
-from harness import gattn_argv, run_gattn
+from harness import gattn_argv, run_gattn, torchrun_argv
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gated_attention"
 TINY = ["--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2", "--set", "eval_batches=1"]
@@ -257,11 +257,10 @@ def test_disk_full_keeps_previous_checkpoints(tmp_path):
     size = (run / "checkpoints" / "step_00000004" / "state.pt").stat().st_size
     before = {s: (p_ / "state.pt").read_bytes() for s, p_ in ckpt_mod.list_checkpoints(run)}
     code = textwrap.dedent(f"""
-        import resource, signal, sys
+        import os, resource, signal, sys
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, ({size // 2}, {size // 2}))
-        from gated_attention.cli import main
-        sys.exit(main({args + ['--resume']!r}))
+        os.execv(sys.executable, {gattn_argv(*args, '--resume')!r})
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stderr[-3000:]
@@ -496,13 +495,13 @@ def test_disk_full_under_ddp_stops_every_rank(tmp_path):
     ref = tmp_path / "ref"
     train(apply_overrides(tiny(), ["steps=2", "ckpt_every=0", "eval_batches=1"]), ref)
     size = (ckpt_mod.latest_checkpoint(ref) / "state.pt").stat().st_size
+    argv = torchrun_argv("train", "--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2", "--set",
+                         "precision=fp32", "--out", run)
     code = textwrap.dedent(f"""
         import os, resource, signal, sys
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # inherited by torchrun and both ranks
         resource.setrlimit(resource.RLIMIT_FSIZE, ({size // 2}, {size // 2}))
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 "-m", "gated_attention.cli", "train", "--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2",
-                 "--set", "precision=fp32", "--out", {str(run)!r}])
+        os.execv(sys.executable, {argv!r})
     """)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})

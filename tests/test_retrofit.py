@@ -4,13 +4,12 @@ trainer (`init_from`) starts from the retrofitted weights and moves the gate."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main
@@ -18,7 +17,7 @@ from gated_attention.interop.retrofit import retrofit_checkpoint
 from gated_attention.train.config import tiny
 from gated_attention.train.data_source import SyntheticSource
 from gated_attention.train.trainer import train
-from harness import tiny_lm
+from harness import stock_lm, tiny_lm
 
 
 def _perturbed_tiny(**overrides) -> GatedQwen3ForCausalLM:
@@ -72,10 +71,9 @@ def test_random_init_is_official_normal(tmp_path):
 
 
 def test_stock_qwen3_dir_identity(tmp_path):
-    torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
-    stock = Qwen3ForCausalLM(cfg).eval()
+    stock = stock_lm(cfg)
     stock.save_pretrained(tmp_path / "stock")
     (tmp_path / "stock" / "tokenizer.json").write_text("{}")  # stands in for the tokenizer: must be carried along
     assert main(["retrofit", str(tmp_path / "stock"), "--gate", "headwise", "--init", "identity",

@@ -14,6 +14,7 @@ from gated_attention.cli import main
 from gated_attention.interop.retrofit import detect_format
 from gated_attention.train.config import TrainConfig, tiny
 from gated_attention.train.trainer import train
+from harness import stock_lm
 
 BASE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
@@ -28,12 +29,7 @@ STOCK = {
 
 
 def _stock(fmt, path):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(STOCK[fmt]).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = stock_lm(STOCK[fmt], perturbed=True)  # norms and biases off their init: a dropped one shows
     model.save_pretrained(path)
     return model
 

@@ -12,6 +12,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from gated_attention.rope import RotaryEmbedding, apply_rotary_pos_emb, compute_rope_parameters, rotate_half
+from harness import stock_lm
 
 
 def hf_config(rope_parameters: dict, head_dim: int = 16, max_pos: int = 64, **kw) -> Qwen3Config:
@@ -171,11 +172,8 @@ def test_plain_object_config_and_attribute_partial_factor():
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoint extension (gattn extend)
 def _tiny_qwen3_checkpoint(path):
-    from transformers import Qwen3ForCausalLM
-
-    torch.manual_seed(0)
     cfg = hf_config({"rope_type": "default", "rope_theta": 10000.0}, head_dim=16, max_pos=64)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    stock_lm(cfg).save_pretrained(path)
     (path / "tokenizer.json").write_text("{}")  # stands in for tokenizer files: must be copied verbatim
     return path
 

@@ -7,9 +7,10 @@ import re
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 from gated_attention.longctx import ruler
+from harness import stock_lm
 
 CORPUS = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled "
           "into his breast in an effort to escape the vile wind, slipped quickly through the glass doors of Victory "
@@ -133,11 +134,10 @@ def test_evaluate_with_oracle(tok):
 
 
 def test_evaluate_tiny_llama_greedy_kv_cache(tok):
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(cfg).eval()
+    model = stock_lm(cfg)
     res = ruler.evaluate(model, tok, ["passkey", "vt"], [600], samples=1, max_new_tokens=6, seed=0)
     assert set(res["scores"]) == {"passkey", "vt"} and 0.0 <= res["average"][600] <= 100.0
     assert [(r["task"], r["target_length"]) for r in res["records"]] == [("passkey", 600), ("vt", 600)]
@@ -166,11 +166,10 @@ def test_training_samples(tok):
 def test_ruler_cli_on_tiny_model(tmp_path, tok, gattn_main):
     import json
 
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
+    stock_lm(cfg).save_pretrained(tmp_path / "ckpt")
     tok.save_pretrained(tmp_path / "ckpt")
     (tmp_path / "hay.txt").write_text(CORPUS)
     out = tmp_path / "out"

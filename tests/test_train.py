@@ -7,15 +7,14 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
 from gated_attention.train.checkpoint import list_checkpoints
-from gated_attention.train.config import TrainConfig, apply_overrides, tiny
+from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.schedule import lr_at
 from gated_attention.train.monitors import SpikeDetector
 from gated_attention.train.model_setup import param_groups
 from gated_attention.train.trainer import train
-from harness import run_gattn
+from harness import build_lm, run_gattn
 
 
 def losses(run: Path) -> list[float]:
@@ -62,10 +61,10 @@ def test_set_overrides_typed_and_checked():
 
 
 def test_param_groups_no_decay_on_norms_biases_embeddings():
-    from gated_attention.train.model_setup import build_model
+    from gated_attention.train.model_setup import build_model_config
 
     cfg = tiny()
-    model = build_model(cfg)
+    model = build_lm(build_model_config(cfg), seed=None, eval=False)
     decay, no_decay = param_groups(model, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(p.ndim == 2 and "embed" not in names[id(p)] for p in decay["params"])

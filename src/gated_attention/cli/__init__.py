@@ -45,6 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str):
+    """(group module, configured parser) of `gattn NAME`: what main parses with (tests check documented commands)."""
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = Parser(prog=f"gattn {name}", description=COMMANDS[name][1])  # one-line argparse errors, exit 2
+    getattr(module, f"configure_{name.replace('-', '_')}")(sub)
+    return module, sub
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -59,13 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown our own progress output
-    module = importlib.import_module(COMMANDS[name][0])
-    attr = name.replace("-", "_")
-    sub = Parser(prog=f"gattn {name}", description=COMMANDS[name][1])  # one-line argparse errors, exit 2
-    getattr(module, f"configure_{attr}")(sub)
+    module, sub = command_parser(name)
     args = sub.parse_args(argv[1:])
     try:
-        return int(getattr(module, f"run_{attr}")(args) or 0)
+        return int(getattr(module, f"run_{name.replace('-', '_')}")(args) or 0)
     except Exception as exc:  # user errors: one line `gattn CMD: error: ...`, exit 2; bugs re-raise (errors.handle)
         return handle(name, exc)
 

@@ -12,17 +12,21 @@ fast=false: the plain layers and the plain full-logits cross-entropy (the refere
 compile ("auto" by default, or "true" / "false"): what is compiled is the decoder layer's forward, ONCE for every
 layer (the layers are identical code; parameters are graph inputs), and it is used for the training forward only:
 evaluation, the stats probe and analysis run the same layers eagerly, so their hooks and no_grad never trigger a
-recompile. Measured at the `gattn compare --budget default` shape on the shared 2-core machine: compiling the whole
-model cost 227 s before its first step (load ~10), one layer graph 60 s, for the same steady step time (31 % saved).
+recompile. Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
 
 auto: a run shorter than its compile time does not compile. The first steps run eagerly; after AUTO_PROBE_STEPS
 timed steps (the process's first step is warm-up and not timed) the trainer compiles iff
     steps_left * eager_step_s * COMPILE_SAVING > max(COMPILE_COST_MIN_S, COMPILE_COST_STEPS * eager_step_s).
-The compile cost is estimated in eager steps because both scale with the machine's load: bench/bench_mainjob.py
-(cold inductor cache, load ~16) measured 250-424 s of compile per variant against 2.5-2.8 s eager steps, i.e.
-100-171 steps; the compiled step saved 37 % (per-variant 24-45 %, noisy). So at the default budget auto compiles
-once ~500 steps remain, whatever the load; the 40-step test runs never compile. Compiling needs a C++ compiler on CPU
-(inductor) or Triton on CUDA; without one, auto stays eager and compile=true fails loudly.
+The compile cost is estimated in eager steps because both scale with the machine's speed and load. Measured at the
+`gattn compare` model (d=128, 4 layers, vocab 1024, batch 16 x 256), one thread, quiet AMD EPYC Zen 4 core
+(AVX512-BF16), cold inductor cache, in both precisions (runs/perf-style interleaved timing, bench/bench_mainjob.py):
+    fp32: eager 0.57-0.61 s, compiled 0.47-0.52 s (15-18 % saved), compile 25 s (first graph) / 11 s (second)
+    bf16: eager 0.42-0.46 s, compiled 0.35-0.37 s (18-20 % saved), compile 31 s / 18 s
+i.e. the compile costs 40-70 eager steps and saves ~15-20 % in either precision; on a loaded Xeon (load ~16, two
+threads) the same compile took 100-170 eager steps and saved 24-45 %. The constants take the low saving and the high
+cost, so auto compiles only where it pays on either kind of CPU: at this model once ~470 steps remain; the 40-step
+test runs never compile. Compiling needs a C++ compiler on CPU (inductor) or Triton on CUDA; without one, auto stays
+eager and compile=true fails loudly.
 """
 from __future__ import annotations
 
@@ -33,9 +37,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-COMPILE_COST_STEPS = 150.0  # cold compile of the layer graph (fwd + bwd) in eager steps of the default budget (measured)
-COMPILE_COST_MIN_S = 60.0  # ...and never less than this (a tiny model's steps are fast, its compile is not)
-COMPILE_SAVING = 0.30  # share of the eager fast-path step compiling saves (measured 0.31-0.37 at the default budget)
+COMPILE_COST_STEPS = 70.0  # cold compile of the layer graph (fwd + bwd) in eager steps of the compare model (40-70)
+COMPILE_COST_MIN_S = 30.0  # ...and never less than this (a tiny model's steps are fast, its compile is not)
+COMPILE_SAVING = 0.15  # share of the eager fast-path step compiling saves (measured 0.15-0.20, fp32 and bf16)
 AUTO_PROBE_STEPS = 2  # eager steps timed before auto decides (after one untimed warm-up step)
 
 
