@@ -5,6 +5,7 @@
   stock_lm(config, seed, ...)                a stock transformers model (Llama, Qwen3, ...): the trusted peer
   perturb(model, seed, ...)                  every parameter moved off its init (the one helper; any nn.Module)
   prepare_text_corpus(out, domains, ...)     a prepared corpus (gattn data prepare) from in-memory texts, in seconds
+  write_text_domains(src, domains)           the same texts as --extra sources (folders of files, JSONL files)
   run_gattn(*args, env=..., kill_hooks=...)  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
   gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
   torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine)
@@ -15,6 +16,7 @@ captures the output); a CLI in another process always through run_gattn / gattn_
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -78,25 +80,37 @@ def perturb(model, seed: int = 1, std: float = 0.05, norm_std: float = 0.2):
     return model
 
 
-def prepare_text_corpus(out: str | Path, domains: dict[str, Sequence[str] | dict[str, str]], vocab_size: int = 300, *,
-                        src: str | Path | None = None, **prepare_kw) -> str:
-    """Write each domain's documents as text files (one folder per domain; a list names them doc0.txt, doc1.txt, ...,
-    a dict maps file name -> text) and prepare them into `out` with only these --extra domains (no built-in
-    sources). Returns str(out)."""
+def write_text_domains(src: str | Path, domains: dict[str, Sequence[str] | Sequence[dict] | dict[str, str]]
+                       ) -> tuple[str, ...]:
+    """Write each domain's documents under src as a `gattn data prepare --extra` source and return those paths, in
+    order: a list of texts -> folder NAME/ with doc0.txt, doc1.txt, ...; a dict -> folder NAME/ with file name ->
+    text; a list of records ({"text": ..., ...}) -> the JSONL file NAME.jsonl. The domain is named NAME either way."""
+    src = Path(src)
+    src.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, docs in domains.items():
+        if not isinstance(docs, dict) and docs and isinstance(docs[0], dict):
+            path = src / f"{name}.jsonl"
+            path.write_text("".join(json.dumps(rec) + "\n" for rec in docs), encoding="utf-8")
+        else:
+            path = src / name
+            path.mkdir(exist_ok=True)
+            files = docs if isinstance(docs, dict) else {f"doc{i}.txt": text for i, text in enumerate(docs)}
+            for fname, text in files.items():
+                (path / fname).write_text(text, encoding="utf-8")
+        paths.append(str(path))
+    return tuple(paths)
+
+
+def prepare_text_corpus(out: str | Path, domains: dict[str, Sequence[str] | Sequence[dict] | dict[str, str]],
+                        vocab_size: int = 300, *, src: str | Path | None = None, **prepare_kw) -> str:
+    """Write the domains' documents (write_text_domains, under src; default: OUT_src next to out) and prepare them into
+    `out` with only these --extra domains (no built-in sources). Returns str(out)."""
     from gated_attention import data
 
     out = Path(out)
-    src = Path(src) if src is not None else out.with_name(out.name + "_src")
-    folders = []
-    for name, docs in domains.items():
-        d = src / name
-        d.mkdir(parents=True, exist_ok=True)
-        files = docs if isinstance(docs, dict) else {f"doc{i}.txt": text for i, text in enumerate(docs)}
-        for fname, text in files.items():
-            (d / fname).write_text(text, encoding="utf-8")
-        folders.append(str(d))
-    data.prepare(data.PrepareConfig(data_dir=str(out), vocab_size=vocab_size, sources=(), extra=tuple(folders),
-                                    **prepare_kw))
+    extra = write_text_domains(src if src is not None else out.with_name(out.name + "_src"), domains)
+    data.prepare(data.PrepareConfig(data_dir=str(out), vocab_size=vocab_size, sources=(), extra=extra, **prepare_kw))
     return str(out)
 
 

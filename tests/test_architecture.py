@@ -262,7 +262,7 @@ def test_every_job_names_its_changed_setting_test():
     from gated_attention.cli.lab import LABS
 
     jobs = read_reuse_table((REPO / "ARCHITECTURE.md").read_text(encoding="utf-8"))
-    want = {"gattn compare", "gattn sweep", "gattn longctx", *(f"gattn lab {name}" for name in LABS)}
+    want = {"gattn compare", "gattn longctx", *(f"gattn lab {name}" for name in LABS)}  # sweep: retired
     missing = sorted(want - set(jobs))
     assert not missing, f"ARCHITECTURE.md's reuse table has no row for {missing}: add the job and its test"
     for job, tests in jobs.items():
@@ -271,3 +271,23 @@ def test_every_job_names_its_changed_setting_test():
             path, name = t.split("::")
             assert (REPO / path).exists() and re.search(rf"^def {name}\(", (REPO / path).read_text(encoding="utf-8"),
                                                         re.M), f"{job}: {t} does not exist"
+
+
+def test_tests_build_models_and_processes_through_the_harness():
+    """No test constructs a causal LM itself (ours or a stock transformers one) or spells a `gattn` / torchrun command
+    line: tests/harness.py's build_lm / tiny_lm / stock_lm and run_gattn / gattn_argv / torchrun_argv do, seeded,
+    perturbed and launched the one way (loading a model with from_pretrained is fine)."""
+    bad = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        if path.name in ("harness.py", Path(__file__).name):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+                if name.endswith(("ForCausalLM", "LMHeadModel")) or name == "from_config":
+                    bad.append(f"{path.name}:{node.lineno} {name}(...)")
+            elif isinstance(node, ast.Constant) and node.value in ("gated_attention.cli", "torch.distributed.run"):
+                bad.append(f"{path.name}:{node.lineno} a command line of its own ({node.value})")
+    assert not bad, ("build a model with harness.build_lm / tiny_lm / stock_lm, a CLI process with harness.run_gattn /"
+                     " gattn_argv / torchrun_argv:\n" + "\n".join(bad))

@@ -3,7 +3,6 @@ manifest checksums, skipped sources, and (where the Debian packages are installe
 from __future__ import annotations
 
 import gzip
-import json
 import random
 import shutil
 import struct
@@ -16,6 +15,7 @@ import pytest
 import torch
 
 from gated_attention import data as D
+from harness import write_text_domains
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly hex my jovial boxer "
          "def return import class lambda yield 国王 王子 café naïve").split()
@@ -30,14 +30,10 @@ def _fake_text(seed: int, paragraphs: int) -> str:
 def small(tmp_path_factory):
     """A corpus from a folder of text files and a JSONL file (no built-in sources): fast to build."""
     root = tmp_path_factory.mktemp("src")
-    (root / "prose").mkdir()
-    for i in range(6):
-        (root / "prose" / f"doc{i}.txt").write_text(_fake_text(i, 30), encoding="utf-8")
-    with open(root / "notes.jsonl", "w", encoding="utf-8") as f:
-        for i in range(20):
-            f.write(json.dumps({"text": _fake_text(100 + i, 4), "id": i}) + "\n")
-    cfg = D.PrepareConfig(data_dir=str(tmp_path_factory.mktemp("data")), vocab_size=400, sources=(),
-                          extra=(str(root / "prose"), str(root / "notes.jsonl")), val_fraction=0.2, chunk_chars=300)
+    extra = write_text_domains(root, {"prose": [_fake_text(i, 30) for i in range(6)],
+                                      "notes": [{"text": _fake_text(100 + i, 4), "id": i} for i in range(20)]})
+    cfg = D.PrepareConfig(data_dir=str(tmp_path_factory.mktemp("data")), vocab_size=400, sources=(), extra=extra,
+                          val_fraction=0.2, chunk_chars=300)
     manifest = D.prepare(cfg)
     return cfg, manifest, root
 

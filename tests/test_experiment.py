@@ -210,6 +210,9 @@ def test_report_renders_markdown_and_self_contained_html(tmp_path):
     assert "plots/a.png" not in page  # nothing linked: the page is one file
     with pytest.raises(ValueError, match="unknown report block 'chart'"):
         report.render("t", [("chart", 1)], tmp_path)
+    plots = {"loss": "plots/a.png", "gates": "plots/b.png"}
+    assert report.figures(plots, "Curves") == [("img", "Curves", "plots/a.png"), ("img", "Curves", "plots/b.png")]
+    assert report.figures(plots, {"loss": "Loss"}) == [("img", "Loss", "plots/a.png"), ("img", "gates", "plots/b.png")]
 
 
 def test_number_formats_and_text_table():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gated_attention.moe import (
     SparseMoeBlock, collect_aux_loss, moe_stats, reset_moe_balance,
 )
-from harness import tiny_lm
+from harness import stock_lm, tiny_lm
 
 
 def make_cfg(**overrides):
@@ -357,7 +357,7 @@ def tiny_moe_lm(**overrides):
 
 
 def test_tiny_moe_lm_equals_hf_qwen3_moe_by_plain_state_dict_load():
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeConfig
     torch.manual_seed(9)
     ours = tiny_moe_lm(norm_topk_prob=False).eval()
     c = ours.config
@@ -369,7 +369,7 @@ def test_tiny_moe_lm_equals_hf_qwen3_moe_by_plain_state_dict_load():
         max_position_embeddings=c.max_position_embeddings, num_experts=c.num_experts,
         num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
         norm_topk_prob=c.norm_topk_prob)
-    hf = Qwen3MoeForCausalLM(hf_cfg).eval()
+    hf = stock_lm(hf_cfg, seed=None)  # drawn after ours, from the same seeded stream
     ours.load_state_dict(hf.state_dict(), strict=True)  # MoE names/shapes are HF's: nothing to rename
     ids = torch.randint(0, c.vocab_size, (2, 12))
     with torch.no_grad():

@@ -224,7 +224,7 @@ def test_extend_checkpoint_loads_with_transformers(tmp_path, method, theta):
 def test_extended_gated_baseline_matches_transformers_qwen3_logits(tmp_path):
     """The issue's check: an extended checkpoint (our baseline model, YaRN x4) gives the same logits as transformers'
     Qwen3 with the same rope_parameters, past the original length."""
-    from transformers import AutoModelForCausalLM, Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from gated_attention.longctx.extend import extend_checkpoint
     from harness import tiny_lm
@@ -237,7 +237,7 @@ def test_extended_gated_baseline_matches_transformers_qwen3_logits(tmp_path):
     keys = set(Qwen3Config().to_dict()) - {"model_type", "architectures", "transformers_version"}
     hcfg = Qwen3Config(**{k: v for k, v in ours.config.to_dict().items() if k in keys})
     hcfg._attn_implementation = "eager"
-    theirs = Qwen3ForCausalLM(hcfg).eval()
+    theirs = stock_lm(hcfg, seed=None)
     theirs.load_state_dict(ours.state_dict())
     assert theirs.config.rope_parameters["rope_type"] == "yarn"
     ids = torch.randint(0, ours.config.vocab_size, (1, 200))  # (1, T), T > original 64

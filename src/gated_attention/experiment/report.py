@@ -124,6 +124,12 @@ def render(title: str, blocks: list[tuple], out_dir: str | Path) -> tuple[str, s
     return "\n".join(md).rstrip("\n") + "\n", page
 
 
+def figures(plots: dict[str, str], caption: str | dict[str, str]) -> list[tuple]:
+    """The "img" blocks of a job's plots ({key: path relative to the report's folder}, in order); caption: one for
+    every plot, or one per key (a key the dict lacks is its own caption)."""
+    return [("img", caption if isinstance(caption, str) else caption.get(key, key), rel) for key, rel in plots.items()]
+
+
 def write(out_dir: str | Path, title: str, blocks: list[tuple]) -> tuple[Path, Path]:
     """report.md and report.html into out_dir, atomically; returns their paths."""
     md, page = render(title, blocks, out_dir)

@@ -2,7 +2,7 @@
 the data sources (corpus, synthetic, retrieval mixing), evaluation and sweeps.
 
 Entry points: `train(cfg, out_dir, resume=False)` (trainer.py), `sweep(...)` (sweep.py), `domain_losses(...)`
-(evaluate.py); the commands `gattn train|sweep|eval` are in gated_attention/cli/train.py.
+(evaluate.py); the commands `gattn train|eval` are in gated_attention/cli/train.py.
 """
 from .config import TRAIN_PRESETS, TrainConfig, apply_overrides, train_preset
 

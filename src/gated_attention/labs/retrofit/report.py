@@ -153,8 +153,7 @@ def blocks(lab: dict) -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    out = blocks(lab)
-    for _, rel in lab.get("plots", {}).items():
-        out.append(("img", "Learning curves (mean over starts × seeds; band min..max)", rel))
-    out.append(("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing)."))
-    page.write(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?", out)
+    curves = page.figures(lab.get("plots", {}), "Learning curves (mean over starts × seeds; band min..max)")
+    footer = ("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing).")
+    page.write(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?",
+               [*blocks(lab), *curves, footer])

@@ -137,8 +137,6 @@ def blocks(lab: dict, heading: str = "h2") -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    out = blocks(lab)
-    for key, rel in lab.get("plots", {}).items():
-        out.append(("img", _TITLES.get(key, key), rel))
-    out.append(("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused models cost nothing)."))
-    page.write(Path(out_dir), "gattn lab sinks: attention sinks on the Bigram-Backcopy task", out)
+    footer = ("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused models cost nothing).")
+    page.write(Path(out_dir), "gattn lab sinks: attention sinks on the Bigram-Backcopy task",
+               [*blocks(lab), *page.figures(lab.get("plots", {}), _TITLES), footer])

@@ -128,8 +128,7 @@ def blocks(lab: dict) -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    out = blocks(lab)
-    for key, rel in lab.get("plots", {}).items():
-        out.append(("img", "Loss per position: full attention vs the rolling window", rel))
-    out.append(("p", f"CPU time {lab['cpu_time_s']:.0f} s, wall {lab['wall_time_s']:.0f} s."))
-    page.write(Path(out_dir), "gattn lab streaming: sliding-window decoding with and without sink tokens", out)
+    plots = page.figures(lab.get("plots", {}), "Loss per position: full attention vs the rolling window")
+    footer = ("p", f"CPU time {lab['cpu_time_s']:.0f} s, wall {lab['wall_time_s']:.0f} s.")
+    page.write(Path(out_dir), "gattn lab streaming: sliding-window decoding with and without sink tokens",
+               [*blocks(lab), *plots, footer])
