@@ -61,7 +61,8 @@ def test_small_budget_writes_report(small_run, tiny_corpus):
     assert md.index("## Paper claims vs this run") < md.index("## Table 4 form")
     assert html.index("Paper claims vs this run") < html.index("Table 4 form")
     assert [c["claim"] for c in res["claims"]][0] == "Lower perplexity at parameter parity" and len(res["claims"]) == 8
-    assert "gattn lab stability --out runs/lab/stability" in md and "gattn longctx --budget fair --out runs/longctx" in md
+    assert "gattn lab stability --budget default --out runs/lab/stability" in md
+    assert "gattn longctx --budget fair --out runs/longctx" in md
     lab = json.loads((out / "sink_lab" / "lab.json").read_text())
     assert list(lab["variants"]) == list(C.DEFAULT_VARIANTS) and "## Sink lab (Bigram-Backcopy)" in md
     assert set(res["sink_lab"]["variants"]["sdpa_elementwise"]["mean"]) >= {"bos_attention_dormant", "backcopy_ce"}

@@ -40,7 +40,9 @@ def test_verdicts_follow_the_figures(tmp_path):
     assert v["Training stability (spikes, LR tolerance)"] == C.NOT_RUN
     assert v["Long context (YaRN ×4, no training)"] == C.NOT_RUN
     cmds = {r["claim"]: r.get("command") for r in t}
-    assert cmds["Training stability (spikes, LR tolerance)"] == "gattn lab stability --out runs/lab/stability"
+    assert cmds["Training stability (spikes, LR tolerance)"] == C.STABILITY_CMD
+    stab_row = {r["claim"]: r for r in t}["Training stability (spikes, LR tolerance)"]
+    assert "docs/experiments/stability_lab.md" in stab_row["this_run"]
     assert cmds["Long context (YaRN ×4, no training)"] == "gattn longctx --budget fair --out runs/longctx"
     assert "docs/experiments/long_context.md" in {r["claim"]: r for r in t}["Long context (YaRN ×4, no training)"][
         "this_run"]
@@ -73,8 +75,13 @@ def test_stability_and_longctx_are_read_from_disk(tmp_path):
                                                           "verdict": "partly"}}))
     t = {r["claim"]: r for r in C.claims_table({"rows": _rows()}, _lab(), stab, lc)}
     s = t["Training stability (spikes, LR tolerance)"]
-    assert s["verdict"] == C.PARTLY and "command" not in s  # headwise with QK-norm on is not more stable
-    assert "diverged runs baseline 1" in s["this_run"]
+    # a lab.json from before the intervals: the numbers, and no claim either way
+    assert s["verdict"] == C.NOT_AT_SCALE and "command" not in s
+    assert "elementwise QK-norm on: 0.20 vs 0.30" in s["this_run"] and "re-run the lab" in s["this_run"]
+    (stab / "lab.json").write_text(json.dumps(_stab_lab()))
+    s = {r["claim"]: r for r in C.claims_table({"rows": _rows()}, _lab(), stab, lc)}[
+        "Training stability (spikes, LR tolerance)"]
+    assert s["verdict"] == C.REPRODUCED and str(stab) in s["this_run"]
     long = t["Long context (YaRN ×4, no training)"]
     assert long["verdict"] == "partly" and long["paper"] == "RULER 58.82 vs 31.65"
     (lc / "report.json").write_text(json.dumps({"rows": []}))  # an older report without the claim
@@ -83,7 +90,52 @@ def test_stability_and_longctx_are_read_from_disk(tmp_path):
     assert long["verdict"] == C.NOT_RUN and long["command"] == C.LONGCTX_CMD
     head, cells = C.claims_cells(C.claims_table({"rows": _rows()}, None, tmp_path / "x", lc))
     assert head == ["Claim", "Paper", "This run", "Verdict"] and len(cells) == 8
-    assert "not run here: run `gattn lab stability --out runs/lab/stability`" in cells[5][3]
+    assert f"not run here: run `{C.STABILITY_CMD}`" in cells[5][3]
+
+
+def _setting(msl, msl_iv, sens, sens_iv, spikes, spikes_iv, seeds=3):
+    return {"seeds": list(range(seeds)), "max_stable_lr": {"lr": msl, "interval": msl_iv},
+            "lr_sensitivity": sens, "lr_sensitivity_interval": sens_iv,
+            "spikes": {"per_run": spikes, "interval": spikes_iv}}
+
+
+def _stab_lab(base_on=None, gated_on=None, reached=True):
+    """A lab.json in the interval format: by default the gated models tolerate a 3x higher LR with separated
+    intervals and spike less (separated too), with QK-norm on and off."""
+    b = base_on or _setting(0.1, [0.1, 0.1], 0.30, [0.25, 0.35], 2.0, [1.0, 3.0])
+    g = gated_on or _setting(0.3, [0.3, 0.3], 0.20, [0.15, 0.22], 0.0, [0.0, 0.0])
+    return {"settings": {"baseline": {"on": b, "off": b}, **{v: {"on": g, "off": g} for v in C.GATED}},
+            "instability": {"checked": True, "reached": reached}, "config": {"bootstrap": {"level": 0.95}}}
+
+
+def test_stability_verdict_needs_separated_intervals():
+    ok = C.stability_verdict(_stab_lab())
+    assert ok["verdict"] == C.REPRODUCED
+    assert "QK-norm on: max stable LR / LR sensitivity / spikes per run, baseline 0.1 [0.1, 0.1]" in ok["this_run"]
+    assert "separates: max stable LR, LR sensitivity, spikes/run" in ok["this_run"] and "3 seeds" in ok["this_run"]
+    # one measure separating in the gate's favour is enough ...
+    g = _setting(0.3, [0.1, 0.3], 0.28, [0.2, 0.3], 1.5, [0.5, 2.0])
+    g["max_stable_lr"]["interval"] = [0.3, 1.0]
+    assert C.stability_verdict(_stab_lab(gated_on=g))["verdict"] == C.REPRODUCED
+    # ... overlapping intervals on every measure are not: the numbers, "not at this scale"
+    g = _setting(0.3, [0.1, 0.3], 0.20, [0.15, 0.30], 1.0, [0.0, 2.0])
+    res = C.stability_verdict(_stab_lab(gated_on=g))
+    assert res["verdict"] == C.NOT_AT_SCALE and "0.3 [0.1, 0.3]" in res["this_run"]
+    # a measure that separates against the gate spoils it, even when another separates for it
+    g = _setting(0.3, [0.3, 0.3], 0.50, [0.45, 0.6], 0.0, [0.0, 0.0])
+    res = C.stability_verdict(_stab_lab(gated_on=g))
+    assert res["verdict"] == C.NOT_AT_SCALE and "worse, separates: LR sensitivity" in res["this_run"]
+    # no failure of the baseline in the grid: nothing to reproduce
+    res = C.stability_verdict(_stab_lab(reached=False))
+    assert res["verdict"] == C.NOT_AT_SCALE and "neither spiked nor diverged" in res["this_run"]
+    # one seed: no intervals, so nothing separates
+    one = _setting(0.1, None, 0.3, None, 2.0, None, seeds=1)
+    assert C.stability_verdict(_stab_lab(base_on=one))["verdict"] == C.NOT_AT_SCALE
+    # the judged setting is QK-norm on (the paper's models); QK-norm off alone when only that was run
+    lab = _stab_lab()
+    for v in lab["settings"]:
+        lab["settings"][v]["on"] = None
+    assert C.stability_verdict(lab)["verdict"] == C.REPRODUCED
 
 
 def _stream(b0, bk, g0, gk, text=None):

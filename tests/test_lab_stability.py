@@ -77,15 +77,23 @@ def test_edge_lrs():
 
 
 def test_instability_check():
-    rows = [{"variant": "baseline", "qk_norm": False, "lr": lr, "final_loss": loss, "loss_at_init": 7.0,
-             "diverged": False} for lr, loss in ((1e-3, 5.0), (1e-2, 4.0), (1.0, 4.6))]
+    rows = [{"variant": "baseline", "qk_norm": False, "lr": lr, "seed": 0, "final_loss": loss, "loss_at_init": 7.0,
+             "diverged": False, "spikes": 0} for lr, loss in ((1e-3, 5.0), (1e-2, 4.0), (1.0, 4.6))]
     res = S.instability_check(rows)
-    assert res["gap_at_highest_lr"] == pytest.approx(0.6) and res["reached"] is True
+    assert res["off"]["gap_at_highest_lr"] == pytest.approx(0.6) and res["reached"] is True and "on" not in res
     rows[-1]["final_loss"] = 4.3
     assert S.instability_check(rows)["reached"] is False
     rows[0]["diverged"] = True
-    assert S.instability_check(rows)["reached"] is True
-    assert S.instability_check([{**r, "qk_norm": True} for r in rows])["checked"] is False
+    assert S.instability_check(rows)["reached"] is True and S.instability_check(rows)["off"]["diverged"] == 1
+    rows[0]["diverged"] = False
+    rows[1]["spikes"] = 2  # one spike anywhere in a baseline run is the failure the lab looks for
+    res = S.instability_check(rows)
+    assert res["reached"] is True and res["off"]["spikes"] == 2 and res["off"]["runs_with_spikes"] == 1
+    # QK-norm on is checked on its own; gated runs never count
+    on = [{**r, "qk_norm": True, "spikes": 0} for r in rows]
+    res = S.instability_check(on + [{**r, "variant": "sdpa_elementwise", "spikes": 9} for r in rows])
+    assert res["reached"] is False and res["on"]["spikes"] == 0 and "off" not in res
+    assert S.instability_check([{**r, "variant": "sdpa_headwise"} for r in rows])["checked"] is False
 
 
 def test_strict_json_through_io():
@@ -194,34 +202,51 @@ def test_small_budget_end_to_end(small_lab):
     for v, s in lab["lr_sensitivity"].items():
         assert set(s) == {"on", "off"} and all(x is None or x >= 0 for x in s.values())
     keys = {"variant", "qk_norm", "lr", "seed", "final_loss", "diverged", "spikes", "max_attention_logit",
-            "max_hidden", "max_output_logit"}
+            "max_hidden", "max_output_logit", "spike_steps", "peak_train_loss"}
     runs = lab["runs"]
-    seed0 = [r for r in runs if r["seed"] == 0]
-    assert len(seed0) == 2 * 2 * 2  # variants x QK-norm x LRs
-    assert {(r["variant"], r["qk_norm"], r["lr"]) for r in seed0} == {
-        (v, q, lr) for v in ("baseline", "sdpa_elementwise") for q in (False, True) for lr in (1e-3, 1.0)}
-    assert any(r["seed"] == 1 for r in runs)  # the extra seed ran at the edge LRs
+    # every seed at every LR (the budget's seed_lrs "all"), seed-major
+    assert {(r["variant"], r["qk_norm"], r["lr"], r["seed"]) for r in runs} == {
+        (v, q, lr, s) for v in ("baseline", "sdpa_elementwise") for q in (False, True) for lr in (1e-3, 1.0)
+        for s in (0, 1)}
+    assert lab["config"]["seed_lrs"] == "all" and lab["edge_lrs"] == {}
     for r in runs:
         assert keys <= set(r)
         assert isinstance(r["diverged"], bool) and isinstance(r["spikes"], int)
+        assert len(r["spike_steps"]) == r["spikes"]
         assert r["tokens"] == 30 * 8 * 32  # same tokens per run
         for k in ("max_attention_logit", "max_hidden", "max_output_logit"):
             assert r[k] is None or (k in r["nonfinite"]) is False
         assert r["final_loss"] is None or r["final_loss"] > 0
-        # the edge seeds ran where phase 1 said
-        if r["seed"] == 1:
-            assert r["lr"] in lab["edge_lrs"][f"{r['variant']}/{'on' if r['qk_norm'] else 'off'}"]
+    # the per-setting aggregates: the formulas of labs/stability/stats.py applied to the runs, with intervals over 2 seeds
+    margin = lab["config"]["margin"]
+    for v in ("baseline", "sdpa_elementwise"):
+        for key, qk in (("on", True), ("off", False)):
+            mine = [r for r in runs if r["variant"] == v and r["qk_norm"] is qk]
+            msl = lab["max_stable_lr"][v][key]
+            want = St.max_stable_lr(mine, margin)
+            assert (msl["lr"] is None and math.isnan(want)) or msl["lr"] == want
+            assert msl["margin"] == margin and len(msl["per_seed"]) == 2
+            iv = lab["lr_sensitivity_interval"][v][key]
+            assert iv is not None and iv[0] <= lab["lr_sensitivity"][v][key] + 1e-9 and iv[0] <= iv[1]
+            sp = lab["spikes"][v][key]
+            assert sp["total"] == sum(r["spikes"] for r in mine) and sp["runs"] == len(mine) == 4
+            assert sorted(sp["by_lr"]) == ["0.001", "1"] and all(len(x) == 2 for x in sp["by_lr"].values())
+            assert lab["settings"][v][key]["max_stable_lr"] == msl
     # the sensitivity in lab.json is the formula applied to its runs
     for v in ("baseline", "sdpa_elementwise"):
         mine = [r for r in runs if r["variant"] == v and r["qk_norm"] is False]
         assert lab["lr_sensitivity"][v]["off"] == pytest.approx(S.lr_sensitivity(mine))
-    assert lab["instability"]["checked"] is True
+    assert lab["instability"]["checked"] is True and {"on", "off"} <= set(lab["instability"])
+    from gated_attention.compare import claims
+
+    assert claims.stability_verdict(lab)["verdict"] in (claims.REPRODUCED, claims.NOT_AT_SCALE)
     for f in ("report.md", "report.html", "plots/loss_vs_lr_qk_on.png", "plots/loss_vs_lr_qk_off.png",
               "plots/max_attention_logit_vs_lr.png"):
         assert (out / f).stat().st_size > 0, f
     page = (out / "report.html").read_text()
     assert "data:image/png;base64," in page and 'src="plots/' not in page  # self-contained
-    assert "LR sensitivity" in (out / "report.md").read_text()
+    md = (out / "report.md").read_text()
+    assert "LR sensitivity" in md and "max stable LR" in md and "Verdict (the claims-table rule)" in md
     # checkpoints and exported weights of finished runs are removed; the numbers stay
     one = out / runs[0]["dir"]
     assert (one / "result.json").exists() and not (one / "checkpoints").exists() and not (one / "final").exists()
@@ -252,9 +277,91 @@ def test_rerun_reuses_finished_runs_and_retrains_an_interrupted_one(small_lab, t
     assert rc == 2 and "different settings (steps: saved 30 vs requested 31" in err and "delete" in err
 
 
+def test_edge_seeds_run_at_the_edge_lrs(tiny_corpus, tmp_path):
+    out = tmp_path / "edge"
+    assert _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+                 "--qk-norm", "off", "--seeds", "2", "--seed-lrs", "edge", "--jobs", "1"]) == 0
+    lab = _strict_load(out / "lab.json")
+    edge = lab["edge_lrs"]["baseline/off"]
+    assert lab["config"]["seed_lrs"] == "edge" and len(edge) == 2
+    assert sorted(r["lr"] for r in lab["runs"] if r["seed"] == 1) == sorted(edge)
+    assert len([r for r in lab["runs"] if r["seed"] == 0]) == 3
+
+
+def test_set_overrides_reach_every_run_and_lab_settings_are_refused(tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "set"
+    assert _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+                 "--qk-norm", "on", "--lrs", "1e-2", "--steps", "4", "--set", "beta2=0.99",
+                 "--set", "model.num_hidden_layers=2", "--jobs", "1"]) == 0
+    cfg = json.loads((out / "runs" / "baseline_qkon_lr0.01_s0" / "train_config.json").read_text())
+    assert cfg["beta2"] == 0.99 and cfg["model_overrides"]["num_hidden_layers"] == 2
+    assert cfg["model_overrides"]["use_qk_norm"] is True
+    capsys.readouterr()
+    assert _cli(["--budget", "small", "--out", str(out), "--set", "lr=3"]) == 2
+    assert "--set lr: the lab sets it per run; use --lrs" in capsys.readouterr().err
+
+
 def test_bad_input_is_refused(tmp_path):
     for kw, msg in ((dict(variants=("nope",)), "unknown variant"), (dict(lrs=(1e-3, -1.0)), "positive"),
                     (dict(qk_norm="maybe"), "qk-norm"), (dict(steps=0), "steps"), (dict(jobs=0), "jobs"),
-                    (dict(budget="huge"), "budget")):
+                    (dict(budget="huge"), "budget"), (dict(sets=("model.use_qk_norm=false",)), "--qk-norm"),
+                    (dict(seed_lrs="some"), "seed-lrs")):
         with pytest.raises(ValueError, match=msg):
             S.LabConfig(out=str(tmp_path), **kw).validate()
+
+
+# ---------------------------------------------------------------- statistics with intervals (labs/stability/stats.py)
+
+from gated_attention.labs.stability import stats as St  # noqa: E402
+
+
+def _grid(curves: dict[int, dict[float, float]], diverged=(), spikes=None) -> list[dict]:
+    """Runs from {seed: {lr: final loss}} (init 7.0); `diverged` = {(seed, lr)}; spikes = {(seed, lr): n}."""
+    return [{"lr": lr, "seed": s, "final_loss": loss, "loss_at_init": 7.0, "diverged": (s, lr) in diverged,
+             "spikes": (spikes or {}).get((s, lr), 0)} for s, c in curves.items() for lr, loss in c.items()]
+
+
+def test_max_stable_lr_known_answers():
+    # best at 1e-2 (4.0); 3e-2 within 0.1 (4.05); 1e-1 is 0.2 worse: the edge is 3e-2
+    runs = _grid({0: {1e-3: 5.0, 1e-2: 4.0, 3e-2: 4.05, 1e-1: 4.2, 1.0: 6.0}})
+    assert St.max_stable_lr(runs, 0.1) == 3e-2
+    assert St.max_stable_lr(runs, 0.25) == 1e-1
+    # a diverged run at an LR breaks the range even when the seed mean is fine
+    two = _grid({0: {1e-2: 4.0, 3e-2: 4.0, 1e-1: 4.0}, 1: {1e-2: 4.0, 3e-2: 4.0, 1e-1: 4.0}}, diverged={(1, 1e-1)})
+    assert St.max_stable_lr(two, 0.1) == 3e-2
+    # contiguous from the best LR: a lucky LR above a failed one does not count
+    gap = _grid({0: {1e-2: 4.0, 3e-2: 5.0, 1e-1: 4.05}})
+    assert St.max_stable_lr(gap, 0.1) == 1e-2
+    # a NaN final loss counts as the loss at init (7.0), never as the best
+    nan = _grid({0: {1e-2: 4.0, 3e-2: NAN}})
+    assert St.max_stable_lr(nan, 0.1) == 1e-2 and St.lr_curve(nan)[3e-2] == 7.0
+    assert math.isnan(St.max_stable_lr([], 0.1))
+
+
+def test_bootstrap_over_seeds():
+    # three seeds with identical curves: every resample gives the same value, the interval is a point
+    same = _grid({s: {1e-2: 4.0, 1e-1: 5.0} for s in range(3)})
+    assert St.bootstrap(same, St.lr_sensitivity) == pytest.approx([0.5, 0.5])
+    # seeds that differ: the interval spans the values of the resamples (all seeds 0 .. all seeds 2)
+    spread = _grid({0: {1e-2: 4.0, 1e-1: 4.2}, 1: {1e-2: 4.0, 1e-1: 4.6}, 2: {1e-2: 4.0, 1e-1: 5.0}})
+    lo, hi = St.bootstrap(spread, St.lr_sensitivity, n=4000)
+    assert 0.1 - 1e-9 <= lo < St.lr_sensitivity(spread) < hi <= 0.5 + 1e-9
+    # deterministic: the same runs give the same interval
+    assert St.bootstrap(spread, St.lr_sensitivity, n=4000) == [lo, hi]
+    # one seed says nothing about the spread
+    assert St.bootstrap(_grid({0: {1e-2: 4.0}}), St.lr_sensitivity) is None
+    # LRs on a log scale: the interval ends are grid LRs
+    msl = _grid({0: {1e-2: 4.0, 1e-1: 4.05}, 1: {1e-2: 4.0, 1e-1: 4.5}, 2: {1e-2: 4.0, 1e-1: 4.02}})
+    iv = St.bootstrap(msl, lambda rs: St.max_stable_lr(rs, 0.1), log_scale=True)
+    assert iv == pytest.approx([1e-2, 1e-1])
+    # spikes per run resampled by seed: seed 1 spiked 4 times at one LR
+    sp = _grid({s: {1e-2: 4.0, 1e-1: 4.0} for s in range(3)}, spikes={(1, 1e-1): 4})
+    assert St.spikes_per_run(sp) == pytest.approx(4 / 6)
+    assert St.bootstrap(sp, St.spikes_per_run) == pytest.approx([0.0, 2.0])
+
+
+def test_separated():
+    assert St.separated([0.1, 0.2], [0.3, 0.4], lower_is_better=True)
+    assert not St.separated([0.1, 0.3], [0.3, 0.4], lower_is_better=True)  # touching is not separated
+    assert St.separated([0.3, 1.0], [0.01, 0.1], lower_is_better=False)
+    assert not St.separated(None, [0.3, 0.4], lower_is_better=True)

@@ -252,7 +252,7 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
         assert lines, (argv, err.getvalue())
 
 
-# examples per command: cheap commands get more; train/sweep valid runs take seconds
+# examples per command: cheap commands get more; train valid runs take seconds (sweep is retired: one line)
 EXAMPLES = {"gates": 15, "demo": 15, "data": 20, "train": 18, "sweep": 8, "eval": 20, "convert": 20, "retrofit": 20,
             "analyze": 15, "compare": 20, "extend": 20, "ruler": 10, "longctx": 20, "lm-eval": 10}
 

@@ -1,4 +1,5 @@
-"""Training harness: schedules, --set overrides, loss falls, NaN skipping, spikes, exact SIGKILL resume, eval, sweep."""
+"""Training harness: schedules, --set overrides, loss falls, NaN skipping, spikes, exact SIGKILL resume, eval, the
+retired sweep."""
 from __future__ import annotations
 
 import json
@@ -190,13 +191,12 @@ def test_eval_cli(tmp_path, capsys):
     assert "Avg PPL" in capsys.readouterr().out
 
 
-def test_sweep_tabulates_and_reuses(tmp_path):
-    from gated_attention.experiment.sweep import sweep
+def test_sweep_is_retired_with_one_line_naming_the_lab(tmp_path, capsys):
+    from gated_attention.cli import main
 
-    rows = sweep("tiny", ["baseline", "sdpa_headwise"], [3e-3], tmp_path, sets=["steps=4"])
-    assert [(r["gate"], r["lr"]) for r in rows] == [("baseline", 3e-3), ("sdpa_headwise", 3e-3)]
-    assert "| sdpa_headwise | 0.003 |" in (tmp_path / "results.md").read_text()
-    summary = tmp_path / "baseline_lr0.003" / "summary.json"
-    mtime = summary.stat().st_mtime_ns
-    rows2 = sweep("tiny", ["baseline"], [3e-3], tmp_path, sets=["steps=4"])
-    assert summary.stat().st_mtime_ns == mtime and rows2[0]["final_loss"] == rows[0]["final_loss"]
+    # its documented command line (and any other) answers with the replacement, trains nothing, exit 2
+    out = tmp_path / "s"
+    assert main(["sweep", "--preset", "tiny", "--gates", "baseline", "--lrs", "3e-3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "retired" in err[0] and "gattn lab stability --variants" in err[0]
+    assert not out.exists()

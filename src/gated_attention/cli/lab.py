@@ -127,24 +127,30 @@ def configure_stability(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/lab/stability",
                         help="output folder: runs/, plots/, lab.json, report.md, report.html (default "
                              "runs/lab/stability, where `gattn compare` reads it; a re-run reuses finished runs and "
-                             "retrains interrupted ones)")
+                             "retrains interrupted ones, so a stopped lab continues where it was)")
     parser.add_argument("--budget", default="default", choices=list(stab.BUDGETS),
-                        help="; ".join(f"{k}: {v.help}" for k, v in stab.BUDGETS.items()))
+                        help="; ".join(f"{k}: {v.help}" for k, v in stab.BUDGETS.items()) + " (default: default)")
     parser.add_argument("--variants", nargs="+", default=list(stab.DEFAULT_VARIANTS), metavar="NAME",
                         help=f"gate variants (names from `gattn gates`; default: {' '.join(stab.DEFAULT_VARIANTS)})")
     parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
-                        help="peak learning rates of the grid (default: the budget's; default spans 1e-3..1 in 7 "
-                             "steps)")
+                        help="peak learning rates of the grid (default: the budget's; default "
+                             f"{' '.join(f'{x:g}' for x in stab.BUDGETS['default'].lrs)})")
     parser.add_argument("--qk-norm", default="both", choices=list(stab.QK_SETTINGS),
                         help="train with QK-norm on, off, or both (default both)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps per run (default: the budget's; every run sees the same tokens)")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds per setting at the LRs around its edge of stability (seed 0 runs at every LR; "
-                             "default: the budget's, 2 for default)")
-    parser.add_argument("--seed-lrs", default="edge", choices=("edge", "all"),
-                        help="where the extra seeds run: the last stable LR and the first LR past the edge of each "
-                             "setting, found from seed 0 (edge, default), or every LR (all)")
+                        help=f"seeds per setting (default: the budget's, {stab.BUDGETS['default'].seeds} for "
+                             f"default); >= 3 gives bootstrap intervals worth reading")
+    parser.add_argument("--seed-lrs", default=None, choices=("edge", "all"),
+                        help="where seeds 1.. run: every LR (all: whole curves per seed, which the intervals need; "
+                             "the default of every budget but shallow) or only the last stable LR and the first LR "
+                             "past the edge of each setting, found from seed 0 (edge)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="training / model.* overrides on top of the budget's recipe for every run, as in "
+                             "`gattn train --set` (e.g. --set model.num_hidden_layers=24 --set beta2=0.99); "
+                             "repeatable. gate, lr, min_lr, seed, steps, data, data_dir and model.use_qk_norm are set "
+                             "by the lab's own flags")
     parser.add_argument("--data-dir", default=None,
                         help="prepared corpus folder (default: the budget's, data_v1k with the 1024-token "
                              "vocabulary, prepared automatically if missing)")
@@ -158,7 +164,7 @@ def configure_stability(parser: argparse.ArgumentParser) -> None:
 def run_stability(args) -> int:
     lab = stab.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
                          lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
-                         seeds=args.seeds, seed_lrs=args.seed_lrs, data_dir=args.data_dir,
+                         seeds=args.seeds, seed_lrs=args.seed_lrs, sets=tuple(args.sets), data_dir=args.data_dir,
                          precision=args.precision, jobs=args.jobs if args.jobs is not None else default_jobs())
     res = stab.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
     from ..labs.stability.report import sensitivity_text
@@ -281,8 +287,8 @@ LABS = {
                   "Sliding-window decoding with and without sink tokens (StreamingLLM): loss of full attention vs a "
                   "rolling KV window keeping the first K tokens, per model and position."),
     "stability": (configure_stability, run_stability,
-                  "LR sweeps with/without QK-norm (Wortsman et al. 2023 proxies): loss, divergence, spikes, logit "
-                  "growth, LR sensitivity."),
+                  "LR sweeps of deep narrow models with/without QK-norm (Wortsman et al. 2023 proxies): loss "
+                  "spikes, divergence, max stable LR, LR sensitivity with intervals over seeds, logit growth."),
     "retrofit": (configure_retrofit, run_retrofit,
                  "Gates added to a trained ungated model: can they remove its sink? Recipes vs a control, over "
                  "seeds (sink, skill, gates, streaming loss, learning curves)."),

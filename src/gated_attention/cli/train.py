@@ -1,5 +1,6 @@
 """Training commands. `gattn train`: build a TrainConfig from a preset plus typed `--set key=value` overrides and run
-the trainer; `gattn sweep`: gates x learning rates, tabulated; `gattn eval`: per-domain PPL and loss by position.
+the trainer; `gattn eval`: per-domain PPL and loss by position; `gattn sweep`: retired (one line naming its
+replacement, `gattn lab stability`).
 
 Works unchanged under `torchrun --nproc_per_node=N` (DDP by default, `--set dist=fsdp` for FSDP2).
 """
@@ -38,24 +39,23 @@ def run_train(args) -> int:
     return 1 if summary.get("diverged") else 0
 
 
-# ---------------------------------------------------------------- gattn sweep
+# ---------------------------------------------------------------- gattn sweep (retired)
+
+SWEEP_RETIRED = ("`gattn sweep` is retired; the stability lab replaces it (gates x LRs, QK-norm on/off, seeds, spikes, "
+                 "max stable LR with intervals): gattn lab stability --variants GATE ... --lrs LR ... [--set KEY=VALUE "
+                 "...] --out DIR (see `gattn lab stability --help`)")
+
 
 def configure_sweep(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="small-stress", choices=list(TRAIN_PRESETS), help="training preset")
-    parser.add_argument("--gates", nargs="+", default=["baseline", "sdpa_elementwise"], help="gate variants to compare")
-    parser.add_argument("--lrs", type=E.positive_float, nargs="+", required=True, help="peak learning rates to try")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="TrainConfig / model.* overrides applied to every run; repeatable")
-    parser.add_argument("--out", type=E.out_dir, required=True, help="sweep folder: one sub-folder per run, results.md, results.json")
-    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder")
+    parser.description = SWEEP_RETIRED
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="ignored: the command only names its replacement")
+    # its old options (--preset, --gates, ...) are accepted too, so every old command line gets the one-line pointer
+    # (run_sweep) rather than an argparse error about an option the retired command no longer defines
+    parser.parse_args = lambda args=None, namespace=None: parser.parse_known_args(args, namespace)[0]
 
 
 def run_sweep(args) -> int:
-    from ..experiment.sweep import sweep, table
-
-    rows = sweep(args.preset, args.gates, args.lrs, args.out, args.sets, args.data_dir)
-    print(table(rows), end="")
-    return 0
+    raise E.UserError(SWEEP_RETIRED)
 
 
 # ---------------------------------------------------------------- gattn eval

@@ -15,9 +15,11 @@ from pathlib import Path
 from ..util.errors import UserError
 from ..util.io import read_json_object
 
-REPRODUCED, PARTLY, NOT_AT_SCALE, NOT_RUN = "reproduced", "partly", "not at this scale", "not run here"
-GATED = ("sdpa_elementwise", "sdpa_headwise")
-STABILITY_CMD = "gattn lab stability --out runs/lab/stability"
+# the verdict words and the stability rule belong to the stability lab (it prints its own verdict); the same objects
+from ..labs.stability.verdict import GATED, NOT_AT_SCALE, NOT_RUN, PARTLY, REPRODUCED, stability_verdict  # noqa: F401
+STABILITY_CMD = "gattn lab stability --budget default --out runs/lab/stability"
+# the project's measured default-budget lab (lab.json + report), for a compare run that has no stability lab
+STABILITY_DOC = "docs/experiments/stability_lab.md (lab.json: --stability-lab docs/experiments/stability_lab)"
 LONGCTX_CMD = "gattn longctx --budget fair --out runs/longctx"
 # where the project's own equal-skill Table 5 is written up, for a compare run that has no long-context run
 LONGCTX_DOC = "docs/experiments/long_context.md (Table 5 at equal skill)"
@@ -131,39 +133,25 @@ def gate_sparsity_claim(rows: dict, lab: dict | None) -> dict:
     return {"paper": paper, "this_run": this, "verdict": verdict}
 
 
+STABILITY_PAPER = ("no loss spikes with the gate; the 48L baseline diverges at LR 8e-3 while the gated model trains "
+                   "(PPL 7.078)")
+
+
 def stability_claim(rows: dict, stability_dir) -> dict:
-    paper = ("no loss spikes with the gate; the 48L baseline diverges at LR 8e-3 while the gated model trains "
-             "(PPL 7.078)")
+    """The claims-table row from the stability lab in `stability_dir` (its lab.json: `gattn compare --stability-lab`)."""
     spikes = ", ".join(f"{v} {rows[v].get('spikes')}" for v in rows)
     path = Path(stability_dir) / "lab.json" if stability_dir else None
     if path is None or not path.exists():
-        return {"paper": paper, "this_run": f"loss spikes in this run: {spikes}; no stability lab at {path}",
-                "verdict": NOT_RUN, "command": STABILITY_CMD}
+        return {"paper": STABILITY_PAPER, "this_run": f"loss spikes in this run: {spikes}; no stability lab at {path}; "
+                f"the project's measured table: {STABILITY_DOC}", "verdict": NOT_RUN, "command": STABILITY_CMD}
     try:
         lab = read_json_object(path, "stability lab.json")
-        sens = lab["lr_sensitivity"]
-        runs = lab.get("runs", [])
-    except (UserError, KeyError, TypeError) as exc:
-        return {"paper": paper, "this_run": f"unreadable stability lab {path} ({exc})", "verdict": NOT_RUN,
+        claim = stability_verdict(lab)
+    except (UserError, KeyError, TypeError, AttributeError) as exc:
+        return {"paper": STABILITY_PAPER, "this_run": f"unreadable stability lab {path} ({exc})", "verdict": NOT_RUN,
                 "command": STABILITY_CMD}
-    base = sens.get("baseline") or sens.get("none") or {}
-    parts, better, compared = [], 0, 0
-    for v in GATED:
-        for qk in ("off", "on"):
-            b, g = base.get(qk), (sens.get(v) or {}).get(qk)
-            if b is None or g is None:
-                continue
-            compared += 1
-            better += g < b
-            parts.append(f"{v.removeprefix('sdpa_')} QK-norm {qk}: {g:.2f} vs {b:.2f}")
-    div = lambda name: sum(bool(r.get("diverged")) for r in runs if r.get("variant") == name)
-    this = (f"LR sensitivity (gated vs baseline; lower = more stable): {'; '.join(parts) or 'no comparable pair'}; "
-            f"diverged runs baseline {div('baseline') + div('none')}, "
-            + ", ".join(f"{v} {div(v)}" for v in GATED) + f" ({path.parent})")
-    verdict = (NOT_RUN if compared == 0 else REPRODUCED if better == compared else PARTLY if better
-               else NOT_AT_SCALE)
-    out = {"paper": paper, "this_run": this, "verdict": verdict}
-    if compared == 0:
+    out = {"paper": STABILITY_PAPER, "this_run": f"{claim['this_run']} ({path.parent})", "verdict": claim["verdict"]}
+    if claim["verdict"] == NOT_RUN:
         out["command"] = STABILITY_CMD
     return out
 

@@ -1,5 +1,5 @@
 """The experiment layer: one toolkit for runs, cached results and reports, shared by every multi-run job
-(`gattn compare`, `gattn longctx`, `gattn sweep` and each `gattn lab`). A job states what differs (its budget, what
+(`gattn compare`, `gattn longctx` and each `gattn lab`). A job states what differs (its budget, what
 it measures, its tables); the plumbing lives here once:
 
   runs.py    ensure_corpus, train_or_reuse (one trainer run per folder: reuse, resume or train), run_units (one
@@ -10,7 +10,6 @@ it measures, its tables); the plumbing lives here once:
   report.py  the one renderer: report.md + a self-contained report.html from blocks (tables, paragraphs, figures,
              one CSS), number formats, aligned text tables
   stats.py   aggregation over seeds (mean, sample std; one seed has std None), Wilson intervals
-  sweep.py   `gattn sweep`: gates x learning rates, each a train_or_reuse run, tabulated
 
 A job, in full (the labs and compare read like this):
 

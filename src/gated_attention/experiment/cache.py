@@ -1,4 +1,4 @@
-"""The one rule for reusing a stored result, for every job (compare, each lab, longctx, sweep).
+"""The one rule for reusing a stored result, for every job (compare, each lab, longctx).
 
 A result (a training run folder, a lab unit's result.json, an analysis or evaluation JSON, an extended checkpoint)
 is stored together with its *key*: every setting that changes it, including the precision it computed in as resolved

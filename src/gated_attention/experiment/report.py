@@ -1,4 +1,4 @@
-"""The one report renderer of every job (compare, longctx, sweep, each lab): a report is a title and a list of blocks,
+"""The one report renderer of every job (compare, longctx, each lab): a report is a title and a list of blocks,
 written as report.md and a self-contained report.html (one CSS, PNGs inlined as base64 data URIs: one file to mail or
 archive), plus the number formats and aligned text tables the commands print.
 

@@ -1,4 +1,4 @@
-"""Runs and units: the plumbing every multi-run job shares (compare, longctx, sweep, the labs).
+"""Runs and units: the plumbing every multi-run job shares (compare, longctx, the labs).
 
   ensure_corpus(data_dir, vocab_size, log, tag) -> Path
       Prepare the default corpus in `data_dir` (with `vocab_size`) if it has no manifest yet.

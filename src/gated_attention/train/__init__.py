@@ -1,8 +1,8 @@
 """Training harness: config and presets, LR schedules, atomic checkpoints, stability tooling, the loop, DDP/FSDP2,
-the data sources (corpus, synthetic, retrieval mixing), evaluation and sweeps.
+the data sources (corpus, synthetic, retrieval mixing), evaluation.
 
-Entry points: `train(cfg, out_dir, resume=False)` (trainer.py), `sweep(...)` (sweep.py), `domain_losses(...)`
-(evaluate.py); the commands `gattn train|sweep|eval` are in gated_attention/cli/train.py.
+Entry points: `train(cfg, out_dir, resume=False)` (trainer.py), `domain_losses(...)` (evaluate.py); the commands
+`gattn train|eval` are in gated_attention/cli/train.py.
 """
 from .config import TRAIN_PRESETS, TrainConfig, apply_overrides, train_preset
 

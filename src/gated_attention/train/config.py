@@ -186,7 +186,7 @@ def small() -> TrainConfig:
 
 
 def small_stress() -> TrainConfig:
-    """The Table-2 stress test in small: high LR, short warm-up, for `gattn sweep` over gates x LRs."""
+    """A high-LR, short-warm-up recipe for one `gattn train` run (the grid over gates x LRs is `gattn lab stability`)."""
     return replace(small(), lr=1e-2, min_lr=1e-4, warmup_steps=20, steps=500, eval_every=0, ckpt_every=100)
 
 

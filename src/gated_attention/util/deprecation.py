@@ -29,7 +29,6 @@ MOVED: dict[str, str] = {
     "gated_attention.compare_report": "gated_attention.compare.report",
     "gated_attention.compare_claims": "gated_attention.compare.claims",
     "gated_attention.train.stability": "gated_attention.train.monitors",
-    "gated_attention.train.sweep": "gated_attention.experiment.sweep",
     "gated_attention.analysis.sink": "gated_attention.analysis.attention_sinks",
     "gated_attention.labs.backcopy": "gated_attention.labs.sinks.backcopy",
     "gated_attention.labs.sink_metrics": "gated_attention.labs.sinks.metrics",

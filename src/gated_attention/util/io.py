@@ -11,7 +11,7 @@ Temp files get the user's umask (mkstemp alone would make them 0600) and are rem
 - Folder locks: `lock_dir(path)` — an exclusive OS lock (fcntl.flock) held while a command writes `path`; a second
   process gets a UserError naming the holder's PID. Every command that writes an output folder takes it in the
   library, the same way: its entry point is decorated `@locks_output("out", "gattn CMD")` (compare, each lab,
-  longctx, extend, sweep; the trainer locks its run folder itself, rank 0 only), never in the CLI.
+  longctx, extend; the trainer locks its run folder itself, rank 0 only), never in the CLI.
 - HF checkpoint folders: `hf_weight_files` finds the weights the way transformers does (`model.safetensors`, else the
   shards named by `model.safetensors.index.json`, each confined to the folder; any other .safetensors is ignored);
   `load_safetensors` / `check_hf_dir` verify headers and sizes first, so a corrupt or truncated file is a clear

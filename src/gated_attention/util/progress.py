@@ -9,7 +9,7 @@ returns pile up or nothing is flushed for minutes. So when the stream is not a T
 The interval is `GATTN_PROGRESS_INTERVAL` seconds (default 30; 0 prints every update). On a terminal the tqdm bar
 stays, with the same metrics in its postfix.
 
-Usage (every long loop of the package: train, compare, longctx, sweep, data prepare, ruler; a lab does the same):
+Usage (every long loop of the package: train, compare, longctx, data prepare, ruler; a lab does the same):
 
     from gated_attention.util.progress import Progress
 

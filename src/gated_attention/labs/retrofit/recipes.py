@@ -10,8 +10,9 @@ recipe's cost and effect is read against training alone.
 
 Why a penalty is needed at all (measured, see docs/experiments/retrofit_lab.md): the next-token loss of a trained
 model gives an added gate no reason to take the sink's job — the sink already works — and a gates-only recipe cannot
-change the attention map at all (the probabilities are a function of the frozen q/k weights; a G1 gate acts after
-them). The penalty makes parking attention on the first token cost something; the gate makes not parking it cheap.
+change a layer's own attention map (its probabilities are a function of frozen q/k weights; a G1 gate acts after
+them), only a later layer's, through its input. The penalty makes parking attention on the first token cost
+something; the gate was meant to make not parking it cheap (on the sink lab the penalty alone does as well).
 
 BOS attention of the penalty: mean over layers, heads, batch rows and query positions t >= 1 of p(t -> key 0), from
 the queries and keys the attention layers emit (capture.py's "q"/"k"/"scale" points, with their autograd graph) and

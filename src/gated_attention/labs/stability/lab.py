@@ -1,20 +1,21 @@
-"""`gattn lab stability`: the paper's Table 2 claim (the gate removes loss spikes and tolerates larger learning rates)
-at small scale, with the proxies of Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training
-instabilities", arXiv 2309.14322).
+"""`gattn lab stability`: the paper's stability claim (the gate removes loss spikes and trains at a max LR where the
+baseline does not) at small scale, with the proxies of Wortsman et al. 2023 ("Small-scale proxies for large-scale
+Transformer training instabilities", arXiv 2309.14322).
 
-A grid of learning rates x variants (baseline, G1 elementwise, G1 headwise) x QK-norm on/off trains tiny models on
-the default corpus, every run on the trainer's own path (`train.trainer.train`) with the same tokens. Per run:
-final validation loss, diverged, loss-spike count (the trainer's noise-aware detector), max attention logit q.k*scale,
-max |hidden state| and max |output logit| over training. Per (variant, QK-norm): Wortsman's LR sensitivity,
-    mean over the LR grid of min(final loss, loss at init) - min over the grid of the final loss,
-so a variant that trains well over a wider range of LRs scores lower; a diverged run counts as the loss at init.
+A grid of learning rates x variants (baseline, G1 elementwise, G1 headwise) x QK-norm on/off x seeds trains deep,
+narrow models on the default corpus, every run on the trainer's own path (`train.trainer.train`) with the same tokens.
+Per run: final validation loss, diverged, loss-spike count (the trainer's noise-aware detector), max attention logit
+q.k*scale, max |hidden state| and max |output logit| over training. Per (variant, QK-norm), with bootstrap intervals
+over seeds (stats.py): Wortsman's LR sensitivity, the largest LR that converges (`max_stable_lr`) and
+the spikes per run. `verdict.stability_verdict` turns lab.json into the claims-table verdict (compare's row and the lab's own line).
 
 Layout of OUT:
   OUT/runs/<variant>_qk<on|off>_lr<lr>_s<seed>/  log.jsonl, summary.json, train_config.json, result.json
   OUT/plots/*.png, OUT/lab.json, OUT/report.md, OUT/report.html (self-contained)
 A run is finished when its result.json exists; a re-run reuses it (after checking its settings match) and retrains
-any run that was interrupted (runs are seconds long, so they restart rather than resume). The checkpoints and the
-exported model of a finished run are deleted: the lab needs only its numbers.
+any run that was interrupted (a run is minutes long at most, so it restarts rather than resumes): stopping the lab
+and starting it again continues the grid. Runs go seed-major (every setting and LR at seed 0 first), so a lab stopped
+early already holds whole LR curves. The checkpoints and exported model of a finished run are deleted.
 """
 from __future__ import annotations
 
@@ -28,11 +29,17 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
 from ...gates import canonical_name
+from . import stats as St
+from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, to_strict
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
-EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the edge of stability
+EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the edge of stability (--seed-lrs edge)
+# settings the lab sets per grid point or through its own flags: --set may not change them
+_LAB_SETTINGS = {"gate": "--variants", "lr": "--lrs", "min_lr": "the budget's min_lr_frac", "seed": "--seeds",
+                 "steps": "--steps", "data": "--data-dir", "data_dir": "--data-dir",
+                 "model.use_qk_norm": "--qk-norm", "precision": "--precision"}
 
 
 @dataclass
@@ -42,13 +49,20 @@ class StabilityBudget:
     help: str
     lrs: tuple[float, ...]  # the LR grid (peak LR of each run)
     steps: int  # optimizer steps per run (same tokens for every run)
-    seeds: int  # seeds at the LRs around the edge of stability (seed 0 runs at every LR)
+    seeds: int  # seeds per setting (at every LR with seed_lrs "all"; at the edge LRs with "edge")
+    seed_lrs: str = "all"  # "all": every seed at every LR (whole curves: the bootstrap over seeds needs them)
     seq_len: int = 64
     batch_size: int = 16
     warmup_steps: int = 10  # short warm-up: a long one hides the instability (Wortsman et al. Fig. 7)
-    weight_decay: float = 0.0  # off, so only the LR changes between runs
+    schedule: str = "cosine"  # "cosine" to min_lr, or "wsd" (hold the peak LR, decay over the last 20 %)
+    min_lr_frac: float = 0.01  # min_lr = lr * this
+    weight_decay: float = 0.0  # AdamW's (on matrices); the deep budgets use the trainer's 0.1 (norms otherwise grow)
+    beta2: float = 0.95  # AdamW beta2 (the trainer's default)
     stats_every: int = 10  # probe forward (max attention logit, max |h|, max |logit|) every N steps
-    spike_window: int = 50  # trailing window of the trainer's loss-spike detector
+    spike_window: int = 50  # trailing window of the trainer's loss-spike detector ...
+    spike_delta: float = 0.1  # ... a spike exceeds the window's median by more than max(delta, ...
+    spike_noise_k: float = 6.0  # ... noise_k robust sigmas of the window) nats
+    margin: float = 0.1  # nats above the best LR's seed-mean loss within which an LR still "converges"
     eval_batches: int = 4  # validation batches per domain for the final (and the initial) loss
     eval_batch_size: int = 16
     model: dict = field(default_factory=dict)  # model-config fields over the `small` preset
@@ -56,8 +70,10 @@ class StabilityBudget:
     vocab_size: int = 1024  # BPE vocabulary that corpus is prepared with
 
 
-_TINY = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=2, head_dim=32)  # ~0.15M parameters besides the 1k-token embedding
+_SHALLOW = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=2, head_dim=32)  # issue 11's 2-layer d=64 model (~0.15M besides the embedding)
+_DEEP = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=12, num_attention_heads=2,
+             num_key_value_heads=2, head_dim=32)  # deep and narrow: depth is the paper's unstable case (48 layers)
 
 BUDGETS: dict[str, StabilityBudget] = {
     "small": StabilityBudget(
@@ -66,11 +82,20 @@ BUDGETS: dict[str, StabilityBudget] = {
         spike_window=10, eval_batches=1, eval_batch_size=4,
         model=dict(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=2, head_dim=16)),
+    "quick": StabilityBudget(
+        help="the default's model and recipe, shorter: 2 LRs (0.1, 1), 3 seeds, 300 steps per run (36 runs, about "
+             "27 core-minutes estimated from the default's ~88 CPU-s per 600-step run: ~14 minutes at --jobs 2 on 2 "
+             "quiet cores)",
+        lrs=(0.1, 1.0), steps=300, seeds=3, weight_decay=0.1, model=dict(_DEEP)),
     "default": StabilityBudget(
-        help="7 LRs from 1e-3 to 1 (3 decades), 2 seeds at the edge of stability, 150 steps of a 2-layer d=64 model "
-             "on the 1024-token-vocabulary corpus (windows of 64, batch 16): about 10 core-minutes for the three "
-             "variants with QK-norm on and off (~60 runs)",
-        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=150, seeds=2, model=dict(_TINY)),
+        help="12-layer d=64 models (2 heads of 32, FFN 192), 3 LRs around the edge of stability (0.03, 0.1, 0.3) x "
+             "3 seeds at every LR, 600 steps x 16 x 64 tokens, warm-up 10, cosine, weight decay 0.1, no z-loss (54 "
+             "runs, ~88 CPU-s each in bf16: about 80 core-minutes, ~40 minutes at --jobs 2 on 2 quiet cores)",
+        lrs=(3e-2, 1e-1, 3e-1), steps=600, seeds=3, weight_decay=0.1, model=dict(_DEEP)),
+    "shallow": StabilityBudget(
+        help="issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
+             "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
+        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=150, seeds=2, seed_lrs="edge", model=dict(_SHALLOW)),
 }
 
 
@@ -85,7 +110,8 @@ class LabConfig:
     qk_norm: str = "both"  # "on", "off" or "both"
     steps: int | None = None  # None = the budget's
     seeds: int | None = None  # None = the budget's
-    seed_lrs: str = "edge"  # extra seeds at the LRs around the edge of stability ("edge") or at every LR ("all")
+    seed_lrs: str | None = None  # where seeds 1.. run: every LR ("all") or the edge LRs ("edge"); None = the budget's
+    sets: tuple[str, ...] = ()  # `key=value` training/model overrides on top of the budget's recipe (--set)
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
     precision: str = "auto"  # training numerics; resolved once (gated_attention.util.precision) and keyed per run
@@ -107,7 +133,7 @@ class LabConfig:
             raise ValueError(f"--variants must list distinct gate names, got {list(self.variants)}")
         if self.qk_norm not in QK_SETTINGS:
             raise ValueError(f"--qk-norm {self.qk_norm!r}; use on, off or both")
-        if self.seed_lrs not in ("edge", "all"):
+        if self.seed_lrs not in (None, "edge", "all"):
             raise ValueError(f"--seed-lrs {self.seed_lrs!r}; use edge or all")
         lrs = self.grid()
         if any(not (math.isfinite(x) and x > 0) for x in lrs) or len(set(lrs)) != len(lrs):
@@ -118,6 +144,10 @@ class LabConfig:
                 raise ValueError(f"--{name} {v} must be >= 1")
         if self.jobs < 1:
             raise ValueError(f"--jobs {self.jobs} must be >= 1")
+        for item in self.sets:
+            key = item.split("=", 1)[0].strip()
+            if key in _LAB_SETTINGS:
+                raise ValueError(f"--set {key}: the lab sets it per run; use {_LAB_SETTINGS[key]}")
         from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
@@ -141,23 +171,32 @@ class LabConfig:
     def n_seeds(self) -> int:
         return self.seeds or self.spec.seeds
 
+    def where_seeds(self) -> str:
+        return self.seed_lrs or self.spec.seed_lrs
+
 
 # ---------------------------------------------------------------- one run
 
 def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr: float, seed: int):
-    """The TrainConfig of one grid point: the `small` preset with the budget's recipe (cosine to lr/100), in the
-    resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one)."""
-    from gated_attention.train.config import train_preset
+    """The TrainConfig of one grid point: the `small` preset with the budget's recipe and the lab's --set items, in
+    the resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one)."""
+    from gated_attention.presets import model_config
+    from gated_attention.train.config import apply_overrides, train_preset
 
     b = lab.spec
     steps = lab.n_steps()
-    return replace(
+    cfg = replace(
         train_preset("small"), data="corpus", data_dir=str(data_dir), gate=variant, seed=seed, steps=steps,
-        lr=lr, min_lr=lr / 100, warmup_steps=min(b.warmup_steps, steps - 1), weight_decay=b.weight_decay,
-        seq_len=b.seq_len, batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches,
-        eval_batch_size=b.eval_batch_size, stats_every=b.stats_every, spike_window=min(b.spike_window, steps),
-        ckpt_every=0, progress=True, tensorboard=False,  # progress: a line per GATTN_PROGRESS_INTERVAL off a terminal
-        precision=lab.resolved_precision(), model_overrides={**b.model, "use_qk_norm": qk_norm}).validate()
+        lr=lr, min_lr=lr * b.min_lr_frac, warmup_steps=min(b.warmup_steps, steps - 1), schedule=b.schedule,
+        weight_decay=b.weight_decay, beta2=b.beta2, precision=lab.resolved_precision(), seq_len=b.seq_len,
+        batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches, eval_batch_size=b.eval_batch_size,
+        stats_every=b.stats_every, spike_window=min(b.spike_window, steps), spike_delta=b.spike_delta,
+        spike_noise_k=b.spike_noise_k, ckpt_every=0, tensorboard=False,
+        progress=True,  # a line per GATTN_PROGRESS_INTERVAL off a terminal
+        model_overrides={**b.model, "use_qk_norm": qk_norm})
+    if lab.sets:
+        cfg = apply_overrides(cfg, list(lab.sets), model_config(cfg.model, gate=variant).to_dict())
+    return cfg.validate()
 
 
 def run_name(variant: str, qk_norm: bool, lr: float, seed: int) -> str:
@@ -169,11 +208,12 @@ def _mean_val(losses: dict) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def run_metrics(summary: dict, log: list[dict], probes: list[dict], init_loss: float) -> dict:
+def run_metrics(summary: dict, log: list[dict], probes: list[dict], init_loss: float, warmup: int = 0) -> dict:
     """The per-run numbers from the trainer's summary and log and the probe records (pure; see module doc).
 
     final_loss = mean over domains of the final validation loss; diverged = the trainer stopped on non-finite
-    steps, or the final loss is non-finite or no better than the loss at init."""
+    steps, or the final loss is non-finite or no better than the loss at init; peak_train_loss = the largest
+    finite training loss after the warm-up (above loss_at_init: the run blew up at some point, recovered or not)."""
     final = _mean_val(summary.get("val_losses") or {})
     if summary.get("diverged"):
         final = math.nan  # the trainer gave up: its last weights say nothing about the LR
@@ -181,11 +221,14 @@ def run_metrics(summary: dict, log: list[dict], probes: list[dict], init_loss: f
     attn = [v for p in probes for v in p.get("attn_logit", [])]
     outl = [p["output_logit"] for p in probes if p.get("output_logit") is not None]
     diverged = bool(summary.get("diverged")) or not math.isfinite(final) or final >= init_loss
+    late = [r["loss"] for r in log if r["step"] >= warmup and r.get("loss") is not None and math.isfinite(r["loss"])]
     return {
         "final_loss": final,
         "loss_at_init": init_loss,
         "diverged": diverged,
         "spikes": int(summary.get("spikes") or 0),
+        "spike_steps": [int(x["step"]) for x in summary.get("spike_list") or []],
+        "peak_train_loss": max(late) if late else math.nan,
         "skipped_steps": int(summary.get("skipped_steps") or 0),
         "max_attention_logit": max(attn) if attn else math.nan,
         "max_hidden": max(hidden) if hidden else math.nan,
@@ -196,31 +239,11 @@ def run_metrics(summary: dict, log: list[dict], probes: list[dict], init_loss: f
     }
 
 
-def _clip(loss, init_loss: float) -> float:
-    """min(loss, loss at init), with a missing or non-finite loss (a diverged run) counted as the loss at init."""
-    if loss is None or not math.isfinite(loss):
-        return init_loss
-    return min(loss, init_loss)
-
-
-def lr_sensitivity(runs: list[dict]) -> float:
-    """Wortsman et al.'s LR sensitivity of one (variant, QK-norm) setting from its runs (dicts with lr, final_loss,
-    loss_at_init): E_lr[min(loss(lr), loss at init)] - min_lr loss(lr), where loss(lr) averages the clipped final
-    loss over the seeds run at that LR. Non-finite when no run has a finite loss."""
-    by_lr: dict[float, list[float]] = {}
-    for r in runs:
-        by_lr.setdefault(float(r["lr"]), []).append(_clip(r["final_loss"], r["loss_at_init"]))
-    if not by_lr:
-        return math.nan
-    per_lr = [sum(v) / len(v) for v in by_lr.values()]
-    return sum(per_lr) / len(per_lr) - min(per_lr)
-
-
 def edge_lrs(runs: list[dict], grid: tuple[float, ...], margin: float = EDGE_MARGIN) -> list[float]:
     """The LRs around the edge of stability of one setting, from its seed-0 runs: the first LR above the best one
     whose clipped loss is `margin` nats worse than the best (or that diverged), and the grid LR just below it (the
     last one on the stable side); when no LR is past the edge, the two largest LRs."""
-    loss = {float(r["lr"]): _clip(r["final_loss"], r["loss_at_init"]) for r in runs}
+    loss = {float(r["lr"]): clip(r["final_loss"], r["loss_at_init"]) for r in runs}
     lrs = [x for x in grid if x in loss]
     if not lrs:
         return []
@@ -233,12 +256,15 @@ def edge_lrs(runs: list[dict], grid: tuple[float, ...], margin: float = EDGE_MAR
 
 
 def _curve(log: list[dict], probes: list[dict], every: int) -> dict:
-    """Compact training curves for the report: train loss every `every` steps, and the probe series."""
+    """Compact training curves for the report: train loss every `every` steps, the probe series (max attention logit,
+    max |output logit|) and the trainer's max |hidden state| over layers at its stats steps."""
     return {"step": [r["step"] for r in log if r["step"] % every == 0],
             "loss": [r["loss"] for r in log if r["step"] % every == 0],
             "probe_step": [i * every for i in range(len(probes))],
             "attention_logit": [max(p["attn_logit"]) if p["attn_logit"] else math.nan for p in probes],
-            "output_logit": [p["output_logit"] for p in probes]}
+            "output_logit": [p["output_logit"] for p in probes],
+            "hidden_step": [r["step"] for r in log if r.get("max_act")],
+            "max_hidden": [max(r["max_act"]) for r in log if r.get("max_act")]}
 
 
 def stored_run(run_dir: str | Path, cfg_dict: dict) -> dict | None:
@@ -251,7 +277,8 @@ def stored_run(run_dir: str | Path, cfg_dict: dict) -> dict | None:
 
 def train_run(task: tuple) -> dict:
     """Train one grid point (cfg_dict, run_dir) and write its result.json (the trainer settings are its key), unless
-    a finished one is there. A run without result.json (interrupted) is wiped and restarts: runs are seconds long.
+    a finished one is there. A run without result.json (interrupted) is wiped and restarts (runs are minutes long at
+    most: a restart loses at most one run per worker).
     Picklable, so --jobs can run it in a worker process (experiment.run_units)."""
     cfg_dict, run_dir = task
     out = Path(run_dir)
@@ -285,7 +312,7 @@ def train_run(task: tuple) -> dict:
     summary = train(cfg, out, model_factory=factory)
     log = read_jsonl(out / "log.jsonl")
     probes = holder["probe"].records
-    result = {**run_metrics(summary, log, probes, holder["init"]),
+    result = {**run_metrics(summary, log, probes, holder["init"], cfg.warmup_steps),
               "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
               "curve": _curve(log, probes, cfg.stats_every)}
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the lab needs the numbers, not the weights
@@ -303,8 +330,9 @@ def train_run(task: tuple) -> dict:
 # ---------------------------------------------------------------- the grid
 
 def _row(variant: str, qk: bool, lr: float, seed: int, res: dict, run_dir: Path, out: Path) -> dict:
-    keep = ("final_loss", "loss_at_init", "diverged", "spikes", "skipped_steps", "max_attention_logit", "max_hidden",
-            "max_output_logit", "final_train_loss", "steps", "tokens", "wall_s", "cpu_s")
+    keep = ("final_loss", "loss_at_init", "diverged", "spikes", "spike_steps", "peak_train_loss", "skipped_steps",
+            "max_attention_logit", "max_hidden", "max_output_logit", "final_train_loss", "steps", "tokens", "wall_s",
+            "cpu_s")
     return {"variant": variant, "qk_norm": qk, "lr": lr, "seed": seed, **{k: res.get(k) for k in keep},
             "nonfinite": res.get("nonfinite") or {}, "dir": str(run_dir.relative_to(out))}
 
@@ -324,21 +352,55 @@ def _g(v) -> str:
     return "-" if v is None else f"{v:.3g}"
 
 
+def _setting(rows: list[dict], variant: str, qk: bool) -> list[dict]:
+    return [r for r in rows if r["variant"] == variant and r["qk_norm"] is qk]
+
+
 def instability_check(rows: list[dict], margin: float = 0.5) -> dict:
-    """The issue's bar for the grid: the baseline without QK-norm diverges somewhere, or its (seed-mean) final loss
-    at the highest LR is >= `margin` nats above its best."""
-    base = [r for r in rows if canonical_name(r["variant"]) == "none" and r["qk_norm"] is False]
-    if not base:
-        return {"checked": False, "reason": "no baseline run without QK-norm in this grid"}
-    by_lr: dict[float, list[float]] = {}
-    for r in base:
-        by_lr.setdefault(r["lr"], []).append(_clip(r["final_loss"], r["loss_at_init"]))
-    mean = {lr: sum(v) / len(v) for lr, v in by_lr.items()}
-    top = max(mean)
-    gap = mean[top] - min(mean.values())
-    diverged = any(r["diverged"] for r in base)
-    return {"checked": True, "baseline_off_diverged": diverged, "highest_lr": top, "gap_at_highest_lr": gap,
-            "margin": margin, "reached": bool(diverged or gap >= margin)}
+    """Does the grid show the failure the lab is about? Per QK-norm setting of the baseline: its runs' loss spikes and
+    divergences, and the gap between its (seed-mean) final loss at the highest LR and its best. `reached`: some
+    baseline run spiked or diverged, or a gap is >= `margin` nats (without it no verdict about the gate is possible)."""
+    out: dict = {"margin": margin}
+    for key, qk in (("off", False), ("on", True)):
+        base = [r for r in rows if canonical_name(r["variant"]) == "none" and r["qk_norm"] is qk]
+        if not base:
+            continue
+        mean = St.lr_curve(base)
+        top = max(mean)
+        out[key] = {"spikes": sum(int(r.get("spikes") or 0) for r in base),
+                    "runs_with_spikes": sum(bool(r.get("spikes")) for r in base), "runs": len(base),
+                    "diverged": sum(bool(r["diverged"]) for r in base), "highest_lr": top,
+                    "gap_at_highest_lr": mean[top] - min(mean.values())}
+    found = [out[k] for k in ("off", "on") if k in out]
+    out["checked"] = bool(found)
+    if not found:
+        out["reason"] = "no baseline run in this grid"
+        return out
+    out["reached"] = any(x["spikes"] or x["diverged"] or x["gap_at_highest_lr"] >= margin for x in found)
+    return out
+
+
+def setting_stats(runs: list[dict], margin: float) -> dict:
+    """One (variant, QK-norm) setting's aggregates with bootstrap intervals over seeds (stats.py)."""
+    seeds = sorted({r["seed"] for r in runs})
+    curve = St.lr_curve(runs)
+    best_lr = min(curve, key=curve.get)
+    per_seed_msl = {s: St.max_stable_lr([r for r in runs if r["seed"] == s], margin) for s in seeds}
+    return {
+        "seeds": seeds,
+        "best_lr": best_lr, "best_loss": curve[best_lr],
+        "lr_sensitivity": lr_sensitivity(runs),
+        "lr_sensitivity_interval": St.bootstrap(runs, lr_sensitivity),
+        "max_stable_lr": {"lr": St.max_stable_lr(runs, margin),
+                          "interval": St.bootstrap(runs, lambda rs: St.max_stable_lr(rs, margin), log_scale=True),
+                          "per_seed": [per_seed_msl[s] for s in seeds], "margin": margin},
+        "spikes": {"per_run": St.spikes_per_run(runs), "interval": St.bootstrap(runs, St.spikes_per_run),
+                   "total": sum(int(r.get("spikes") or 0) for r in runs),
+                   "runs_with_spikes": sum(bool(r.get("spikes")) for r in runs), "runs": len(runs),
+                   "by_lr": {f"{lr:g}": [int(r.get("spikes") or 0) for r in sorted(runs, key=lambda r: r["seed"])
+                                         if r["lr"] == lr] for lr in curve}},
+        "diverged": sum(bool(r["diverged"]) for r in runs),
+    }
 
 
 @locks_output("lab.out", "gattn lab stability")  # one writer per lab folder (its worker processes write inside)
@@ -352,16 +414,18 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     data_dir = ensure_corpus(lab.data_dir or spec.data_dir, spec.vocab_size, log, tag="[stability]")
     out = Path(lab.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    grid, seeds = lab.grid(), lab.n_seeds()
+    grid, seeds, where = lab.grid(), lab.n_seeds(), lab.where_seeds()
     settings = [(v, qk) for v in lab.variants for qk in QK_SETTINGS[lab.qk_norm]]
-    # phase 1: seed 0 at every LR (and every seed at every LR with --seed-lrs all)
-    first_seeds = range(seeds) if lab.seed_lrs == "all" else range(1)
-    points = [(v, qk, lr, s) for v, qk in settings for lr in grid for s in first_seeds]
-    log(f"[stability] {len(settings)} setting(s) x {len(grid)} LRs, {lab.n_steps()} steps each -> {out}")
+    # phase 1, seed-major: seed 0 at every LR of every setting, then seed 1, ... (with --seed-lrs all), so a lab
+    # stopped early holds whole LR curves of its first seeds
+    first_seeds = range(seeds) if where == "all" else range(1)
+    points = [(v, qk, lr, s) for s in first_seeds for v, qk in settings for lr in grid]
+    log(f"[stability] {len(settings)} setting(s) x {len(grid)} LRs x {len(first_seeds)} seed(s), {lab.n_steps()} "
+        f"steps each -> {out}")
     results = _execute(points, lab, data_dir, out, log)
-    # phase 2: more seeds at the LRs around each setting's edge of stability (found from seed 0)
+    # phase 2 (--seed-lrs edge): more seeds at the LRs around each setting's edge of stability (found from seed 0)
     edges = {}
-    if seeds > 1 and lab.seed_lrs == "edge":
+    if seeds > 1 and where == "edge":
         more = []
         for v, qk in settings:
             seed0 = [{"lr": p[2], **results[p]} for p in points if p[:2] == (v, qk)]
@@ -370,21 +434,23 @@ def run_lab(lab: LabConfig, log=print) -> dict:
         results.update(_execute(more, lab, data_dir, out, log))
     rows = [_row(*p, results[p], out / "runs" / run_name(*p), out) for p in results]
     rows.sort(key=lambda r: (lab.variants.index(r["variant"]), r["qk_norm"], r["lr"], r["seed"]))
-    sens: dict[str, dict] = {}
-    for v in lab.variants:
-        sens[v] = {}
-        for key, qk in (("on", True), ("off", False)):
-            mine = [r for r in rows if r["variant"] == v and r["qk_norm"] is qk]
-            sens[v][key] = lr_sensitivity(mine) if mine else None  # None: that setting was not run
+    stats = {v: {key: setting_stats(_setting(rows, v, qk), spec.margin) if _setting(rows, v, qk) else None
+                 for key, qk in (("on", True), ("off", False))} for v in lab.variants}  # None: not run
+    pick = lambda name: {v: {k: (s[name] if s else None) for k, s in d.items()} for v, d in stats.items()}
     first = train_config(lab, data_dir, *settings[0], grid[0], 0)
     lab_json = {
         "budget": lab.budget,
-        "config": {**asdict(lab), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds,
-                   "data_dir": str(data_dir), "resolved_precision": lab.resolved_precision()},
+        "config": {**asdict(lab), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds, "seed_lrs": where,
+                   "data_dir": str(data_dir), "resolved_precision": lab.resolved_precision(), "margin": spec.margin,
+                   "min_lr_frac": spec.min_lr_frac, "bootstrap": {"level": St.LEVEL, "resamples": St.N_BOOT}},
         "train_config": {k: v for k, v in first.to_dict().items() if k not in ("gate", "lr", "min_lr", "seed")},
         "edge_lrs": {f"{v}/{'on' if qk else 'off'}": e for (v, qk), e in edges.items()},
         "runs": rows,
-        "lr_sensitivity": sens,
+        "lr_sensitivity": pick("lr_sensitivity"),
+        "lr_sensitivity_interval": pick("lr_sensitivity_interval"),
+        "max_stable_lr": pick("max_stable_lr"),
+        "spikes": pick("spikes"),
+        "settings": stats,
         "instability": instability_check(rows),
         "curves": {run_name(*p): results[p].get("curve") for p in results},
     }

@@ -1,5 +1,7 @@
 """Rendering of a stability-lab result (lab.json): plots (final loss vs LR per QK-norm setting, max attention logit
-vs LR, training curves at the highest LR), report.md and a self-contained report.html (PNGs inlined as base64).
+vs LR, training curves at the highest LR and where the baseline spiked most), report.md and a self-contained
+report.html (PNGs inlined as base64). The verdict line is verdict.stability_verdict's, the rule compare's claims row
+uses (one rule, two places).
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 # ---------------------------------------------------------------- plots
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
-
+    """Final loss (clipped at the loss at init) vs LR per variant at one QK-norm setting; x marks a diverged run."""
     fig, ax = page.subplots(figsize=(7, 4.5))
     inits = []
     for v, q in _settings(lab):
@@ -72,7 +74,7 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
 
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
-
+    """Seed-mean max attention logit vs LR, every setting (QK-norm on dashed)."""
     fig, ax = page.subplots(figsize=(7, 4.5))
     colors = {}
     for v, qk in _settings(lab):
@@ -94,9 +96,8 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
-    """Training loss and max attention logit over steps at one LR, every setting (seed 0)."""
-
-    fig, (a1, a2) = page.subplots(1, 2, figsize=(12, 4))
+    """Training loss, max attention logit and max |hidden state| over steps at one LR, every setting (seed 0)."""
+    fig, (a1, a2, a3) = page.subplots(1, 3, figsize=(16, 4))
     drawn = False
     for v, qk in _settings(lab):
         row = next((r for r in lab["runs"] if (r["variant"], r["qk_norm"], r["lr"], r["seed"]) == (v, qk, lr, 0)), None)
@@ -110,6 +111,10 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
             pts2 = [(s, y) for s, y in zip(c["probe_step"], c["attention_logit"]) if y is not None and y > 0]
             if pts2:
                 a2.plot(*zip(*pts2), ls=ls, lw=1.2, color=line.get_color())
+            hidden = zip(c.get("hidden_step", []), c.get("max_hidden", []))
+            pts3 = [(s, y) for s, y in hidden if y is not None and y > 0]
+            if pts3:
+                a3.plot(*zip(*pts3), ls=ls, lw=1.2, color=line.get_color())
             drawn = True
     if not drawn:
         import matplotlib.pyplot as plt
@@ -118,6 +123,7 @@ def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
         return None
     a1.set(xlabel="step", ylabel="train loss", title=f"training loss at lr {lr:g}")
     a2.set(xlabel="step", ylabel="max attention logit", yscale="log", title=f"max attention logit at lr {lr:g}")
+    a3.set(xlabel="step", ylabel="max |hidden state|", yscale="log", title=f"max |hidden state| at lr {lr:g}")
     a1.legend(fontsize=8)
     return save_png(fig, path)
 
@@ -134,12 +140,55 @@ def make_plots(lab: dict, plot_dir) -> dict[str, Path]:
         p = plot_curves_at(lab, top, plot_dir / "curves_highest_lr.png")
         if p is not None:
             files["curves_highest_lr"] = p
+        lr = spikiest_baseline_lr(lab)
+        if lr is not None and lr != top:
+            p = plot_curves_at(lab, lr, plot_dir / "curves_most_baseline_spikes.png")
+            if p is not None:
+                files["curves_most_baseline_spikes"] = p
     return files
+
+
+def spikiest_baseline_lr(lab: dict) -> float | None:
+    """The LR at which the baseline's seed-0 runs had the most loss spikes (None when it never spiked)."""
+    counts: dict[float, int] = {}
+    for r in lab["runs"]:
+        if canonical_name(r["variant"]) == "none" and r["seed"] == 0:
+            counts[r["lr"]] = counts.get(r["lr"], 0) + int(r.get("spikes") or 0)
+    if not counts or max(counts.values()) == 0:
+        return None
+    return max(counts, key=lambda lr: (counts[lr], lr))
 
 
 # ---------------------------------------------------------------- tables and text
 
+def _iv(x, iv, digits: int = 3, lr: bool = False) -> str:
+    """'0.324 [0.290, 0.351]' (or LRs in %g)."""
+    f = (lambda v: "–" if v is None else f"{v:g}") if lr else (lambda v: fmt(v, digits))
+    return f(x) + (f" [{f(iv[0])}, {f(iv[1])}]" if iv else "")
+
+
+def _setting_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
+    """One row per (variant, QK-norm): skill, max stable LR, LR sensitivity, spikes, divergence, with intervals."""
+    level = int(round(100 * lab["config"].get("bootstrap", {}).get("level", 0.95)))
+    head = ["variant", "QK-norm", "seeds", "best loss (LR)", f"max stable LR [{level} % CI]",
+            f"LR sensitivity [{level} % CI]", f"spikes per run [{level} % CI]", "runs with spikes", "diverged runs"]
+    rows = []
+    for v, per in (lab.get("settings") or {}).items():
+        for qk in ("off", "on"):
+            st = per.get(qk)
+            if not st:
+                continue
+            msl, sp = st["max_stable_lr"], st["spikes"]
+            rows.append([_name(v), qk, str(len(st["seeds"])), f"{fmt(st['best_loss'], 3)} ({st['best_lr']:g})",
+                         _iv(msl["lr"], msl["interval"], lr=True),
+                         _iv(st["lr_sensitivity"], st["lr_sensitivity_interval"]),
+                         _iv(sp["per_run"], sp["interval"], 2), f"{sp['runs_with_spikes']}/{sp['runs']}",
+                         f"{st['diverged']}/{sp['runs']}"])
+    return head, rows
+
+
 def _sens_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
+    """The pre-interval summary (a lab.json without `settings`): LR sensitivity, best loss, divergence, spikes."""
     head = ["variant", "LR sensitivity, QK-norm off", "LR sensitivity, QK-norm on", "best loss off", "best loss on",
             "diverged runs off", "diverged runs on", "spikes off", "spikes on"]
     rows = []
@@ -157,13 +206,59 @@ def _sens_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def _summary_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
+    return _setting_cells(lab) if lab.get("settings") else _sens_cells(lab)
+
+
+def _per_lr_cells(lab: dict, key: str, fmt_one) -> tuple[list[str], list[list[str]]]:
+    """variant x QK-norm rows, one column per LR: the seed values of `key` (seed mean for floats)."""
+    lrs = sorted({r["lr"] for r in lab["runs"]})
+    head = ["variant", "QK-norm"] + [f"{x:g}" for x in lrs]
+    rows = []
+    for v, qk in _settings(lab):
+        mine = [r for r in lab["runs"] if r["variant"] == v and r["qk_norm"] is qk]
+        cells = [_name(v), _qk(qk)]
+        for x in lrs:
+            vals = [r.get(key) for r in sorted(mine, key=lambda r: r["seed"]) if r["lr"] == x]
+            cells.append(fmt_one(vals) if vals else "")
+        rows.append(cells)
+    return head, rows
+
+
+def _mean_sd(vals: list) -> str:
+    """'5.123 ± 0.040' over seeds (± sample sd), 'D' marks for runs that diverged (null loss)."""
+    got = [v for v in vals if v is not None]
+    if not got:
+        return "D" * len(vals)
+    m = sum(got) / len(got)
+    sd = (sum((v - m) ** 2 for v in got) / (len(got) - 1)) ** 0.5 if len(got) > 1 else None
+    return f"{m:.3f}" + (f" ± {sd:.3f}" if sd is not None else "") + (" D" if len(got) < len(vals) else "")
+
+
+def _seed_max(vals: list) -> str:
+    got = [v for v in vals if v is not None]
+    return _e(max(got)) if got else "–"
+
+
+def _seed_list(vals: list) -> str:
+    return "/".join(str(int(v or 0)) for v in vals)
+
+
 def _run_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["variant", "QK-norm", "lr", "seed", "final loss", "loss at init", "diverged", "spikes", "max attn logit",
-            "max |h|", "max |logit|"]
+    head = ["variant", "QK-norm", "lr", "seed", "final loss", "loss at init", "peak train loss", "diverged",
+            "spikes (steps)", "max attn logit", "max |h|", "max |logit|"]
     rows = [[_name(r["variant"]), _qk(r["qk_norm"]), f"{r['lr']:g}", str(r["seed"]), fmt(r["final_loss"], 3),
-             fmt(r["loss_at_init"], 3), "yes" if r["diverged"] else "no", str(r["spikes"]),
+             fmt(r["loss_at_init"], 3), fmt(r.get("peak_train_loss"), 2), "yes" if r["diverged"] else "no",
+             str(r["spikes"]) + _steps(r.get("spike_steps")),
              _e(r["max_attention_logit"]), _e(r["max_hidden"]), _e(r["max_output_logit"])] for r in lab["runs"]]
     return head, rows
+
+
+def _steps(steps) -> str:
+    """' (211, 212, …)': the first spike steps of a run (nothing without spikes)."""
+    if not steps:
+        return ""
+    return f" ({', '.join(map(str, steps[:8]))}{', …' if len(steps) > 8 else ''})"
 
 
 def _e(v) -> str:
@@ -173,8 +268,16 @@ def _e(v) -> str:
 
 
 def sensitivity_text(lab: dict) -> str:
-    """What `gattn lab stability` prints: the LR-sensitivity table (markdown)."""
-    return md_table(*_sens_cells(lab))
+    """What `gattn lab stability` prints: the per-setting summary table (markdown) and the verdict line."""
+    return md_table(*_summary_cells(lab)) + "\n\n" + verdict_line(lab)
+
+
+def verdict_line(lab: dict) -> str:
+    """The claims table's stability verdict for this lab (verdict.stability_verdict, as compare's claims row)."""
+    from .verdict import stability_verdict
+
+    c = stability_verdict(lab)
+    return f"Verdict (the claims-table rule): {c['verdict']} - {c['this_run']}"
 
 
 def findings(lab: dict) -> list[str]:
@@ -182,29 +285,28 @@ def findings(lab: dict) -> list[str]:
     out = []
     inst = lab.get("instability") or {}
     if inst.get("checked"):
-        what = ("reached" if inst["reached"] else "NOT reached")
-        out.append(f"Instability {what}: the baseline without QK-norm "
-                   f"{'diverged in at least one run' if inst['baseline_off_diverged'] else 'did not diverge'}; its "
-                   f"final loss at the highest LR ({inst['highest_lr']:g}) is {fmt(inst['gap_at_highest_lr'], 2)} nats "
-                   f"above its best (the bar: diverged, or >= {inst['margin']:g}).")
-    sens = lab["lr_sensitivity"]
-    base = next((v for v in sens if canonical_name(v) == "none"), None)
-    for key, label in (("off", "without QK-norm"), ("on", "with QK-norm")):
-        if base is None or sens[base].get(key) is None:
+        parts = [f"QK-norm {k}: {x['spikes']} spike(s) in {x['runs_with_spikes']}/{x['runs']} runs, {x['diverged']} "
+                 f"diverged, final loss at the highest LR ({x['highest_lr']:g}) {fmt(x['gap_at_highest_lr'], 2)} nats "
+                 f"above its best" for k in ("off", "on") if (x := inst.get(k))]
+        out.append(f"Instability {'reached' if inst['reached'] else 'NOT reached'} by the baseline (the bar: a spike, "
+                   f"a divergence, or >= {inst['margin']:g} nats at the highest LR): " + "; ".join(parts) + ".")
+    settings = lab.get("settings") or {}
+    base = next((v for v in settings if canonical_name(v) == "none"), None)
+    for key, label in (("on", "with QK-norm"), ("off", "without QK-norm")):
+        if base is None or not settings[base].get(key):
             continue
-        b = sens[base][key]
         parts = []
-        for v, s in sens.items():
-            if v == base or s.get(key) is None:
+        for v, per in settings.items():
+            st = per.get(key)
+            if not st:
                 continue
-            rel = "lower" if s[key] < b else ("higher" if s[key] > b else "equal")
-            parts.append(f"{_name(v)} {fmt(s[key], 3)} ({rel})")
-        if parts:
-            out.append(f"LR sensitivity {label}: baseline {fmt(b, 3)}; " + "; ".join(parts) + ".")
-    for v, s in sens.items():
-        if s.get("on") is not None and s.get("off") is not None:
-            out.append(f"QK-norm changes {_name(v)}'s LR sensitivity from {fmt(s['off'], 3)} (off) to "
-                       f"{fmt(s['on'], 3)} (on).")
+            msl = st["max_stable_lr"]
+            parts.append(f"{_name(v)}: max stable LR {_iv(msl['lr'], msl['interval'], lr=True)}, sensitivity "
+                         f"{_iv(st['lr_sensitivity'], st['lr_sensitivity_interval'])}, "
+                         f"{fmt(st['spikes']['per_run'], 2)} spikes/run, best loss {fmt(st['best_loss'], 3)}")
+        out.append(f"{label[0].upper()}{label[1:]}: " + "; ".join(parts) + ".")
+    if lab.get("settings"):
+        out.append(verdict_line(lab))
     return out
 
 
@@ -212,23 +314,31 @@ def _intro(lab: dict) -> list[str]:
     c, t = lab["config"], lab["train_config"]
     mo = t.get("model_overrides") or {}
     shape = ", ".join(f"{k}={v}" for k, v in mo.items() if k != "use_qk_norm")
+    sched = (f"cosine to lr x {c.get('min_lr_frac', 0.01):g}" if t["schedule"] == "cosine"
+             else f"WSD (decay over the last {100 * t['wsd_decay_frac']:.0f} %)")
+    boot = c.get("bootstrap") or {}
+    seeds = (f"{c['seeds']} seed(s) at every LR" if c.get("seed_lrs") == "all" else
+             f"seed 0 at every LR, {c['seeds']} seed(s) at the LRs around each setting's edge of stability")
     return [
         f"Budget `{lab['budget']}`: {len(c['lrs'])} peak LRs ({', '.join(f'{x:g}' for x in c['lrs'])}), "
         f"{c['steps']} steps per run of seq_len {t['seq_len']} x batch {t['batch_size']} "
         f"({c['steps'] * t['seq_len'] * t['batch_size']:,} tokens, the same batches for every run of a seed), "
         f"model `{t['model']}` with {shape}; AdamW (beta2 {t['beta2']:g}), warm-up {t['warmup_steps']} steps then "
-        f"cosine to lr/100, weight decay {t['weight_decay']:g}, grad clip {t['grad_clip']:g}, {t['precision']}; "
-        f"corpus {c['data_dir']}. Gated variants shrink the FFN to the baseline's parameter count.",
-        f"Seed 0 runs at every LR; {c['seeds']} seed(s) at the LRs around each setting's edge of stability "
-        f"({c['seed_lrs']}). Final loss = mean over domains of the held-out loss after training ({t['eval_batches']} "
-        f"batches of {t['eval_batch_size']} per domain); loss at init = the same evaluation before the first step. "
-        f"Diverged = the trainer stopped on non-finite steps, or the final loss is no better than at init. "
-        f"LR sensitivity (Wortsman et al. 2023) = mean over the LRs of min(final loss, loss at init), seeds averaged, "
-        f"minus the best of those; lower = trains well over a wider LR range. Spikes: the trainer's detector (a step "
-        f"above the trailing {t['spike_window']}-step median by more than max({t['spike_delta']:g} nats, "
-        f"{t.get('spike_noise_k', 0):g} robust sigmas)). Max attention logit = max of q.k/sqrt(d) over causal pairs, "
-        f"max |h| = max |hidden state| at a layer output, max |logit| = max |output logit|, each over the trainer's "
-        f"probe forwards every {t['stats_every']} steps.",
+        f"{sched}, weight decay {t['weight_decay']:g}, grad clip {t['grad_clip']:g}, no z-loss, {t['precision']}; "
+        f"corpus {c['data_dir']}; {seeds}. Gated variants shrink the FFN to the baseline's parameter count.",
+        f"Final loss = mean over domains of the held-out loss after training ({t['eval_batches']} batches of "
+        f"{t['eval_batch_size']} per domain); loss at init = the same evaluation before the first step. Diverged = the "
+        f"trainer stopped on non-finite steps, or the final loss is no better than at init. Max stable LR = the "
+        f"largest LR of the contiguous range, starting at the best LR, whose seed-mean final loss is within "
+        f"{c.get('margin', 0.1):g} nats of the best and where no run diverged. LR sensitivity (Wortsman et al. 2023) "
+        f"= mean over the LRs of min(final loss, loss at init), seeds averaged, minus the best of those; lower = "
+        f"trains well over a wider LR range. Intervals: {100 * boot.get('level', 0.95):.0f} % percentile bootstrap "
+        f"over whole seeds ({boot.get('resamples', 2000)} resamples; with 3 seeds only 10 distinct resamples exist, "
+        f"so the intervals are coarse). Spikes: the trainer's detector (a step above the trailing "
+        f"{t['spike_window']}-step median by more than max({t['spike_delta']:g} nats, "
+        f"{t.get('spike_noise_k', 0):g} robust sigmas = 1.4826 x MAD of that window)). Max attention logit = max of "
+        f"q.k/sqrt(d) over causal pairs, max |h| = max |hidden state| at a layer output, max |logit| = max |output "
+        f"logit|, each over the trainer's probe forwards every {t['stats_every']} steps.",
         f"Wall time of this invocation {lab['wall_time_s']:.0f} s; training {lab['cpu_s_runs'] / 60:.1f} core-minutes "
         f"in all runs (reused runs included).",
     ]
@@ -236,14 +346,25 @@ def _intro(lab: dict) -> list[str]:
 
 _TITLES = {"loss_vs_lr_qk_off": "Final loss vs LR, QK-norm off", "loss_vs_lr_qk_on": "Final loss vs LR, QK-norm on",
            "max_attention_logit_vs_lr": "Max attention logit vs LR",
-           "curves_highest_lr": "Training curves at the highest LR"}
+           "curves_highest_lr": "Training curves at the highest LR (seed 0)",
+           "curves_most_baseline_spikes": "Training curves where the baseline spiked most (seed 0)"}
 
 
 def blocks(lab: dict) -> list[tuple]:
     """The report as experiment.report blocks."""
     out = [("p", p) for p in _intro(lab)]
     out += [("h2", "Findings")] + [("p", f) for f in findings(lab)]
-    out += [("h2", "LR sensitivity"), ("table", *_sens_cells(lab)), ("h2", "Every run"), ("table", *_run_cells(lab))]
+    out += [("h2", "Per setting"), ("table", *_summary_cells(lab)),
+            ("h2", "Final validation loss per LR (seed mean ± sd; D = a diverged run)"),
+            ("table", *_per_lr_cells(lab, "final_loss", _mean_sd)),
+            ("h2", "Loss spikes per LR (per seed)"), ("table", *_per_lr_cells(lab, "spikes", _seed_list)),
+            ("h2", "Max attention logit per LR (max over seeds)"),
+            ("table", *_per_lr_cells(lab, "max_attention_logit", _seed_max)),
+            ("h2", "Max |hidden state| per LR (max over seeds)"),
+            ("table", *_per_lr_cells(lab, "max_hidden", _seed_max)),
+            ("h2", "Max |output logit| per LR (max over seeds)"),
+            ("table", *_per_lr_cells(lab, "max_output_logit", _seed_max)),
+            ("h2", "Every run"), ("table", *_run_cells(lab))]
     if lab.get("nonfinite"):
         out.append(("p", f"Non-finite values (null in lab.json): {', '.join(lab['nonfinite'])}"))
     out.append(("h2", "Plots"))
