@@ -138,6 +138,21 @@ def test_stability_verdict_needs_separated_intervals():
     assert C.stability_verdict(lab)["verdict"] == C.REPRODUCED
 
 
+
+def test_the_measured_stability_lab_reads_into_the_claims_row():
+    """The project's measured default lab (docs/experiments/stability_lab/lab.json, the folder STABILITY_DOC names)
+    goes through the same row as a fresh run: its max stable LR, sensitivity and spikes with intervals, and the verdict
+    docs/experiments/stability_lab.md states for it (no interval separates there: "not at this scale")."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "stability_lab"
+    assert str(folder.relative_to(folder.parents[2])) in C.STABILITY_DOC
+    row = C.stability_claim({}, folder)
+    assert row["verdict"] == C.NOT_AT_SCALE and "command" not in row
+    assert "QK-norm on: max stable LR / LR sensitivity / spikes per run, baseline 0.1 [0.1, 0.1]" in row["this_run"]
+    assert "3 seeds" in row["this_run"] and "separates" not in row["this_run"]
+    assert "not at this scale" in (folder.parent / "stability_lab.md").read_text(encoding="utf-8")
+
 def _stream(b0, bk, g0, gk, text=None):
     """A compare result's "streaming" with sink-lab by-variant means (Δloss of K=0 and K=4) and optional text models."""
     mean = lambda d0, dk: {"mean": {"K0_dloss": d0, "K4_dloss": dk}, "std": {}, "seeds": 3}
