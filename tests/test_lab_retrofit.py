@@ -145,6 +145,17 @@ def _tiny_gated(seed=0):
     return build_lm(cfg, seed=seed, eval=False).float()
 
 
+def _assert_grads_close(g_fast, g_ref, **tol) -> int:
+    """Both gradient lists reach the same parameters and agree there; returns how many of them are non-zero."""
+    n = 0
+    for a, b in zip(g_fast, g_ref):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, **tol)
+            n += int(b.abs().sum() > 0)
+    return n
+
+
 def test_first_token_penalty_matches_eager_attention_in_value_and_gradient():
     from gated_attention.capture import capture
 
@@ -163,12 +174,7 @@ def test_first_token_penalty_matches_eager_attention_in_value_and_gradient():
     g_ref = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
 
     assert float(fast.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
-    n = 0
-    for a, b in zip(g_fast, g_ref):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
-            n += int(b.abs().sum() > 0)
+    n = _assert_grads_close(g_fast, g_ref, rtol=1e-4, atol=1e-7)
     assert n >= 4  # q/k projections, norms and embeddings receive the penalty's gradient
 
 
@@ -192,10 +198,7 @@ def test_gate_sparsity_term_matches_the_gate_modules_scores():
     ref = torch.stack([s.float().mean() for s in scores]).mean()
     g_ref = torch.autograd.grad(ref, list(model.parameters()), allow_unused=True)
     assert float(fast.detach()) == pytest.approx(float(ref.detach()), rel=1e-6)
-    for a, b in zip(g_fast, g_ref):
-        assert (a is None) == (b is None)
-        if a is not None:
-            torch.testing.assert_close(a, b)
+    _assert_grads_close(g_fast, g_ref)
 
 
 def test_penalty_gradient_matches_a_finite_difference():
