@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.apply_trainable)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
+ACTIVATION_CHECKPOINTING = ("none", "full")  # train.model_setup.apply_activation_checkpointing
 RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 
 
@@ -57,6 +58,8 @@ class TrainConfig:
     # Triton: the G1 gate fused into a flash-attention kernel's epilogue); the same math, so a run may switch on resume
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
     dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
+    activation_checkpointing: str = "none"  # "full": each decoder layer keeps only its input and recomputes itself in
+    # backward (activations: one (B, T, d) tensor per layer + one layer's worth, for ~1/3 more compute; docs/scale.md)
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
     # --- monitoring
     eval_every: int = 0  # per-domain validation every N steps (0 = only at the end)
@@ -106,6 +109,9 @@ class TrainConfig:
             bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
         if self.device not in ("auto", "cpu", "cuda"):
             bad(f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'")
+        if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            bad(f"activation_checkpointing={self.activation_checkpointing!r}; use one of "
+                f"{', '.join(ACTIVATION_CHECKPOINTING)}")
         from gated_attention.util.errors import UserError, check_number
 
         try:  # numbers where they enter: finite, in range, integers where counts
@@ -362,7 +368,7 @@ def check_model(cfg: TrainConfig) -> None:
 
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
-                               "device", "attn_implementation",
+                               "device", "attn_implementation", "activation_checkpointing",
                                "grad_accum", "inject_nan_steps"})
 
 

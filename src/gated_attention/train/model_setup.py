@@ -1,10 +1,13 @@
-"""What a training run trains: the model (fresh, or continued from a checkpoint), which parameters are trainable, and
-the optimizer's parameter groups. Split from trainer.py so the loop reads on its own; trainer re-exports these names.
+"""What a training run trains: the model (fresh, or continued from a checkpoint), which parameters are trainable,
+activation checkpointing of its decoder layers, and the optimizer's parameter groups. Split from trainer.py so the loop reads on its own; trainer re-exports these names.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import TrainConfig
 
@@ -106,3 +109,30 @@ def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
         else:
             decay.append(p)
     return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
+    """`mode="full"`: every decoder layer in `layers` keeps only its inputs in forward and recomputes itself in
+    backward (torch.utils.checkpoint, non-reentrant); "none" leaves them as they are. Returns how many layers now
+    checkpoint.
+
+    The hook is the decoder layer's own (transformers' GradientCheckpointingLayer, documented there: a
+    `gradient_checkpointing` flag and the checkpoint function `_gradient_checkpointing_func`): it checkpoints the
+    layer's `forward` only in training mode with grad enabled, so FSDP2's module hooks stay outside the recomputed
+    region (apply before `fully_shard`), evaluation and no-grad probes run unchanged, and the trainer's compiled layer
+    forward (train/fastpath.py compiles the class's forward) traces the checkpoint itself. The numbers equal "none"
+    (the recompute is the same forward; MoE layers skip their global-batch bookkeeping when recomputing, moe.py)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if mode == "none":
+        return 0
+    if mode != "full":
+        raise ValueError(f"activation_checkpointing={mode!r}; use 'none' or 'full'")
+    if not layers or not all(isinstance(layer, GradientCheckpointingLayer) for layer in layers):
+        raise ValueError("activation_checkpointing=full needs the model's decoder layers (GatedQwen3DecoderLayer, or "
+                         "any transformers GradientCheckpointingLayer); use --set activation_checkpointing=none")
+    fn = functools.partial(checkpoint, use_reentrant=False)
+    for layer in layers:
+        layer._gradient_checkpointing_func = fn
+        layer.gradient_checkpointing = True
+    return len(layers)

@@ -34,7 +34,8 @@ from . import fastpath
 from .config import TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import autocast_for, domain_losses
-from .model_setup import apply_trainable, build_model, check_attn_implementation, param_groups
+from .model_setup import (apply_activation_checkpointing, apply_trainable, build_model, check_attn_implementation,
+                          param_groups)
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .monitors import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
@@ -283,6 +284,7 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run
     layers = decoder_layers(model)
     # fast path (fused projections/gate, chunked loss) and when to compile: fastpath.py
     speed = fastpath.prepare(cfg, model, layers, info.device)
+    apply_activation_checkpointing(layers, cfg.activation_checkpointing)  # before wrapping: FSDP2 hooks stay outside
     model = D.wrap(model, info, layers)
     raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
     fwd = model
