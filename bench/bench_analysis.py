@@ -22,7 +22,7 @@ torch.set_num_threads({threads})
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.presets import model_config
 from gated_attention.analysis.analyze import AnalysisConfig, analyze_model
-from gated_attention.util.precision import autocast
+from gated_attention.util.precision import numerics
 def rss_now():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
@@ -31,7 +31,7 @@ model = GatedQwen3ForCausalLM(model_config({preset!r}, {gate!r}, max_position_em
 ids = torch.randint(0, model.config.vocab_size, (1, {T}))
 before = rss_now()
 t = time.perf_counter()
-with autocast({prec!r}, "cpu"):
+with numerics({prec!r}, "cpu"):
     analyze_model(model, [ids], AnalysisConfig(method={method!r}))
 dt = time.perf_counter() - t
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

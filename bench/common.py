@@ -78,7 +78,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 
 def precision_arg(ap) -> None:
     """Add the common `--precision` option to a bench's argument parser."""
-    ap.add_argument("--precision", choices=PRECISIONS, default="auto",
+    ap.add_argument("--precision", choices=[p for p in PRECISIONS if p != "bf16-params"], default="auto",  # the workloads cast weights per GEMM (autocast), not the parameters
                     help="numerics of the workload: auto (default; bf16 autocast where this CPU runs bf16 GEMMs fast, "
                          "else fp32: gated_attention.util.precision), bf16 or fp32. The in-run GEMM peak is timed in the "
                          "same precision; the result JSON records resolved_precision")
@@ -97,7 +97,7 @@ def autocast(resolved: str, device="cpu"):
     """The workload's autocast context: bf16 autocast, or a no-op for fp32 (what the trainer uses)."""
     from gated_attention.util import precision as P
 
-    return P.autocast(resolved, device)
+    return P.numerics(resolved, device)
 
 
 def matmul_peak_fn(n: int = 2048, precision: str = "bf16") -> tuple[Callable[[], None], float]:

@@ -40,20 +40,79 @@ def test_auto_resolves_by_the_measured_speed(cpu_kind):
     assert "bf16" in P.describe("auto", "cpu") or "fp32" in P.describe("auto", "cpu")
     with pytest.raises(ValueError, match="fp16.*not supported"):
         P.resolve("fp16", "cpu")
-    with pytest.raises(ValueError, match="use one of auto, bf16, fp32"):
+    with pytest.raises(ValueError, match="use one of auto, bf16, bf16-params, fp32"):
         P.resolve("half", "cpu")
 
 
-def test_forced_bf16_on_a_slow_cpu_warns_once_with_the_ratio(cpu_kind, capsys):
+def test_forced_bf16_on_a_slow_cpu_says_once_that_gemms_are_emulated(cpu_kind, capsys, monkeypatch):
     cpu_kind(SLOW)
     P.resolve("bf16", "cpu")
-    P.resolve("bf16", "cpu")
+    P.resolve("bf16-params", "cpu")
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "precision=bf16 is forced" in err[0] and "0.02x" in err[0] and "50x slower" in err[0]
+    assert len(err) == 1 and "precision=bf16" in err[0] and "0.02x" in err[0] and "emulated" in err[0]
+    cpu_kind(SLOW)
+    monkeypatch.setenv("GATTN_BF16_GEMM", "native")  # emulation refused: the old warning with the cost
+    P.resolve("bf16", "cpu")
+    err = capsys.readouterr().err
+    assert "warning: precision=bf16 is forced" in err and "50x slower" in err
+    monkeypatch.delenv("GATTN_BF16_GEMM")
     cpu_kind(FAST)
     P.resolve("bf16", "cpu")
     P.resolve("auto", "cpu")
-    assert capsys.readouterr().err == ""  # no warning where bf16 is fast, nor for auto
+    assert capsys.readouterr().err == ""  # nothing to say where bf16 is fast, nor for auto
+
+
+def test_gemm_mode_and_auto_with_the_dist_mode(cpu_kind, monkeypatch):
+    cpu_kind(SLOW)
+    assert P.gemm_mode("cpu") == "emulated"
+    cpu_kind(FAST)
+    assert P.gemm_mode("cpu") == "native"
+    monkeypatch.setenv("GATTN_BF16_GEMM", "emulated")
+    assert P.gemm_mode("cpu") == "emulated" and P.gemm_mode("cuda") == "native"
+    monkeypatch.setenv("GATTN_BF16_GEMM", "fake")
+    with pytest.raises(ValueError, match="GATTN_BF16_GEMM='fake'; use one of native, emulated"):
+        P.gemm_mode("cpu")
+    monkeypatch.delenv("GATTN_BF16_GEMM")
+    # CUDA with bf16: FSDP runs train in bf16-params (the paper's numerics), others in autocast
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert P.resolve("auto", "cuda", "fsdp") == "bf16-params" and P.resolve("auto", "cuda", "ddp") == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert P.resolve("auto", "cuda", "fsdp") == "fp32"
+    cpu_kind(FAST)  # a CPU keeps autocast for auto whatever the dist mode; bf16-params only when asked for
+    assert P.resolve("auto", "cpu", "fsdp") == "bf16" and P.resolve("bf16-params", "cpu") == "bf16-params"
+    assert P.param_dtype("bf16-params") == torch.bfloat16 and P.param_dtype("bf16") == torch.float32
+
+
+def test_numerics_context_of_each_precision(cpu_kind):
+    a = torch.randn(8, 8)
+    ab = a.to(torch.bfloat16)
+    cpu_kind(SLOW)
+    with P.numerics("bf16-params", "cpu"):  # no autocast: fp32 stays fp32; bf16 GEMMs are emulated
+        assert (a @ a).dtype == torch.float32
+        assert torch.equal(ab @ ab, (ab.float() @ ab.float()).to(torch.bfloat16))
+    with P.numerics("bf16", "cpu"):  # autocast, emulated: the fp32 GEMM of the bf16-rounded inputs
+        assert torch.equal(a @ a, (ab.float() @ ab.float()).to(torch.bfloat16))
+    with P.numerics("fp32", "cpu"):
+        assert torch.equal(ab @ ab, ab @ ab) and (a @ a).dtype == torch.float32
+
+
+def test_every_parser_offers_the_one_set_of_choices():
+    """One definition: every --precision of the CLI has exactly PRECISIONS as its choices."""
+    from gated_attention.cli import COMMANDS, command_parser
+
+    found = []
+
+    def walk(parser):
+        for action in parser._actions:
+            if "--precision" in action.option_strings:
+                found.append(tuple(action.choices))
+            if isinstance(action.choices, dict):  # subcommands (gattn lab sinks / stability / ...)
+                for sub in action.choices.values():
+                    walk(sub)
+
+    for name in COMMANDS:
+        walk(command_parser(name)[1])
+    assert len(found) >= 5 and set(found) == {P.PRECISIONS}
 
 
 def test_measurement_runs_once_per_process_and_env_is_checked(cpu_kind, monkeypatch):
@@ -79,14 +138,14 @@ def test_the_real_measurement_is_a_positive_ratio(cpu_kind):
 def test_autocast_of_each_precision(cpu_kind):
     cpu_kind(FAST)
     a = torch.randn(4, 4)
-    with P.autocast("bf16", "cpu"):
+    with P.numerics("bf16", "cpu"):
         assert (a @ a).dtype == torch.bfloat16
-    with P.autocast("fp32", "cpu"):
+    with P.numerics("fp32", "cpu"):
         assert (a @ a).dtype == torch.float32
-    with P.autocast("auto", "cpu"):
+    with P.numerics("auto", "cpu"):
         assert (a @ a).dtype == torch.bfloat16
     cpu_kind(SLOW)
-    with P.autocast("auto", "cpu"):
+    with P.numerics("auto", "cpu"):
         assert (a @ a).dtype == torch.float32
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from dataclasses import replace
 
 from ..util import errors as E
+from ..util import precision as P
 
 from ..labs.sinks import report as sinks_report
 from ..experiment.runs import default_jobs
@@ -36,9 +37,7 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (AdamW)")
     parser.add_argument("--gate-init", choices=("normal", "identity"), default=None,
                         help="normal: the official N(0, 0.02) init, gate ~0.5 at start; identity: gate == 1 at start")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
-                        help="training numerics: auto (bf16 autocast where this CPU runs it faster than fp32, "
-                             "measured once; fp32 otherwise), or force bf16 / fp32; measurements always run in fp32")
+    P.add_argument(parser, default=None, note="; measurements always run in fp32")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the training forward (~2x faster after ~10 s of compiling)")
     parser.add_argument("--batch-size", type=int, default=None, help="sequences per step")
@@ -156,9 +155,7 @@ def configure_stability(parser: argparse.ArgumentParser) -> None:
                              "vocabulary, prepared automatically if missing)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="runs trained in parallel, one thread each (default: one per core, at most 2)")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                        help="training numerics: auto (default: bf16 autocast where this CPU runs it faster than "
-                             "fp32, measured once; fp32 otherwise), or force bf16 / fp32")
+    P.add_argument(parser, default="auto", note="; lab.json records the resolved precision of every run")
 
 
 def run_stability(args) -> int:
@@ -238,10 +235,8 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
                         help="sequences per step (default: the start's training batch size, 16 when unknown)")
     parser.add_argument("--weight-decay", type=E.nonneg_float, default=None,
                         help="AdamW weight decay on matrices (default: the start's own, 0.1 when unknown)")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=d.precision,
-                        help=f"training numerics (default {d.precision}: bf16 autocast where a measured bf16 GEMM "
-                             "beats fp32 on this CPU, else fp32; lab.json records the resolved one); measurements "
-                             "always run in fp32")
+    P.add_argument(parser, default=d.precision, note="; lab.json records the resolved one; measurements always run "
+                   "in fp32")
     parser.add_argument("--eval-every", type=E.positive_int, default=None,
                         help="learning-curve interval in steps (default: a tenth of the steps)")
     parser.add_argument("--eval-size", type=E.positive_int, default=d.eval_size,

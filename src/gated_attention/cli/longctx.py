@@ -3,6 +3,7 @@ checkpoint: OUT/ruler.json, a task x length table, OUT/ruler.png) and `gattn lon
 from __future__ import annotations
 
 from ..util import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import precision as P
 
 import dataclasses
 import json
@@ -137,9 +138,7 @@ def configure_longctx(parser) -> None:
     parser.add_argument("--retrieval-mix", type=E.nonneg_float, default=None,
                         help="fraction of training rows replaced by retrieval samples (default: the budget's)")
     parser.add_argument("--seed", type=E.nonneg_int, default=0, help="first training and sample seed")
-    parser.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
-                        help="training numerics: auto (default: bf16 autocast where this CPU runs it faster than "
-                             "fp32, measured once; fp32 otherwise), or force bf16 / fp32; evaluation runs in fp32")
+    P.add_argument(parser, default=None, note="; evaluation runs in fp32")
     parser.add_argument("--jobs", type=E.positive_int, default=None,
                         help="(model, seed) runs trained and scored at a time, each in its own process with "
                              "cores/JOBS torch threads (small models: one core per model beats sharing threads); "

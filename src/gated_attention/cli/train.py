@@ -7,6 +7,7 @@ Works unchanged under `torchrun --nproc_per_node=N` (DDP by default, `--set dist
 from __future__ import annotations
 
 from ..util import errors as E  # argparse types: numbers and paths checked where they enter
+from ..util import precision as P
 
 import argparse
 import json
@@ -66,9 +67,7 @@ def configure_eval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=E.positive_int, default=None, help="tokens per sequence (default: the run's seq_len)")
     parser.add_argument("--batches", type=E.positive_int, default=8, help="validation batches per domain")
     parser.add_argument("--batch-size", type=E.positive_int, default=8, help="sequences per validation batch")
-    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                        help="autocast precision: auto (default: bf16 where this machine runs it faster than fp32, "
-                             "measured once; fp32 otherwise), or force bf16 / fp32")
+    P.add_argument(parser, default="auto", what="evaluation numerics")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--out", type=E.out_file, default=None, help="also write the JSON result to this file (atomically)")
 

@@ -51,7 +51,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
     # --- numerics and speed
-    precision: str = "auto"  # "auto" (bf16 autocast where this machine runs it fast, else fp32: util/precision.py), "bf16", "fp32"
+    precision: str = "auto"  # "auto", "bf16" (autocast), "bf16-params" (bf16 weights, fp32 master), "fp32": util/precision.py
     fast: bool = True  # fused q/k/v/gate GEMM, fused gate, chunked loss (train/fastpath.py); false = plain reference
     compile: str = "auto"  # "auto" (compile when the run outlasts the compile cost), "true" or "false" (eager)
     attn_implementation: str = "sdpa"  # attention kernel: "sdpa", "eager" (the reference), or "triton_gated" (CUDA +
@@ -155,8 +155,13 @@ class TrainConfig:
                 bad(str(exc))
         return self
 
-    def check_world(self, world_size: int) -> None:
-        """The global batch must split evenly over ranks and micro-batches (same math for any world size)."""
+    def check_world(self, world_size: int, resolved_precision: str | None = None) -> None:
+        """The global batch must split evenly over ranks and micro-batches (same math for any world size); bf16-params
+        over several ranks needs FSDP2 (its policy reduces gradients in fp32; DDP would all-reduce bf16 ones)."""
+        if world_size > 1 and resolved_precision == "bf16-params" and self.dist != "fsdp":
+            raise ValueError(f"precision bf16-params under torchrun needs dist=fsdp (FSDP2's MixedPrecisionPolicy keeps "
+                             f"fp32 master weights and reduces gradients in fp32; dist={self.dist} would all-reduce "
+                             "bf16 gradients); add --set dist=fsdp")
         if self.batch_size % (world_size * self.grad_accum):
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by world_size*grad_accum={world_size}*{self.grad_accum}; "
@@ -378,12 +383,12 @@ def run_precision(d: dict) -> str:
     (gated_attention.util.precision). A bf16 run and an fp32 run are different runs, whatever was asked for."""
     if d.get("resolved_precision"):
         return d["resolved_precision"]
-    asked = d.get("precision", "auto")
-    if asked in ("bf16", "fp32"):
-        return asked
-    from gated_attention.util.precision import resolve
+    from gated_attention.util.precision import RESOLVED, resolve
 
-    return resolve(asked, d.get("device", "auto"))
+    asked = d.get("precision", "auto")
+    if asked in RESOLVED:
+        return asked
+    return resolve(asked, d.get("device", "auto"), d.get("dist", "none"))
 
 
 def changed_settings(saved: dict, want: dict) -> list[str]:

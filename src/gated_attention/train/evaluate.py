@@ -9,13 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-
-
-def autocast_for(device: torch.device, precision: str):
-    """Autocast context of a precision ("auto" resolves by measurement: gated_attention.util.precision)."""
-    from gated_attention.util.precision import autocast
-
-    return autocast(precision, device)
+from ..util.precision import numerics
 
 
 @torch.no_grad()
@@ -32,7 +26,7 @@ def domain_losses(model, source, *, seq_len: int, max_batches: int, batch_size: 
         for batch in source.eval_batches(domain, seq_len, max_batches, batch_size):
             batch = batch.to(device)  # (B, T+1)
             x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
-            with autocast_for(device, precision):
+            with numerics(precision, device):
                 logits = model(input_ids=x).logits  # (B, T, V)
             ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)  # (B, T)
             total += float(ce.double().sum())
@@ -63,7 +57,7 @@ def evaluate_folder(folder, data_dir: str | None = None, seq_len: int | None = N
 
     from ..util.errors import UserError
     from ..util.io import atomic_write_json, check_hf_dir, read_json_object
-    from ..util.precision import resolve
+    from ..util.precision import param_dtype, resolve
     from .config import TrainConfig
     from .data_source import make_source
 
@@ -79,7 +73,11 @@ def evaluate_folder(folder, data_dir: str | None = None, seq_len: int | None = N
         cfg.data_dir, cfg.data = data_dir, "corpus"
     seq_len = seq_len or cfg.seq_len
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = resolve(precision, device)
     model = GatedQwen3ForCausalLM.from_pretrained(model_dir).to(device)
+    with torch.no_grad():  # bf16-params evaluates bf16 weights (buffers such as RoPE frequencies stay fp32)
+        for p in model.parameters():
+            p.data = p.data.to(param_dtype(precision))
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos and seq_len > max_pos:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower --seq-len "
@@ -89,7 +87,7 @@ def evaluate_folder(folder, data_dir: str | None = None, seq_len: int | None = N
     if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
         raise UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")
     res.update({"model": str(model_dir), "seq_len": seq_len, "batches": batches, "batch_size": batch_size,
-                "resolved_precision": resolve(precision, device)})
+                "resolved_precision": precision})
     if out:
         atomic_write_json(out, res)
     return res

@@ -157,9 +157,13 @@ class SpeedPlan:
                 "compile_decision": self.decision}
 
 
-def prepare(cfg, model: nn.Module, layers: list[nn.Module], device: torch.device) -> SpeedPlan:
-    """Apply `cfg.fast` to the (unwrapped, not yet DDP/FSDP-wrapped) model in place; returns the plan."""
+def prepare(cfg, model: nn.Module, layers: list[nn.Module], device: torch.device, precision: str = "fp32"
+            ) -> SpeedPlan:
+    """Apply `cfg.fast` to the (unwrapped, not yet DDP/FSDP-wrapped) model in place; returns the plan. Where the
+    resolved `precision` has its bf16 GEMMs emulated (util/bf16_emulation.py: a Python mode torch.compile does not
+    trace), the layers run eagerly: compile=auto stays eager, compile=true fails with the reason."""
     from ..modeling import GatedQwen3ForCausalLM
+    from ..util.precision import gemm_mode
 
     ours = isinstance(model, GatedQwen3ForCausalLM)
     fused = 0
@@ -168,4 +172,13 @@ def prepare(cfg, model: nn.Module, layers: list[nn.Module], device: torch.device
 
         fuse_qkv(model, separate_params=True, strict=False)
         fused = sum(isinstance(m, FusedGatedAttention) for m in model.modules())
-    return SpeedPlan(bool(cfg.fast), compile_choice(cfg.compile), fused, bool(cfg.fast and ours), layers, device)
+    setting = compile_choice(cfg.compile)
+    emulated = precision != "fp32" and gemm_mode(device) == "emulated"
+    if emulated and setting == "true":
+        raise ValueError(f"compile=true with precision {precision}: this CPU emulates bf16 GEMMs (no bf16 "
+                         "instructions), which runs eagerly; use --set compile=auto or false")
+    plan = SpeedPlan(bool(cfg.fast), "false" if emulated else setting, fused, bool(cfg.fast and ours), layers, device)
+    if emulated:
+        plan.setting = setting
+        plan.decision = f"compile={setting} -> eager (bf16 GEMMs emulated on this CPU: an eager Python mode)"
+    return plan

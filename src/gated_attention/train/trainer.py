@@ -33,7 +33,7 @@ from . import dist as D
 from . import fastpath
 from .config import TrainConfig, describe_changes
 from .data_source import make_source
-from .evaluate import autocast_for, domain_losses
+from .evaluate import domain_losses
 from .model_setup import (apply_activation_checkpointing, apply_trainable, build_model, check_attn_implementation,
                           param_groups)
 from .schedule import lr_for
@@ -43,6 +43,7 @@ from .monitors import (SpikeDetector, decoder_layers, max_activation_per_layer, 
 from ..util.errors import UserError
 from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
 from ..util.deprecation import renamed_attributes
+from ..util.precision import numerics
 from ..util.progress import Progress
 
 # the model and optimizer set-up lives in model_setup.py (the loop imports what it uses from there); the names it
@@ -166,7 +167,9 @@ class _Run:
     info: D.DistInfo
     source: object
     model: nn.Module  # as wrapped for DDP/FSDP (what the forward/backward runs on)
-    raw: nn.Module  # the plain module (no DDP wrapper): state dicts, stats, eval
+    raw: nn.Module  # the plain module (no DDP wrapper) the forward runs on: eval, probes, step hooks
+    master: nn.Module  # what the optimizer steps, checkpoints save and final/ exports: raw itself, or under
+    # bf16-params in one process the fp32 master of raw's bf16 parameters (train/mixed_precision.py)
     fwd: object  # the (wrapped) model; compiled decoder layers come from speed.training_forward()
     fused_loss: bool  # our LM computes CE chunk by chunk through lm_head: no fp32 (b, T, V) logits
     speed: fastpath.SpeedPlan  # fast path and compile decision (train/fastpath.py)
@@ -175,7 +178,8 @@ class _Run:
     layers: list
     spikes: SpikeDetector
     st: dict  # counters saved in every checkpoint (step, tokens, skipped steps, ...)
-    precision: str = "fp32"  # the resolved precision ("bf16" | "fp32"), decided by rank 0 in _check_run_dir
+    precision: str = "fp32"  # the resolved precision ("bf16" | "bf16-params" | "fp32"), decided by rank 0 in _check_run_dir
+    mixed: object = None  # MasterWeights under bf16-params in one process (its sync() follows every update)
     per_rank: int = 0
     micro: int = 0
     tokens_per_step: int = 0
@@ -191,8 +195,7 @@ class _Run:
 
 def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None) -> dict:
     latest, precision = _check_run_dir(cfg, out, resume, info)
-    run = _setup(cfg, out, model_factory, info)
-    run.precision = precision
+    run = _setup(cfg, out, model_factory, info, precision)
     _restore(run, latest if resume else None)
     _open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
@@ -219,12 +222,14 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) 
     there stops every rank (D.agree)."""
     cfg.check_world(info.world_size)
     box = {}
+    dist_mode = cfg.dist if info.distributed else "none"
 
     def prepare():
         from ..util.precision import describe, resolve
 
-        box["precision"] = resolve(cfg.precision, info.device)
-        print(f"gattn train: {describe(cfg.precision, info.device)}", file=sys.stderr, flush=True)
+        box["precision"] = resolve(cfg.precision, info.device, dist_mode)
+        cfg.check_world(info.world_size, box["precision"])
+        print(f"gattn train: {describe(cfg.precision, info.device, dist_mode)}", file=sys.stderr, flush=True)
         want = {**cfg.to_dict(), "resolved_precision": box["precision"]}
         box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json", want)
         atomic_write_text(out / "train_config.json", json_dumps(want, indent=1))
@@ -265,8 +270,9 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path, want
     return latest
 
 
-def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run:
-    """Data source, model (wrapped for DDP/FSDP, optionally compiled), optimizer and fresh counters."""
+def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str) -> _Run:
+    """Data source, model (wrapped for DDP/FSDP, optionally compiled, bf16 under bf16-params), optimizer and fresh
+    counters."""
     check_attn_implementation(cfg.attn_implementation, info.device)  # triton_gated: a GPU, or one clear line
     # model: same seed on every rank, so replicas start identical
     torch.manual_seed(cfg.seed)
@@ -281,20 +287,29 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo) -> _Run
     if cfg.data == "synthetic":
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
+    mixed = None
+    if precision == "bf16-params" and not info.distributed:  # several ranks: FSDP2's policy (train/dist.py)
+        from .mixed_precision import MasterWeights
+
+        mixed = MasterWeights(model)
+        master, model = model, mixed.compute
     layers = decoder_layers(model)
     # fast path (fused projections/gate, chunked loss) and when to compile: fastpath.py
-    speed = fastpath.prepare(cfg, model, layers, info.device)
+    speed = fastpath.prepare(cfg, model, layers, info.device, precision)
     apply_activation_checkpointing(layers, cfg.activation_checkpointing)  # before wrapping: FSDP2 hooks stay outside
     model = D.wrap(model, info, layers)
     raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
+    if mixed is None:
+        master = raw
     fwd = model
     from ..modeling import GatedQwen3ForCausalLM
 
-    optimizer = torch.optim.AdamW(param_groups(raw, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    optimizer = torch.optim.AdamW(param_groups(master, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
           "stop_reason": None, "val": {}, "last_loss": None}
     per_rank = cfg.batch_size // info.world_size
-    return _Run(cfg=cfg, out=out, info=info, source=source, model=model, raw=raw, fwd=fwd,
+    return _Run(cfg=cfg, out=out, info=info, source=source, model=model, raw=raw, master=master, fwd=fwd,
+                precision=precision, mixed=mixed,
                 fused_loss=speed.fused_loss, speed=speed,
                 fwd_kw={"use_cache": False} if isinstance(raw, GatedQwen3ForCausalLM) else {},
                 optimizer=optimizer, layers=layers,
@@ -308,7 +323,9 @@ def _restore(run: _Run, latest: Path | None) -> None:
     info = run.info
     if latest is not None:
         shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
-        _load_full_state(run.raw, run.optimizer, shared["model"], shared["optimizer"])
+        _load_full_state(run.master, run.optimizer, shared["model"], shared["optimizer"])
+        if run.mixed is not None:
+            run.mixed.sync()
         run.st.update(meta["state"])
         run.spikes.load_state_dict(meta["spikes"])
         if rng is not None:
@@ -332,7 +349,7 @@ def _train_step(run: _Run, step: int) -> dict:
     batch = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step)  # (B, T+1), same on every rank
     mine = batch[info.rank * run.per_rank:(info.rank + 1) * run.per_rank].to(info.device)  # (B/N, T+1)
     stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
-    before = snapshot_params(raw) if stats_step else None
+    before = snapshot_params(run.master) if stats_step else None
     loss_sum = torch.zeros((), device=info.device)
     aux_sum = torch.zeros((), device=info.device)
     for i in range(cfg.grad_accum):
@@ -345,7 +362,7 @@ def _train_step(run: _Run, step: int) -> dict:
         elif info.distributed and info.mode == "fsdp":
             run.model.set_requires_gradient_sync(last)
         with sync:
-            with autocast_for(info.device, run.precision), run.speed.training_forward():
+            with numerics(run.precision, info.device), run.speed.training_forward():
                 out_ = (run.fwd(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
                         else run.fwd(input_ids=x, **run.fwd_kw))
             aux = getattr(out_, "aux_loss", None)
@@ -365,7 +382,7 @@ def _train_step(run: _Run, step: int) -> dict:
         if step in cfg.inject_nan_steps:
             loss_sum = loss_sum * float("nan")
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw.parameters(), max_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.master.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     grad_norm = float(grad_norm)
@@ -379,6 +396,8 @@ def _train_step(run: _Run, step: int) -> dict:
     else:
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
+        if run.mixed is not None:
+            run.mixed.sync()
         st["bad_in_a_row"] = 0
     note = run.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1)
     if note and info.is_main:
@@ -390,10 +409,11 @@ def _train_step(run: _Run, step: int) -> dict:
     if stats_step and aux is not None:
         rec["moe"] = _moe_record(raw)  # read before the probe forward below adds to the counts
     if stats_step:
-        rec["update_ratio"] = update_weight_ratio(raw, before, sharded=info.mode == "fsdp" and info.distributed)
+        rec["update_ratio"] = update_weight_ratio(run.master, before,
+                                                  sharded=info.mode == "fsdp" and info.distributed)
         if run.layers:
             x0 = mine[:run.micro, :-1]
-            with autocast_for(info.device, run.precision):
+            with numerics(run.precision, info.device):
                 acts = max_activation_per_layer(raw, run.layers, lambda: raw(input_ids=x0))
             rec["max_act"] = D.reduce_max(acts, info)
     # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after the
@@ -469,7 +489,7 @@ def _close_logs(run: _Run) -> None:
 def _save_checkpoint(run: _Run, next_step: int) -> None:
     """An exact-resume checkpoint (collective): shared state by rank 0, each rank's RNG, then an atomic commit."""
     info = run.info
-    msd, osd = _full_state(run.raw, run.optimizer)  # collective
+    msd, osd = _full_state(run.master, run.optimizer)  # collective
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
     meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
             "config": run.cfg.to_dict(), "resolved_precision": run.precision}
@@ -503,13 +523,17 @@ def _finish(run: _Run, t_start: float) -> dict:
     st["wall_time"] = time.perf_counter() - t_start
     if run.last_ckpt_step != st["step"]:
         _save_checkpoint(run, st["step"])
-    msd, _ = _full_state(run.raw, run.optimizer) if info.distributed else (None, None)
+    msd, _ = _full_state(run.master, run.optimizer) if info.distributed else (None, None)
     box = {}
 
     def export():
-        _export_final(run.raw, msd, run.source, run.out / "final")
+        _export_final(run.master, msd, run.source, run.out / "final")
         summary = _summary(run.cfg, st, run.spikes, run.log_path)
         summary["resolved_precision"] = run.precision
+        if run.precision != "fp32":  # how its bf16 GEMMs ran: "native", or "emulated" (util/bf16_emulation.py)
+            from ..util.precision import gemm_mode
+
+            summary["bf16_gemms"] = gemm_mode(info.device)
         summary["speed"] = run.speed.describe()
         box["summary"] = summary
         atomic_write_json(run.out / "summary.json", summary)  # strict JSON

@@ -100,6 +100,9 @@ class SinkLabConfig:
         from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
+        if self.precision == "bf16-params":  # this lab's own loop autocasts; the trainer's (issue 27) does bf16-params
+            raise ValueError("--precision bf16-params is not supported by this lab yet (its loop autocasts); use "
+                             "auto, bf16 or fp32")
         if not 0.0 <= self.decay_frac <= 1.0:
             raise ValueError(f"--decay-frac must be in [0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.beta2 < 1.0 or not self.adam_eps > 0:
