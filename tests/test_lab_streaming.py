@@ -76,6 +76,13 @@ def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
     assert m["window"]["40"]["loss"] == pytest.approx(m["full"]["loss"], abs=1e-5)
     assert m["window"]["0"]["loss"] != pytest.approx(m["full"]["loss"], abs=1e-6)
     assert on_disk["by_variant"]["baseline"]["seeds"] == 1
+    # the claims-table rule on the sink-lab models (labs/streaming/verdict.py), in lab.json and under the table
+    from gated_attention.labs.streaming.verdict import model_costs, streaming_verdict
+
+    costs, k = model_costs(on_disk["models"], "sink_lab")
+    assert k == 40 and set(costs) == {"none", "sdpa_elementwise"} and set(on_disk["verdicts"]) == {"sink_lab"}
+    assert on_disk["verdicts"]["sink_lab"]["verdict"] == streaming_verdict(costs, k)["verdict"]
+    assert on_disk["verdicts"]["sink_lab"]["k"] == 40
     for f in ("report.md", "report.html", "plots/per_position_loss.png"):
         assert (tmp_path / f).stat().st_size > 0
     # the reuse rule (experiment.cache): a re-run reuses each model's measurement, another window stops the job
@@ -88,6 +95,7 @@ def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
         run_streaming(StreamingConfig(models=[str(sink_units)], window=9, sink_tokens=[0, 2, 40], sequences=6),
                       tmp_path, log=lambda m: None)
     assert "baseline/seed0" in (tmp_path / "report.md").read_text()
+    assert "Verdict (the claims-table rule" in (tmp_path / "report.md").read_text()
 
 
 def test_text_models_via_cli(compare_like, tmp_path, gattn_main):

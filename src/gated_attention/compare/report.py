@@ -110,8 +110,13 @@ def _claims_cells(result: dict):
 
 
 _CLAIMS_NOTE = ("Each row: the paper's figure (Qiu et al. 2025; 15A2B MoE at 400B tokens unless stated), this run's "
-                "figure, and a verdict with the rule written in gated_attention/compare/claims.py. 'not at this scale' = "
-                "measured here without the paper's effect; 'not run here' names the command that measures it.")
+                "figure, a verdict and its rule (gated_attention/compare/claims.py and the labs' verdict.py). 'not at "
+                "this scale' = measured here without the paper's effect; 'not run here' names the command that "
+                "measures it.")
+_THRESHOLDS_NOTE = ("Every threshold was fixed before the runs it judges and none is fitted to this project's "
+                    "measurements. Kind: paper = the paper's own figure (SPEC § = the section of the project's spec "
+                    "that quotes it), published = another published result, chosen = an effect size chosen in "
+                    "advance for what a user would notice.")
 
 
 def _sink_lab_intro(result: dict) -> str:
@@ -154,7 +159,10 @@ def blocks(result: dict) -> list[tuple]:
     labs compare ran, and the plots."""
     out = []
     if result.get("claims"):
-        out += [("h2", "Paper claims vs this run"), ("table", *_claims_cells(result)), ("p", _CLAIMS_NOTE)]
+        from .claims import thresholds_cells
+
+        out += [("h2", "Paper claims vs this run"), ("table", *_claims_cells(result)), ("p", _CLAIMS_NOTE),
+                ("h3", "Thresholds and where they come from"), ("p", _THRESHOLDS_NOTE), ("table", *thresholds_cells())]
     out += [("p", p) for p in _intro(result)]
     out += [("h2", "Table 4 form"), ("table", *_table4_cells(result)),
             ("h2", "Per-domain perplexity (held-out)"), ("table", *_domain_cells(result)),

@@ -31,6 +31,7 @@ from ...experiment.runs import ensure_corpus, run_units
 from ...gates import canonical_name
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
+from .verdict import CONVERGED_MARGIN, FAILURE_GAP
 from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, to_strict
 
 DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
@@ -62,7 +63,8 @@ class StabilityBudget:
     spike_window: int = 50  # trailing window of the trainer's loss-spike detector ...
     spike_delta: float = 0.1  # ... a spike exceeds the window's median by more than max(delta, ...
     spike_noise_k: float = 6.0  # ... noise_k robust sigmas of the window) nats
-    margin: float = 0.1  # nats above the best LR's seed-mean loss within which an LR still "converges"
+    margin: float = CONVERGED_MARGIN.value  # nats above the best LR's seed-mean loss within which an LR still
+    # "converges" (verdict.CONVERGED_MARGIN: the verdict's threshold, with its source)
     eval_batches: int = 4  # validation batches per domain for the final (and the initial) loss
     eval_batch_size: int = 16
     model: dict = field(default_factory=dict)  # model-config fields over the `small` preset
@@ -357,7 +359,7 @@ def _setting(rows: list[dict], variant: str, qk: bool) -> list[dict]:
     return [r for r in rows if r["variant"] == variant and r["qk_norm"] is qk]
 
 
-def instability_check(rows: list[dict], margin: float = 0.5) -> dict:
+def instability_check(rows: list[dict], margin: float = FAILURE_GAP.value) -> dict:
     """Does the grid show the failure the lab is about? Per QK-norm setting of the baseline: its runs' loss spikes and
     divergences, and the gap between its (seed-mean) final loss at the highest LR and its best. `reached`: some
     baseline run spiked or diverged, or a gap is >= `margin` nats (without it no verdict about the gate is possible)."""

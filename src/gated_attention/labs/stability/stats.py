@@ -18,7 +18,7 @@ import math
 import random
 from typing import Callable
 
-LEVEL = 0.95  # central probability of the bootstrap intervals
+LEVEL = 0.95  # central probability of the bootstrap intervals (verdict.INTERVAL_LEVEL: its source)
 N_BOOT = 2000  # bootstrap resamples (fixed RNG seed: the same runs give the same interval)
 
 

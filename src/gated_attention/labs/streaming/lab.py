@@ -15,7 +15,8 @@ a trainer run folder (its `final/`) or any model folder with config.json (corpus
 A label that would repeat gets its parent folder's name in front.
 
 Output: OUT/lab.json (`models.NAME.full.{loss, ppl}`, `models.NAME.window.{K}.{loss, ppl}` + per-position loss
-curves and the task CEs), report.md, report.html, plots/per_position_loss.png.
+curves and the task CEs; `verdicts.{sink_lab, text}`: verdict.py's rule on each kind of model, where a baseline and a
+G1 model are both measured), report.md, report.html, plots/per_position_loss.png.
 """
 from __future__ import annotations
 
@@ -237,6 +238,7 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     from gated_attention.util.io import atomic_write_text, json_dumps
 
     from . import report
+    from .verdict import lab_verdicts
 
     cfg.validate()
     out = Path(out)
@@ -268,7 +270,7 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
             f"K={k} {w[k]['loss']:.3f}" for k in w))
     lab = {"config": {**asdict(cfg), "models": [str(m) for m in cfg.models]},
            "scored_positions": f"query positions t >= {cfg.window} (targets t + 1), the same for every setting",
-           "models": models, "by_variant": report.by_variant(models),
+           "models": models, "by_variant": report.by_variant(models), "verdicts": lab_verdicts(models),
            "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0}
     lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
     atomic_write_text(out / "lab.json", json_dumps(lab, indent=1))

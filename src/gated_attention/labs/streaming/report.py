@@ -82,11 +82,21 @@ def variant_table(lab: dict) -> tuple[list[str], list[list[str]]] | None:
     return head, rows
 
 
+KIND_WORDS = {"sink_lab": "sink-lab models", "text": "text models"}
+
+
+def verdict_lines(lab: dict) -> list[str]:
+    """The claims-table rule's verdict (verdict.py) on each kind of model measured, one line each."""
+    w = lab["config"]["window"]
+    return [f"Verdict (the claims-table rule, verdict.py), {KIND_WORDS.get(kind, kind)}, window {w}: {v['verdict']} - "
+            f"{v['this_run']}" for kind, v in (lab.get("verdicts") or {}).items()]
+
+
 def text_table(lab: dict) -> str:
     head, rows = table(lab)
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), "-" * len(line(head))] + [line(r) for r in rows])
+    return "\n".join([line(head), "-" * len(line(head))] + [line(r) for r in rows] + verdict_lines(lab))
 
 
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
@@ -124,6 +134,7 @@ def blocks(lab: dict) -> list[tuple]:
         out += [("p", "Sink-lab models by variant (mean ± std over seeds): the loss change of each window against "
                       "full attention, and the task's two kinds of positions (backcopy: trigger queries, whose target "
                       "is the token before the trigger; bigram: every other query)."), ("table", *vt)]
+    out += [("p", line) for line in verdict_lines(lab)]
     return out
 
 
