@@ -58,6 +58,15 @@ def test_run_metrics_known_answer():
     assert stopped["diverged"] is True and math.isnan(stopped["final_loss"])
     empty = S.run_metrics(summary, [], [], 6.9)
     assert math.isnan(empty["max_attention_logit"]) and math.isnan(empty["max_hidden"])
+    # the per-layer series: lists over layers of lists over the probe steps (a log from before lost updates: none)
+    assert m["probe_steps"] == [0, 10] and m["max_hidden_per_layer"] == [[1.0, 3.0], [7.5, 2.0]]
+    assert m["lost_update_share"] == [] and m["mean_lost_update_share"] is None
+    log[0]["lost_update_share"], log[2]["lost_update_share"] = [0.0, 0.25], [0.123456, NAN]
+    m = S.run_metrics({**summary, "resolved_precision": "fp32"}, log, probes, init_loss=6.9)
+    assert m["lost_update_share"] == [[0.0, 0.1235], [0.25, m["lost_update_share"][1][1]]]
+    assert math.isnan(m["lost_update_share"][1][1])
+    assert m["mean_lost_update_share"] == pytest.approx((0.0 + 0.1235 + 0.25) / 3)
+    assert m["resolved_precision"] == "fp32"
 
 
 def test_edge_lrs():
@@ -202,7 +211,8 @@ def test_small_budget_end_to_end(small_lab):
     for v, s in lab["lr_sensitivity"].items():
         assert set(s) == {"on", "off"} and all(x is None or x >= 0 for x in s.values())
     keys = {"variant", "qk_norm", "lr", "seed", "final_loss", "diverged", "spikes", "max_attention_logit",
-            "max_hidden", "max_output_logit", "spike_steps", "peak_train_loss"}
+            "max_hidden", "max_output_logit", "spike_steps", "peak_train_loss", "resolved_precision", "probe_steps",
+            "lost_update_share", "max_hidden_per_layer", "mean_lost_update_share"}
     runs = lab["runs"]
     # every seed at every LR (the budget's seed_lrs "all"), seed-major
     assert {(r["variant"], r["qk_norm"], r["lr"], r["seed"]) for r in runs} == {
@@ -217,6 +227,12 @@ def test_small_budget_end_to_end(small_lab):
         for k in ("max_attention_logit", "max_hidden", "max_output_logit"):
             assert r[k] is None or (k in r["nonfinite"]) is False
         assert r["final_loss"] is None or r["final_loss"] > 0
+        assert r["resolved_precision"] == lab["config"]["resolved_precision"]
+        # per layer (the small budget's 1 layer), at the trainer's stats steps 0, 10, 20
+        assert r["probe_steps"] == [0, 10, 20]
+        assert [len(x) for x in r["lost_update_share"]] == [len(x) for x in r["max_hidden_per_layer"]] == [3]
+        assert all(0 <= x <= 1 for x in r["lost_update_share"][0])
+        assert max(r["max_hidden_per_layer"][0]) == pytest.approx(r["max_hidden"], rel=1e-3)
     # the per-setting aggregates: the formulas of labs/stability/stats.py applied to the runs, with intervals over 2 seeds
     margin = lab["config"]["margin"]
     for v in ("baseline", "sdpa_elementwise"):
@@ -247,6 +263,7 @@ def test_small_budget_end_to_end(small_lab):
     assert "data:image/png;base64," in page and 'src="plots/' not in page  # self-contained
     md = (out / "report.md").read_text()
     assert "LR sensitivity" in md and "max stable LR" in md and "Verdict (the claims-table rule)" in md
+    assert "smaller than half a bf16 ulp" in md and "Per layer at lr 1:" in md
     # checkpoints and exported weights of finished runs are removed; the numbers stay
     one = out / runs[0]["dir"]
     assert (one / "result.json").exists() and not (one / "checkpoints").exists() and not (one / "final").exists()
@@ -277,6 +294,19 @@ def test_rerun_reuses_finished_runs_and_retrains_an_interrupted_one(small_lab, t
     assert rc == 2 and "different settings (steps: saved 30 vs requested 31" in err and "delete" in err
 
 
+def test_reuse_key_keeps_precisions_apart(small_lab, tiny_corpus, capsys):
+    """A lab folder made in one precision refuses another one (nothing is trained or mixed): the run's key holds the
+    resolved precision."""
+    out = small_lab
+    saved = _strict_load(out / "lab.json")["config"]["resolved_precision"]
+    other = "fp32" if saved != "fp32" else "bf16"
+    capsys.readouterr()
+    rc = _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+               "sdpa_elementwise", "--lrs", "1e-3", "1", "--seeds", "2", "--precision", other])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"precision: saved '{saved}'" in err and f"requested '{other}'" in err
+
+
 def test_edge_seeds_run_at_the_edge_lrs(tiny_corpus, tmp_path):
     out = tmp_path / "edge"
     assert _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
@@ -296,6 +326,9 @@ def test_set_overrides_reach_every_run_and_lab_settings_are_refused(tiny_corpus,
     cfg = json.loads((out / "runs" / "baseline_qkon_lr0.01_s0" / "train_config.json").read_text())
     assert cfg["beta2"] == 0.99 and cfg["model_overrides"]["num_hidden_layers"] == 2
     assert cfg["model_overrides"]["use_qk_norm"] is True
+    # the depth setting reaches the per-layer series: 2 layers, probes at steps 0 (stats_every 10 > 4 steps)
+    run = _strict_load(out / "lab.json")["runs"][0]
+    assert len(run["lost_update_share"]) == len(run["max_hidden_per_layer"]) == 2 and run["probe_steps"] == [0]
     capsys.readouterr()
     assert _cli(["--budget", "small", "--out", str(out), "--set", "lr=3"]) == 2
     assert "--set lr: the lab sets it per run; use --lrs" in capsys.readouterr().err

@@ -83,9 +83,10 @@ def test_loss_falls_and_outputs(tmp_path):
     assert len(ls) == 30
     assert sum(ls[-5:]) / 5 < ls[0] - 0.5, ls
     rec = json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])
-    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "update_ratio", "max_act"):
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "update_ratio", "max_act", "lost_update_share"):
         assert key in rec
     assert len(rec["max_act"]) == 2 and rec["update_ratio"] > 0
+    assert len(rec["lost_update_share"]) == 2 and all(0 <= x <= 1 for x in rec["lost_update_share"])
     for key in ("final_loss", "val_losses", "spikes", "skipped_steps", "diverged", "tokens", "wall_time_s"):
         assert key in s
     assert s["tokens"] == 30 * cfg.batch_size * cfg.seq_len and not s["diverged"]

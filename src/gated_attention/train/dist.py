@@ -107,6 +107,15 @@ def reduce_max(values: list[float], info: DistInfo) -> list[float]:
     return t.cpu().tolist()
 
 
+def mean_over_ranks(values: list[float], info: DistInfo) -> list[float]:
+    """Element-wise mean of a list of floats over ranks (each rank measured the same number of elements)."""
+    if not info.distributed or not values:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=info.device)
+    dist.all_reduce(t)
+    return (t / info.world_size).cpu().tolist()
+
+
 def broadcast_object(obj, info: DistInfo):
     if not info.distributed:
         return obj

@@ -1,4 +1,5 @@
-"""Stability tooling: loss-spike detector, gradient norm, update/weight ratio, max |activation| per layer.
+"""Stability tooling: loss-spike detector, gradient norm, update/weight ratio, and the per-layer probe of the
+residual stream (max |activation| and the share of updates lost to bf16 rounding; `residual_stream_stats`).
 
 Loss-spike default (W=50, delta=0.1 nats) follows paper map §1.8, which counted 125 points of the official 1.7B baseline
 curve above a 50-point rolling median by more than 0.1 nats and 0 for the gated run. The median here is TRAILING
@@ -104,21 +105,82 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers) if layers is not None else []
 
 
-@torch.no_grad()
-def max_activation_per_layer(model: nn.Module, layers: list[nn.Module], run_forward) -> list[float]:
-    """Max |hidden state| at the output of each decoder layer, via forward hooks during `run_forward()`."""
-    found = [0.0] * len(layers)
+def bf16_half_ulp(x: torch.Tensor) -> torch.Tensor:
+    """Half a bf16 ulp of each value, in fp32: the ulp of x in bf16 (8 significant bits) is 2^(floor(log2|x|) - 7),
+    so half of it is 2^(floor(log2|x|) - 8); 0 where x is 0 or not finite (no update to it is lost)."""
+    x = x.detach().float()
+    _, e = torch.frexp(x)  # x = m * 2^e with 0.5 <= |m| < 1: floor(log2|x|) = e - 1 (exact, also for subnormals)
+    half = torch.ldexp(torch.ones_like(x), e - 9)
+    return torch.where((x != 0) & torch.isfinite(x), half, torch.zeros_like(x))
 
-    def hook_for(i):
+
+def lost_update_counts(stream: torch.Tensor, update: torch.Tensor) -> tuple[int, int]:
+    """(lost, counted) for the residual add `stream + update` (same shape): an element's update is lost to bf16
+    rounding when it is non-zero and smaller in magnitude than half a bf16 ulp of the stream value it is added to
+    (exactly half is a tie, not counted: round-to-nearest-even may keep it). A zero update counts as not lost (it
+    carries nothing); pairs with a non-finite value are not counted."""
+    s, u = stream.detach().float(), update.detach().float()
+    ok = torch.isfinite(s) & torch.isfinite(u)
+    lost = ok & (u != 0) & (u.abs() < bf16_half_ulp(s))
+    return int(lost.sum()), int(ok.sum())
+
+
+def lost_update_share(stream: torch.Tensor, update: torch.Tensor) -> float:
+    """The share of the updates in `stream + update` smaller than half a bf16 ulp of the value they are added to
+    (lost_update_counts); NaN when no pair is finite. In an fp32 stream it is the share that WOULD be lost in bf16,
+    in a bf16 stream the share that is."""
+    lost, counted = lost_update_counts(stream, update)
+    return lost / counted if counted else math.nan
+
+
+@torch.no_grad()
+def residual_stream_stats(layers: list[nn.Module], run_forward) -> dict:
+    """Per decoder layer, from forward hooks during `run_forward()`:
+      max_act           max |hidden state| at the layer's output;
+      lost_update_share the share of both residual adds' updates (the attention output added to the stream, then
+                        the FFN output) smaller than half a bf16 ulp of the stream value (lost_update_counts, pooled
+                        over the two adds); None for a layer without the pre-norm block's parts (a stand-in model).
+    The stream before each add is read where the layer reads it (the layer's input, the post-attention norm's
+    input) and each update where it is made (the attention / FFN output transform), so nothing is recomputed."""
+    found = [0.0] * len(layers)
+    counts = [[0, 0] for _ in layers]
+    handles, pending = [], {}
+
+    def out_hook(i):
         def hook(_mod, _inp, out):
             h = out[0] if isinstance(out, (tuple, list)) else out
             found[i] = max(found[i], float(_local(h).detach().abs().max()))
         return hook
 
-    handles = [layer.register_forward_hook(hook_for(i)) for i, layer in enumerate(layers)]
+    def stream_hook(key):
+        def hook(_mod, args, kwargs=None):
+            x = args[0] if args else (kwargs or {}).get("hidden_states")
+            pending[key] = _local(x)
+        return hook
+
+    def update_hook(key, i):
+        def hook(_mod, _inp, out):
+            stream = pending.pop(key, None)
+            if stream is not None:
+                lost, n = lost_update_counts(stream, _local(out))
+                counts[i][0] += lost
+                counts[i][1] += n
+        return hook
+
+    parts = ("attn_output_transform", "post_attention_layernorm", "ffn_output_transform")
+    measured = [all(isinstance(getattr(layer, p, None), nn.Module) for p in parts) for layer in layers]
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_hook(out_hook(i)))
+        if measured[i]:
+            handles.append(layer.register_forward_pre_hook(stream_hook((i, "attn")), with_kwargs=True))
+            handles.append(layer.attn_output_transform.register_forward_hook(update_hook((i, "attn"), i)))
+            handles.append(layer.post_attention_layernorm.register_forward_pre_hook(stream_hook((i, "ffn"))))
+            handles.append(layer.ffn_output_transform.register_forward_hook(update_hook((i, "ffn"), i)))
     try:
         run_forward()
     finally:
         for h in handles:
             h.remove()
-    return found
+    share = [(c[0] / c[1] if c[1] else math.nan) if m else None for c, m in zip(counts, measured)]
+    return {"max_act": found, "lost_update_share": share}
+

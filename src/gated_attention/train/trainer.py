@@ -38,8 +38,7 @@ from .model_setup import (apply_activation_checkpointing, apply_trainable, build
                           param_groups)
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
-from .monitors import (SpikeDetector, decoder_layers, max_activation_per_layer, snapshot_params,
-                        update_weight_ratio)
+from .monitors import SpikeDetector, decoder_layers, residual_stream_stats, snapshot_params, update_weight_ratio
 from ..util.errors import UserError
 from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
 from ..util.deprecation import renamed_attributes
@@ -414,8 +413,10 @@ def _train_step(run: _Run, step: int) -> dict:
         if run.layers:
             x0 = mine[:run.micro, :-1]
             with numerics(run.precision, info.device):
-                acts = max_activation_per_layer(raw, run.layers, lambda: raw(input_ids=x0))
-            rec["max_act"] = D.reduce_max(acts, info)
+                res = residual_stream_stats(run.layers, lambda: raw(input_ids=x0))
+            rec["max_act"] = D.reduce_max(res["max_act"], info)
+            if all(v is not None for v in res["lost_update_share"]):  # our decoder layers (not a stand-in model)
+                rec["lost_update_share"] = D.mean_over_ranks(res["lost_update_share"], info)
     # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after the
     # train-mode probe forward above, so it does not leak into the next step's load-balancing loss)
     reset_moe_balance(raw)

@@ -211,12 +211,36 @@ def _mean_val(losses: dict) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
+def _sig(v, digits: int = 4):
+    """v rounded to `digits` significant digits (lab.json stays small; None and non-finite values unchanged)."""
+    return float(f"{v:.{digits}g}") if isinstance(v, float) and math.isfinite(v) else v
+
+
+def per_layer_series(log: list[dict]) -> dict:
+    """The trainer's per-layer probe figures over training, from its log's stats steps: `probe_steps` and, per
+    decoder layer, `max_hidden_per_layer` (max |hidden state| at the layer's output, M-Act) and
+    `lost_update_share` (the share of the layer's residual-stream updates smaller than half a bf16 ulp of the value
+    they are added to: train.monitors.lost_update_counts), each a list over layers of lists over `probe_steps`
+    (4 significant digits); `mean_lost_update_share` = their mean over layers and probe steps. A log from before the
+    lost-update measure has none (empty lists, None)."""
+    stats = [r for r in log if r.get("max_act")]
+    n = max((len(r["max_act"]) for r in stats), default=0)
+    lost_recs = [r for r in stats if r.get("lost_update_share")]
+    hidden = [[_sig(r["max_act"][i]) for r in stats] for i in range(n)]
+    lost = [[_sig(r["lost_update_share"][i]) for r in lost_recs] for i in range(n)] if lost_recs else []
+    vals = [v for layer in lost for v in layer if v is not None and math.isfinite(v)]
+    return {"probe_steps": [int(r["step"]) for r in stats], "max_hidden_per_layer": hidden,
+            "lost_update_share": lost,
+            "mean_lost_update_share": sum(vals) / len(vals) if vals else None}
+
+
 def run_metrics(summary: dict, log: list[dict], probes: list[dict], init_loss: float, warmup: int = 0) -> dict:
     """The per-run numbers from the trainer's summary and log and the probe records (pure; see module doc).
 
     final_loss = mean over domains of the final validation loss; diverged = the trainer stopped on non-finite
     steps, or the final loss is non-finite or no better than the loss at init; peak_train_loss = the largest
-    finite training loss after the warm-up (above loss_at_init: the run blew up at some point, recovered or not)."""
+    finite training loss after the warm-up (above loss_at_init: the run blew up at some point, recovered or not);
+    the per-layer series over the probe steps (per_layer_series); resolved_precision = the trainer's."""
     final = _mean_val(summary.get("val_losses") or {})
     if summary.get("diverged"):
         final = math.nan  # the trainer gave up: its last weights say nothing about the LR
@@ -239,6 +263,8 @@ def run_metrics(summary: dict, log: list[dict], probes: list[dict], init_loss: f
         "final_train_loss": summary.get("final_loss_avg10"),
         "steps": summary.get("steps"),
         "tokens": summary.get("tokens"),
+        "resolved_precision": summary.get("resolved_precision"),
+        **per_layer_series(log),
     }
 
 
@@ -335,7 +361,8 @@ def train_run(task: tuple) -> dict:
 def _row(variant: str, qk: bool, lr: float, seed: int, res: dict, run_dir: Path, out: Path) -> dict:
     keep = ("final_loss", "loss_at_init", "diverged", "spikes", "spike_steps", "peak_train_loss", "skipped_steps",
             "max_attention_logit", "max_hidden", "max_output_logit", "final_train_loss", "steps", "tokens", "wall_s",
-            "cpu_s")
+            "cpu_s", "resolved_precision", "mean_lost_update_share", "probe_steps", "max_hidden_per_layer",
+            "lost_update_share")
     return {"variant": variant, "qk_norm": qk, "lr": lr, "seed": seed, **{k: res.get(k) for k in keep},
             "nonfinite": res.get("nonfinite") or {}, "dir": str(run_dir.relative_to(out))}
 

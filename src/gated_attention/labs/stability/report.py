@@ -244,6 +244,38 @@ def _seed_list(vals: list) -> str:
     return "/".join(str(int(v or 0)) for v in vals)
 
 
+def _share_mean(vals: list) -> str:
+    """Seed mean of a lost-update share, as a percentage ('–' where no run measured it)."""
+    got = [v for v in vals if v is not None]
+    return f"{100 * sum(got) / len(got):.3g} %" if got else "–"
+
+
+def _layer_cells(lab: dict, lr: float) -> tuple[list[str], list[list[str]]] | None:
+    """Rows = decoder layers, one column per setting at one LR: the lost-update share (mean over the probe steps,
+    seed mean) and the max |hidden state| over training (max over seeds) of each layer; None without the series."""
+    cols, data = [], []
+    for v, qk in _settings(lab):
+        rows = [r for r in lab["runs"] if r["variant"] == v and r["qk_norm"] is qk and r["lr"] == lr
+                and r.get("lost_update_share")]
+        if rows:
+            cols.append(f"{_name(v)}, QK-norm {_qk(qk)}")
+            data.append(rows)
+    if not cols:
+        return None
+    n = max(len(r["lost_update_share"]) for rows in data for r in rows)
+
+    def cell(rows, i):
+        shares, acts = [], []
+        for r in rows:
+            if i < len(r["lost_update_share"]):
+                got = [x for x in r["lost_update_share"][i] if x is not None]
+                shares += [sum(got) / len(got)] if got else []
+                acts += [x for x in r["max_hidden_per_layer"][i] if x is not None]
+        return f"{_share_mean(shares)} / {_e(max(acts)) if acts else '–'}"
+
+    return ["layer"] + cols, [[str(i)] + [cell(rows, i) for rows in data] for i in range(n)]
+
+
 def _run_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
     head = ["variant", "QK-norm", "lr", "seed", "final loss", "loss at init", "peak train loss", "diverged",
             "spikes (steps)", "max attn logit", "max |h|", "max |logit|"]
@@ -338,7 +370,10 @@ def _intro(lab: dict) -> list[str]:
         f"{t['spike_window']}-step median by more than max({t['spike_delta']:g} nats, "
         f"{t.get('spike_noise_k', 0):g} robust sigmas = 1.4826 x MAD of that window)). Max attention logit = max of "
         f"q.k/sqrt(d) over causal pairs, max |h| = max |hidden state| at a layer output, max |logit| = max |output "
-        f"logit|, each over the trainer's probe forwards every {t['stats_every']} steps.",
+        f"logit|, each over the trainer's probe forwards every {t['stats_every']} steps. Lost-update share (same "
+        f"probes) = the share of a layer's residual-stream updates (its attention and FFN outputs added to the "
+        f"stream) smaller than half a bf16 ulp of the value they are added to: lost to rounding in a bf16 stream "
+        f"(bf16-params), the share that would be lost in an fp32 stream (fp32, bf16 autocast).",
         f"Wall time of this invocation {lab['wall_time_s']:.0f} s; training {lab['cpu_s_runs'] / 60:.1f} core-minutes "
         f"in all runs (reused runs included).",
     ]
@@ -363,7 +398,17 @@ def blocks(lab: dict) -> list[tuple]:
             ("h2", "Max |hidden state| per LR (max over seeds)"),
             ("table", *_per_lr_cells(lab, "max_hidden", _seed_max)),
             ("h2", "Max |output logit| per LR (max over seeds)"),
-            ("table", *_per_lr_cells(lab, "max_output_logit", _seed_max)),
+            ("table", *_per_lr_cells(lab, "max_output_logit", _seed_max))]
+    if any(r.get("mean_lost_update_share") is not None for r in lab["runs"]):
+        top = max(r["lr"] for r in lab["runs"])
+        out += [("h2", "Residual-stream updates smaller than half a bf16 ulp of the stream (mean over layers and "
+                       "probe steps, seed mean)"),
+                ("table", *_per_lr_cells(lab, "mean_lost_update_share", _share_mean))]
+        layers = _layer_cells(lab, top)
+        if layers:
+            out += [("h2", f"Per layer at lr {top:g}: lost-update share (mean over probe steps, seed mean) / max "
+                           "|hidden state| (over training and seeds)"), ("table", *layers)]
+    out += [
             ("h2", "Every run"), ("table", *_run_cells(lab))]
     if lab.get("nonfinite"):
         out.append(("p", f"Non-finite values (null in lab.json): {', '.join(lab['nonfinite'])}"))
