@@ -180,6 +180,27 @@ def test_probe_on_the_trainers_probe_forward(qk_norm):
     assert len(probe.records) == 1 and all(getattr(m, "capture", None) is None for m in model.modules())
 
 
+def test_probe_follows_a_copy_of_its_model():
+    """bf16-params trains a bf16 copy of the model the lab attached its probe to (train/mixed_precision.py): the
+    copy's probe forwards land in the same records, the original's own forwards still count, evaluation does not."""
+    import copy
+
+    model = _tiny_model(True)
+    probe = StabilityProbe(model).attach()
+    twin = copy.deepcopy(model).to(torch.bfloat16)
+    x = torch.randint(0, 128, (2, 12))
+    twin.train()
+    with torch.no_grad():
+        twin(input_ids=x)  # the trainer's probe forward on the copy
+        twin.eval()
+        twin(input_ids=x)  # the copy's evaluation: ignored
+    assert len(probe.records) == 1 and len(probe.records[0]["attn_logit"]) == model.config.num_hidden_layers
+    model.train()
+    with torch.no_grad():
+        model(input_ids=x)
+    assert len(probe.records) == 2
+
+
 # ---------------------------------------------------------------- end to end (on conftest's session tiny_corpus)
 
 def _cli(argv: list[str]) -> int:
@@ -305,6 +326,20 @@ def test_reuse_key_keeps_precisions_apart(small_lab, tiny_corpus, capsys):
                "sdpa_elementwise", "--lrs", "1e-3", "1", "--seeds", "2", "--precision", other])
     err = capsys.readouterr().err
     assert rc == 2 and f"precision: saved '{saved}'" in err and f"requested '{other}'" in err
+
+
+def test_bf16_params_lab_records_its_precision_and_probes(tiny_corpus, tmp_path):
+    """`--precision bf16-params` trains through the trainer's precision path (bf16 compute twin, fp32 masters):
+    lab.json and every run record it, and the probes (attention logits, per-layer series) ride on the bf16 copy."""
+    out = tmp_path / "bp"
+    assert _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
+                 "--qk-norm", "on", "--lrs", "1e-2", "--steps", "12", "--precision", "bf16-params", "--jobs", "1"]) == 0
+    lab = _strict_load(out / "lab.json")
+    assert lab["config"]["resolved_precision"] == "bf16-params" and lab["train_config"]["precision"] == "bf16-params"
+    (run,) = lab["runs"]
+    assert run["resolved_precision"] == "bf16-params" and run["probe_steps"] == [0, 10]
+    assert run["max_attention_logit"] is not None and len(lab["curves"][Path(run["dir"]).name]["attention_logit"]) == 2
+    assert [len(x) for x in run["lost_update_share"]] == [2]
 
 
 def test_edge_seeds_run_at_the_edge_lrs(tiny_corpus, tmp_path):

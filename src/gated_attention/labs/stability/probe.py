@@ -11,6 +11,7 @@ matmul per layer every `stats_every` steps and never changes the numbers of the 
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -44,6 +45,16 @@ class StabilityProbe:
         self._pending: dict[int, dict] = {}  # layer -> {"q": ..., "k": ...} until "scale" arrives
         self._current: dict | None = None
         self._handles = []
+
+    def __deepcopy__(self, memo) -> "StabilityProbe":
+        """A model copied with its probe attached (the bf16 compute twin of precision bf16-params,
+        train/mixed_precision.py) gets a probe of its own that records into the same `records`: the probe forwards run
+        on the copy."""
+        twin = StabilityProbe.__new__(StabilityProbe)
+        memo[id(self)] = twin
+        twin.model = copy.deepcopy(self.model, memo)  # the copy of the model being copied (already in memo)
+        twin.records, twin._pending, twin._current, twin._handles = self.records, {}, None, []
+        return twin
 
     def active(self) -> bool:
         """True only inside the trainer's stats probe: train mode, no autograd."""
