@@ -1,13 +1,11 @@
 """The package's layering, checked on its source (ast): every import, including those inside functions, points at the
 same layer or a lower one; the module import graph has no cycle (a package's __init__ and its own submodules
-included); nothing below the CLI imports the CLI; nothing imports a moved module by its old path; source files stay
-small. The layers are read from the one table in ARCHITECTURE.md, so the document and the check cannot drift."""
+included); nothing below the CLI imports the CLI; no shim answers an old name (renames go in CHANGELOG.md); source
+files stay small. The layers are read from the one table in ARCHITECTURE.md, so the document and the check cannot drift."""
 from __future__ import annotations
 
 import ast
-import importlib
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -191,56 +189,23 @@ def test_layer_table_is_read_from_architecture_md():
         read_layer_table(table.replace("gates.py", "no_such_module.py"))
 
 
-def _moved():
-    from gated_attention.util.deprecation import MOVED
-
-    return MOVED
-
-
-def test_nothing_imports_a_moved_path():
-    moved = _moved()
+def test_no_shim_answers_an_old_name():
+    """Renames ship with an entry in CHANGELOG.md, never a shim: no module answers names it does not define (a
+    module-level __getattr__), nothing issues a DeprecationWarning, no import hook redirects old module paths."""
     bad = []
     for mod, path in MODULES.items():
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = _resolve(mod, path.name == "__init__.py", node)
-                names = [base] + [f"{base}.{a.name}" for a in node.names]
-            bad += [f"{mod} imports {n}" for n in names if any(n == old or n.startswith(old + ".") for old in moved)]
-    assert not bad, "import the new path (util/deprecation.py MOVED):\n" + "\n".join(bad)
-
-
-@pytest.mark.parametrize("old", sorted(_moved()))
-def test_moved_path_still_imports_with_a_warning(old):
-    new = _moved()[old]
-    assert new in MODULES, f"{old} points at {new}, which is not a module"
-    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == old or k.startswith(old + ".")}
-    try:
-        with pytest.warns(DeprecationWarning, match=re.escape(new)):
-            got = importlib.import_module(old)
-        assert got is importlib.import_module(new)  # the same module object: attributes and patches are shared
-        assert got.__spec__.name == new  # the import of the old name did not relabel the module
-    finally:
-        sys.modules.update(saved)
-
-
-def test_moved_package_carries_its_submodules():
-    from gated_attention.util.deprecation import new_path
-
-    moved = _moved()
-    pkg = next(old for old, new in moved.items() if (PKG / new[len(ROOT) + 1:].replace(".", "/")).is_dir())
-    sub = next(m for m in sorted(MODULES) if m.startswith(moved[pkg] + "."))
-    old_sub = pkg + sub[len(moved[pkg]):]
-    assert new_path(old_sub) == sub
-    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == pkg or k.startswith(pkg + ".")}
-    try:
-        with pytest.warns(DeprecationWarning):
-            got = importlib.import_module(old_sub)
-        assert got is importlib.import_module(sub)
-    finally:
-        sys.modules.update(saved)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            targets = [node.name] if isinstance(node, ast.FunctionDef) else \
+                [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else []
+            bad += [f"{mod}: module-level __getattr__" for t in targets if t == "__getattr__"]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "DeprecationWarning":
+                bad.append(f"{mod}:{node.lineno}: DeprecationWarning")
+            if isinstance(node, ast.Attribute) and node.attr == "meta_path":
+                bad.append(f"{mod}:{node.lineno}: sys.meta_path hook")
+    assert not bad, "a rename gets a CHANGELOG.md entry instead of a shim:\n" + "\n".join(bad)
+    assert "## 0.1.0" in (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
 
 
 def read_reuse_table(text: str) -> dict[str, list[str]]:
@@ -262,7 +227,7 @@ def test_every_job_names_its_changed_setting_test():
     from gated_attention.cli.lab import LABS
 
     jobs = read_reuse_table((REPO / "ARCHITECTURE.md").read_text(encoding="utf-8"))
-    want = {"gattn compare", "gattn longctx", *(f"gattn lab {name}" for name in LABS)}  # sweep: retired
+    want = {"gattn compare", "gattn longctx", *(f"gattn lab {name}" for name in LABS)}
     missing = sorted(want - set(jobs))
     assert not missing, f"ARCHITECTURE.md's reuse table has no row for {missing}: add the job and its test"
     for job, tests in jobs.items():

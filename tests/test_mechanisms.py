@@ -16,8 +16,8 @@ RUNTIME = [n for n, s in MECHANISMS.items() if s.runtime]
 BACKENDS = ["eager", "sdpa"]
 
 
-def tiny_model(baseline="none", backend="sdpa", seed=0, **kw):
-    return tiny_lm(kw.pop("gate", "none"), backend, seed, mechanism=baseline, **kw)
+def tiny_model(mechanism="none", backend="sdpa", seed=0, gate="none", **kw):
+    return tiny_lm(gate, backend, seed, mechanism=mechanism, **kw)
 
 
 # --- the harness -------------------------------------------------------------------------------------------------
@@ -33,8 +33,8 @@ def test_forward_backward_finite_and_backends_agree(name):
         out.loss.backward()
         grads[backend] = {n: p.grad for n, p in model.named_parameters()}
         assert all(g is not None and torch.isfinite(g).all() for g in grads[backend].values()), name
-        extra = [n for n in grads[backend] if "baseline" in n or "output_transform" in n]
-        assert all(grads[backend][n].abs().sum() > 0 for n in extra), f"{name}: a baseline parameter gets no gradient"
+        extra = [n for n in grads[backend] if ".mechanism." in n or "output_transform" in n]
+        assert all(grads[backend][n].abs().sum() > 0 for n in extra), f"{name}: a mechanism parameter gets no gradient"
         grads[backend]["logits"] = out.logits.detach()
     for n in grads["eager"]:
         torch.testing.assert_close(grads["eager"][n], grads["sdpa"][n], atol=2e-5, rtol=1e-4, msg=f"{name}: {n}")
@@ -112,20 +112,20 @@ def test_expanded_config_shapes_and_errors():
     with pytest.raises(ValueError, match="needs an MoE model"):
         expanded_config(model_config("tiny"), "more_experts")
     with pytest.raises(ValueError, match="changes the model shape"):
-        model_config("tiny", baseline="more_kv_heads")
+        model_config("tiny", mechanism="more_kv_heads")
 
 
 def test_invalid_names_and_settings_fail_clearly():
     with pytest.raises(ValueError, match="unknown mechanism"):
-        model_config("tiny", baseline="switch_q_4top4")
+        model_config("tiny", mechanism="switch_q_4top4")
     with pytest.raises(ValueError, match="top_k"):
         get_mechanism("switch_v_2top3")
     with pytest.raises(ValueError, match="only used by mechanism='clipped_softmax'"):
         model_config("tiny", softmax_gamma=-0.1)
     with pytest.raises(ValueError, match="zeta >= 1"):
-        model_config("tiny", baseline="clipped_softmax", softmax_zeta=0.5)
+        model_config("tiny", mechanism="clipped_softmax", softmax_zeta=0.5)
     with pytest.raises(ValueError, match="hidden_size == num_attention_heads"):
-        model_config("tiny", baseline="bondarenko_gate", head_dim=16)
+        model_config("tiny", mechanism="bondarenko_gate", head_dim=16)
     with pytest.raises(ValueError, match="eager and sdpa"):
         tiny_model("sink_logits").model.layers[0].self_attn.mechanism.wrap(None, "flash_attention_2")
     assert get_mechanism("switch_v_16top4").experts == 16 and get_mechanism("output_clip_50").clip == 50.0
@@ -323,65 +323,3 @@ def test_baselines_on_the_tiny_moe(name):
     out = model(x, labels=x)
     out.loss.backward()
     assert torch.isfinite(out.loss) and out.aux_loss is not None
-
-
-# --- the names before "baseline" became "mechanism" (one release) ---------------------------------------------------
-
-def _legacy(state: dict) -> dict:
-    return {k.replace(".self_attn.mechanism.", ".self_attn.baseline."): v for k, v in state.items()}
-
-
-def test_old_names_still_answer_with_a_warning():
-    import gated_attention.mechanisms as M
-    import gated_attention.presets as P
-
-    with pytest.warns(DeprecationWarning, match="BASELINES is now gated_attention.mechanisms.MECHANISMS"):
-        assert M.BASELINES is M.MECHANISMS
-    with pytest.warns(DeprecationWarning, match="get_mechanism"):
-        assert M.get_baseline("sink_logits") is M.get_mechanism("sink_logits")
-    with pytest.warns(DeprecationWarning, match="mechanism_config"):
-        assert P.baseline_config is P.mechanism_config
-    attn = tiny_model("sink_logits").model.layers[0].self_attn
-    with pytest.warns(DeprecationWarning, match="GatedAttention.mechanism"):
-        assert attn.baseline is attn.mechanism
-    with pytest.raises(AttributeError):
-        M.no_such_name  # noqa: B018
-
-
-def test_checkpoints_with_the_old_key_names_load_everywhere(tmp_path):
-    """A model saved while the submodule was `self_attn.baseline`: load_state_dict, from_pretrained and the native
-    converter all put its tensors under `mechanism` (nothing missing, logits identical)."""
-    from safetensors.torch import load_file, save_file
-
-    from gated_attention.interop import convert_checkpoint
-
-    model = perturb(tiny_model("sink_logits"))
-    x = torch.randint(0, 128, (2, 9))
-    fresh = tiny_model("sink_logits", seed=5)
-    fresh.load_state_dict(_legacy(model.state_dict()))
-    torch.testing.assert_close(fresh(x).logits, model(x).logits, atol=0, rtol=0)
-    model.save_pretrained(tmp_path / "old")
-    weights = tmp_path / "old" / "model.safetensors"
-    state = load_file(weights)
-    assert any(".self_attn.mechanism." in k for k in state)  # today's name on disk
-    save_file(_legacy(state), weights, metadata={"format": "pt"})
-    assert any(".self_attn.baseline." in k for k in load_file(weights))
-    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "old", output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    torch.testing.assert_close(loaded.eval()(x).logits, model(x).logits, atol=0, rtol=0)
-    convert_checkpoint(tmp_path / "old", tmp_path / "native", "native", "native")
-    again = AutoModelForCausalLM.from_pretrained(tmp_path / "native").eval()
-    torch.testing.assert_close(again(x).logits, model(x).logits, atol=0, rtol=0)
-
-
-def test_an_optimizer_state_keyed_by_old_names_is_renamed():
-    from gated_attention.mechanisms import rename_legacy_keys
-
-    osd = {"state": {"model.layers.0.self_attn.baseline.sinks": {"step": 1}, "lm_head.weight": {"step": 1}},
-           "param_groups": [{"lr": 0.1, "params": ["model.layers.0.self_attn.baseline.sinks", "lm_head.weight"]}]}
-    new = rename_legacy_keys(osd)
-    assert set(new["state"]) == {"model.layers.0.self_attn.mechanism.sinks", "lm_head.weight"}
-    assert new["param_groups"][0] == {"lr": 0.1, "params": ["model.layers.0.self_attn.mechanism.sinks",
-                                                            "lm_head.weight"]}
-    plain = {"model.norm.weight": 1}
-    assert rename_legacy_keys(plain) is plain

@@ -164,8 +164,6 @@ def bases(w) -> dict[str, list[str]]:
         "data": ["data", "info", "--data-dir", str(w["data"])],
         "train": ["train", "--preset", "tiny", "--set", "steps=2", "--set", "eval_batches=1", "--set", "ckpt_every=0",
                   "--out", "OUT"],
-        "sweep": ["sweep", "--preset", "tiny", "--gates", "baseline", "--lrs", "1e-3", "--set", "steps=2",
-                  "--set", "eval_batches=1", "--out", "OUT"],
         "eval": ["eval", str(w["run"]), "--batches", "1", "--batch-size", "1", "--seq-len", "16"],
         "convert": ["convert", str(w["final"]), "OUT", "--from", "native", "--to", "qwen3-next"],
         "retrofit": ["retrofit", str(w["plain"]), "--gate", "sdpa_headwise", "--init", "identity", "--out", "OUT"],
@@ -252,8 +250,8 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
         assert lines, (argv, err.getvalue())
 
 
-# examples per command: cheap commands get more; train valid runs take seconds (sweep is retired: one line)
-EXAMPLES = {"gates": 15, "demo": 15, "data": 20, "train": 18, "sweep": 8, "eval": 20, "convert": 20, "retrofit": 20,
+# examples per command: cheap commands get more; train valid runs take seconds
+EXAMPLES = {"gates": 15, "demo": 15, "data": 20, "train": 18, "eval": 20, "convert": 20, "retrofit": 20,
             "analyze": 15, "compare": 20, "extend": 20, "ruler": 10, "longctx": 20, "lm-eval": 10}
 
 

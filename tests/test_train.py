@@ -1,5 +1,4 @@
-"""Training harness: schedules, --set overrides, loss falls, NaN skipping, spikes, exact SIGKILL resume, eval, the
-retired sweep."""
+"""Training harness: schedules, --set overrides, loss falls, NaN skipping, spikes, exact SIGKILL resume, eval."""
 from __future__ import annotations
 
 import json
@@ -177,7 +176,7 @@ def test_fresh_run_refuses_existing_checkpoints(tmp_path):
         train(apply_overrides(cfg, ["lr=5e-3"]), tmp_path, resume=True)
 
 
-# ---------------------------------------------------------------- eval and sweep CLIs
+# ---------------------------------------------------------------- eval CLI
 
 def test_eval_cli(tmp_path, capsys):
     from gated_attention.cli import main
@@ -190,14 +189,3 @@ def test_eval_cli(tmp_path, capsys):
     assert res["ppl"]["synthetic"] == pytest.approx(math.exp(res["losses"]["synthetic"]))
     assert main(["eval", str(tmp_path), "--batches", "1", "--batch-size", "2"]) == 0
     assert "Avg PPL" in capsys.readouterr().out
-
-
-def test_sweep_is_retired_with_one_line_naming_the_lab(tmp_path, capsys):
-    from gated_attention.cli import main
-
-    # its documented command line (and any other) answers with the replacement, trains nothing, exit 2
-    out = tmp_path / "s"
-    assert main(["sweep", "--preset", "tiny", "--gates", "baseline", "--lrs", "3e-3", "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "retired" in err[0] and "gattn lab stability --variants" in err[0]
-    assert not out.exists()

@@ -5,23 +5,15 @@ transformers Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)` works 
 (util, core model, interop, data, train, analysis, experiment, labs, jobs, cli) are described in ARCHITECTURE.md.
 """
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-from transformers.core_model_loading import WeightRenaming
 
 from .configuration import GatedQwen3Config
 from .gates import GATES, GateSpec, get_gate
 from .modeling import GatedQwen3ForCausalLM, GatedQwen3Model
-from .util import deprecation
 
 __version__ = "0.1.0"
-
-deprecation.install()  # moved modules keep their old import paths for one release (util/deprecation.py)
 
 AutoConfig.register(GatedQwen3Config.model_type, GatedQwen3Config, exist_ok=True)
 AutoModel.register(GatedQwen3Config, GatedQwen3Model, exist_ok=True)
 AutoModelForCausalLM.register(GatedQwen3Config, GatedQwen3ForCausalLM, exist_ok=True)
-# checkpoints saved while the attention layer's mechanism submodule was called `baseline` load under `mechanism`
-register_checkpoint_conversion_mapping(GatedQwen3Config.model_type, [
-    WeightRenaming(r"\.self_attn\.baseline\.", ".self_attn.mechanism.")], overwrite=True)
 
 __all__ = ["GatedQwen3Config", "GatedQwen3Model", "GatedQwen3ForCausalLM", "GATES", "GateSpec", "get_gate"]

@@ -10,7 +10,6 @@ its epilogue from the gate logits; every other gate stays outside it, as with th
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -120,14 +119,6 @@ def get_kernel(name: str | None):
     raise ValueError(f"unknown attention implementation {name!r}; valid: {valid}")
 
 
-def _legacy_mechanism_keys(state_dict, prefix, *args) -> None:
-    """load_state_dict pre-hook: this layer's keys saved under `baseline.` (the submodule's name before it was
-    called `mechanism`) move to `mechanism.`, in place."""
-    old = prefix + "baseline."
-    for k in [k for k in state_dict if k.startswith(old)]:
-        state_dict[prefix + "mechanism." + k[len(old):]] = state_dict.pop(k)
-
-
 class GatedAttention(nn.Module):
     """Qwen3 attention with a gate from the registry. Parameter names are stock Qwen3's; the gate (if any) lives in
     the `gate` submodule so an ungated layer has exactly stock keys."""
@@ -157,15 +148,6 @@ class GatedAttention(nn.Module):
         self.gate_position = self.gate.spec.position if self.gate is not None else None
         self.mechanism = build_attention_mechanism(config)  # None, or the hooks of a comparison mechanism
         self.capture = None  # a Recorder (capture.py) while analysing; None costs nothing
-        # checkpoints written while `mechanism` was called `baseline` load under the new name
-        self._register_load_state_dict_pre_hook(_legacy_mechanism_keys)
-
-    @property
-    def baseline(self):
-        """The former name of `mechanism` (kept for one release)."""
-        warnings.warn("GatedAttention.baseline is now GatedAttention.mechanism (the old name goes in the next "
-                      "release)", DeprecationWarning, stacklevel=2)
-        return self.mechanism
 
     def _emit(self, name, value):
         if self.capture is not None:

@@ -70,19 +70,12 @@ class GatedQwen3Config(PreTrainedConfig):
     mlp_only_layers: list[int] | None = None  # layers forced dense
     shared_expert_intermediate_size: int = 0  # 0 = no shared expert
     moe_impl: str = "grouped"  # "loop" (reference) | "grouped" (fast path)
-    # --- the paper's comparison mechanisms (gated_attention.mechanisms); config.json files before the rename call
-    # this key `baseline`, which is still read ---
-    mechanism: str = "none"  # a runtime mechanism from baselines.MECHANISMS (Switch Heads, sinks, FoX, ...), or "none"
+    # --- the paper's comparison mechanisms (gated_attention.mechanisms) ---
+    mechanism: str = "none"  # a runtime mechanism from mechanisms.MECHANISMS (Switch Heads, sinks, FoX, ...), or "none"
     softmax_zeta: float = 1.0  # clipped_softmax stretch (>= 1): above 1 lets probabilities reach exactly 1
     softmax_gamma: float = -0.03  # clipped_softmax shift (<= 0): lets probabilities reach exactly 0
 
     def __post_init__(self, **kwargs):
-        if "baseline" in kwargs:  # the comparison-mechanism key's old name
-            legacy = kwargs.pop("baseline")
-            if self.mechanism not in ("none", legacy):
-                raise ValueError(f"GatedQwen3Config: both mechanism={self.mechanism!r} and its old name "
-                                 f"baseline={legacy!r} are set; keep only mechanism")
-            self.mechanism = legacy
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         unknown = sorted(k for k in kwargs if k not in _HF_KEYS and k not in GenerationConfig._get_default_generation_params())

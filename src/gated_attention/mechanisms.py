@@ -41,7 +41,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm import RMSNorm
-from .util.deprecation import renamed_attributes
 
 
 class Kind(str, Enum):
@@ -464,36 +463,6 @@ def build_branch_transforms(config) -> tuple[nn.Module, nn.Module]:
     return nn.Identity(), nn.Identity()
 
 
-# ---------------------------------------------------------------- the names before "baseline" became "mechanism"
-
-LEGACY_KEY, KEY = ".self_attn.baseline.", ".self_attn.mechanism."  # the attention submodule holding a mechanism
-
-
-def rename_legacy_keys(state: dict) -> dict:
-    """A model state dict (or an optimizer's full state dict, keyed by parameter name) saved while the attention
-    layer's mechanism submodule was called `baseline`, with its keys under the current name `mechanism`; any other
-    dict is returned unchanged. Applied wherever a checkpoint is read (GatedAttention's load_state_dict hook, the
-    trainer's resume, interop's native reader; from_pretrained through the conversion mapping gated_attention
-    registers with transformers)."""
-    if not any(isinstance(k, str) and LEGACY_KEY in k for k in _keys(state)):
-        return state
-    fix = lambda k: k.replace(LEGACY_KEY, KEY) if isinstance(k, str) else k  # noqa: E731
-    if "state" in state and "param_groups" in state:  # an optimizer's full state dict: keys and groups by name
-        return {**state, "state": {fix(k): v for k, v in state["state"].items()},
-                "param_groups": [{**g, "params": [fix(p) for p in g["params"]]} for g in state["param_groups"]]}
-    return {fix(k): v for k, v in state.items()}
-
-
-def _keys(state: dict):
-    if "state" in state and "param_groups" in state and isinstance(state["state"], dict):
-        return list(state["state"]) + [p for g in state["param_groups"] for p in g.get("params", [])]
-    return list(state)
-
-
 __all__ = ["MECHANISMS", "MechanismSpec", "Kind", "get_mechanism", "per_layer_params", "expanded_config",
            "validate_config", "build_attention_mechanism", "build_branch_transforms",
-           "clipped_softmax_attention", "additive_mask", "rename_legacy_keys"]
-
-__getattr__ = renamed_attributes(__name__, globals(), {
-    "BASELINES": "MECHANISMS", "BaselineSpec": "MechanismSpec", "get_baseline": "get_mechanism",
-    "build_attention_baseline": "build_attention_mechanism", "AttentionBaseline": "AttentionMechanism"})
+           "clipped_softmax_attention", "additive_mask"]

@@ -93,12 +93,6 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": GatedQwen3DecoderLayer, "attentions": GatedAttention}
 
-    def save_pretrained(self, save_directory, *args, save_original_format: bool = False, **kwargs):
-        """transformers' save_pretrained, writing today's parameter names (`self_attn.mechanism.*`). The conversion
-        mapping gated_attention registers reads checkpoints written before the rename (`self_attn.baseline.*`);
-        transformers would otherwise write that older format back (save_original_format=True)."""
-        return super().save_pretrained(save_directory, *args, save_original_format=save_original_format, **kwargs)
-
     @torch.no_grad()
     def _init_weights(self, module):
         if isinstance(module, RotaryEmbedding):  # non-persistent buffers: recompute (from_pretrained builds on meta)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from .configuration import GatedQwen3Config
 from .mechanisms import MECHANISMS, MechanismSpec, Kind, expanded_config, get_mechanism, per_layer_params
 from .gates import get_gate
-from .util.deprecation import renamed_attributes
 
 
 def _tiny() -> dict:  # unit tests: ~30k parameters, GQA so the per-KV-group layouts are exercised
@@ -132,7 +131,7 @@ def added_params(spec: MechanismSpec | str, config) -> int:
 
 
 def mechanism_config(preset: str, name: str, gate: str = "none", **overrides):
-    """`presets.model_config(preset, gate, **overrides)` with baseline `name` applied, whichever family it is.
+    """`presets.model_config(preset, gate, **overrides)` with mechanism `name` applied, whichever family it is.
     Baselines are compared at the parameter counts the paper reports (added on top), so no FFN shrinking here."""
     spec = get_mechanism(name)
     if spec.kind is Kind.EXPAND:
@@ -156,5 +155,3 @@ def paper_report(config=None) -> list[dict]:
                      "paper_added_m": spec.paper_added_m, "paper": spec.paper})
     return rows
 
-
-__getattr__ = renamed_attributes(__name__, globals(), {"baseline_config": "mechanism_config"})

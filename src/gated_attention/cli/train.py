@@ -1,6 +1,5 @@
 """Training commands. `gattn train`: build a TrainConfig from a preset plus typed `--set key=value` overrides and run
-the trainer; `gattn eval`: per-domain PPL and loss by position; `gattn sweep`: retired (one line naming its
-replacement, `gattn lab stability`).
+the trainer; `gattn eval`: per-domain PPL and loss by position.
 
 Works unchanged under `torchrun --nproc_per_node=N` (DDP by default, `--set dist=fsdp` for FSDP2).
 """
@@ -38,25 +37,6 @@ def run_train(args) -> int:
         keys = ("final_loss", "avg_ppl", "spikes", "skipped_steps", "diverged", "tokens", "wall_time_s")
         print(json.dumps({k: summary.get(k) for k in keys}))
     return 1 if summary.get("diverged") else 0
-
-
-# ---------------------------------------------------------------- gattn sweep (retired)
-
-SWEEP_RETIRED = ("`gattn sweep` is retired; the stability lab replaces it (gates x LRs, QK-norm on/off, seeds, spikes, "
-                 "max stable LR with intervals): gattn lab stability --variants GATE ... --lrs LR ... [--set KEY=VALUE "
-                 "...] --out DIR (see `gattn lab stability --help`)")
-
-
-def configure_sweep(parser: argparse.ArgumentParser) -> None:
-    parser.description = SWEEP_RETIRED
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="ignored: the command only names its replacement")
-    # its old options (--preset, --gates, ...) are accepted too, so every old command line gets the one-line pointer
-    # (run_sweep) rather than an argparse error about an option the retired command no longer defines
-    parser.parse_args = lambda args=None, namespace=None: parser.parse_known_args(args, namespace)[0]
-
-
-def run_sweep(args) -> int:
-    raise E.UserError(SWEEP_RETIRED)
 
 
 # ---------------------------------------------------------------- gattn eval

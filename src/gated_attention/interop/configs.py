@@ -189,7 +189,7 @@ def check_native_for(ncfg: dict, fmt: str) -> None:
     if ncfg.get("shared_expert_intermediate_size", 0):
         raise ConversionError(f"shared_expert_intermediate_size={ncfg['shared_expert_intermediate_size']}: a shared "
                               f"expert has no {fmt} counterpart (Qwen3-MoE has none)")
-    mechanism = ncfg.get("mechanism", ncfg.get("baseline", "none"))  # "baseline": the key's old name
+    mechanism = ncfg.get("mechanism", "none")
     if mechanism != "none":
         raise ConversionError(f"mechanism={mechanism!r} is a native-only mechanism with no {fmt} counterpart; "
                               "keep such models in the native format")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ..gates import canonical_name
-from ..mechanisms import rename_legacy_keys
 from . import llama
 from .configs import check_native_for
 from .layouts import EXPERT_KEY, GATE_KEY, NORM_KEY, Q_KEY, ConversionError, Layout, get_layout
@@ -174,9 +173,7 @@ def _unstack_experts(state: dict) -> dict:
 def state_to_native(state: dict, ncfg: dict, fmt: str) -> dict:
     """A `fmt` state dict -> native state dict (validated against the shapes `ncfg` implies)."""
     tied = bool(ncfg.get("tie_word_embeddings", False))
-    if fmt == "native":
-        state = rename_legacy_keys(state)  # written before the mechanism submodule was renamed
-    elif get_layout(fmt).moe:
+    if fmt != "native" and get_layout(fmt).moe:
         state = _stack_experts(state)  # validated below in the fused (native) names
     validate_state(state, format_shapes(ncfg, fmt), fmt, tied)
     state = _drop_tied_head(dict(state), tied)

@@ -14,6 +14,5 @@ line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
               loss terms, starts.py the starting models, their data and measurements)
 
 Runs, cached units, seed statistics and report pages are the experiment toolkit's (gated_attention.experiment), the
-same for every job; common.py keeps what only the labs share. Labs use the model, training and analysis, never the
-reverse.
+same for every job. Labs use the model, training and analysis, never the reverse.
 """

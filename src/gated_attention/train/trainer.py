@@ -41,14 +41,8 @@ from ..moe import moe_stats, reset_moe_balance
 from .monitors import SpikeDetector, decoder_layers, residual_stream_stats, snapshot_params, update_weight_ratio
 from ..util.errors import UserError
 from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
-from ..util.deprecation import renamed_attributes
 from ..util.precision import numerics
 from ..util.progress import Progress
-
-# the model and optimizer set-up lives in model_setup.py (the loop imports what it uses from there); the names it
-# re-exported before answer here, with a warning, for one release
-__getattr__ = renamed_attributes(__name__, globals(), {
-    name: f"gated_attention.train.model_setup:{name}" for name in ("build_model_config", "load_init_model")})
 
 
 # ---------------------------------------------------------------- state helpers
@@ -92,9 +86,6 @@ def _to_cpu(obj):
 def _load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    from ..mechanisms import rename_legacy_keys  # a checkpoint from before `baseline` was named `mechanism`
-
-    msd, osd = rename_legacy_keys(msd), rename_legacy_keys(osd)
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
                    options=StateDictOptions(full_state_dict=True))
 

@@ -116,7 +116,7 @@ class LabConfig:
     seed_lrs: str | None = None  # where seeds 1.. run: every LR ("all") or the edge LRs ("edge"); None = the budget's
     sets: tuple[str, ...] = ()  # `key=value` training/model overrides on top of the budget's recipe (--set)
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
-    jobs: int = 1  # runs in parallel, one thread each (the CLI default: common.default_jobs())
+    jobs: int = 1  # runs in parallel, one thread each (the CLI default: experiment.runs.default_jobs())
     precision: str = "auto"  # training numerics; resolved once (gated_attention.util.precision) and keyed per run
 
     def validate(self) -> "LabConfig":
