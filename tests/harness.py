@@ -3,6 +3,7 @@
   tiny_lm(gate, backend, seed, ...)          a tiny GatedQwen3ForCausalLM for any gate / mechanism / backend / seed
   build_lm(config, backend, seed, ...)       the same from a ready GatedQwen3Config (a lab's, a hand-written one)
   stock_lm(config, seed, ...)                a stock transformers model (Llama, Qwen3, ...): the trusted peer
+  stock_config(config)                       the stock Qwen3 / Qwen3-MoE config of the same shape as one of ours
   perturb(model, seed, ...)                  every parameter moved off its init (the one helper; any nn.Module)
   prepare_text_corpus(out, domains, ...)     a prepared corpus (gattn data prepare) from in-memory texts, in seconds
   write_text_domains(src, domains)           the same texts as --extra sources (folders of files, JSONL files)
@@ -10,6 +11,8 @@
   gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
   torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine)
   assert_matches_reference(fast, ref, ...)   a fast path against its plain reference: outputs AND input gradients
+  assert_modules_match(fast, ref, run, ...)  two modules (a fast path and its reference): outputs, every parameter's
+                                             gradient by name, and the inputs' gradients
 
 In-process CLI calls go through `gated_attention.cli.main([...])` itself (or the gattn_main fixture, which also
 captures the output); a CLI in another process always through run_gattn / gattn_argv / torchrun_argv.
@@ -66,6 +69,21 @@ def stock_lm(config, seed: int | None = 0, eval: bool = True, perturbed: bool = 
     if perturbed:
         perturb(model, seed=1 if seed is None else seed + 1)
     return model.eval() if eval else model
+
+
+def stock_config(config, **overrides):
+    """The stock transformers config (Qwen3Config, or Qwen3MoeConfig for an MoE model) with the shape of one of ours
+    (an ungated GatedQwen3Config): its state dict loads into stock_lm(stock_config(config)) by plain names."""
+    import transformers
+
+    keys = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+            "max_position_embeddings", "attention_bias"]
+    cls = transformers.Qwen3Config
+    if config.num_experts:
+        keys += ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob"]
+        cls = transformers.Qwen3MoeConfig
+    return cls(**{**{k: getattr(config, k) for k in keys}, **overrides})
 
 
 def perturb(model, seed: int = 1, std: float = 0.05, norm_std: float = 0.2):
@@ -140,11 +158,14 @@ def run_gattn(*args, env: dict | None = None, timeout: float = 600, kill_hooks: 
 
 def assert_matches_reference(fast: Callable, reference: Callable, inputs: Sequence[torch.Tensor],
                              grad_wrt: Sequence[int] | None = None, upstream: torch.Tensor | float | None = None,
-                             rtol: float | None = None, atol: float | None = None):
+                             rtol: float | None = None, atol: float | None = None,
+                             grad_rtol: float | None = None, grad_atol: float | None = None):
     """Call `fast(*inputs)` and `reference(*inputs)`, assert the outputs match, then backpropagate `upstream` (a
-    tensor shaped like the output, or a scalar factor; default: a fixed random tensor) through both and assert the
-    gradients w.r.t. inputs[i] for i in grad_wrt (default: every input that requires grad) match.
-    Returns (fast output, fast gradients) for further checks."""
+    tensor shaped like the output, or a scalar factor; default: a fixed random tensor on the output's device) through
+    both and assert the gradients w.r.t. inputs[i] for i in grad_wrt (default: every input that requires grad) match,
+    within grad_rtol / grad_atol (default: rtol / atol). Returns (fast output, fast gradients) for further checks."""
+    if grad_rtol is None and grad_atol is None:
+        grad_rtol, grad_atol = rtol, atol
     out_f, out_r = fast(*inputs), reference(*inputs)
     torch.testing.assert_close(out_f, out_r.to(out_f.dtype), rtol=rtol, atol=atol)
     idx = [i for i, x in enumerate(inputs) if x.requires_grad] if grad_wrt is None else list(grad_wrt)
@@ -152,7 +173,7 @@ def assert_matches_reference(fast: Callable, reference: Callable, inputs: Sequen
         return out_f, ()
     if upstream is None:
         g = torch.Generator().manual_seed(1234)
-        upstream = torch.randn(out_f.shape, generator=g, dtype=out_f.dtype)
+        upstream = torch.randn(out_f.shape, generator=g).to(out_f.device, out_f.dtype)
     wrt = [inputs[i] for i in idx]
     if isinstance(upstream, torch.Tensor):
         grads_f = torch.autograd.grad(out_f, wrt, upstream)
@@ -161,5 +182,42 @@ def assert_matches_reference(fast: Callable, reference: Callable, inputs: Sequen
         grads_f = torch.autograd.grad(upstream * out_f, wrt)
         grads_r = torch.autograd.grad(upstream * out_r, wrt)
     for i, a, b in zip(idx, grads_f, grads_r):
-        torch.testing.assert_close(a, b.to(a.dtype), rtol=rtol, atol=atol, msg=lambda m, i=i: f"grad of input {i}: {m}")
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=grad_rtol, atol=grad_atol,
+                                   msg=lambda m, i=i: f"grad of input {i}: {m}")
     return out_f, grads_f
+
+
+def assert_modules_match(fast, reference, run: Callable, inputs: Sequence = (), rtol: float | None = None,
+                         atol: float | None = None, grad_rtol: float | None = None, grad_atol: float | None = None):
+    """Two modules that compute the same function with the same parameter names (a fast path and its reference, one
+    model under two kernels or layouts): `run(module, *inputs)` returns (outputs, loss) with outputs a tensor or a
+    tuple of tensors to compare and loss a scalar to backpropagate (None: `run` backpropagated itself). Each module
+    gets its own leaf copies of the floating-point inputs. Asserts the outputs match (rtol / atol), then the gradient
+    of every parameter, by name, and of each floating-point input (grad_rtol / grad_atol, default rtol / atol).
+    Returns ((outputs, {name: grad}, [input grads]) of fast, the same of reference) for further checks."""
+    if grad_rtol is None and grad_atol is None:
+        grad_rtol, grad_atol = rtol, atol
+    results = []
+    for module in (fast, reference):
+        module.zero_grad(set_to_none=True)
+        xs = [x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+              for x in inputs]
+        outputs, loss = run(module, *xs)
+        if loss is not None:
+            loss.backward()
+        outputs = tuple(o.detach() for o in outputs) if isinstance(outputs, (tuple, list)) else outputs.detach()
+        grads = {n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()}
+        results.append((outputs, grads, [x.grad for x in xs if isinstance(x, torch.Tensor) and x.is_floating_point()]))
+    (out_f, g_f, gx_f), (out_r, g_r, gx_r) = results
+    for i, (a, b) in enumerate(zip(*((o,) if isinstance(o, torch.Tensor) else o for o in (out_f, out_r)))):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=rtol, atol=atol, msg=lambda m, i=i: f"output {i}: {m}")
+    assert set(g_f) == set(g_r), f"parameter names differ: {sorted(set(g_f) ^ set(g_r))}"
+    for name, b in g_r.items():
+        a = g_f[name]
+        assert (a is None) == (b is None), f"{name}: gradient {'missing' if a is None else 'unexpected'} in fast"
+        if a is not None:
+            torch.testing.assert_close(a, b.to(a.dtype), rtol=grad_rtol, atol=grad_atol, msg=lambda m, n=name: f"{n}: {m}")
+    for i, (a, b) in enumerate(zip(gx_f, gx_r)):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=grad_rtol, atol=grad_atol,
+                                   msg=lambda m, i=i: f"grad of input {i}: {m}")
+    return results[0], results[1]

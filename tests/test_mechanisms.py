@@ -141,8 +141,9 @@ def _layer_inputs(model, t=6, seed=3):
 
 
 def _plain_attention(attn, x, cos, sin, *, k=None, v=None, rope=True, logit_bias=None, sink=None, clip=None,
-                     head_gate=None):
-    """One attention layer written out: q/k/v, QK-norm, RoPE, causal softmax with the optional mechanism terms."""
+                     head_gate=None, out_gate=None):
+    """One attention layer written out: q/k/v, QK-norm, RoPE, causal softmax with the optional mechanism terms;
+    out_gate (1, T, H, D or 1) multiplies the (1, T, H, D) output before o_proj (the G1 gate)."""
     _, t, _ = x.shape
     H, KV, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q = attn.q_norm(attn.q_proj(x).view(1, t, H, D)).transpose(1, 2)  # (1, H, T, D)
@@ -172,6 +173,8 @@ def _plain_attention(attn, x, cos, sin, *, k=None, v=None, rope=True, logit_bias
     y = (p @ v).transpose(1, 2)  # (1, T, H, D)
     if head_gate is not None:
         y = y * head_gate[..., None]
+    if out_gate is not None:
+        y = y * out_gate
     return attn.o_proj(y.reshape(1, t, H * D))
 
 
@@ -200,20 +203,21 @@ def test_clipped_softmax_formula_and_exact_zeros():
     assert (probs[..., 6:, :] == 0).float().mean() > 0.3  # gamma < 0 reaches exact zeros (unmasked entries too)
 
 
-def test_forgetting_formula_with_and_without_rope():
-    def ref(rope):
-        def make(a, x, c, s):
-            t = x.shape[1]
-            logf = torch.nn.functional.logsigmoid(x @ a.mechanism.proj.weight.T + a.mechanism.proj.bias)  # (1, T, H)
-            bias = torch.zeros(1, a.num_heads, t, t)
-            for i in range(t):
-                for j in range(i + 1):
-                    bias[0, :, i, j] = logf[0, j + 1: i + 1].sum(0)  # sum_{l=j+1..i} log f_l
-            return _plain_attention(a, x, c, s, rope=rope, logit_bias=bias)
-        return make
+def _forgetting_reference(rope: bool):
+    def make(a, x, c, s):
+        t = x.shape[1]
+        logf = torch.nn.functional.logsigmoid(x @ a.mechanism.proj.weight.T + a.mechanism.proj.bias)  # (1, T, H)
+        bias = torch.zeros(1, a.num_heads, t, t)
+        for i in range(t):
+            for j in range(i + 1):
+                bias[0, :, i, j] = logf[0, j + 1: i + 1].sum(0)  # sum_{l=j+1..i} log f_l
+        return _plain_attention(a, x, c, s, rope=rope, logit_bias=bias)
+    return make
 
-    _check("forgetting", ref(True))
-    _check("forgetting_nope", ref(False))
+
+def test_forgetting_formula_with_and_without_rope():
+    _check("forgetting", _forgetting_reference(True))
+    _check("forgetting_nope", _forgetting_reference(False))
 
 
 def test_bondarenko_gate_formula_and_init():
@@ -228,8 +232,7 @@ def test_bondarenko_gate_formula_and_init():
     torch.testing.assert_close(torch.sigmoid(fresh.bias), torch.full((4,), 0.25))
 
 
-@pytest.mark.parametrize("name", ["switch_v_8top2", "switch_kv_4top4", "switch_v_1top1"])
-def test_switch_heads_formula(name):
+def _switch_reference(name: str):
     spec = get_mechanism(name)
 
     def ref(a, x, c, s):
@@ -251,8 +254,12 @@ def test_switch_heads_formula(name):
             ks.append(sum(w[..., e: e + 1] * expert(a.k_proj, sw.k_experts, g, e) for e in range(E))
                       if spec.switch_keys else a.k_proj(x).view(1, t, KV, D)[:, :, g])
         return _plain_attention(a, x, c, s, k=torch.stack(ks, 2), v=torch.stack(vs, 2))
+    return ref
 
-    _check(name, ref)
+
+@pytest.mark.parametrize("name", ["switch_v_8top2", "switch_kv_4top4", "switch_v_1top1"])
+def test_switch_heads_formula(name):
+    _check(name, _switch_reference(name))
 
 
 def test_switch_v_1top1_is_the_value_headwise_gate():
@@ -268,9 +275,8 @@ def _rms(z, w, eps):
     return z / torch.sqrt(z.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-@pytest.mark.parametrize("name", ["sandwich_norm", "output_clip_0.02"])
-def test_branch_transforms_formula(name):
-    model = perturb(tiny_model(name))
+def _check_branch_transforms(name, **kw):
+    model = perturb(tiny_model(name, **kw))
     layer = model.model.layers[0]
     x, cos, sin = _layer_inputs(model)
     eps = model.config.rms_norm_eps
@@ -283,12 +289,26 @@ def test_branch_transforms_formula(name):
     h = x + post(a, "attn")
     out = h + post(layer.mlp(_rms(h, layer.post_attention_layernorm.weight, eps)), "ffn")
     torch.testing.assert_close(layer(x, position_embeddings=(cos, sin)), out, atol=1e-5, rtol=1e-4)
+    return model
 
 
-def test_baselines_combine_with_a_gate():
-    model = tiny_model("sink_logits", gate="sdpa_elementwise")
-    assert model.model.layers[0].self_attn.gate is not None and model.model.layers[0].self_attn.mechanism is not None
-    assert torch.isfinite(model(torch.randint(0, 128, (1, 5))).logits).all()
+@pytest.mark.parametrize("name", ["sandwich_norm", "output_clip_0.02"])
+def test_branch_transforms_formula(name):
+    _check_branch_transforms(name)
+
+
+@pytest.mark.parametrize("name,gate,clip", [("sink_logits", "sdpa_elementwise", None),
+                                            ("clipped_softmax", "sdpa_headwise", (1.0, -0.03))])
+def test_mechanism_combined_with_a_gate_follows_both_formulas(name, gate, clip):
+    """A mechanism and a G1 gate in one layer: the mechanism's softmax, then the gate sigma(X W) on the (B, T, H, D)
+    output before o_proj (each dropped, or applied in the other's place, breaks it)."""
+    def ref(a, x, c, s):
+        H = a.num_heads
+        score = torch.sigmoid(a.gate.proj(x)).view(1, x.shape[1], H, -1)  # (1, T, H, D) elementwise, (1, T, H, 1) headwise
+        sink = a.mechanism.sinks if name == "sink_logits" else None
+        return _plain_attention(a, x, c, s, sink=sink, clip=clip, out_gate=score)
+
+    _check(name, ref, gate=gate)
 
 
 def test_forget_decay_is_exact_when_queries_are_not_the_last_keys():
@@ -317,9 +337,21 @@ def test_static_cache_generation_equals_uncached(name):
 
 
 @pytest.mark.parametrize("name", ["sandwich_norm", "switch_kv_4top4", "forgetting"])
-def test_baselines_on_the_tiny_moe(name):
-    model = build_lm(mechanism_config("tiny-moe", name), eval=False)
+def test_mechanisms_on_the_tiny_moe_follow_their_formulas(name):
+    """On the MoE model (every layer a SparseMoeBlock) each mechanism still computes its formula (the branch transforms
+    around the MoE FFN, the attention mechanisms inside the layer) and trains: its parameters get a gradient through
+    the LM loss, and the router's load-balancing loss is there."""
+    if name == "sandwich_norm":
+        model = _check_branch_transforms(name, preset="tiny-moe")
+    else:
+        _check(name, _switch_reference(name) if name.startswith("switch") else _forgetting_reference(True),
+               preset="tiny-moe")
+        model = perturb(tiny_model(name, preset="tiny-moe"))
+    assert model.config.is_moe_layer(0)
+    model.train()
     x = torch.randint(0, 128, (2, 9))
     out = model(x, labels=x)
+    assert out.aux_loss > 0
     out.loss.backward()
-    assert torch.isfinite(out.loss) and out.aux_loss is not None
+    extra = {n: p.grad for n, p in model.named_parameters() if ".mechanism." in n or "output_transform" in n}
+    assert extra and all(g is not None and g.abs().sum() > 0 for g in extra.values()), name

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gated_attention.moe import (
     SparseMoeBlock, collect_aux_loss, moe_stats, reset_moe_balance,
 )
-from harness import stock_lm, tiny_lm
+from harness import assert_modules_match, stock_config, stock_lm, tiny_lm
 
 
 def make_cfg(**overrides):
@@ -33,14 +33,12 @@ def block_pair(seed=0, **overrides):
     return ref, fast
 
 
-def run_fwd_bwd(block, x):
-    x = x.clone().requires_grad_()
+def block_loss(block, x):
+    """(output, loss) of a block for harness.assert_modules_match: a non-trivial scalar so every output element gets
+    a different upstream gradient, aux loss included."""
     y = block(x)
-    # A non-trivial scalar so every output element gets a different upstream gradient; aux loss included.
     weights = torch.linspace(-1, 1, y.numel()).view_as(y).to(y.dtype)
-    ((y * weights).sum() + block.aux_loss).backward()
-    grads = {n: p.grad.float().clone() for n, p in block.named_parameters()}
-    return y.detach().float(), x.grad.float(), grads
+    return y, (y * weights).sum() + block.aux_loss
 
 
 @pytest.mark.parametrize("shared,norm", [(0, True), (24, False)])
@@ -49,14 +47,7 @@ def test_grouped_matches_loop_fp32(shared, norm, use_grouped_mm):
     # Both kernels of the fast path (torch._grouped_mm and the per-segment mm fallback) against the loop.
     ref, fast = block_pair(shared_expert_intermediate_size=shared, norm_topk_prob=norm)
     fast.use_grouped_mm = use_grouped_mm
-    x = torch.randn(3, 7, 32)
-    y_r, gx_r, g_r = run_fwd_bwd(ref, x)
-    y_f, gx_f, g_f = run_fwd_bwd(fast, x)
-    torch.testing.assert_close(y_f, y_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-6)
-    assert set(g_r) == set(g_f)
-    for name in g_r:
-        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-5, atol=1e-6, msg=name)
+    _, (_, g_r, _) = assert_modules_match(fast, ref, block_loss, [torch.randn(3, 7, 32)], rtol=1e-5, atol=1e-6)
     assert g_r["experts.gate_up_proj"].abs().sum() > 0 and g_r["gate.weight"].abs().sum() > 0
 
 
@@ -64,29 +55,16 @@ def test_grouped_matches_loop_unaligned_and_unused_experts():
     # d=20, I=6: row strides are not 16-byte multiples, so the segment fallback runs; 16 experts for 4 tokens
     # leaves most experts empty.
     ref, fast = block_pair(hidden_size=20, moe_intermediate_size=6, num_experts=16, num_experts_per_tok=3)
-    x = torch.randn(1, 4, 20)
-    y_r, gx_r, g_r = run_fwd_bwd(ref, x)
-    y_f, gx_f, g_f = run_fwd_bwd(fast, x)
+    assert_modules_match(fast, ref, block_loss, [torch.randn(1, 4, 20)], rtol=1e-5, atol=1e-6)
     assert int((ref.expert_load == 0).sum()) > 0
-    torch.testing.assert_close(y_f, y_r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(gx_f, gx_r, rtol=1e-5, atol=1e-6)
-    for name in g_r:
-        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_grouped_matches_loop_bf16():
     ref, fast = block_pair(shared_expert_intermediate_size=16)
     ref.to(torch.bfloat16)
     fast.to(torch.bfloat16)
-    x = torch.randn(2, 16, 32).to(torch.bfloat16)
-    y_r, gx_r, g_r = run_fwd_bwd(ref, x)
-    y_f, gx_f, g_f = run_fwd_bwd(fast, x)
     # Different summation order of the k expert outputs: bf16 rounding (8 mantissa bits) differs slightly.
-    torch.testing.assert_close(y_f, y_r, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(gx_f, gx_r, rtol=2e-2, atol=2e-2)
-    for name in g_r:
-        scale = g_r[name].abs().max()
-        assert (g_f[name] - g_r[name]).abs().max() <= 2e-2 * scale + 1e-3, name
+    assert_modules_match(fast, ref, block_loss, [torch.randn(2, 16, 32).to(torch.bfloat16)], rtol=2e-2, atol=2e-2)
 
 
 def dense_reference(block, x):
@@ -357,21 +335,12 @@ def tiny_moe_lm(**overrides):
 
 
 def test_tiny_moe_lm_equals_hf_qwen3_moe_by_plain_state_dict_load():
-    from transformers import Qwen3MoeConfig
     torch.manual_seed(9)
     ours = tiny_moe_lm(norm_topk_prob=False).eval()
-    c = ours.config
-    hf_cfg = Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=c.tie_word_embeddings, rope_parameters=c.rope_parameters,
-        max_position_embeddings=c.max_position_embeddings, num_experts=c.num_experts,
-        num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
-        norm_topk_prob=c.norm_topk_prob)
-    hf = stock_lm(hf_cfg, seed=None)  # drawn after ours, from the same seeded stream
+    hf = stock_lm(stock_config(ours.config), seed=None)  # drawn after ours, from the same seeded stream
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
     ours.load_state_dict(hf.state_dict(), strict=True)  # MoE names/shapes are HF's: nothing to rename
-    ids = torch.randint(0, c.vocab_size, (2, 12))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids).logits, hf(ids).logits, rtol=1e-5, atol=1e-6)
 
@@ -382,18 +351,15 @@ def test_tiny_moe_lm_loop_vs_grouped_loss_and_grads():
     ref = tiny_moe_lm(moe_impl="loop", router_z_loss_coef=1e-3).train()
     ref.load_state_dict(fast.state_dict())
     ids = torch.randint(0, fast.config.vocab_size, (2, 10))
-    results = []
-    for model in (ref, fast):
+
+    def run(model, ids):
         out = model(ids, labels=ids)
-        out.loss.backward()
         ce = F.cross_entropy(out.logits[:, :-1].reshape(-1, model.config.vocab_size), ids[:, 1:].reshape(-1))
         torch.testing.assert_close(out.loss.detach(), (ce + out.aux_loss).detach())
         assert 0 < out.aux_loss.item() < 1  # 2 layers * (1e-3 * LBL ~ 1 + 1e-3 * z)
-        results.append((out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (loss_r, g_r), (loss_f, g_f) = results
-    torch.testing.assert_close(loss_f, loss_r, rtol=1e-5, atol=1e-6)
-    for name in g_r:
-        torch.testing.assert_close(g_f[name], g_r[name], rtol=1e-4, atol=1e-6, msg=name)
+        return out.loss, out.loss
+
+    assert_modules_match(fast, ref, run, [ids], rtol=1e-5, atol=1e-6, grad_rtol=1e-4, grad_atol=1e-6)
 
 
 def test_tiny_moe_lm_global_batch_stats_over_micro_batches():
@@ -422,12 +388,16 @@ def test_tiny_moe_lm_activation_checkpointing_counts_once_and_same_grads():
     ckpt.load_state_dict(plain.state_dict())
     ckpt.activation_checkpointing_enable()
     ids = torch.randint(0, plain.config.vocab_size, (2, 8))
-    for model in (plain, ckpt):
+
+    def run(model, ids):  # two micro-batches, each backpropagated before the next forward (as the trainer does)
+        losses = []
         for micro in (ids[:1], ids[1:]):
-            model(micro, labels=micro, use_cache=False).loss.backward()
+            losses.append(model(micro, labels=micro, use_cache=False).loss)
+            losses[-1].backward()
+        return tuple(losses), None
+
+    assert_modules_match(ckpt, plain, run, [ids], rtol=1e-5, atol=1e-7)
     for layer in range(plain.config.num_hidden_layers):
         key = f"model.layers.{layer}.mlp/expert_load"
         assert moe_stats(ckpt)[key] == moe_stats(plain)[key]
         assert sum(moe_stats(ckpt)[key]) == 2 * 8 * plain.config.num_experts_per_tok
-    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -271,11 +271,40 @@ def test_mutated_command_lines_never_traceback(cmd, world, monkeypatch):
     check()
 
 
-def test_zz_fuzz_summary():
-    """Prints the totals quoted in the README / report (runs last in this file)."""
-    tried = len(STATS["tried"])
-    print(f"\n[fuzz] distinct mutated command lines tried: {tried}; ended in a traceback: {len(STATS['tracebacks'])}")
-    assert not STATS["tracebacks"]
+@pytest.fixture(scope="module", autouse=True)
+def fuzz_totals():
+    """After this file's tests: the totals quoted in docs/reliability.md (`pytest -s tests/test_properties.py`)."""
+    yield
+    if STATS["tried"]:
+        print(f"\n[fuzz] distinct mutated command lines tried: {len(STATS['tried'])}; ended in a traceback: "
+              f"{len(STATS['tracebacks'])}")
+
+
+def test_fuzz_check_fails_on_a_traceback_and_on_an_exit_2_without_an_error_line(world, monkeypatch):
+    """The command-line check above must catch what it hunts: a command that raises (a bug: the CLI re-raises it),
+    one that exits 2 without its one error line, and one that exits with another status; a clean run passes."""
+    import gated_attention.cli.model as cli_model
+
+    saved = {"tried": set(STATS["tried"]), "tracebacks": list(STATS["tracebacks"])}
+
+    def bug(args):
+        raise KeyError("a bug")
+
+    def silent_2(args):
+        return 2
+
+    def status_3(args):
+        return 3
+
+    try:
+        _run_one("gates", ["gates"], world, monkeypatch)  # the real command: passes
+        for fake, caught in ((bug, KeyError), (silent_2, AssertionError), (status_3, AssertionError)):
+            monkeypatch.setattr(cli_model, "run_gates", fake)  # undone by _run_one itself
+            with pytest.raises(caught):
+                _run_one("gates", ["gates"], world, monkeypatch)
+        assert [argv for argv, _ in STATS["tracebacks"][len(saved["tracebacks"]):]] == [["gates"]]
+    finally:
+        STATS.update(saved)
 
 
 def test_dense_constant_gate_with_hidden_size_unlike_heads_times_head_dim():

@@ -26,6 +26,7 @@ pytest.importorskip("triton", reason="Triton not installed (pip install triton; 
 from gated_attention.attention import eager_attention  # noqa: E402
 from gated_attention.fast import fuse_qkv  # noqa: E402
 from gated_attention.kernels.triton_attention import gated_flash_attention, interpreted, plan_mask  # noqa: E402
+from harness import assert_matches_reference, assert_modules_match  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = torch.device("cpu" if INTERPRET or not torch.cuda.is_available() else "cuda")  # where the kernel runs
@@ -99,23 +100,18 @@ def test_forward_and_all_gradients_match_eager(case):
     elif mask_kind == "packed":
         mask = packed_mask(t, [9, 17]).to(DEV)
     scale = d ** -0.5
-    out = gated_flash_attention(q, k, v, mask, scale, logits, gate_scale, blocks=blocks)
-    ref = reference(q, k, v, mask, scale, logits, gate_scale)
-    assert out.shape == (b, t, h, d)
-    # rows that see no key (left-padding queries) output 0 in the kernel, noise in eager: compare the others and keep
-    # them out of the loss (their upstream gradient is 0 in both)
+    # rows that see no key (left-padding queries) output 0 in the kernel, noise in eager: the reference's are zeroed,
+    # so they compare equal to the kernel's and get no upstream gradient in either
     seen = torch.ones(b, t, dtype=torch.bool, device=DEV) if mask is None else mask[:, 0].any(-1).expand(b, t)  # (B, T)
     if mask_kind == "pad" and s == t:
         assert not seen.all()  # the case does exercise empty rows
-    torch.testing.assert_close(out[seen], ref[seen], rtol=1e-5, atol=2e-6)
-    assert torch.all(out[~seen] == 0)
-    go = torch.randn_like(out) * seen[:, :, None, None]
-    inputs = [q, k, v] + ([logits] if logits is not None else [])
-    got = torch.autograd.grad(out, inputs, go)
-    want = torch.autograd.grad(ref, inputs, go)
-    for name, g, w in zip(["dq", "dk", "dv", "dgate"], got, want):
-        assert torch.isfinite(g).all(), name
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=lambda m: f"{case} {name}: {m}")
+    keep = seen[:, :, None, None]  # (B, T, 1, 1)
+    out, grads = assert_matches_reference(
+        lambda q, k, v, g=None: gated_flash_attention(q, k, v, mask, scale, g, gate_scale, blocks=blocks),
+        lambda q, k, v, g=None: reference(q, k, v, mask, scale, g, gate_scale) * keep,
+        [q, k, v] + ([logits] if logits is not None else []), rtol=1e-5, atol=2e-6, grad_rtol=1e-4, grad_atol=1e-5)
+    assert out.shape == (b, t, h, d)
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 def test_noncontiguous_layouts():
@@ -123,19 +119,23 @@ def test_noncontiguous_layouts():
     logits a strided view of the same GEMM output; gradients land in the right places."""
     torch.manual_seed(1)
     b, h, kv, t, d = 1, 4, 2, 20, 16
+
+    def views(qkvg):  # (B, T, width) -> q (B, H, T, D), k/v (B, KV, T, D) transposed views, logits (B, T, H, D) strided
+        qf, kf, vf, gf = qkvg.split([h * d, kv * d, kv * d, h * d], dim=-1)
+        q = qf.view(b, t, h, d).transpose(1, 2)
+        k, v = (z.view(b, t, kv, d).transpose(1, 2) for z in (kf, vf))
+        return q, k, v, gf.view(b, t, h, d)
+
+    def fast(qkvg):
+        q, k, v, g = views(qkvg)
+        return gated_flash_attention(q, k, v, None, d ** -0.5, g, 1.0, blocks=(16, 16))
+
+    def ref(qkvg):
+        q, k, v, g = views(qkvg)
+        return reference(q, k, v, None, d ** -0.5, g, 1.0)
+
     qkvg = leaf(b, t, h * d + 2 * kv * d + h * d)  # one fused projection's output
-    qf, kf, vf, gf = qkvg.split([h * d, kv * d, kv * d, h * d], dim=-1)  # (B, T, width) each, strided
-    q = qf.view(b, t, h, d).transpose(1, 2)  # (B, H, T, D) view
-    k = kf.view(b, t, kv, d).transpose(1, 2)  # (B, KV, T, D) view
-    v = vf.view(b, t, kv, d).transpose(1, 2)
-    logits = gf.view(b, t, h, d)  # (B, T, H, D), non-contiguous
-    out = gated_flash_attention(q, k, v, None, d ** -0.5, logits, 1.0, blocks=(16, 16))
-    ref = reference(q, k, v, None, d ** -0.5, logits, 1.0)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
-    go = torch.randn_like(ref)
-    (got,) = torch.autograd.grad(out, [qkvg], go)
-    (want,) = torch.autograd.grad(ref, [qkvg], go)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert_matches_reference(fast, ref, [qkvg], rtol=1e-5, atol=2e-6, grad_rtol=1e-4, grad_atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=gpu_only)])
@@ -147,17 +147,11 @@ def test_half_precision_inputs(dtype):
     tol = {torch.float16: (1e-2, 5e-3, 2e-2, 1e-2), torch.bfloat16: (5e-2, 4e-2, 1e-1, 8e-2)}[dtype]
     leaves = [leaf(*shape, dtype=dtype) for shape in
               ((b, h, t, d), (b, kv, t, d), (b, kv, t, d), (b, t, h, 1))]
-    out = gated_flash_attention(*leaves[:3], None, d ** -0.5, leaves[3], 1.0, blocks=(16, 16))
-    assert out.dtype == dtype
-    ref_in = [x.detach().float().requires_grad_() for x in leaves]
-    ref = reference(*ref_in[:3], None, d ** -0.5, ref_in[3], 1.0)
-    torch.testing.assert_close(out.float(), ref, rtol=tol[0], atol=tol[1])
-    go = torch.randn_like(ref)
-    got = torch.autograd.grad(out, leaves, go.to(dtype))
-    want = torch.autograd.grad(ref, ref_in, go)
-    for g, w in zip(got, want):
-        assert g.dtype == dtype
-        torch.testing.assert_close(g.float(), w, rtol=tol[2], atol=tol[3])
+    out, grads = assert_matches_reference(  # the reference computes in fp32 from the same half-precision leaves
+        lambda q, k, v, g: gated_flash_attention(q, k, v, None, d ** -0.5, g, 1.0, blocks=(16, 16)),
+        lambda q, k, v, g: reference(q.float(), k.float(), v.float(), None, d ** -0.5, g.float(), 1.0),
+        leaves, rtol=tol[0], atol=tol[1], grad_rtol=tol[2], grad_atol=tol[3])
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
 
 
 @gpu_only
@@ -241,19 +235,15 @@ def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny
         return real(*a, **kw)
 
     monkeypatch.setattr(ta, "gated_flash_attention", spy)
-    out_f = fast(ids, attention_mask=attn, labels=labels)
-    out_r = ref(ids, attention_mask=attn, labels=labels)
+
+    def run(model):  # logits on real tokens (padding rows differ: 0 in the kernel) and the loss
+        out = model(ids, attention_mask=attn, labels=labels)
+        return (out.logits[attn.bool()], out.loss), out.loss
+
+    assert_modules_match(fast, ref, run, rtol=1e-4, atol=1e-5, grad_rtol=1e-4, grad_atol=1e-6)
     assert len(calls) == 2  # both layers ran the kernel...
     fused_gate = layer.gate is not None and layer.gate.spec.fusable_in_kernel
     assert all((c is not None) == fused_gate for c in calls)  # ...with the gate in it exactly for G1 sigmoid gates
-    real_tok = attn.bool()
-    torch.testing.assert_close(out_f.logits[real_tok], out_r.logits[real_tok], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=1e-6)
-    out_f.loss.backward()
-    out_r.loss.backward()
-    gr = dict(ref.named_parameters())
-    for name, p in fast.named_parameters():
-        torch.testing.assert_close(p.grad, gr[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_generate_with_kv_cache_matches_sdpa(tiny_model):
