@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -15,8 +16,10 @@ from gated_attention.compare import job as C
 def small_run(tiny_corpus, tmp_path_factory):
     """`gattn compare --budget small` through the CLI, with the default three variants."""
     out = tmp_path_factory.mktemp("cmp") / "out"
-    rc = cli.main(["compare", "--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out),
-                   "--stability-lab", str(out / "no_stability"), "--longctx", str(out / "no_longctx"), "--jobs", "1"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(out.parent)  # the default --stability-lab / --longctx folders (relative, absent here): 'not run here'
+        rc = cli.main(["compare", "--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out),
+                       "--jobs", "1"])
     assert rc == 0
     return out
 
@@ -141,6 +144,30 @@ def test_bad_arguments(tiny_corpus, tmp_path, capsys):
     assert "unknown variant" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, name", [("--stability-lab", "lab.json"), ("--longctx", "report.json")])
+def test_named_evidence_folder_without_its_output_stops_before_training(flag, name, tiny_corpus, tmp_path, capsys):
+    """A --stability-lab / --longctx DIR the user names must hold that lab's output: one line, exit 2, nothing trained
+    (it used to run and report 'not run here')."""
+    empty, out = tmp_path / "empty", tmp_path / "out"
+    empty.mkdir()
+    argv = ["compare", "--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--jobs", "1"]
+    assert cli.main(argv + [flag, str(empty)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{flag} {empty}: no {name} there" in err[0] and "leave" in err[0]
+    assert not out.exists()  # stopped before anything was trained or written
+    (empty / name).write_text('{"something": "else"}')  # a JSON object that is not that lab's output
+    assert cli.main(argv + [flag, str(empty)]) == 2
+    assert "not an output of" in capsys.readouterr().err
+
+
+def test_named_evidence_folders_of_the_shipped_tables_are_accepted():
+    from gated_attention.compare import claims
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "experiments"
+    claims.require_evidence("--stability-lab", docs / "stability_lab")
+    claims.require_evidence("--longctx", docs / "long_context_fixed")
+
+
 def test_new_data_dir_is_prepared_there(tmp_path, tiny_corpus, monkeypatch):
     """`gattn compare --data-dir NEW` prepares the corpus in NEW (as its help says) with the budget's vocabulary."""
     from gated_attention import data
@@ -153,9 +180,9 @@ def test_new_data_dir_is_prepared_there(tmp_path, tiny_corpus, monkeypatch):
 
     monkeypatch.setattr(data, "prepare", fake_prepare)
     new = tmp_path / "brand" / "new"
+    monkeypatch.chdir(tmp_path)  # the default evidence folders are relative: absent here
     rc = cli.main(["compare", "--budget", "small", "--data-dir", str(new), "--out", str(tmp_path / "out"),
-                   "--variants", "baseline", "--set", "steps=4", "--no-sink-lab", "--no-streaming",
-                   "--stability-lab", str(tmp_path / "x"), "--longctx", str(tmp_path / "y")])
+                   "--variants", "baseline", "--set", "steps=4", "--no-sink-lab", "--no-streaming"])
     assert rc == 0 and seen == [(str(new), C.BUDGETS["small"].vocab_size)]
     assert (new / "manifest.json").exists()
 

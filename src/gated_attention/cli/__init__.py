@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     name = argv[0]
-    from transformers.utils import logging as hf_logging
+    from ..util.quiet import quiet_dependencies
 
-    hf_logging.disable_progress_bar()  # per-shard "Loading weights" bars drown our own progress output
+    quiet_dependencies()  # dependencies' bars would drown our own progress lines (workers and ranks inherit it)
     module, sub = command_parser(name)
     args = sub.parse_args(argv[1:])
     try:

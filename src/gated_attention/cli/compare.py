@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 from ..compare import job as compare
-from ..compare import report
+from ..compare import claims, report
+
+DEFAULT_EVIDENCE = {"--stability-lab": "runs/lab/stability", "--longctx": "runs/longctx"}  # may be absent
 
 
 def configure_compare(parser: argparse.ArgumentParser) -> None:
@@ -44,12 +46,14 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
                              "quarter of the training length, K = 0 and 4 sink tokens, 16 held-out sequences per "
                              "model) into OUT/streaming; fills the claims row 'Streams with a plain window' "
                              "(default on; --no-streaming skips it)")
-    parser.add_argument("--stability-lab", default="runs/lab/stability", metavar="DIR",
+    parser.add_argument("--stability-lab", default=None, metavar="DIR",
                         help="a `gattn lab stability` output whose lab.json fills the claims table's stability row "
-                             "(default runs/lab/stability; 'not run here' when absent)")
-    parser.add_argument("--longctx", default="runs/longctx", metavar="DIR",
+                             f"(default {DEFAULT_EVIDENCE['--stability-lab']}, 'not run here' when absent; a DIR "
+                             "given here must hold a lab.json, else the command stops before training, exit 2)")
+    parser.add_argument("--longctx", default=None, metavar="DIR",
                         help="a `gattn longctx` output whose report.json \"claim\" fills the long-context row "
-                             "(default runs/longctx; 'not run here' when absent)")
+                             f"(default {DEFAULT_EVIDENCE['--longctx']}, 'not run here' when absent; a DIR given here "
+                             "must hold such a report.json, else exit 2 before training)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, each in its own process with cores/N threads: the LM variants "
                              "and the sink lab's models, longest first (default: min(2, available cores); measured: "
@@ -58,6 +62,11 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args) -> int:
+    for flag, attr in (("--stability-lab", "stability_lab"), ("--longctx", "longctx")):
+        if getattr(args, attr) is None:
+            setattr(args, attr, DEFAULT_EVIDENCE[flag])
+        else:
+            claims.require_evidence(flag, getattr(args, attr))
     res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
                               log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
                               stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,

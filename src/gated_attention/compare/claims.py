@@ -239,6 +239,27 @@ STABILITY_PAPER = ("no loss spikes with the gate; the 48L baseline diverges at L
                    "(PPL 7.078)")
 
 
+EVIDENCE = {  # flag -> (file the folder must hold, keys it must have, the command that writes such a folder)
+    "--stability-lab": ("lab.json", ("runs", "config"), "gattn lab stability --out DIR"),
+    "--longctx": ("report.json", ("claim",), "gattn longctx --out DIR"),
+}
+
+
+def require_evidence(flag: str, folder) -> None:
+    """A folder the user named for a claims row (`gattn compare --stability-lab DIR` / `--longctx DIR`) must hold
+    that command's output: one UserError (exit 2, before anything trains) otherwise, instead of a silent 'not run here'
+    row. Only the defaults may be absent (then the row says 'not run here' and names the command)."""
+    name, keys, cmd = EVIDENCE[flag]
+    path = Path(folder) / name
+    if not path.is_file():
+        raise UserError(f"{flag} {folder}: no {name} there; give the output folder of `{cmd}` or leave {flag} out")
+    data = read_json_object(path, f"{flag} {name}")
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise UserError(f"{flag} {folder}: {name} has no {', '.join(map(repr, missing))} (not an output of "
+                        f"`{cmd}`?); give such a folder or leave {flag} out")
+
+
 def stability_claim(rows: dict, stability_dir) -> dict:
     """The claims-table row from the stability lab in `stability_dir` (its lab.json: `gattn compare --stability-lab`)."""
     spikes = ", ".join(f"{v} {rows[v].get('spikes')}" for v in rows)

@@ -73,7 +73,9 @@ def _init_worker(threads: int, bf16_speedup: float | None = None) -> None:
     import torch
 
     from ..util.precision import adopt_measurement
+    from ..util.quiet import quiet_dependencies
 
+    quiet_dependencies()  # a spawned worker starts with transformers' bars on (in-process state is not inherited)
     torch.set_num_threads(threads)
     adopt_measurement(bf16_speedup)  # the parent's measurement: every unit of a job resolves "auto" alike
 
