@@ -16,7 +16,7 @@ import torch
 
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.decode import generate_fast
-from gated_attention.fast import fuse_qkv
+from gated_attention.fused import fuse_qkv
 from gated_attention.presets import model_config
 from hf_reference import hf_from_ours
 

@@ -64,7 +64,7 @@ def main(argv=None) -> None:
         refuse("needs Triton: pip install 'triton==3.7.1' (or the 'kernel' extra)")
     if args.heads % args.kv_heads:
         refuse(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
-    from gated_attention.fast import fused_sigmoid_mul
+    from gated_attention.fused import fused_sigmoid_mul
     from gated_attention.kernels.triton_attention import gated_flash_attention
 
     dev, dtype = torch.device("cuda"), {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]

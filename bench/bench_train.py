@@ -20,7 +20,7 @@ import common  # (also puts src/ on the path)
 import torch
 
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.fast import fuse_qkv
+from gated_attention.fused import fuse_qkv
 from gated_attention.gates import get_gate
 from gated_attention.presets import model_config
 from gated_attention.train import fastpath

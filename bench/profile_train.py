@@ -16,8 +16,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_train import make_step
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention import fast as fast_mod
-from gated_attention.fast import fuse_qkv
+from gated_attention import fast as fused_mod
+from gated_attention.fused import fuse_qkv
 from gated_attention.train import fastpath
 from gated_attention.train.monitors import decoder_layers
 from gated_attention.presets import model_config
@@ -104,10 +104,10 @@ def main(argv=None) -> dict:
         for impl, opaque in (("ours_fast", False), ("ours_fast_opaque", True)):
             m = fuse_qkv(copy.deepcopy(ours), separate_params=True)
             plan = fastpath.SpeedPlan(True, "true", 0, True, decoder_layers(m), torch.device("cpu"))
-            fast_mod.OPAQUE_GATE_UNDER_COMPILE = opaque  # read while tracing, i.e. during the warm-up step
+            fused_mod.OPAQUE_GATE_UNDER_COMPILE = opaque  # read while tracing, i.e. during the warm-up step
             res["impls"][impl] = profile_step(make_step(m, ids, fused_loss=True, forward_ctx=plan.training_forward,
                                                         precision=prec), args.steps)
-            fast_mod.OPAQUE_GATE_UNDER_COMPILE = False
+            fused_mod.OPAQUE_GATE_UNDER_COMPILE = False
         hf = hf_from_ours(ours).train()
         if not args.no_hf:
             res["impls"]["hf"] = profile_step(make_step(torch.compile(hf), ids, params=hf.parameters(),

@@ -5,7 +5,7 @@ import torch
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention.decode import generate_fast
-from gated_attention.fast import fuse_qkv
+from gated_attention.fused import fuse_qkv
 from harness import tiny_lm
 
 

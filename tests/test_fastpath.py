@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from gated_attention.fast import FusedGatedAttention, fuse_qkv
+from gated_attention.fused import FusedGatedAttention, fuse_qkv
 from gated_attention.train import fastpath
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import apply_overrides, tiny

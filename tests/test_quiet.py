@@ -12,11 +12,9 @@ def _save_and_load(path: str) -> bool:
     from transformers.utils import logging as hf_logging
 
     from gated_attention import GatedQwen3ForCausalLM
-    from gated_attention.presets import model_config
+    from harness import tiny_lm
 
-    cfg = model_config("small", gate="sdpa_elementwise", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, vocab_size=64)
-    GatedQwen3ForCausalLM(cfg).save_pretrained(path)
+    tiny_lm("sdpa_elementwise").save_pretrained(path)
     GatedQwen3ForCausalLM.from_pretrained(path)
     print("unit done", file=sys.stderr, flush=True)
     return hf_logging.is_progress_bar_enabled()

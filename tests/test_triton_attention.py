@@ -24,7 +24,7 @@ import torch  # noqa: E402
 pytest.importorskip("triton", reason="Triton not installed (pip install triton; it is in the dev extra)")
 
 from gated_attention.attention import eager_attention  # noqa: E402
-from gated_attention.fast import fuse_qkv  # noqa: E402
+from gated_attention.fused import fuse_qkv  # noqa: E402
 from gated_attention.kernels.triton_attention import gated_flash_attention, interpreted, plan_mask  # noqa: E402
 from harness import assert_matches_reference, assert_modules_match  # noqa: E402
 

@@ -167,7 +167,7 @@ class GatedAttention(nn.Module):
 
     def _project(self, x: torch.Tensor):
         """q (B, T, H, D) and k, v (B, T, KV, D) after any G2-G4 gate, plus pre-activation G1 gate logits when the
-        projection computes them (None here; the fused layer in fast.py folds them into its GEMM)."""
+        projection computes them (None here; the fused layer in fused.py folds them into its GEMM)."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
         if self.mechanism is None or (kv := self.mechanism.project_kv(x, self.k_proj, self.v_proj)) is None:

@@ -179,7 +179,7 @@ class GatedQwen3ForCausalLM(GatedQwen3PreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
                 fused_loss: bool = False, **kwargs) -> MoeCausalLMOutputWithPast:
-        """fused_loss=True with labels (or shift_labels=, already aligned): the loss comes from fast.chunked_lm_loss,
+        """fused_loss=True with labels (or shift_labels=, already aligned): the loss comes from fused.chunked_lm_loss,
         which never materialises the (B, T, V) logits; `logits` is then None."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -193,7 +193,7 @@ class GatedQwen3ForCausalLM(GatedQwen3PreTrainedModel, GenerationMixin):
 
             aux_loss = collect_aux_loss(self)
         if fused:
-            from .fast import chunked_lm_loss, shift_for_loss
+            from .fused import chunked_lm_loss, shift_for_loss
 
             targets = kwargs.get("shift_labels")
             targets = shift_for_loss(labels) if targets is None else targets  # (B, T)

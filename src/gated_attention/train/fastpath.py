@@ -168,7 +168,7 @@ def prepare(cfg, model: nn.Module, layers: list[nn.Module], device: torch.device
     ours = isinstance(model, GatedQwen3ForCausalLM)
     fused = 0
     if cfg.fast and ours:
-        from ..fast import FusedGatedAttention, fuse_qkv
+        from ..fused import FusedGatedAttention, fuse_qkv
 
         fuse_qkv(model, separate_params=True, strict=False)
         fused = sum(isinstance(m, FusedGatedAttention) for m in model.modules())

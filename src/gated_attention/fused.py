@@ -10,7 +10,7 @@
   instead of (Y, score). The output is what o_proj saves anyway, so one (B, T, H, D) activation per layer less is
   kept for backward; the backward uses d/dlogits = g * out * (1 - s) and d/dY = g * scale * s.
 - Static KV cache: the model uses transformers' caches, so `generate(cache_implementation="static")` works unchanged
-  (tests/test_fast.py checks cached == uncached). The lean decode loop with its own static cache and an optional
+  (tests/test_fused.py checks cached == uncached). The lean decode loop with its own static cache and an optional
   compiled single-token step is `decode.generate_fast`.
 - `torch.compile(model, fullgraph=True)` works on the plain and the fused model (no graph breaks; tested).
 - `chunked_lm_loss(hidden, weight, targets)`: lm_head + cross-entropy over chunks of tokens that never holds the

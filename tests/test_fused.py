@@ -1,4 +1,4 @@
-"""Fast paths (gated_attention/fast.py) against their plain references: forward AND gradients, checkpoint names,
+"""Fast paths (gated_attention/fused.py) against their plain references: forward AND gradients, checkpoint names,
 static KV cache generation and whole-model torch.compile without graph breaks. Tiny models only."""
 import copy
 
@@ -7,7 +7,7 @@ import torch
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.fast import (FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul, reference_lm_loss,
+from gated_attention.fused import (FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul, reference_lm_loss,
                                   unfuse_qkv)
 from harness import tiny_lm
 
@@ -252,7 +252,7 @@ def test_training_step_compiles_without_graph_breaks_under_autocast(fused):
 def test_gate_is_plain_ops_under_compile(headwise, monkeypatch):
     """Inductor can fuse the G1 gate only if it sees plain ops: under torch.compile fused_sigmoid_mul must not trace
     as a custom autograd.Function (the graph-capturing backend would show an autograd_function_apply node)."""
-    import gated_attention.fast as fast_mod
+    import gated_attention.fused as fused_mod
 
     def fn(y, logits):
         return fused_sigmoid_mul(y, logits, 2.0).sum()
@@ -276,7 +276,7 @@ def test_gate_is_plain_ops_under_compile(headwise, monkeypatch):
         return [t for t in seen if "autograd_function_apply" in t]
 
     assert opaque_nodes() == []
-    monkeypatch.setattr(fast_mod, "OPAQUE_GATE_UNDER_COMPILE", True)  # the pre-fix path, so this test can fail
+    monkeypatch.setattr(fused_mod, "OPAQUE_GATE_UNDER_COMPILE", True)  # the pre-fix path, so this test can fail
     assert opaque_nodes() != []
 
 
