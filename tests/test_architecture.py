@@ -256,3 +256,19 @@ def test_tests_build_models_and_processes_through_the_harness():
                 bad.append(f"{path.name}:{node.lineno} a command line of its own ({node.value})")
     assert not bad, ("build a model with harness.build_lm / tiny_lm / stock_lm, a CLI process with harness.run_gattn /"
                      " gattn_argv / torchrun_argv:\n" + "\n".join(bad))
+
+
+def test_a_converter_format_is_one_layout_row():
+    """ARCHITECTURE.md 'Where to add a converter format': the Layout row is the only list to edit; the CLI choices of
+    `gattn convert` and `gattn retrofit --from` follow it."""
+    from gated_attention.cli import command_parser
+    from gated_attention.interop import layouts
+    from gated_attention.interop.retrofit import SOURCE_FORMATS
+
+    assert layouts.FORMATS == ("native", *layouts.LAYOUTS)
+    ungated = {name for name, layout in layouts.LAYOUTS.items() if "none" in layout.gates}
+    assert set(SOURCE_FORMATS) == {"auto", "native"} | ungated and "qwen3-next" not in SOURCE_FORMATS
+    for cmd, dest, want in (("convert", "src_format", layouts.FORMATS), ("retrofit", "src_format", SOURCE_FORMATS)):
+        _, parser = command_parser(cmd)
+        action = next(a for a in parser._actions if a.dest == dest)
+        assert tuple(action.choices) == tuple(want)

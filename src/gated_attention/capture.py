@@ -1,8 +1,10 @@
 """Capturing intermediates (gate scores, SDPA output before/after the gate, q/k) without changing results.
 
 Every attention layer has a `capture` attribute (None by default). Set it to a `Recorder` and the layer calls
-`recorder(layer_idx, name, tensor)` at fixed points of its forward pass. Tensors are passed detached; the recorder
-decides what to keep (e.g. a running statistic instead of the full tensor, so long sequences stay cheap).
+`recorder(layer_idx, name, tensor)` at fixed points of its forward pass. Capturing never changes the forward's
+results. The tensors are passed as they are, with their autograd graph: `Recorder` (what the analysis uses) detaches
+them and decides what to keep (e.g. a running statistic instead of the full tensor, so long sequences stay cheap); a
+recorder that keeps the graph (the retrofit lab's `GradTap`) can put them in a loss and backpropagate through them.
 
 Names emitted by the attention layer (shapes with B=batch, T=query length, S=key length):
   "q"          (B, H, T, D)   queries after QK-norm and RoPE (scaled by nothing)

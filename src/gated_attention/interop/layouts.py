@@ -7,9 +7,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-FORMATS = ("native", "official", "qwen3", "qwen3-moe", "qwen3-next", "llama", "mistral", "qwen2")
-
-
 class ConversionError(ValueError):
     """A checkpoint that cannot be converted; the message names the key, shapes or reason and the fix."""
 
@@ -38,6 +35,9 @@ LAYOUTS: dict[str, Layout] = {
     "mistral": Layout("mistral", None, ("none",), False, False, "MistralForCausalLM", False, llama_family=True),
     "qwen2": Layout("qwen2", None, ("none",), False, False, "Qwen2ForCausalLM", False, llama_family=True),
 }
+FORMATS = ("native", *LAYOUTS)  # every format `gattn convert` reads and writes: native plus one row each above
+# what `gattn retrofit` can add a gate to: the formats that can hold an ungated model (auto = read config.json)
+UNGATED_SOURCES = ("auto", "native", *(name for name, layout in LAYOUTS.items() if "none" in layout.gates))
 
 # Every RMSNorm weight (Qwen3-Next stores them all zero-centred).
 NORM_KEY = re.compile(r"(^model\.norm|\.input_layernorm|\.post_attention_layernorm|\.q_norm|\.k_norm)\.weight$")

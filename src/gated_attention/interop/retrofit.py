@@ -32,11 +32,11 @@ import torch
 
 from .checkpoints import load_dir, save_dir
 from .configs import config_from_native, config_to_native
-from .layouts import ConversionError
+from .layouts import UNGATED_SOURCES, ConversionError
 from .states import native_shapes, state_to_native, validate_state
 
 INITS = ("identity", "random")
-SOURCE_FORMATS = ("auto", "native", "qwen3", "qwen3-moe", "official", "llama", "mistral", "qwen2")
+SOURCE_FORMATS = UNGATED_SOURCES  # a new ungated Layout row is a retrofit source without an edit here
 _BY_MODEL_TYPE = {"gated_qwen3": "native", "qwen3_moe": "qwen3-moe", "llama": "llama", "mistral": "mistral",
                   "qwen2": "qwen2"}
 # config.json keys that only the official code writes (its model_type is plain "qwen3", like stock Qwen3's)
