@@ -49,8 +49,10 @@ def test_manifest_domains_and_files(small):
         e = manifest["domains"][d]
         assert e["chunks"]["train"] > 0 and e["chunks"]["val"] > 0
         for split in ("train", "val"):
-            arr = corpus.tokens(d, split)
-            assert isinstance(arr, np.memmap) and arr.dtype == np.uint16
+            shards = corpus.tokens(d, split)
+            assert isinstance(shards, D.TokenShards) and all(isinstance(a, np.memmap) for a in shards.shards)
+            arr = np.asarray(shards)
+            assert arr.dtype == np.uint16
             assert len(arr) == e["tokens"][split] and int(arr.max()) < corpus.vocab_size
             assert arr[-1] == corpus.eos_id  # every chunk ends with eos
             assert (arr == corpus.eos_id).sum() == e["chunks"][split]
@@ -95,12 +97,12 @@ def test_manifest_checksums_verify(small, tmp_path):
     shutil.copytree(cfg.data_dir, copy)
     corpus = D.Corpus(copy)
     assert corpus.verify() == []
-    path = copy / manifest["domains"]["notes"]["token_files"]["val"]["path"]
+    path = copy / manifest["domains"]["notes"]["token_files"]["val"][0]["path"]
     raw = bytearray(path.read_bytes())
     raw[0] ^= 1
     path.write_bytes(bytes(raw))
     problems = corpus.verify()
-    assert len(problems) == 1 and "notes.val.bin" in problems[0]
+    assert len(problems) == 1 and "notes/val-00000.bin" in problems[0]
 
 
 UNICODE_SAMPLES = [

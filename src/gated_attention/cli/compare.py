@@ -22,6 +22,11 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
                              "prepared there first with the budget's vocabulary (default: the budget's: "
                              + "; ".join(f"{d} (vocabulary {v}) for {', '.join(n)}"
                                          for (d, v), n in corpora.items()) + ")")
+    parser.add_argument("--large-sources", action="store_true",
+                        help="train on the default sources plus the opt-in large Debian ones (kernel_doc, gcide: "
+                             "~100 MB more text; GATTN_LARGE_SOURCES=1 scripts/install_debian_deps.sh), prepared in "
+                             "<the budget's data dir>_large unless --data-dir is given; for --budget long and the "
+                             "sink-emergence curve, which are data-bound")
     parser.add_argument("--out", type=E.out_dir, default="runs/compare",
                         help="output folder: runs/<variant>/, plots/, compare.json, report.md, report.html "
                              "(default runs/compare; a re-run reuses finished runs)")
@@ -70,7 +75,7 @@ def run_compare(args) -> int:
     res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
                               log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
                               stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,
-                              streaming=args.streaming,
+                              streaming=args.streaming, large_sources=args.large_sources,
                               sink_lab_changes={"seeds": args.sink_lab_seeds} if args.sink_lab_seeds else None)
     print(report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")

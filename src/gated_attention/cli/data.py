@@ -19,9 +19,21 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
                    help=f"where everything is written and cached (default {d.data_dir})")
     p.add_argument("--vocab-size", type=E.positive_int, default=d.vocab_size, help=f"BPE vocabulary size (default {d.vocab_size})")
     p.add_argument("--sources", nargs="*", default=list(d.sources), choices=list(SOURCES), metavar="SOURCE",
-                   help=f"built-in sources to include (default all: {' '.join(SOURCES)}); give none for --extra only")
+                   help=f"built-in sources to include (default: {' '.join(d.sources)}; opt-in large ones: "
+                        f"{' '.join(s for s in SOURCES if s not in d.sources)}, installed by "
+                        f"GATTN_LARGE_SOURCES=1 scripts/install_debian_deps.sh); give none for --extra only")
     p.add_argument("--extra", nargs="+", default=[], metavar="PATH",
-                   help="your own text/JSONL files or folders; each becomes a domain named after it (JSONL: 'text')")
+                   help="your own inputs, each a domain named after it: text files or folders (a folder may mix "
+                        "text, .jsonl and .parquet files), JSONL, Parquet, or a folder written by HF datasets' "
+                        "save_to_disk; read offline and streamed (Parquet/datasets need the 'data' extra)")
+    p.add_argument("--text-field", default=d.text_field, metavar="NAME",
+                   help=f"the JSONL field / Parquet or datasets column holding the text (default {d.text_field})")
+    p.add_argument("--workers", type=E.positive_int, default=d.workers,
+                   help=f"tokenizing worker processes (default the cores here: {d.workers}); the token files are "
+                        f"byte-identical for any number")
+    p.add_argument("--tokenizer-sample-mb", type=float, default=d.tokenizer_sample_mb, metavar="MB",
+                   help=f"train BPE on a uniform sample of at most this many MB of train chunks (default "
+                        f"{d.tokenizer_sample_mb:g}; all of them when the corpus is smaller), so memory stays flat")
     p.add_argument("--val-fraction", type=float, default=d.val_fraction,
                    help=f"share of chunks per domain held out for validation (default {d.val_fraction})")
     p.add_argument("--seed", type=E.nonneg_int, default=d.seed, help=f"seed of the train/val split hash (default {d.seed})")
@@ -71,7 +83,8 @@ def run_data(args: argparse.Namespace) -> int:
         cfg = PrepareConfig(data_dir=args.data_dir, vocab_size=args.vocab_size, sources=tuple(args.sources),
                             extra=tuple(args.extra), val_fraction=args.val_fraction, seed=args.seed,
                             chunk_chars=args.chunk_chars, force=args.force,
-                            tokenizer=args.tokenizer)
+                            tokenizer=args.tokenizer, workers=args.workers, text_field=args.text_field,
+                            tokenizer_sample_mb=args.tokenizer_sample_mb)
         print(format_manifest(prepare(cfg)))
         return 0
     corpus = Corpus(args.data_dir)

@@ -346,7 +346,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print,
                 sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
                 longctx: str | Path | None = "runs/longctx", jobs: int | None = None,
-                streaming: bool = True, sink_lab_changes: dict | None = None) -> dict:
+                streaming: bool = True, sink_lab_changes: dict | None = None, large_sources: bool = False) -> dict:
     """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
     and plots into `out`; the report opens with the "Paper claims vs this run" table (claims.py), which also
     reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
@@ -366,7 +366,13 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     if budget not in BUDGETS:
         raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
     b = BUDGETS[budget]
-    data_dir = experiment.ensure_corpus(data_dir or b.data_dir, b.vocab_size, log, "[compare]")
+    if large_sources:  # the default sources + the opt-in large ones (~100 MB more text): a corpus of its own
+        from ..data import DEFAULT_SOURCES, LARGE_DEFAULT
+
+        data_dir = experiment.ensure_corpus(data_dir or f"{b.data_dir}_large", b.vocab_size, log, "[compare]",
+                                            sources=DEFAULT_SOURCES + LARGE_DEFAULT)
+    else:
+        data_dir = experiment.ensure_corpus(data_dir or b.data_dir, b.vocab_size, log, "[compare]")
     base = budget_config(budget, str(data_dir), sets)
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,62 @@ from .tokenizer import get_tokenizer
 SPLITS = ("train", "val")
 
 
+class TokenShards:
+    """One (domain, split)'s token stream over its memory-mapped shard files, read like a 1-D array.
+
+    `len`, `dtype`, integer and slice indexing (a slice that crosses a shard boundary is copied together) and
+    `np.asarray` / `astype` (the whole stream: small corpora and tests only). Opening maps the files; nothing is read until
+    indexed, so memory does not grow with the corpus.
+    """
+
+    def __init__(self, paths: Sequence[Path], sizes: Sequence[int], dtype: np.dtype):
+        self.dtype = np.dtype(dtype)
+        self.shards = [np.memmap(p, dtype=self.dtype, mode="r") for p, n in zip(paths, sizes) if n > 0]
+        self.offsets = np.cumsum([0] + [len(a) for a in self.shards])  # (S+1,) first index of each shard
+        if len(self.shards) and [len(a) for a in self.shards] != [n for n in sizes if n > 0]:
+            raise ValueError(f"token shard sizes differ from the manifest ({paths[0].parent}); "
+                             f"re-run `gattn data prepare`")
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __getitem__(self, key):
+        n = len(self)
+        if isinstance(key, slice):
+            start, stop, step = key.indices(n)
+            if step != 1:
+                return np.asarray(self)[key]
+            if stop <= start:
+                return np.zeros(0, dtype=self.dtype)
+            first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+            parts, pos, s = [], start, first
+            while pos < stop:
+                lo = pos - int(self.offsets[s])
+                take = min(stop, int(self.offsets[s + 1])) - pos
+                parts.append(self.shards[s][lo:lo + take])
+                pos += take
+                s += 1
+            return np.array(parts[0]) if len(parts) == 1 else np.concatenate(parts)
+        i = int(key)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"token index {key} out of range for {n} tokens")
+        s = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return self.shards[s][i - int(self.offsets[s])]
+
+    def astype(self, dtype) -> np.ndarray:
+        return np.asarray(self).astype(dtype)
+
+    def __array__(self, dtype=None, copy=None):
+        arr = np.concatenate(self.shards) if self.shards else np.zeros(0, dtype=self.dtype)
+        return arr.astype(dtype) if dtype is not None else arr
+
+
 class Corpus:
     """A prepared data dir: `.domains`, `.tokens(domain, split)` (read-only np.memmap), `.vocab_size`, `.tokenizer`."""
 
@@ -38,7 +94,7 @@ class Corpus:
         self.dtype = np.dtype(self.manifest["dtype"])
         special = self.manifest["special_tokens"]
         self.bos_id, self.eos_id, self.pad_id = special[BOS], special[EOS], special[PAD]
-        self._arrays: dict[tuple[str, str], np.ndarray] = {}
+        self._arrays: dict[tuple[str, str], TokenShards] = {}
         self._tokenizer = None
 
     def _check(self, domain: str, split: str) -> None:
@@ -49,15 +105,14 @@ class Corpus:
         if split not in SPLITS:
             raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 
-    def tokens(self, domain: str, split: str) -> np.ndarray:
+    def tokens(self, domain: str, split: str) -> TokenShards:
+        """The (domain, split) token stream over its memory-mapped shards (see TokenShards)."""
         self._check(domain, split)
         key = (domain, split)
         if key not in self._arrays:
-            path = self.data_dir / self.manifest["domains"][domain]["token_files"][split]["path"]
-            if path.stat().st_size == 0:  # np.memmap refuses empty files
-                self._arrays[key] = np.zeros(0, dtype=self.dtype)
-            else:
-                self._arrays[key] = np.memmap(path, dtype=self.dtype, mode="r")
+            files = self.manifest["domains"][domain]["token_files"][split]
+            self._arrays[key] = TokenShards([self.data_dir / f["path"] for f in files],
+                                            [int(f["tokens"]) for f in files], self.dtype)
         return self._arrays[key]
 
     def num_tokens(self, domain: str, split: str) -> int:
@@ -76,7 +131,7 @@ class Corpus:
         files = [(self.manifest["tokenizer"]["dir"] + "/tokenizer.json", self.manifest["tokenizer"]["sha256"])]
         for d, e in self.manifest["domains"].items():
             files.append((e["raw_file"], e["raw_sha256"]))
-            files.extend((f["path"], f["sha256"]) for f in e["token_files"].values())
+            files.extend((f["path"], f["sha256"]) for split in SPLITS for f in e["token_files"][split])
         for rel, want in files:
             p = self.data_dir / rel
             if not p.exists():
@@ -97,13 +152,14 @@ def _batch_rng(seed: int, step: int, split: str) -> np.random.Generator:
 
 
 def sample_batch(corpus: Corpus, split: str, batch_size: int, seq_len: int, seed: int, step: int,
-                 domains: Sequence[str] | None = None, bos: bool = True) -> "torch.Tensor":
+                 domains: Sequence[str] | None = None, bos: bool = True, rows: slice | None = None) -> "torch.Tensor":
     """Random windows, a pure function of (corpus, split, batch_size, seq_len, seed, step, domains, bos).
 
     Returns a LongTensor (batch_size, seq_len + 1): inputs are [:, :-1], next-token targets [:, 1:]. Domains are
     drawn in proportion to their *train* token counts (whatever the split), then a uniform start within the domain.
     With bos=True column 0 is always <|bos|> followed by seq_len corpus tokens; else seq_len + 1 corpus tokens.
-    Distributed training: every rank draws the same global batch and keeps its own rows.
+    rows=slice(a, b): only rows a..b-1 of that global batch (a rank's share): every window position is still drawn
+    (a few random numbers per row), but only these rows' tokens are read from the shards.
     """
     import torch  # lazy: `gattn data info` should not pay for importing torch
 
@@ -122,10 +178,11 @@ def sample_batch(corpus: Corpus, split: str, batch_size: int, seq_len: int, seed
                          f"use a shorter --seq-len or a bigger corpus")
     rng = _batch_rng(seed, step, split)
     which = rng.choice(len(names), size=batch_size, p=weights / weights.sum())
-    out = np.empty((batch_size, seq_len + 1), dtype=np.int64)  # (B, T+1)
-    for row, d in enumerate(which):
-        arr = corpus.tokens(names[d], split)
-        start = int(rng.integers(0, len(arr) - need + 1))
+    starts = [int(rng.integers(0, len(corpus.tokens(names[d], split)) - need + 1)) for d in which]  # same draw order
+    picked = range(batch_size)[rows] if rows is not None else range(batch_size)
+    out = np.empty((len(picked), seq_len + 1), dtype=np.int64)  # (rows, T+1)
+    for row, i in enumerate(picked):
+        arr, start = corpus.tokens(names[which[i]], split), starts[i]
         if bos:
             out[row, 0] = corpus.bos_id
             out[row, 1:] = arr[start:start + need]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import sys
@@ -11,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
-from ..util.io import atomic_write_bytes, atomic_write_json
+from ..util.io import atomic_write_json
 from ..util.progress import Progress
-from .sources import DEFAULT_SOURCES, SOURCES, Documents, SourceUnavailable, read_extra
+from .formats import iter_extra
+from .sources import DEFAULT_SOURCES, SOURCES, SourceUnavailable
+from .stream import (SHARD_CHUNKS, TokenizerSample, chunk_lines, read_raw_lines, split_u, tokenize_domain,
+                     write_raw)
 from .text import BOS, EOS, SPECIAL_TOKENS, MANIFEST_VERSION, sha256_file, _warn_replaced
 from .tokenizer import external_tokenizer, get_tokenizer, save_tokenizer, token_dtype, train_tokenizer
 
@@ -32,32 +32,18 @@ class PrepareConfig:
     min_frequency: int = 2  # BPE merges seen once are noise on a corpus this size
     force: bool = False  # rebuild everything, ignoring the cache
     tokenizer: str | None = None  # an existing HF tokenizer dir (a pretrained checkpoint's) instead of training BPE
+    workers: int = os.cpu_count() or 1  # tokenizing processes; the token files are identical for any number
+    text_field: str = "text"  # the JSONL field / Parquet or datasets column holding the text of --extra inputs
+    tokenizer_sample_mb: float = 100.0  # BPE trains on at most this much train text (all of it when smaller)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Chunking and the split
+# Chunking and the split (the streaming build in stream.py uses the same rules)
 # ----------------------------------------------------------------------------------------------------------------
 
 def chunk_text(text: str, chunk_chars: int) -> list[str]:
     """Cut text into pieces of about chunk_chars at blank lines (hard cut at a line end past 2x). ''.join == text."""
-    chunks: list[str] = []
-    cur: list[str] = []
-    size = 0
-    for line in text.splitlines(keepends=True):
-        cur.append(line)
-        size += len(line)
-        if (size >= chunk_chars and not line.strip()) or size >= 2 * chunk_chars:
-            chunks.append("".join(cur))
-            cur, size = [], 0
-    if cur:
-        chunks.append("".join(cur))
-    return [c for c in chunks if c]
-
-
-def _hash_u(seed: int, domain: str, doc: str, chunk: int) -> float:
-    """A uniform number in [0, 1) per chunk: a hash, so stable across runs and independent of the other chunks."""
-    h = hashlib.sha256(f"{seed}\x00{domain}\x00{doc}\x00{chunk}".encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big") / 2.0 ** 64
+    return list(chunk_lines(text.splitlines(keepends=True), chunk_chars))
 
 
 def read_raw(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -67,7 +53,7 @@ def read_raw(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 def assign_splits(records: list[dict[str, Any]], domain: str, seed: int, val_fraction: float) -> list[str]:
     """Split label per chunk record; a domain with >= 2 chunks always gets >= 1 val and >= 1 train chunk."""
-    us = [_hash_u(seed, domain, r["doc"], r["chunk"]) for r in records]
+    us = [split_u(seed, domain, r["doc"], r["chunk"]) for r in records]
     labels = ["val" if u < val_fraction else "train" for u in us]
     if len(records) >= 2 and val_fraction > 0:
         order = sorted(range(len(us)), key=lambda i: us[i])
@@ -79,7 +65,7 @@ def assign_splits(records: list[dict[str, Any]], domain: str, seed: int, val_fra
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# prepare: sources -> raw chunks -> tokenizer -> token files -> manifest
+# prepare: sources -> raw chunks (+ tokenizer sample) -> tokenizer -> token shards -> manifest
 # ----------------------------------------------------------------------------------------------------------------
 
 def _log(msg: str) -> None:
@@ -91,31 +77,17 @@ def _load_manifest(data_dir: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        m = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError:
         return {}  # a damaged manifest only costs a rebuild (writes are atomic, so this means hand editing)
-
-
-def _write_raw(path: Path, docs: Documents, chunk_chars: int) -> tuple[int, int]:
-    """Write chunk records; returns (utf-8 bytes of text, number of chunks)."""
-    buf = io.StringIO()
-    nbytes = nchunks = 0
-    for doc_id, text in docs:
-        for i, chunk in enumerate(chunk_text(text, chunk_chars)):
-            buf.write(json.dumps({"doc": doc_id, "chunk": i, "text": chunk}, ensure_ascii=False) + "\n")
-            nbytes += len(chunk.encode("utf-8"))
-            nchunks += 1
-    atomic_write_bytes(path, buf.getvalue().encode("utf-8"))
-    return nbytes, nchunks
+    return m if m.get("version") == MANIFEST_VERSION else {}  # an older layout: rebuilt, never misread
 
 
 def _key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-def prepare(cfg: PrepareConfig) -> dict[str, Any]:
-    """Build (or reuse) the corpus in cfg.data_dir and return the manifest. See the module docstring."""
-    t0 = time.time()
+def _check(cfg: PrepareConfig) -> None:
     unknown = [s for s in cfg.sources if s not in SOURCES]
     if unknown:
         raise ValueError(f"unknown source(s) {unknown}; valid: {', '.join(SOURCES)}")
@@ -126,11 +98,21 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     check_number("--vocab-size", cfg.vocab_size, kind=int, min=1)
     check_number("--chunk-chars", cfg.chunk_chars, kind=int, min=1)
     check_number("--seed", cfg.seed, kind=int, min=0)
+    check_number("--workers", cfg.workers, kind=int, min=1)
+    check_number("--tokenizer-sample-mb", cfg.tokenizer_sample_mb, kind=float, min=0.001)
+    if not cfg.text_field:
+        raise ValueError("--text-field must name a field/column, e.g. text")
     for q in (Path(cfg.data_dir), *Path(cfg.data_dir).parents):
         if q.exists():
             if not q.is_dir():
                 raise ValueError(f"--data-dir {cfg.data_dir}: {q} is a file; pass a folder (it is created if missing)")
             break
+
+
+def prepare(cfg: PrepareConfig) -> dict[str, Any]:
+    """Build (or reuse) the corpus in cfg.data_dir and return the manifest. See the module docstring."""
+    t0 = time.time()
+    _check(cfg)
     data_dir = Path(cfg.data_dir)
     (data_dir / "raw").mkdir(parents=True, exist_ok=True)
     (data_dir / "tokens").mkdir(parents=True, exist_ok=True)
@@ -138,16 +120,19 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     cache_dir.mkdir(parents=True, exist_ok=True)
     old = {} if cfg.force else _load_manifest(data_dir)
     old_domains: dict[str, Any] = old.get("domains", {})
+    tok_dir = data_dir / "tokenizer"
+    train_bpe = not cfg.tokenizer
+    sample = TokenizerSample(int(cfg.tokenizer_sample_mb * 1e6)) if train_bpe else None
 
-    # 1. sources -> raw chunk files (built-in sources reused while the raw file still matches the manifest)
+    # 1. sources -> raw chunk files, streamed (built-in sources reused while the raw file still matches the manifest;
+    #    a reused domain's train chunks are re-read from the raw file for the tokenizer sample only if BPE is trained)
     entries: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
-    jobs: list[tuple[str, Callable[[], tuple[str, Documents, dict[str, Any]]]]] = []
+    jobs: list[tuple[str, Callable[[], tuple[str, Any, dict[str, Any]]]]] = []
     for name in cfg.sources:
         jobs.append((name, lambda name=name: (name, *SOURCES[name](cache_dir))))
     for path in cfg.extra:
-        jobs.append((str(path), lambda path=path: read_extra(path)))
-    # reading, the tokenizer, then one token-file stage per domain (the total is fixed once skips are known)
+        jobs.append((str(path), lambda path=path: iter_extra(path, cfg.text_field)))
     prog = Progress(2 * len(jobs) + 1, "data prepare", "stage", heartbeat=True)
     for label, job in jobs:
         prog.update(1, stage=label)
@@ -155,93 +140,83 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         prev = old_domains.get(label)
         raw_path = data_dir / "raw" / f"{label}.jsonl"
         if (label in SOURCES and prev and raw_path.exists() and old.get("chunk_chars") == cfg.chunk_chars
+                and old.get("seed") == cfg.seed and old.get("val_fraction") == cfg.val_fraction
                 and prev.get("raw_sha256") == sha256_file(raw_path)):
             entries[label] = {k: prev[k] for k in ("source", "licence", "bytes", "documents", "replaced_chars",
-                                                   "raw_file", "raw_sha256")}
+                                                   "raw_file", "raw_sha256", "chunks", "n_chunks", "forced")
+                              if k in prev}
+            if sample is not None:
+                _resample(raw_path, label, len(entries) - 1, cfg, entries[label]["forced"], sample)
             _log(f"{label}: reusing {raw_path}")
             continue
         try:
             domain, docs, info = job()
+            if domain in entries:
+                raise ValueError(f"two sources both make domain {domain!r}; rename one of the --extra paths")
+            raw_path = data_dir / "raw" / f"{domain}.jsonl"
+            stats = write_raw(raw_path, docs, cfg.chunk_chars, domain, cfg.seed, cfg.val_fraction, sample,
+                              len(entries))
         except SourceUnavailable as exc:
             skipped[label] = str(exc)
             _log(f"{label}: SKIPPED: {exc}")
             continue
-        if domain in entries:
-            raise ValueError(f"two sources both make domain {domain!r}; rename one of the --extra paths")
         _warn_replaced(info["replaced_chars"], domain)
-        raw_path = data_dir / "raw" / f"{domain}.jsonl"
-        nbytes, nchunks = _write_raw(raw_path, docs, cfg.chunk_chars)
-        entries[domain] = {**info, "bytes": nbytes, "documents": len(docs), "raw_file": f"raw/{domain}.jsonl",
-                           "raw_sha256": sha256_file(raw_path)}
-        _log(f"{domain}: {len(docs)} documents, {nchunks} chunks, {nbytes / 1e6:.2f} MB ({time.time() - t:.1f}s)")
+        entries[domain] = {**info, **stats, "raw_file": f"raw/{domain}.jsonl"}
+        _log(f"{domain}: {stats['documents']} documents, {stats['n_chunks']} chunks, {stats['bytes'] / 1e6:.2f} MB "
+             f"({time.time() - t:.1f}s)")
     prog.total = len(jobs) + 1 + len(entries)
     if not entries:
         prog.close()
         raise ValueError("no corpus source could be read (see the SKIPPED lines above); install the Debian packages "
                          "with scripts/install_debian_deps.sh or pass --extra PATH")
-
-    # 2. splits
-    records: dict[str, list[dict[str, Any]]] = {}
-    labels: dict[str, list[str]] = {}
     for domain, e in entries.items():
-        records[domain] = read_raw(data_dir / e["raw_file"])
-        labels[domain] = assign_splits(records[domain], domain, cfg.seed, cfg.val_fraction)
-        e["chunks"] = {s: labels[domain].count(s) for s in ("train", "val")}
         empty = [s for s in ("train", "val") if e["chunks"][s] == 0]
         if empty:  # too small to split: said on stderr and recorded, not discovered later as an empty eval
-            e["warning"] = (f"only {len(labels[domain])} chunk(s), so no {' or '.join(empty)} split; add more text "
+            e["warning"] = (f"only {e['n_chunks']} chunk(s), so no {' or '.join(empty)} split; add more text "
                             f"or lower --chunk-chars (now {cfg.chunk_chars})")
             _log(f"{domain}: warning: {e['warning']}")
 
-    # 3. tokenizer, trained on the train chunks of every domain (domain order fixed by the source list)
-    tok_dir = data_dir / "tokenizer"
+    # 2. tokenizer: a pretrained one, the cached one, or byte-level BPE trained on a bounded sample of train chunks
     tok_key = _key("tokenizer", cfg.vocab_size, cfg.min_frequency, cfg.seed, cfg.val_fraction,
-                   [(d, e["raw_sha256"]) for d, e in entries.items()])
+                   [(d, e["raw_sha256"]) for d, e in entries.items()], sample.nbytes if sample else None)
+    key_file = tok_dir / "gattn_key.json"  # the cache key beside the tokenizer: a killed prepare reuses it too
     ids = None
+    sample_bytes = sample.nbytes if sample is not None else None
     if cfg.tokenizer:  # a pretrained model's own tokenizer: fine-tuning data must speak the model's vocabulary
         tok, ids = external_tokenizer(cfg.tokenizer)
         save_tokenizer(tok, tok_dir)
         tok_key = _key("external-tokenizer", sha256_file(tok_dir / "tokenizer.json"))  # never reused as a BPE one
         _log(f"tokenizer: {cfg.tokenizer} (vocab {len(tok)}; bos {ids[BOS]}, eos {ids[EOS]})")
-    elif old.get("tokenizer", {}).get("key") == tok_key and (tok_dir / "tokenizer.json").exists() \
-            and sha256_file(tok_dir / "tokenizer.json") == old["tokenizer"].get("sha256"):
+    elif _tokenizer_cached(tok_dir, key_file, tok_key):
         tok = get_tokenizer(tok_dir)
         _log(f"tokenizer: reusing {tok_dir}")
     else:
         t = time.time()
-        train_texts = [r["text"] for d in entries for r, s in zip(records[d], labels[d]) if s == "train"]
-        tok = train_tokenizer(train_texts, cfg.vocab_size, cfg.min_frequency)
+        texts = sample.texts()
+        sample = None  # the sample's memory goes before the token pass
+        tok = train_tokenizer(texts, cfg.vocab_size, cfg.min_frequency)
+        del texts
         save_tokenizer(tok, tok_dir)
-        _log(f"tokenizer: trained byte-level BPE, vocab {len(tok)} ({time.time() - t:.1f}s)")
+        atomic_write_json(key_file, {"key": tok_key, "sha256": sha256_file(tok_dir / "tokenizer.json")})
+        _log(f"tokenizer: trained byte-level BPE on a {sample_bytes / 1e6:.1f} MB sample, vocab {len(tok)} "
+             f"({time.time() - t:.1f}s)")
     prog.update(1, stage="tokenizer")
     tok_sha = sha256_file(tok_dir / "tokenizer.json")
     ids = ids or {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     dtype = token_dtype(len(tok))
 
-    # 4. token files: each chunk's ids then eos, per (domain, split)
-    backend = tok.backend_tokenizer
+    # 3. token shards: each chunk's ids then eos, per (domain, split), tokenized by --workers processes in order
     for domain, e in entries.items():
-        prev = old_domains.get(domain, {})
-        tkey = _key("tokens", tok_sha, e["raw_sha256"], cfg.seed, cfg.val_fraction, dtype.str)
-        e["tokens"], e["token_files"] = {}, {}
         t = time.time()
-        for split in ("train", "val"):
-            rel = f"tokens/{domain}.{split}.bin"
-            path = data_dir / rel
-            pf = prev.get("token_files", {}).get(split, {})
-            if prev.get("tokens_key") == tkey and path.exists() and pf.get("sha256") == sha256_file(path):
-                e["tokens"][split], e["token_files"][split] = prev["tokens"][split], pf
-                continue
-            texts = [r["text"] for r, s in zip(records[domain], labels[domain]) if s == split]
-            parts = [np.asarray(enc.ids + [ids[EOS]], dtype=dtype)
-                     for enc in backend.encode_batch(texts, add_special_tokens=False)]
-            arr = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
-            atomic_write_bytes(path, arr.tobytes())
-            e["tokens"][split] = int(arr.size)
-            e["token_files"][split] = {"path": rel, "sha256": sha256_file(path)}
-        e["tokens_key"] = tkey
+        tkey = _key("tokens", tok_sha, e["raw_sha256"], cfg.seed, cfg.val_fraction, dtype.str, SHARD_CHUNKS)
+        settings = {"seed": cfg.seed, "domain": domain, "val_fraction": cfg.val_fraction, "dtype": dtype.str,
+                    "eos": ids[EOS]}
+        res = tokenize_domain(data_dir, domain, e, tkey, tok_dir / "tokenizer.json", settings, cfg.workers)
+        e.update(tokens=res["tokens"], token_files=res["token_files"], tokens_key=tkey)
         prog.update(1, tokens=e["tokens"]["train"] + e["tokens"]["val"], stage=domain)
-        _log(f"{domain}: {e['tokens']['train']:,} train / {e['tokens']['val']:,} val tokens ({time.time() - t:.1f}s)")
+        reused = f", {res['shards_reused']} shard(s) reused" if res["shards_reused"] else ""
+        _log(f"{domain}: {e['tokens']['train']:,} train / {e['tokens']['val']:,} val tokens in "
+             f"{len(res['token_files']['train'])} shard(s){reused} ({time.time() - t:.1f}s)")
 
     prog.close()
     manifest = {
@@ -252,13 +227,35 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "val_fraction": cfg.val_fraction,
         "chunk_chars": cfg.chunk_chars,
-        "tokenizer": {"dir": "tokenizer", "key": tok_key, "sha256": tok_sha, "min_frequency": cfg.min_frequency, "external": cfg.tokenizer,
-                      "requested_vocab_size": cfg.vocab_size},
+        "tokenizer": {"dir": "tokenizer", "key": tok_key, "sha256": tok_sha, "min_frequency": cfg.min_frequency,
+                      "external": cfg.tokenizer, "requested_vocab_size": cfg.vocab_size,
+                      "sample_mb": cfg.tokenizer_sample_mb, "sample_bytes": sample_bytes},
         "domains": entries,
         "skipped": skipped,
+        "workers": cfg.workers,
         "build_seconds": round(time.time() - t0, 2),
     }
     atomic_write_json(data_dir / "manifest.json", manifest, indent=2, sort_keys=True, ensure_ascii=False, newline=True)
     _log(f"done in {manifest['build_seconds']:.1f}s: {len(entries)} domains, {len(skipped)} skipped -> "
          f"{data_dir / 'manifest.json'}")
     return manifest
+
+
+def _tokenizer_cached(tok_dir: Path, key_file: Path, tok_key: str) -> bool:
+    if not (tok_dir / "tokenizer.json").exists() or not key_file.exists():
+        return False
+    try:
+        rec = json.loads(key_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False
+    return rec.get("key") == tok_key and rec.get("sha256") == sha256_file(tok_dir / "tokenizer.json")
+
+
+def _resample(raw_path: Path, domain: str, domain_index: int, cfg: PrepareConfig, forced: dict[str, int],
+              sample: TokenizerSample) -> None:
+    """Offer a reused raw file's train chunks to the tokenizer sample (the same chunks a fresh read would offer)."""
+    for i, line in enumerate(read_raw_lines(raw_path)):
+        r = json.loads(line)
+        u = split_u(cfg.seed, domain, r["doc"], r["chunk"])
+        if (u >= cfg.val_fraction and i != forced.get("val")) or i == forced.get("train"):
+            sample.offer(u, domain_index, i, r["text"])

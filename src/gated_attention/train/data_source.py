@@ -1,7 +1,9 @@
 """Where training batches come from: the prepared corpus (gated_attention.data) or built-in synthetic tokens.
 
 Both give the batch at a step as a pure function of (seed, step), so data order needs no state beyond the step and
-resuming, or changing the number of ranks, sees exactly the same global batches.
+resuming, or changing the number of ranks, sees exactly the same global batches: the data position in a checkpoint
+is its step. `train_batch(..., rows=slice)` returns only those rows of the global batch (a rank's share); the corpus
+reads only their tokens from the memory-mapped shards.
 
 Synthetic data is a fixed random first-order Markov chain (each token has 4 successors, one of them likely), so a
 model can learn it quickly; tests and smoke runs use it so they need no prepared corpus.
@@ -31,8 +33,10 @@ class SyntheticSource:
             out[:, t + 1] = self.successors[out[:, t], choice[:, t]]
         return out
 
-    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
-        return self._sample(batch_size, seq_len, seed * 1_000_000_007 + step)
+    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int, rows: slice | None = None
+                    ) -> torch.Tensor:
+        batch = self._sample(batch_size, seq_len, seed * 1_000_000_007 + step)  # (B, T+1): rows are drawn jointly
+        return batch if rows is None else batch[rows]
 
     def eval_batches(self, domain: str, seq_len: int, max_batches: int, batch_size: int):
         for i in range(max_batches):
@@ -57,8 +61,10 @@ class CorpusSource:
         self.train_domains = domains
         self.domains = list(domains) if domains else available
 
-    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
-        return self._data.sample_batch(self.corpus, "train", batch_size, seq_len, seed, step, domains=self.train_domains)
+    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int, rows: slice | None = None
+                    ) -> torch.Tensor:
+        return self._data.sample_batch(self.corpus, "train", batch_size, seq_len, seed, step,
+                                       domains=self.train_domains, rows=rows)
 
     def eval_batches(self, domain: str, seq_len: int, max_batches: int, batch_size: int):
         return self._data.eval_batches(self.corpus, domain, seq_len, max_batches, batch_size)

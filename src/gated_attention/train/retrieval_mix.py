@@ -94,9 +94,11 @@ class RetrievalMixSource:
         self.eos_id = corpus.eos_id
         self.mix_tokenizer = BosTokenizer(source.tokenizer, corpus.bos_id)
 
-    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int) -> torch.Tensor:
-        batch = self.source.train_batch(batch_size, seq_len, seed, step)  # (B, T+1)
-        return mix_retrieval(batch, self.mix_tokenizer, self.fraction, seed, step, self.tasks, self.eos_id)
+    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int, rows: slice | None = None
+                    ) -> torch.Tensor:
+        batch = self.source.train_batch(batch_size, seq_len, seed, step)  # (B, T+1): the mix picks rows globally
+        batch = mix_retrieval(batch, self.mix_tokenizer, self.fraction, seed, step, self.tasks, self.eos_id)
+        return batch if rows is None else batch[rows]
 
     def __getattr__(self, name):
         return getattr(self.source, name)

@@ -336,8 +336,8 @@ def _train_step(run: _Run, step: int) -> dict:
     lr = lr_for(cfg, step)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    batch = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step)  # (B, T+1), same on every rank
-    mine = batch[info.rank * run.per_rank:(info.rank + 1) * run.per_rank].to(info.device)  # (B/N, T+1)
+    rows = slice(info.rank * run.per_rank, (info.rank + 1) * run.per_rank)  # this rank's rows of the global batch
+    mine = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step, rows=rows).to(info.device)  # (B/N, T+1)
     stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
     before = snapshot_params(run.master) if stats_step else None
     loss_sum = torch.zeros((), device=info.device)
