@@ -4,7 +4,7 @@ setting for each variant and analyse the model every --every steps on held-out v
 per domain, as `gattn compare` does), printing one JSON line per point and writing OUT/<variant>/curve.jsonl.
 
     /work/bin/cpu python scripts/sink_emergence.py --data-dir DATA --out OUT [--steps 3000] [--every 150]
-        [--variants baseline sdpa_elementwise] [--max-minutes M]
+        [--variants baseline sdpa_elementwise] [--max-minutes M] [--fit-minutes M]
 
 --max-minutes stops a variant early (the curve so far is kept; the schedule is still the one for --steps).
 Runs single-threaded (the CPU slot runner's setting); precision is the trainer's auto choice.
@@ -43,12 +43,24 @@ def main() -> None:
     p.add_argument("--every", type=int, default=150, help="analyse every this many steps")
     p.add_argument("--variants", nargs="+", default=["baseline", "sdpa_elementwise"])
     p.add_argument("--max-minutes", type=float, default=None, help="stop a variant after this much wall time")
+    p.add_argument("--fit-minutes", type=float, default=None,
+                   help="choose --steps (at most the given --steps, a multiple of --every) so that all variants fit "
+                        "this many minutes, from --step-seconds; each variant is also stopped at its share")
+    p.add_argument("--step-seconds", type=float, default=0.36,
+                   help="seconds per training step incl. the analysis points, for --fit-minutes (measured: 0.31 s a "
+                        "step + ~5 s a point, one thread, AMD EPYC Zen 5 with bf16, load ~2)")
     p.add_argument("--set", nargs="*", default=[], help="TrainConfig overrides, as gattn compare --set")
     args = p.parse_args()
     torch.set_num_threads(1)
     from gated_attention.compare.job import BUDGETS, analysis_batches, budget_config
     from gated_attention.train.trainer import train
 
+    if args.fit_minutes:
+        share = 60 * args.fit_minutes / len(args.variants)
+        args.steps = max(args.every, min(args.steps, int(share / args.step_seconds) // args.every * args.every))
+        args.max_minutes = min(args.max_minutes or share / 60, share / 60)
+        print(json.dumps({"fit_minutes": args.fit_minutes, "steps": args.steps, "max_minutes": args.max_minutes}),
+              flush=True)
     base = replace(budget_config("long", args.data_dir, args.set), steps=args.steps, ckpt_every=args.steps)
     batches = analysis_batches(base, BUDGETS["long"])
     for v in args.variants:

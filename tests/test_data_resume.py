@@ -38,7 +38,6 @@ def sharded(tmp_path_factory):
                 "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(40)) for _ in range(30)) + "\n")
     mp = pytest.MonkeyPatch()
     mp.setattr(stream, "SHARD_CHUNKS", 5)
-    mp.setattr("gated_attention.data.prepare.SHARD_CHUNKS", 5)
     out = tmp_path_factory.mktemp("data")
     D.prepare(D.PrepareConfig(data_dir=str(out), vocab_size=280, sources=(), extra=(str(root / "a"), str(root / "b")),
                               chunk_chars=300, workers=1))

@@ -29,7 +29,6 @@ def small_shards(monkeypatch):
     """Shards of 7 chunks and tasks of 3, so a small corpus has several shards and several tasks per shard."""
     monkeypatch.setattr(stream, "SHARD_CHUNKS", 7)
     monkeypatch.setattr(stream, "BATCH_CHUNKS", 3)
-    monkeypatch.setattr("gated_attention.data.prepare.SHARD_CHUNKS", 7)
 
 
 @pytest.fixture
@@ -116,9 +115,9 @@ def test_tokenizer_sample_is_bounded_and_uniform():
 
 
 def test_tokenizer_trained_on_a_sample_when_the_corpus_is_bigger(tmp_path, src):
-    m = D.prepare(_cfg(tmp_path / "d", [src / "prose"], tokenizer_sample_mb=0.005, text_field="text"))
-    assert m["tokenizer"]["sample_mb"] == 0.005 and 4000 < m["tokenizer"]["sample_bytes"] <= 5000
-    assert m["domains"]["prose"]["bytes"] > 3 * 5000  # most of the corpus was not read for BPE training
+    m = D.prepare(_cfg(tmp_path / "d", [src / "prose"], tokenizer_sample_mb=0.003, text_field="text"))
+    assert m["tokenizer"]["sample_mb"] == 0.003 and 2500 < m["tokenizer"]["sample_bytes"] <= 3000
+    assert m["domains"]["prose"]["bytes"] > 3 * 3000  # most of the corpus was not read for BPE training
     full = D.prepare(_cfg(tmp_path / "all", [src / "prose"], text_field="text"))
     recs = D.read_raw(tmp_path / "all" / "raw" / "prose.jsonl")
     train = [r for r, l in zip(recs, D.assign_splits(recs, "prose", 0, 0.2)) if l == "train"]
@@ -127,8 +126,8 @@ def test_tokenizer_trained_on_a_sample_when_the_corpus_is_bigger(tmp_path, src):
 
 def test_text_file_lines_stream_like_splitlines(tmp_path, monkeypatch):
     monkeypatch.setattr(formats, "BLOCK", 7)  # blocks cut through "\r\n", multi-byte characters and long lines
-    text = "a\r\nbé国\r\n\r\n" + "long line " * 9 + "\n\rx\u2028y\n\xff".encode("latin-1").decode("latin-1") + "end"
-    raw = text.encode("utf-8") + b"\xff\n tail"
+    text = "a\r\nbé国\r\n\r\n" + "long line " * 9 + "\n\rx\u2028y\n\x0cz\r" + "\n" + "end"
+    raw = text.encode("utf-8") + b"\xff\xc3\n tail"  # invalid UTF-8 too
     p = tmp_path / "t.txt"
     p.write_bytes(raw)
     info = {"replaced_chars": 0}

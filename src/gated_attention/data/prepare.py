@@ -14,8 +14,8 @@ from ..util.io import atomic_write_json
 from ..util.progress import Progress
 from .formats import iter_extra
 from .sources import DEFAULT_SOURCES, SOURCES, SourceUnavailable
-from .stream import (SHARD_CHUNKS, TokenizerSample, chunk_lines, read_raw_lines, split_u, tokenize_domain,
-                     write_raw)
+from . import stream
+from .stream import TokenizerSample, chunk_lines, read_raw_lines, split_u, tokenize_domain, write_raw
 from .text import BOS, EOS, SPECIAL_TOKENS, MANIFEST_VERSION, sha256_file, _warn_replaced
 from .tokenizer import external_tokenizer, get_tokenizer, save_tokenizer, token_dtype, train_tokenizer
 
@@ -208,7 +208,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     # 3. token shards: each chunk's ids then eos, per (domain, split), tokenized by --workers processes in order
     for domain, e in entries.items():
         t = time.time()
-        tkey = _key("tokens", tok_sha, e["raw_sha256"], cfg.seed, cfg.val_fraction, dtype.str, SHARD_CHUNKS)
+        tkey = _key("tokens", tok_sha, e["raw_sha256"], cfg.seed, cfg.val_fraction, dtype.str, stream.SHARD_CHUNKS)
         settings = {"seed": cfg.seed, "domain": domain, "val_fraction": cfg.val_fraction, "dtype": dtype.str,
                     "eos": ids[EOS]}
         res = tokenize_domain(data_dir, domain, e, tkey, tok_dir / "tokenizer.json", settings, cfg.workers)

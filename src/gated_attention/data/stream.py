@@ -90,6 +90,16 @@ class TokenizerSample:
         return self._bytes
 
 
+@contextlib.contextmanager
+def _removed_on_error(path: Path):
+    """A half-written file is deleted when its writer fails (a source that turns out unreadable, a kill)."""
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
 def write_raw(path: Path, docs: Iterable[tuple[str, Any]], chunk_chars: int, domain: str, seed: int,
               val_fraction: float, sample: TokenizerSample | None, domain_index: int) -> dict[str, Any]:
     """Stream documents into raw chunk records; returns counts, the sha256 and the split's forced labels."""
@@ -98,7 +108,7 @@ def write_raw(path: Path, docs: Iterable[tuple[str, Any]], chunk_chars: int, dom
     nbytes = nchunks = ndocs = nval = 0
     lo = hi = None  # (u, chunk index) of the smallest / largest hash: the forced val / train chunk if one split is empty
     hi_text = ""
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, _removed_on_error(tmp):
         for doc_id, text in docs:
             ndocs += 1
             for i, chunk in enumerate(chunk_lines(doc_lines(text), chunk_chars)):
