@@ -15,7 +15,6 @@ log.jsonl is cut back to the checkpoint's step so it describes exactly one run.
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -34,99 +33,16 @@ from . import fastpath
 from .config import TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import domain_losses
+from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
+from .state import full_state, load_full_state, rng_state, set_rng_state
 from .model_setup import (apply_activation_checkpointing, apply_trainable, build_model, check_attn_implementation,
                           param_groups)
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .monitors import SpikeDetector, decoder_layers, residual_stream_stats, snapshot_params, update_weight_ratio
 from ..util.errors import UserError
-from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, jsonl_line, lock_dir, read_json_object
+from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir, read_json_object
 from ..util.precision import numerics
-from ..util.progress import Progress
-
-
-# ---------------------------------------------------------------- state helpers
-
-def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
-def _full_state(model, optimizer) -> tuple[dict, dict]:
-    """Gathered full (unsharded) model and optimizer state dicts, on CPU (a collective under DDP/FSDP)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=torch.distributed.is_initialized())
-    msd, osd = get_state_dict(model, optimizer, options=opts)
-    if not torch.distributed.is_initialized():
-        msd = {k: v.detach().cpu().clone() for k, v in msd.items()}
-        osd = _to_cpu(osd)
-    return msd, osd
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_to_cpu(v) for v in obj]
-    return obj
-
-
-def _load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
-                   options=StateDictOptions(full_state_dict=True))
-
-
-def _truncate_log(path: Path, next_step: int) -> None:
-    """Keep the log lines of steps before `next_step` (a killed run may have logged past its last checkpoint)."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        if rec.get("step", -1) < next_step:
-            keep.append(line)
-    atomic_write_text(path, "".join(l + "\n" for l in keep))
-
-
-class _TB:
-    """TensorBoard writer if tensorboard is installed, else nothing (it is an optional extra)."""
-
-    def __init__(self, out: Path, enabled: bool):
-        self.writer = None
-        if enabled:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.writer = SummaryWriter(str(out / "tb"))
-            except Exception:  # tensorboard not installed: JSONL logs remain
-                self.writer = None
-
-    def log(self, step: int, values: dict) -> None:
-        if self.writer is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self.writer.add_scalar(k, v, step)
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
 
 
 # ---------------------------------------------------------------- the loop
@@ -187,7 +103,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
     latest, precision = _check_run_dir(cfg, out, resume, info)
     run = _setup(cfg, out, model_factory, info, precision)
     _restore(run, latest if resume else None)
-    _open_logs(run)
+    open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
     while run.st["step"] < cfg.steps:
         t0 = time.perf_counter()
@@ -313,15 +229,15 @@ def _restore(run: _Run, latest: Path | None) -> None:
     info = run.info
     if latest is not None:
         shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
-        _load_full_state(run.master, run.optimizer, shared["model"], shared["optimizer"])
+        load_full_state(run.master, run.optimizer, shared["model"], shared["optimizer"])
         if run.mixed is not None:
             run.mixed.sync()
         run.st.update(meta["state"])
         run.spikes.load_state_dict(meta["spikes"])
         if rng is not None:
-            _set_rng_state(rng)
+            set_rng_state(rng)
         if info.is_main:
-            _truncate_log(run.log_path, run.st["step"])
+            truncate_log(run.log_path, run.st["step"])
     elif info.is_main and run.log_path.exists():
         run.log_path.unlink()  # a fresh run (no checkpoint yet) starts a fresh log
     D.barrier(info)
@@ -427,7 +343,7 @@ def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
     st["wall_time"] = time.perf_counter() - t_start
     rec["tokens"] = st["tokens"]
     rec["tokens_per_s"] = run.tokens_per_step / max(dt, 1e-9)
-    _log_step(run, rec)
+    log_step(run, rec)
     if st["bad_in_a_row"] >= cfg.max_bad_steps:
         st["diverged"] = True
         st["stop_reason"] = (f"stopped: {st['bad_in_a_row']} non-finite steps in a row at step {step} "
@@ -446,49 +362,19 @@ def _evaluate(run: _Run) -> dict:
     return res["losses"]
 
 
-# ---------------------------------------------------------------- logging
-
-def _open_logs(run: _Run) -> None:
-    """log.jsonl (appended: a resumed run continues it), TensorBoard and the progress bar, on rank 0."""
-    main = run.info.is_main
-    run.tb = _TB(run.out, run.cfg.tensorboard and main)
-    # a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL seconds otherwise (nohup, CI, schedulers)
-    run.bar = Progress(run.cfg.steps, f"train {run.out.name}", "step", initial=run.st["step"],
-                       enabled=run.cfg.progress and main)
-    run.log_fh = open(run.log_path, "a") if main else None
-
-
-def _log_step(run: _Run, rec: dict) -> None:
-    if not run.info.is_main:
-        return
-    run.log_fh.write(jsonl_line(rec))  # strict JSON: a NaN loss is null + "nonfinite"
-    run.log_fh.flush()
-    run.tb.log(rec["step"], {k: v for k, v in rec.items() if k not in ("step", "max_act", "val", "moe")})
-    if run.bar is not None:
-        run.bar.update(1, tokens=run.tokens_per_step, loss=round(rec["loss"], 4))
-
-
-def _close_logs(run: _Run) -> None:
-    if run.bar is not None:
-        run.bar.close()
-    if run.log_fh is not None:
-        run.log_fh.close()
-    run.tb.close()
-
-
 # ---------------------------------------------------------------- checkpointing and the end of the run
 
 def _save_checkpoint(run: _Run, next_step: int) -> None:
     """An exact-resume checkpoint (collective): shared state by rank 0, each rank's RNG, then an atomic commit."""
     info = run.info
-    msd, osd = _full_state(run.master, run.optimizer)  # collective
+    msd, osd = full_state(run.master, run.optimizer)  # collective
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
     meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
             "config": run.cfg.to_dict(), "resolved_precision": run.precision}
     # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
     _on_main(info, lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd},
                                                       "meta.json": meta}))
-    D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": _rng_state()})))
+    D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()})))
     _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
                                                                           run.cfg.keep_checkpoints)))
     run.last_ckpt_step = next_step
@@ -509,18 +395,18 @@ def _error_of(fn) -> Exception | None:
 
 def _finish(run: _Run, t_start: float) -> dict:
     """Final eval, a last checkpoint if the final step has none, the exported model and summary.json."""
-    _close_logs(run)
+    close_logs(run)
     st, info = run.st, run.info
     st["val"] = _evaluate(run)
     st["wall_time"] = time.perf_counter() - t_start
     if run.last_ckpt_step != st["step"]:
         _save_checkpoint(run, st["step"])
-    msd, _ = _full_state(run.master, run.optimizer) if info.distributed else (None, None)
+    msd, _ = full_state(run.master, run.optimizer) if info.distributed else (None, None)
     box = {}
 
     def export():
         _export_final(run.master, msd, run.source, run.out / "final")
-        summary = _summary(run.cfg, st, run.spikes, run.log_path)
+        summary = run_summary(run.cfg, st, run.spikes, run.log_path)
         summary["resolved_precision"] = run.precision
         if run.precision != "fp32":  # how its bf16 GEMMs ran: "native", or "emulated" (util/bf16_emulation.py)
             from ..util.precision import gemm_mode
@@ -563,31 +449,3 @@ def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> N
             from gated_attention.data import save_tokenizer
 
             save_tokenizer(source.tokenizer, tmp)
-
-
-def _summary(cfg: TrainConfig, st: dict, spikes: SpikeDetector, log_path: Path) -> dict:
-    losses = []
-    for line in log_path.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("loss") is not None and math.isfinite(rec["loss"]):
-            losses.append(rec["loss"])
-    tail = losses[-10:]
-    return {
-        "final_loss": st["last_loss"],
-        "final_loss_avg10": sum(tail) / len(tail) if tail else None,  # the last step alone is noisy
-        "val_losses": st["val"],
-        "val_ppl": {d: math.exp(min(v, 700.0)) for d, v in st["val"].items()},
-        "avg_ppl": (sum(math.exp(min(v, 700.0)) for v in st["val"].values()) / len(st["val"])) if st["val"] else None,
-        "spikes": len(spikes.spikes),
-        "spike_list": spikes.spikes,
-        "spike_rule": {"window": cfg.spike_window, "delta": cfg.spike_delta},
-        "skipped_steps": st["skipped_steps"],
-        "diverged": st["diverged"] or (st["last_loss"] is not None and not math.isfinite(st["last_loss"])),
-        "stop_reason": st["stop_reason"],
-        "steps": st["step"],
-        "tokens": st["tokens"],
-        "wall_time_s": st["wall_time"],
-        "model": cfg.model,
-        "gate": cfg.gate,
-        "lr": cfg.lr,
-    }

@@ -1,0 +1,52 @@
+"""A run's restorable state: the gathered model/optimizer state dicts and the RNG states a checkpoint holds.
+
+Pure helpers of train/trainer.py's exact resume (the files themselves are written by train/checkpoint.py).
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+
+def rng_state() -> dict:
+    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict) -> None:
+    torch.set_rng_state(st["torch"])
+    random.setstate(st["python"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """Gathered full (unsharded) model and optimizer state dicts, on CPU (a collective under DDP/FSDP)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=torch.distributed.is_initialized())
+    msd, osd = get_state_dict(model, optimizer, options=opts)
+    if not torch.distributed.is_initialized():
+        msd = {k: v.detach().cpu().clone() for k, v in msd.items()}
+        osd = _to_cpu(osd)
+    return msd, osd
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(full_state_dict=True))
