@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gated_attention.util.errors import UserError
-from gated_attention.experiment import cache, report, runs, stats
+from gated_attention.experiment import cache, pages, runs, stats
 
 
 # ---------------------------------------------------------------- cache: the one reuse rule
@@ -201,7 +201,7 @@ def test_report_renders_markdown_and_self_contained_html(tmp_path):
     blocks = [("h2", "Results"), ("p", "Budget `small`, a < b, **reproduced**"), ("ul", ["one", "two"]),
               ("table", ["model", "loss"], [["base", "1.00"], ["<gated>", "0.90"]]), ("code", "x < 1"),
               ("img", "Loss", "plots/a.png")]
-    md_path, html_path = report.write(tmp_path, "Title & more", blocks)
+    md_path, html_path = pages.write(tmp_path, "Title & more", blocks)
     md, page = md_path.read_text(), html_path.read_text()
     assert md.startswith("# Title & more\n") and "| model | loss |\n|---|---|\n| base | 1.00 |" in md
     assert "- one\n- two" in md and "![Loss](plots/a.png)" in md and "**reproduced**" in md
@@ -209,18 +209,18 @@ def test_report_renders_markdown_and_self_contained_html(tmp_path):
     assert "<td>&lt;gated&gt;</td>" in page and "<li>one</li>" in page and "src=\"data:image/png;base64," in page
     assert "plots/a.png" not in page  # nothing linked: the page is one file
     with pytest.raises(ValueError, match="unknown report block 'chart'"):
-        report.render("t", [("chart", 1)], tmp_path)
+        pages.render("t", [("chart", 1)], tmp_path)
     plots = {"loss": "plots/a.png", "gates": "plots/b.png"}
-    assert report.figures(plots, "Curves") == [("img", "Curves", "plots/a.png"), ("img", "Curves", "plots/b.png")]
-    assert report.figures(plots, {"loss": "Loss"}) == [("img", "Loss", "plots/a.png"), ("img", "gates", "plots/b.png")]
+    assert pages.figures(plots, "Curves") == [("img", "Curves", "plots/a.png"), ("img", "Curves", "plots/b.png")]
+    assert pages.figures(plots, {"loss": "Loss"}) == [("img", "Loss", "plots/a.png"), ("img", "gates", "plots/b.png")]
 
 
 def test_number_formats_and_text_table():
-    assert [report.fmt(v, 2) for v in (None, True, 1234, 1.5, float("nan"))] == ["–", "True", "1234.00", "1.50", "nan"]
-    assert report.fmt(1234, 0) == "1,234"
-    assert report.fmt_mean_std(0.5, 0.01) == "0.500 ± 0.010" and report.fmt_mean_std(0.5, None) == "0.500"
-    assert report.fmt_mean_std(None, None) == "–"
-    assert report.text_table(["a", "bb"], [["xyz", "1"]]).splitlines() == ["a    bb", "-------", "xyz   1"]
+    assert [pages.fmt(v, 2) for v in (None, True, 1234, 1.5, float("nan"))] == ["–", "True", "1234.00", "1.50", "nan"]
+    assert pages.fmt(1234, 0) == "1,234"
+    assert pages.fmt_mean_std(0.5, 0.01) == "0.500 ± 0.010" and pages.fmt_mean_std(0.5, None) == "0.500"
+    assert pages.fmt_mean_std(None, None) == "–"
+    assert pages.text_table(["a", "bb"], [["xyz", "1"]]).splitlines() == ["a    bb", "-------", "xyz   1"]
 
 
 # ---------------------------------------------------------------- stats: one-seed convention

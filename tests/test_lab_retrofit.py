@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gated_attention.labs.retrofit import lab as RL
+from gated_attention.labs.retrofit import retrofit_lab
 from gated_attention.labs.retrofit import recipes as R
 from gated_attention.labs.retrofit import starts as S
 from gated_attention.labs.sinks.backcopy import BackcopyTask
@@ -41,10 +41,10 @@ def sink_start(tmp_path_factory):
     return _sink_start(tmp_path_factory.mktemp("sinklab"))
 
 
-def _cfg(start, **kw) -> RL.RetrofitLabConfig:
+def _cfg(start, **kw) -> retrofit_lab.RetrofitLabConfig:
     base = dict(starts=[str(start)], steps=6, eval_every=3, eval_size=8, stream_window=8, batch_size=4,
                 ckpt_every=0, keep_models=True)
-    return RL.RetrofitLabConfig(**{**base, **kw}).validate()
+    return retrofit_lab.RetrofitLabConfig(**{**base, **kw}).validate()
 
 
 def _job(cfg, start, name, unit_dir, seed=0):
@@ -64,7 +64,7 @@ def _weights(folder) -> dict:
 def test_each_recipe_trains_what_it_says(sink_start, tmp_path, name):
     recipe = R.get_recipe(name)
     cfg = _cfg(sink_start)
-    res = RL.train_unit(_job(cfg, sink_start, name, tmp_path / name))
+    res = retrofit_lab.train_unit(_job(cfg, sink_start, name, tmp_path / name))
     before = _weights(sink_start)
     after = _weights(tmp_path / name / "model")
     gate_keys = [k for k in after if R.is_gate_param(k)]
@@ -100,7 +100,7 @@ def test_gates_first_phase_freezes_the_rest(sink_start, tmp_path, monkeypatch):
 
     monkeypatch.setattr(S.SinkData, "train_batch", dying)
     with pytest.raises(KeyboardInterrupt):
-        RL.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "u"))
+        retrofit_lab.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "u"))
     saved = torch.load(tmp_path / "u" / "ckpt.pt", weights_only=True)
     assert saved["state"]["step"] == 2
     before = _weights(sink_start)
@@ -244,13 +244,13 @@ def test_control_and_recipes_see_the_same_batches(sink_start, tmp_path, monkeypa
     cfg = _cfg(sink_start, keep_models=False)
     for name in ("control", "bos-penalty", "identity-gates"):
         current["name"] = name
-        RL.train_unit(_job(cfg, sink_start, name, tmp_path / name))
+        retrofit_lab.train_unit(_job(cfg, sink_start, name, tmp_path / name))
     ref = seen["control"]
     assert [s for s, _ in ref] == list(range(6))
     for name in ("bos-penalty", "identity-gates"):
         assert len(seen[name]) == len(ref) and all(torch.equal(a, b) for (_, a), (_, b) in zip(seen[name], ref))
     current["name"] = "seed1"
-    RL.train_unit(_job(cfg, sink_start, "control", tmp_path / "s1", seed=1))
+    retrofit_lab.train_unit(_job(cfg, sink_start, "control", tmp_path / "s1", seed=1))
     assert not torch.equal(seen["seed1"][0][1], ref[0][1])  # another seed: another data order
 
 
@@ -268,13 +268,13 @@ def test_streaming_losses_read_the_streaming_lab():
 
 
 def test_interval_uses_student_t():
-    i = RL.interval([1.0, 2.0, 3.0])
+    i = retrofit_lab.interval([1.0, 2.0, 3.0])
     assert i["mean"] == 2.0 and i["std"] == pytest.approx(1.0) and i["ci95"] == pytest.approx(4.303 / 3 ** 0.5,
                                                                                                 rel=1e-4)
-    assert RL.interval([0.5])["ci95"] is None and RL.interval([])["mean"] is None
+    assert retrofit_lab.interval([0.5])["ci95"] is None and retrofit_lab.interval([])["mean"] is None
     scipy_stats = pytest.importorskip("scipy.stats")
     for n in (2, 5, 21):
-        assert RL.T95[n - 2] == pytest.approx(scipy_stats.t.ppf(0.975, n - 1), abs=2e-3)
+        assert retrofit_lab.T95[n - 2] == pytest.approx(scipy_stats.t.ppf(0.975, n - 1), abs=2e-3)
 
 
 def test_gate_split_on_hand_built_masks():
@@ -345,7 +345,7 @@ def small_lab(sink_start, tmp_path_factory):
     out = tmp_path_factory.mktemp("retrofit_lab")
     cfg = _cfg(sink_start, starts=[str(sink_start), str(second)], recipes=["identity-gates", "bos-penalty"], seeds=2,
                keep_models=False)
-    return out, cfg, RL.run_lab(cfg, out, jobs=1, log=lambda m: None)
+    return out, cfg, retrofit_lab.run_lab(cfg, out, jobs=1, log=lambda m: None)
 
 
 def test_lab_json_contract(small_lab):
@@ -359,14 +359,14 @@ def test_lab_json_contract(small_lab):
         assert len(entry["per_seed"]) == 4  # 2 starts x 2 seeds
         assert sorted((r["start"], r["seed"]) for r in entry["per_seed"]) == [
             ("baseline_seed0", 0), ("baseline_seed0", 1), ("baseline_seed1", 0), ("baseline_seed1", 1)]
-        for k in RL.KEYS:
+        for k in retrofit_lab.KEYS:
             assert k in entry["mean"] and k in entry["std"] and all(k in r for r in entry["per_seed"]), k
         assert entry["mean"]["steps"] == 6 and entry["per_seed"][0]["curve"]
         assert "steps_to_sink_target" in entry["mean"]
     assert disk["control"]["mean"]["gate_dormant"] is None  # no gate: null, not 0
     assert disk["recipes"]["identity-gates"]["mean"]["gate_dormant"] is not None
     r = disk["recipes"]["bos-penalty"]
-    assert set(r["vs_control"]) == set(RL.PAIRED) and r["vs_control"]["sink_after"]["n"] == 4
+    assert set(r["vs_control"]) == set(retrofit_lab.PAIRED) and r["vs_control"]["sink_after"]["n"] == 4
     assert set(r["target"]) >= {"sink_le_target", "steps_le_target", "met"}
     assert r["per_seed"][0]["step_share"] == pytest.approx(6 / 40)
     from gated_attention.util.precision import resolve
@@ -385,16 +385,16 @@ def test_rerun_reuses_and_other_settings_fail(small_lab, monkeypatch):
     out, cfg, lab = small_lab
     before = (out / "runs" / "baseline_seed0" / "control" / "seed0" / "result.json").read_text()
     monkeypatch.setattr(S, "build_model", lambda *a, **k: pytest.fail("a finished unit was retrained"))
-    again = RL.run_lab(cfg, out, jobs=1, log=lambda m: None)
+    again = retrofit_lab.run_lab(cfg, out, jobs=1, log=lambda m: None)
     assert again["recipes"]["bos-penalty"]["mean"] == lab["recipes"]["bos-penalty"]["mean"]
     assert (out / "runs" / "baseline_seed0" / "control" / "seed0" / "result.json").read_text() == before
     with pytest.raises(ValueError, match="different settings"):
-        RL.run_lab(replace(cfg, lr=5e-3), out, jobs=1, log=lambda m: None)
+        retrofit_lab.run_lab(replace(cfg, lr=5e-3), out, jobs=1, log=lambda m: None)
 
 
 def test_killed_unit_resumes_exactly(sink_start, tmp_path, monkeypatch):
     cfg = _cfg(sink_start, steps=8, ckpt_every=3, eval_every=4, keep_models=False)
-    whole = RL.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "whole"))
+    whole = retrofit_lab.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "whole"))
     real = S.SinkData.train_batch
 
     def dying(self, seed, step):
@@ -404,9 +404,9 @@ def test_killed_unit_resumes_exactly(sink_start, tmp_path, monkeypatch):
 
     monkeypatch.setattr(S.SinkData, "train_batch", dying)
     with pytest.raises(KeyboardInterrupt):
-        RL.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "killed"))
+        retrofit_lab.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "killed"))
     monkeypatch.setattr(S.SinkData, "train_batch", real)
-    resumed = RL.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "killed"))
+    resumed = retrofit_lab.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "killed"))
     assert not (tmp_path / "killed" / "ckpt.pt").exists()
     for k in ("sink_after", "skill_after", "gate_dormant", "gate_active", "streaming_loss_after", "final_train_loss"):
         assert resumed[k] == whole[k], k
@@ -425,9 +425,9 @@ def test_text_start_from_a_training_run(tmp_path, tiny_corpus):
     (run / "train_config.json").write_text(json.dumps({"data": "corpus", "data_dir": str(tiny_corpus), "steps": 24,
                                                        "lr": 3e-3, "batch_size": 4, "seq_len": 32}))
     out = tmp_path / "lab"
-    cfg = RL.RetrofitLabConfig(starts=[str(run / "final")], recipes=["identity-gates"], eval_size=32,
+    cfg = retrofit_lab.RetrofitLabConfig(starts=[str(run / "final")], recipes=["identity-gates"], eval_size=32,
                                eval_every=3, keep_models=False, ckpt_every=0).validate()
-    lab = RL.run_lab(cfg, out, jobs=1, log=lambda m: None)
+    lab = retrofit_lab.run_lab(cfg, out, jobs=1, log=lambda m: None)
     assert lab["kind"] == "text" and lab["config"]["plans"]["run"]["steps"] == 6  # 25 % of 24
     rec = lab["recipes"]["identity-gates"]["per_seed"][0]
     assert set(rec["ppl_after"]) == {"prose", "code"} and rec["skill_after"] == pytest.approx(
@@ -448,9 +448,9 @@ def test_stock_llama_start_with_its_own_corpus(tmp_path, tiny_corpus):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     stock_lm(cfg).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="trained for are unknown; give --steps"):
-        RL.run_lab(RL.RetrofitLabConfig(starts=[str(tmp_path / "llama")], data_dir=str(tiny_corpus), seq_len=32,
+        retrofit_lab.run_lab(retrofit_lab.RetrofitLabConfig(starts=[str(tmp_path / "llama")], data_dir=str(tiny_corpus), seq_len=32,
                                         lr=1e-2), tmp_path / "x", log=lambda m: None)
-    lab = RL.run_lab(RL.RetrofitLabConfig(starts=[str(tmp_path / "llama")], recipes=["identity-gates"], steps=2,
+    lab = retrofit_lab.run_lab(retrofit_lab.RetrofitLabConfig(starts=[str(tmp_path / "llama")], recipes=["identity-gates"], steps=2,
                                           lr=1e-2, batch_size=2, eval_size=32, data_dir=str(tiny_corpus), seq_len=32,
                                           ckpt_every=0).validate(), tmp_path / "lab", log=lambda m: None)
     assert lab["start"]["llama"]["source"] == "HF checkpoint"

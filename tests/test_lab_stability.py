@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gated_attention.labs.stability import lab as S
+from gated_attention.labs.stability import stability_lab
 from gated_attention.labs.stability.probe import StabilityProbe, max_attention_logit
 
 NAN = float("nan")
@@ -26,20 +26,20 @@ def _run(lr, loss, init=5.0, seed=0):
 def test_lr_sensitivity_known_answer():
     # clipped losses 3, 2, 4, 5 (a diverged NaN counts as the init loss), 5 (6 > init is clipped): mean 3.8, best 2
     runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 4.0), _run(1.0, NAN), _run(3.0, 6.0)]
-    assert S.lr_sensitivity(runs) == pytest.approx((3 + 2 + 4 + 5 + 5) / 5 - 2)
+    assert stability_lab.lr_sensitivity(runs) == pytest.approx((3 + 2 + 4 + 5 + 5) / 5 - 2)
     # None (a diverged run serialised as null) is the same as NaN
-    assert S.lr_sensitivity([_run(1e-3, 3.0), _run(1.0, None)]) == pytest.approx((3 + 5) / 2 - 3)
+    assert stability_lab.lr_sensitivity([_run(1e-3, 3.0), _run(1.0, None)]) == pytest.approx((3 + 5) / 2 - 3)
 
 
 def test_lr_sensitivity_averages_seeds_per_lr_first():
     # lr 1e-2 has two seeds (2 and 3 -> 2.5); the grid mean weighs each LR once: (3 + 2.5) / 2 - 2.5
     runs = [_run(1e-3, 3.0), _run(1e-2, 2.0, seed=0), _run(1e-2, 3.0, seed=1)]
-    assert S.lr_sensitivity(runs) == pytest.approx(0.25)
+    assert stability_lab.lr_sensitivity(runs) == pytest.approx(0.25)
     # each seed is clipped at its own init loss
     runs = [_run(1e-3, 3.0, init=4.0), _run(1e-3, 9.0, init=6.0, seed=1), _run(1e-2, 2.0)]
-    assert S.lr_sensitivity(runs) == pytest.approx(((3 + 6) / 2 + 2) / 2 - 2)
-    assert S.lr_sensitivity([_run(1e-3, 2.0)]) == 0.0
-    assert math.isnan(S.lr_sensitivity([]))
+    assert stability_lab.lr_sensitivity(runs) == pytest.approx(((3 + 6) / 2 + 2) / 2 - 2)
+    assert stability_lab.lr_sensitivity([_run(1e-3, 2.0)]) == 0.0
+    assert math.isnan(stability_lab.lr_sensitivity([]))
 
 
 def test_run_metrics_known_answer():
@@ -48,21 +48,21 @@ def test_run_metrics_known_answer():
     log = [{"step": 0, "loss": 6.0, "max_act": [1.0, 7.5]}, {"step": 1, "loss": 5.0},
            {"step": 10, "loss": 4.0, "max_act": [3.0, 2.0]}]
     probes = [{"attn_logit": [1.5, 12.0], "output_logit": 4.0}, {"attn_logit": [-2.0, 3.0], "output_logit": 9.0}]
-    m = S.run_metrics(summary, log, probes, init_loss=6.9)
+    m = stability_lab.run_metrics(summary, log, probes, init_loss=6.9)
     assert m["final_loss"] == 3.0 and m["loss_at_init"] == 6.9 and m["diverged"] is False
     assert m["spikes"] == 3 and m["skipped_steps"] == 1
     assert m["max_hidden"] == 7.5 and m["max_attention_logit"] == 12.0 and m["max_output_logit"] == 9.0
     # no better than at init -> diverged; the trainer giving up -> diverged and no final loss
-    assert S.run_metrics({**summary, "val_losses": {"a": 7.0}}, log, probes, 6.9)["diverged"] is True
-    stopped = S.run_metrics({**summary, "diverged": True}, log, probes, 6.9)
+    assert stability_lab.run_metrics({**summary, "val_losses": {"a": 7.0}}, log, probes, 6.9)["diverged"] is True
+    stopped = stability_lab.run_metrics({**summary, "diverged": True}, log, probes, 6.9)
     assert stopped["diverged"] is True and math.isnan(stopped["final_loss"])
-    empty = S.run_metrics(summary, [], [], 6.9)
+    empty = stability_lab.run_metrics(summary, [], [], 6.9)
     assert math.isnan(empty["max_attention_logit"]) and math.isnan(empty["max_hidden"])
     # the per-layer series: lists over layers of lists over the probe steps (a log from before lost updates: none)
     assert m["probe_steps"] == [0, 10] and m["max_hidden_per_layer"] == [[1.0, 3.0], [7.5, 2.0]]
     assert m["lost_update_share"] == [] and m["mean_lost_update_share"] is None
     log[0]["lost_update_share"], log[2]["lost_update_share"] = [0.0, 0.25], [0.123456, NAN]
-    m = S.run_metrics({**summary, "resolved_precision": "fp32"}, log, probes, init_loss=6.9)
+    m = stability_lab.run_metrics({**summary, "resolved_precision": "fp32"}, log, probes, init_loss=6.9)
     assert m["lost_update_share"] == [[0.0, 0.1235], [0.25, m["lost_update_share"][1][1]]]
     assert math.isnan(m["lost_update_share"][1][1])
     assert m["mean_lost_update_share"] == pytest.approx((0.0 + 0.1235 + 0.25) / 3)
@@ -73,36 +73,36 @@ def test_edge_lrs():
     grid = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
     # best at 1e-2; 1e-1 is within 0.1 nats, 1.0 is the first past the edge -> 1e-1 (last stable) and 1.0
     runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 2.05), _run(1.0, 2.5), _run(10.0, NAN)]
-    assert S.edge_lrs(runs, grid) == [1e-1, 1.0]
+    assert stability_lab.edge_lrs(runs, grid) == [1e-1, 1.0]
     # a diverged run (NaN = the loss at init) is past the edge; a loss below the best's is not
     runs = [_run(1e-3, 3.0), _run(1e-2, 2.0), _run(1e-1, 1.9), _run(1.0, 1.95), _run(10.0, NAN)]
-    assert S.edge_lrs(runs, grid) == [1.0, 10.0]
+    assert stability_lab.edge_lrs(runs, grid) == [1.0, 10.0]
     # the best LR is the smallest and the next one is already past the edge
     runs = [_run(1e-3, 2.0), _run(1e-2, 2.2), _run(1e-1, 3.0), _run(1.0, 4.0), _run(10.0, NAN)]
-    assert S.edge_lrs(runs, grid) == [1e-3, 1e-2]
+    assert stability_lab.edge_lrs(runs, grid) == [1e-3, 1e-2]
     # never past the edge: the two largest
     runs = [_run(x, 2.0) for x in grid]
-    assert S.edge_lrs(runs, grid) == [1.0, 10.0]
+    assert stability_lab.edge_lrs(runs, grid) == [1.0, 10.0]
 
 
 def test_instability_check():
     rows = [{"variant": "baseline", "qk_norm": False, "lr": lr, "seed": 0, "final_loss": loss, "loss_at_init": 7.0,
              "diverged": False, "spikes": 0} for lr, loss in ((1e-3, 5.0), (1e-2, 4.0), (1.0, 4.6))]
-    res = S.instability_check(rows)
+    res = stability_lab.instability_check(rows)
     assert res["off"]["gap_at_highest_lr"] == pytest.approx(0.6) and res["reached"] is True and "on" not in res
     rows[-1]["final_loss"] = 4.3
-    assert S.instability_check(rows)["reached"] is False
+    assert stability_lab.instability_check(rows)["reached"] is False
     rows[0]["diverged"] = True
-    assert S.instability_check(rows)["reached"] is True and S.instability_check(rows)["off"]["diverged"] == 1
+    assert stability_lab.instability_check(rows)["reached"] is True and stability_lab.instability_check(rows)["off"]["diverged"] == 1
     rows[0]["diverged"] = False
     rows[1]["spikes"] = 2  # one spike anywhere in a baseline run is the failure the lab looks for
-    res = S.instability_check(rows)
+    res = stability_lab.instability_check(rows)
     assert res["reached"] is True and res["off"]["spikes"] == 2 and res["off"]["runs_with_spikes"] == 1
     # QK-norm on is checked on its own; gated runs never count
     on = [{**r, "qk_norm": True, "spikes": 0} for r in rows]
-    res = S.instability_check(on + [{**r, "variant": "sdpa_elementwise", "spikes": 9} for r in rows])
+    res = stability_lab.instability_check(on + [{**r, "variant": "sdpa_elementwise", "spikes": 9} for r in rows])
     assert res["reached"] is False and res["on"]["spikes"] == 0 and "off" not in res
-    assert S.instability_check([{**r, "variant": "sdpa_headwise"} for r in rows])["checked"] is False
+    assert stability_lab.instability_check([{**r, "variant": "sdpa_headwise"} for r in rows])["checked"] is False
 
 
 def test_strict_json_through_io():
@@ -272,7 +272,7 @@ def test_small_budget_end_to_end(small_lab):
     # the sensitivity in lab.json is the formula applied to its runs
     for v in ("baseline", "sdpa_elementwise"):
         mine = [r for r in runs if r["variant"] == v and r["qk_norm"] is False]
-        assert lab["lr_sensitivity"][v]["off"] == pytest.approx(S.lr_sensitivity(mine))
+        assert lab["lr_sensitivity"][v]["off"] == pytest.approx(stability_lab.lr_sensitivity(mine))
     assert lab["instability"]["checked"] is True and {"on", "off"} <= set(lab["instability"])
     from gated_attention.compare import claims
 
@@ -375,7 +375,7 @@ def test_bad_input_is_refused(tmp_path):
                     (dict(budget="huge"), "budget"), (dict(sets=("model.use_qk_norm=false",)), "--qk-norm"),
                     (dict(seed_lrs="some"), "seed-lrs")):
         with pytest.raises(ValueError, match=msg):
-            S.LabConfig(out=str(tmp_path), **kw).validate()
+            stability_lab.LabConfig(out=str(tmp_path), **kw).validate()
 
 
 # ---------------------------------------------------------------- statistics with intervals (labs/stability/stats.py)

@@ -16,13 +16,13 @@ from harness import tiny_lm
 @pytest.fixture(scope="module")
 def sink_units(tmp_path_factory):
     """A sink-lab OUT with two tiny finished units (baseline, G1 elementwise), trained for a few steps."""
-    from gated_attention.labs.sinks import lab as sinks
+    from gated_attention.labs.sinks import sink_lab
 
     out = tmp_path_factory.mktemp("sinklab")
-    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS["small"][1], "steps": 20, "eval_every": 20,
+    cfg = replace(sink_lab.SinkLabConfig(), **{**sink_lab.BUDGETS["small"][1], "steps": 20, "eval_every": 20,
                                             "variants": ["baseline", "sdpa_elementwise"], "seeds": 1})
     for v in cfg.variants:
-        sinks.train_unit((asdict(cfg), v, 0, str(out / "runs" / v / "seed0")))
+        sink_lab.train_unit((asdict(cfg), v, 0, str(out / "runs" / v / "seed0")))
     return out
 
 
@@ -39,7 +39,7 @@ def compare_like(tmp_path_factory, tiny_corpus):
 
 
 def test_resolution_and_labels(sink_units, compare_like):
-    from gated_attention.labs.streaming.lab import resolve_models
+    from gated_attention.labs.streaming.streaming_lab import resolve_models
 
     e = resolve_models([sink_units])
     assert [x.label for x in e] == ["baseline/seed0", "sdpa_elementwise/seed0"] and e[0].kind == "sink_lab"
@@ -54,8 +54,8 @@ def test_resolution_and_labels(sink_units, compare_like):
 
 def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
     from gated_attention.decode import stream_nll
-    from gated_attention.labs.sinks import lab as sinks
-    from gated_attention.labs.streaming.lab import StreamingConfig, run_streaming, sink_lab_data
+    from gated_attention.labs.sinks import sink_lab
+    from gated_attention.labs.streaming.streaming_lab import StreamingConfig, run_streaming, sink_lab_data
 
     W = 8
     cfg = StreamingConfig(models=[str(sink_units)], window=W, sink_tokens=[0, 2, 40], sequences=6)
@@ -67,7 +67,7 @@ def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
     assert set(m["window"]) == {"0", "2", "40"} and set(m["window"]["0"]) >= {"loss", "ppl", "per_position"}
     assert m["full"]["ppl"] == pytest.approx(math.exp(m["full"]["loss"]))
     # by hand: the same sequences, the same scored positions
-    run = sinks.load_run(sink_units / "runs" / "baseline" / "seed0")
+    run = sink_lab.load_run(sink_units / "runs" / "baseline" / "seed0")
     seqs = sink_lab_data(run.task, 6, run.task.seq_len)
     want = float(stream_nll(run.model, seqs, W, 0)[:, W:].mean())
     assert m["window"]["0"]["loss"] == pytest.approx(want, rel=1e-6)

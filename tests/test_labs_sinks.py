@@ -144,7 +144,7 @@ def test_mean_std_over_seeds():
 
 def test_measure_reads_the_model_through_capture():
     """q = k = 0 makes every head attend uniformly: BOS attention from query t is exactly 1/(t+1)."""
-    from gated_attention.labs.sinks.lab import BUDGETS, SinkLabConfig, measure, model_config_for
+    from gated_attention.labs.sinks.sink_lab import BUDGETS, SinkLabConfig, measure, model_config_for
 
     cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "variants": ["sdpa_headwise"], "layers": 2, "heads": 2})
     task = BackcopyTask(**cfg.task)
@@ -173,7 +173,7 @@ def test_measure_reads_the_model_through_capture():
 
 
 def test_baseline_mechanisms_and_gate_init_build():
-    from gated_attention.labs.sinks.lab import SinkLabConfig, model_config_for, resolve_variant
+    from gated_attention.labs.sinks.sink_lab import SinkLabConfig, model_config_for, resolve_variant
 
     assert resolve_variant("g1") == ("sdpa_elementwise", "none")
     assert resolve_variant("sink_logits") == ("none", "sink_logits")
@@ -187,12 +187,12 @@ def test_baseline_mechanisms_and_gate_init_build():
 # ---------------------------------------------------------------- units: exact resume
 
 def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
-    from gated_attention.labs.sinks import lab as sinks
+    from gated_attention.labs.sinks import sink_lab
 
-    cfg = replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS["small"][1], "variants": ["sdpa_elementwise"],
+    cfg = replace(sink_lab.SinkLabConfig(), **{**sink_lab.BUDGETS["small"][1], "variants": ["sdpa_elementwise"],
                                             "steps": 40, "ckpt_every": 15, "eval_every": 20})
     job = lambda d: (asdict(cfg), "sdpa_elementwise", 0, str(d))
-    whole = sinks.train_unit(job(tmp_path / "whole"))
+    whole = sink_lab.train_unit(job(tmp_path / "whole"))
     real = BackcopyTask.train_batch
 
     def dying(self, batch_size, seed, step):
@@ -202,19 +202,19 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(BackcopyTask, "train_batch", dying)
     with pytest.raises(KeyboardInterrupt):
-        sinks.train_unit(job(tmp_path / "killed"))
+        sink_lab.train_unit(job(tmp_path / "killed"))
     assert (tmp_path / "killed" / "ckpt.pt").exists()
     monkeypatch.setattr(BackcopyTask, "train_batch", real)
     # the reuse rule (experiment.cache): a half-trained unit is not resumed, nor silently restarted, under other
     # settings; a unit finished under other settings stops the job too
     other = (asdict(replace(cfg, lr=cfg.lr / 2)), "sdpa_elementwise", 0, str(tmp_path / "killed"))
     with pytest.raises(StaleResult, match="lr: saved"):
-        sinks.train_unit(other)
+        sink_lab.train_unit(other)
     with pytest.raises(StaleResult, match="lr: saved"):
-        sinks.train_unit((other[0], "sdpa_elementwise", 0, str(tmp_path / "whole")))
-    resumed = sinks.train_unit(job(tmp_path / "killed"))
+        sink_lab.train_unit((other[0], "sdpa_elementwise", 0, str(tmp_path / "whole")))
+    resumed = sink_lab.train_unit(job(tmp_path / "killed"))
     assert not (tmp_path / "killed" / "ckpt.pt").exists()
-    for k in sinks.METRICS:
+    for k in sink_lab.METRICS:
         assert resumed[k] == whole[k], k
     assert [p["step"] for p in resumed["curve"]] == [0, 20, 40]
 
@@ -231,7 +231,7 @@ def small_lab(tmp_path_factory):
 
 
 def test_small_lab_writes_everything(small_lab):
-    from gated_attention.labs.sinks.lab import METRICS
+    from gated_attention.labs.sinks.sink_lab import METRICS
 
     out, r = small_lab
     lab = json.loads((out / "lab.json").read_text())
@@ -299,7 +299,7 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
 def test_finished_models_are_loadable_hf_folders(small_lab):
     """Every unit folder is a from_pretrained folder; load_run returns its model, task and settings, and the
     model measures exactly what result.json recorded (the saved weights are the final ones)."""
-    from gated_attention.labs.sinks.lab import is_run_dir, load_run, measure
+    from gated_attention.labs.sinks.sink_lab import is_run_dir, load_run, measure
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     out, _ = small_lab
@@ -322,7 +322,7 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     import argparse
 
     from gated_attention.cli.lab import configure_sinks, sinks_config
-    from gated_attention.labs.sinks import lab as sinks
+    from gated_attention.labs.sinks import sink_lab
 
     p = argparse.ArgumentParser()
     configure_sinks(p)
@@ -331,7 +331,7 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     cfg = sinks_config(args)
     assert (cfg.qk_norm, cfg.beta2, cfg.adam_eps, cfg.weight_decay, cfg.decay_frac) == (False, 0.99, 1e-6, 0.5, 0.0)
     assert cfg.task["alpha"] == 0.2 and cfg.task["vocab"] == 16  # the budget's task, one field changed
-    assert sinks.model_config_for(cfg, "baseline").use_qk_norm is False
+    assert sink_lab.model_config_for(cfg, "baseline").use_qk_norm is False
     seen = {}
     real = torch.optim.AdamW
 
@@ -340,7 +340,7 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
         return real(groups, **kw)
 
     monkeypatch.setattr(torch.optim, "AdamW", spy)
-    r = sinks.train_unit((asdict(replace(cfg, steps=3, eval_every=3)), "baseline", 0, str(tmp_path / "u")))
+    r = sink_lab.train_unit((asdict(replace(cfg, steps=3, eval_every=3)), "baseline", 0, str(tmp_path / "u")))
     assert seen["betas"] == (0.9, 0.99) and seen["eps"] == 1e-6 and 0.5 in seen["wd"] and 0.0 in seen["wd"]
     assert r["key"]["qk_norm"] is False and r["key"]["decay_frac"] == 0.0
     with pytest.raises(ValueError, match="--decay-frac"):
@@ -351,7 +351,7 @@ def test_help_states_the_budgets_true_defaults():
     import argparse
 
     from gated_attention.cli.lab import configure_sinks
-    from gated_attention.labs.sinks.lab import BUDGETS, SinkLabConfig
+    from gated_attention.labs.sinks.sink_lab import BUDGETS, SinkLabConfig
 
     p = argparse.ArgumentParser()
     configure_sinks(p)

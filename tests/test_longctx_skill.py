@@ -10,7 +10,7 @@ import pytest
 
 from gated_attention.experiment import stats
 from gated_attention.longctx import pipeline as P
-from gated_attention.longctx import report as R
+from gated_attention.longctx import longctx_report
 from gated_attention.longctx import skill as S
 
 
@@ -117,26 +117,26 @@ def _fake_report(yarn_gated: float, yarn_base: float, reached=True, models=("bas
             training[(m, s)] = dict(steps_run=300 + 100 * s, until_skill=0.9,
                                     steps_to_skill=300 + 100 * s if reached or m == "baseline" or s == 0 else None,
                                     checks=[{"step": 300 + 100 * s, "exact_match": 0.5, "answer_nll": 0.7}])
-    return R.build_report(results, training, b, lengths, 4, models, seeds)
+    return longctx_report.build_report(results, training, b, lengths, 4, models, seeds)
 
 
 def test_report_aggregates_seeds_and_pools_intervals():
     rep = _fake_report(25.0, 50.0)
-    row = R.rep_row(rep["rows"], "sdpa_elementwise", "yarn")
+    row = longctx_report.rep_row(rep["rows"], "sdpa_elementwise", "yarn")
     assert row["average"][512] == 37.5 and row["average_std"][512] == pytest.approx(math.sqrt(2 * 12.5 ** 2))
     assert row["per_seed"]["1"][512] == 50.0
     assert row["delta"][512] == 37.5 and row["delta"][128] == -50.0
     assert row["pooled"][256]["hits"] == 8 and row["pooled"][256]["samples"] == 8
     assert row["pooled"][512]["hits"] == 2 and row["pooled"][512]["wilson95"][0] < 25 < row["pooled"][512]["wilson95"][1]
     assert rep["steps_to_skill"]["baseline"]["mean"] == 350 and rep["steps_to_skill"]["baseline"]["n"] == 2
-    md = R.format_markdown(rep)
+    md = longctx_report.format_markdown(rep)
     assert "## Steps to reach the skill at L" in md and "| Baseline | 300 | 400 | 350 ± 71 |" in md
     assert "8/8 [" in md and "37.5 ± 17.7 (+37.5)" in md
     fixed = dict(rep, budget={**rep["budget"], "until_skill": None},  # a fixed step count: no skill step to count
                  training={m: [dict(t, until_skill=None, steps_to_skill=None) for t in ts]
                            for m, ts in rep["training"].items()},
                  steps_to_skill={m: stats.spread([]) for m in rep["training"]})
-    md = R.format_markdown(fixed)
+    md = longctx_report.format_markdown(fixed)
     assert "## Training steps (a fixed count" in md and "| Baseline | 300 (fixed) | 400 (fixed) | - |" in md
     json.dumps(rep)  # every number serialises
 
@@ -147,18 +147,18 @@ def test_claim_verdicts():
     assert c["verdict"] == "reproduced" and "sdpa_elementwise vs baseline" in c["this_run"]
     assert _fake_report(22.0, 20.0)["claim"]["verdict"] == "partly"  # ahead by 2 points only
     weak = _fake_report(60.0, 20.0)  # ahead, but the gated model scores below the threshold at L without YaRN
-    R.rep_row(weak["rows"], "sdpa_elementwise", "none")["average"][256] = 80.0
-    c = R.claim(weak)
+    longctx_report.rep_row(weak["rows"], "sdpa_elementwise", "none")["average"][256] = 80.0
+    c = longctx_report.claim(weak)
     assert c["verdict"] == "partly" and "below 90 % at L without YaRN (not at equal skill): sdpa_elementwise" in c["this_run"]
     assert _fake_report(10.0, 20.0)["claim"]["verdict"] == "not at this scale"
     rep = _fake_report(60.0, 20.0, reached=False)  # gated seed 1 never reached the skill: left out, reported
     c = rep["claim"]
     assert c["verdict"] == "partly" and "left out, did not reach the skill at L: sdpa_elementwise seed 1" in c["this_run"]
-    assert R.rep_row(rep["rows"], "sdpa_elementwise", "yarn")["seeds"] == [0]
-    assert R.rep_row(rep["rows"], "sdpa_elementwise", "yarn")["average"][1024] == 60.0  # seed 0 alone
+    assert longctx_report.rep_row(rep["rows"], "sdpa_elementwise", "yarn")["seeds"] == [0]
+    assert longctx_report.rep_row(rep["rows"], "sdpa_elementwise", "yarn")["average"][1024] == 60.0  # seed 0 alone
     assert [(x["model"], x["seed"]) for x in rep["excluded"]] == [("sdpa_elementwise", 1)]
     assert rep["excluded"][0]["average"]["yarn"][512] == 85.0
-    md = R.format_markdown(rep)
+    md = longctx_report.format_markdown(rep)
     assert ("Left out of the score tables (not at equal skill): Gated (sdpa_elementwise) seed 1 did not reach the "
             "skill in 400 steps; held-out 50 % at its last check, step 400") in md
     assert "| Gated (sdpa_elementwise) [seed 0 only] + YaRN -> 1024 |" in md
@@ -168,8 +168,8 @@ def test_claim_verdicts():
     assert "other gated models, mean beyond L after YaRN: sdpa_elementwise:identity 16.2" in c["this_run"]  # (22.5 + 10) / 2
     rep = _fake_report(60.0, 20.0)
     rep["rows"] = [r for r in rep["rows"] if r["model"] == "baseline"]
-    assert R.claim(rep)["verdict"] == "not run here"
-    assert all(v in R.VERDICTS for v in ("reproduced", "partly", "not at this scale", "not run here"))
+    assert longctx_report.claim(rep)["verdict"] == "not run here"
+    assert all(v in longctx_report.VERDICTS for v in ("reproduced", "partly", "not at this scale", "not run here"))
 
 
 def test_plot_has_a_skill_panel_only_when_checks_exist(tmp_path, monkeypatch):
@@ -185,10 +185,10 @@ def test_plot_has_a_skill_panel_only_when_checks_exist(tmp_path, monkeypatch):
     for ts in rep["training"].values():  # no checks (no stopping rule): score and PPL panels
         for t in ts:
             t["checks"] = []
-    R.plot_report(rep, tmp_path / "a.png")
+    longctx_report.plot_report(rep, tmp_path / "a.png")
     for ts in rep["training"].values():
         for t in ts:
             t["checks"] = [{"step": 50, "exact_match": 0.0, "answer_nll": 2.0},
                            {"step": 100, "exact_match": 0.95, "answer_nll": 0.1}]
-    R.plot_report(rep, tmp_path / "b.png")
+    longctx_report.plot_report(rep, tmp_path / "b.png")
     assert panels == [2, 3] and (tmp_path / "a.png").stat().st_size > 0 and (tmp_path / "b.png").stat().st_size > 0

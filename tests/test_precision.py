@@ -192,7 +192,7 @@ def test_trainer_records_and_refuses_another_resolution(cpu_kind, tmp_path, caps
 
 
 def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
-    from gated_attention.labs.sinks.lab import SinkLabConfig, _unit_key
+    from gated_attention.labs.sinks.sink_lab import SinkLabConfig, _unit_key
 
     cfg = SinkLabConfig()
     assert cfg.precision == "auto"
@@ -205,16 +205,16 @@ def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
 
 
 def test_stability_runs_carry_a_concrete_precision(cpu_kind):
-    from gated_attention.labs.stability import lab as stab
+    from gated_attention.labs.stability import stability_lab
 
-    lab = stab.LabConfig(budget="small").validate()
+    lab = stability_lab.LabConfig(budget="small").validate()
     cpu_kind(FAST)
-    fast = stab.train_config(lab, "data", "baseline", True, 1e-3, 0)
+    fast = stability_lab.train_config(lab, "data", "baseline", True, 1e-3, 0)
     cpu_kind(SLOW)
-    slow = stab.train_config(lab, "data", "baseline", True, 1e-3, 0)
+    slow = stability_lab.train_config(lab, "data", "baseline", True, 1e-3, 0)
     assert (fast.precision, slow.precision) == ("bf16", "fp32")  # the run's key (its TrainConfig dict) differs
     with pytest.raises(ValueError, match="fp16"):
-        stab.LabConfig(precision="fp16").validate()
+        stability_lab.LabConfig(precision="fp16").validate()
 
 
 def _worker_resolution(_):

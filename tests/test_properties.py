@@ -227,7 +227,7 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
                 "run_pipeline": lambda *a, **k: None, "lm_eval_main": lambda argv: 0}[fn]
         monkeypatch.setattr(m, fn, stub)
         if cmd == "compare":
-            monkeypatch.setattr("gated_attention.compare.report.render_table", lambda res: "")
+            monkeypatch.setattr("gated_attention.compare.compare_report.render_table", lambda res: "")
     STATS["tried"].add((cmd, tuple(a.replace(str(w["root"]), "ROOT") for a in argv if not a.startswith(str(out)))))
     cwd = w["root"] / "cwd"  # a mutation can turn any token into a relative output path: keep it out of the repo
     cwd.mkdir(exist_ok=True)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..compare import job as compare
-from ..compare import claims, report
+from ..compare import claims, compare_report
 
 DEFAULT_EVIDENCE = {"--stability-lab": "runs/lab/stability", "--longctx": "runs/longctx"}  # may be absent
 
@@ -77,6 +77,6 @@ def run_compare(args) -> int:
                               stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,
                               streaming=args.streaming, large_sources=args.large_sources,
                               sink_lab_changes={"seeds": args.sink_lab_seeds} if args.sink_lab_seeds else None)
-    print(report.render_table(res))
+    print(compare_report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

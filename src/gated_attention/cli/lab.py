@@ -13,11 +13,11 @@ from dataclasses import replace
 from ..util import errors as E
 from ..util import precision as P
 
-from ..labs.sinks import report as sinks_report
+from ..labs.sinks import sink_report
 from ..experiment.runs import default_jobs
 from ..labs.sinks import BUDGETS, DEFAULT_VARIANTS, SinkLabConfig
 from ..labs.sinks import run_lab as run_sink_lab
-from ..labs.stability import lab as stab
+from ..labs.stability import stability_lab
 
 def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/lab/sinks",
@@ -117,7 +117,7 @@ def run_sinks(args) -> int:
     cfg = sinks_config(args)
     jobs = args.jobs if args.jobs is not None else default_jobs()
     lab = run_sink_lab(cfg, args.out, jobs=jobs, report_only=args.report_only)
-    print(sinks_report.text_table(lab))
+    print(sink_report.text_table(lab))
     print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
     return 0
 
@@ -127,19 +127,19 @@ def configure_stability(parser: argparse.ArgumentParser) -> None:
                         help="output folder: runs/, plots/, lab.json, report.md, report.html (default "
                              "runs/lab/stability, where `gattn compare` reads it; a re-run reuses finished runs and "
                              "retrains interrupted ones, so a stopped lab continues where it was)")
-    parser.add_argument("--budget", default="default", choices=list(stab.BUDGETS),
-                        help="; ".join(f"{k}: {v.help}" for k, v in stab.BUDGETS.items()) + " (default: default)")
-    parser.add_argument("--variants", nargs="+", default=list(stab.DEFAULT_VARIANTS), metavar="NAME",
-                        help=f"gate variants (names from `gattn gates`; default: {' '.join(stab.DEFAULT_VARIANTS)})")
+    parser.add_argument("--budget", default="default", choices=list(stability_lab.BUDGETS),
+                        help="; ".join(f"{k}: {v.help}" for k, v in stability_lab.BUDGETS.items()) + " (default: default)")
+    parser.add_argument("--variants", nargs="+", default=list(stability_lab.DEFAULT_VARIANTS), metavar="NAME",
+                        help=f"gate variants (names from `gattn gates`; default: {' '.join(stability_lab.DEFAULT_VARIANTS)})")
     parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
                         help="peak learning rates of the grid (default: the budget's; default "
-                             f"{' '.join(f'{x:g}' for x in stab.BUDGETS['default'].lrs)})")
-    parser.add_argument("--qk-norm", default="both", choices=list(stab.QK_SETTINGS),
+                             f"{' '.join(f'{x:g}' for x in stability_lab.BUDGETS['default'].lrs)})")
+    parser.add_argument("--qk-norm", default="both", choices=list(stability_lab.QK_SETTINGS),
                         help="train with QK-norm on, off, or both (default both)")
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps per run (default: the budget's; every run sees the same tokens)")
     parser.add_argument("--seeds", type=int, default=None,
-                        help=f"seeds per setting (default: the budget's, {stab.BUDGETS['default'].seeds} for "
+                        help=f"seeds per setting (default: the budget's, {stability_lab.BUDGETS['default'].seeds} for "
                              f"default); >= 3 gives bootstrap intervals worth reading")
     parser.add_argument("--seed-lrs", default=None, choices=("edge", "all"),
                         help="where seeds 1.. run: every LR (all: whole curves per seed, which the intervals need; "
@@ -159,12 +159,12 @@ def configure_stability(parser: argparse.ArgumentParser) -> None:
 
 
 def run_stability(args) -> int:
-    lab = stab.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
+    lab = stability_lab.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
                          lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
                          seeds=args.seeds, seed_lrs=args.seed_lrs, sets=tuple(args.sets), data_dir=args.data_dir,
                          precision=args.precision, jobs=args.jobs if args.jobs is not None else default_jobs())
-    res = stab.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
-    from ..labs.stability.report import sensitivity_text
+    res = stability_lab.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
+    from ..labs.stability.stability_report import sensitivity_text
 
     print(sensitivity_text(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s, "
@@ -197,13 +197,13 @@ def configure_streaming(parser: argparse.ArgumentParser) -> None:
 
 
 def run_streaming(args) -> int:
-    from ..labs.streaming import lab as streaming
-    from ..labs.streaming import report as streaming_report
+    from ..labs.streaming import streaming_lab
+    from ..labs.streaming import streaming_report
 
-    cfg = streaming.StreamingConfig(models=args.models, window=args.window, sink_tokens=args.sink_tokens,
+    cfg = streaming_lab.StreamingConfig(models=args.models, window=args.window, sink_tokens=args.sink_tokens,
                                     seq_len=args.seq_len, sequences=args.sequences, text=args.text,
                                     data_dir=args.data_dir)
-    lab = streaming.run_streaming(cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    lab = streaming_lab.run_streaming(cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(streaming_report.text_table(lab))
     print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
     return 0
@@ -260,7 +260,7 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
 
 def run_retrofit(args) -> int:
     from ..labs import retrofit as rl
-    from ..labs.retrofit import report as retrofit_report
+    from ..labs.retrofit import retrofit_report
 
     cfg = rl.RetrofitLabConfig(
         starts=list(args.starts), recipes=list(args.recipes), steps=args.steps, step_share=args.step_share,

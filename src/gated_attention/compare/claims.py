@@ -26,8 +26,8 @@ from ..util.io import read_json_object
 from ..labs.stability.verdict import GATED, NOT_AT_SCALE, NOT_RUN, PARTLY, REPRODUCED, stability_verdict  # noqa: F401
 from ..labs.stability import verdict as stability_rule
 from ..labs.streaming import verdict as streaming_rule
-from ..labs.sinks.lab import SKILL_CE
-from ..longctx import report as longctx_rule
+from ..labs.sinks.sink_lab import SKILL_CE
+from ..longctx import longctx_report
 
 STABILITY_CMD = "gattn lab stability --budget default --out runs/lab/stability"
 # the project's measured default-budget lab (lab.json + report), for a compare run that has no stability lab
@@ -109,8 +109,8 @@ RULES: dict[str, tuple[str, tuple[Threshold, ...]]] = {
         "on, every G1 variant's interval separates in its favour on >= 1 of max stable LR / LR sensitivity / spikes "
         "and against it on none (labs/stability/verdict.py)", stability_rule.THRESHOLDS),
     "Long context (YaRN ×4, no training)": (
-        f"reproduced: gated ahead by >= {longctx_rule.LEAD_POINTS.value:g} points beyond L after YaRN, at every "
-        f"length, at equal skill at L; partly: ahead on average (longctx/report.py)", longctx_rule.THRESHOLDS),
+        f"reproduced: gated ahead by >= {longctx_report.LEAD_POINTS.value:g} points beyond L after YaRN, at every "
+        f"length, at equal skill at L; partly: ahead on average (longctx/longctx_report.py)", longctx_report.THRESHOLDS),
     "Streams with a plain window (no sink tokens)": (
         f"reproduced: in every model the baseline pays a plain-window cost that keeping the first tokens removes "
         f"(<= {streaming_rule.REMOVED_SHARE.value:g} left) and every G1 model <= {streaming_rule.G1_SHARE.value:g} "

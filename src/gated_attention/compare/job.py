@@ -232,10 +232,10 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
 
 def sink_lab_config(budget: Budget, variants: list[str], precision: str = "auto"):
     """The budget's `gattn lab sinks` settings on compare's variants, in the LM runs' precision setting."""
-    from gated_attention.labs.sinks import lab as sinks
+    from gated_attention.labs.sinks import sink_lab
 
     name, changes = budget.sink_lab
-    return replace(sinks.SinkLabConfig(), **{**sinks.BUDGETS[name][1], **changes, "variants": list(variants),
+    return replace(sink_lab.SinkLabConfig(), **{**sink_lab.BUDGETS[name][1], **changes, "variants": list(variants),
                                             "precision": precision})
 
 
@@ -243,19 +243,19 @@ def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | Non
                  precision: str = "auto") -> dict:
     """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
     LM runs' precision setting."""
-    from gated_attention.labs.sinks import lab as sinks
+    from gated_attention.labs.sinks import sink_lab
 
     cfg = sink_lab_config(budget, variants, precision)
     log(f"[compare] sink lab ({budget.sink_lab[0]} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
-    return sinks.run_lab(cfg, out, jobs=jobs or experiment.default_jobs(),
+    return sink_lab.run_lab(cfg, out, jobs=jobs or experiment.default_jobs(),
                          log=lambda m: log(f"[compare] sink lab: {m}"))
 
 
 def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
     """What compare.json keeps of its sink lab: per-variant means/stds, the table and plot paths (relative to out)."""
-    from gated_attention.labs.sinks import report as sinks_report
+    from gated_attention.labs.sinks import sink_report
 
-    head, rows = sinks_report.table_cells(lab)
+    head, rows = sink_report.table_cells(lab)
     return {"dir": str(lab_dir.relative_to(out)), "task": lab["task"], "config": lab["config"],
             "variants": {v: {"mean": x["mean"], "std": x["std"], "seeds": len(x["per_seed"])}
                          for v, x in lab["variants"].items()},
@@ -266,7 +266,7 @@ def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
 def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | None, log=print) -> dict:
     """`gattn lab streaming` on this run's text models (OUT/streaming/text) and, when the sink lab ran, on its models
     (OUT/streaming/sink_lab); returns what compare.json keeps (streaming_summary)."""
-    from gated_attention.labs.streaming import lab as streaming
+    from gated_attention.labs.streaming import streaming_lab
 
     s = budget.streaming
     runs = {"text": ([str(out)], seq_len)}
@@ -274,9 +274,9 @@ def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | Non
         runs["sink lab"] = ([str(out / "sink_lab")], lab["task"]["seq_len"])
     labs = {}
     for src, (models, length) in runs.items():
-        cfg = streaming.StreamingConfig(models=models, window=max(1, int(length * s["window_frac"])),
+        cfg = streaming_lab.StreamingConfig(models=models, window=max(1, int(length * s["window_frac"])),
                                         sink_tokens=list(s["sink_tokens"]), sequences=s["sequences"])
-        labs[src] = streaming.run_streaming(cfg, out / "streaming" / src.replace(" ", "_"),
+        labs[src] = streaming_lab.run_streaming(cfg, out / "streaming" / src.replace(" ", "_"),
                                             log=lambda m: log(f"[compare] {m}"))
     return streaming_summary(labs, out)
 
@@ -284,7 +284,7 @@ def run_streaming_check(budget: Budget, out: Path, seq_len: int, lab: dict | Non
 def streaming_summary(labs: dict, out: Path) -> dict:
     """compare.json's "streaming": per source (text / sink lab) its window, every model's loss/ppl (no curves),
     the sink lab's by-variant means, one table and the plots (paths relative to out)."""
-    from gated_attention.labs.streaming import report as streaming_report
+    from gated_attention.labs.streaming import streaming_report
 
     models, head, rows = {}, None, []
     for src, lab in labs.items():
@@ -320,9 +320,9 @@ def _unit(task: tuple, log=_stderr):
     resumes) an LM variant and analyses it -> (summary, analysis); ("sink", job) trains one sink-lab unit."""
     kind, payload = task
     if kind == "sink":
-        from gated_attention.labs.sinks import lab as sinks
+        from gated_attention.labs.sinks import sink_lab
 
-        return sinks.train_unit(payload)
+        return sink_lab.train_unit(payload)
     cfg, run_dir, budget = payload
     summary = experiment.train_or_reuse(cfg, run_dir, log, "[compare]")
     return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
@@ -334,9 +334,9 @@ def schedule_units(out: Path, base, variants: list[str], budget: Budget, sink_cf
     tasks = [("lm", (replace(base, gate=v).validate(), out / "runs" / v, budget)) for v in variants
              if not experiment.is_finished(out / "runs" / v)]
     if sink_cfg is not None:
-        from gated_attention.labs.sinks import lab as sinks
+        from gated_attention.labs.sinks import sink_lab
 
-        jobs_list, done = sinks.unit_jobs(sink_cfg, out / "sink_lab")
+        jobs_list, done = sink_lab.unit_jobs(sink_cfg, out / "sink_lab")
         tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
     return tasks
 
@@ -359,8 +359,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     (experiment.run_units), longest first, so the sink lab's short models fill the core the last LM variant leaves
     free; each LM unit also runs its analysis. jobs=1: one after another in this process, with all its threads."""
     from . import claims
-    from . import report
-
+    from . import compare_report
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
     if budget not in BUDGETS:
@@ -403,8 +402,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
         analyses[v], logs[v] = analysis, read_jsonl(run_dir / "log.jsonl")
         r = rows[v]
-        log(f"[compare] {v}: Avg PPL {report.fmt(r['avg_ppl'], 3)}  F-Attn {report.fmt(r['f_attn'], 3)}  "
-            f"M-Act {report.fmt(r['m_act'], 1)}  gate {report.fmt(r['gate_mean'], 3)}  spikes {r['spikes']}")
+        log(f"[compare] {v}: Avg PPL {compare_report.fmt(r['avg_ppl'], 3)}  F-Attn {compare_report.fmt(r['f_attn'], 3)}  "
+            f"M-Act {compare_report.fmt(r['m_act'], 1)}  gate {compare_report.fmt(r['gate_mean'], 3)}  spikes {r['spikes']}")
     result = {
         "budget": budget,
         "variants": variants,
@@ -427,7 +426,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)
     timings["streaming"], t = time.perf_counter() - t, time.perf_counter()
     result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
-    plots = report.make_plots(out / "plots", analyses, logs)
+    plots = compare_report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     timings["report"] = time.perf_counter() - t
     # where this invocation's wall time went (reused runs cost nothing): setup (corpus check, precision), models
@@ -436,5 +435,5 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     result["timings_s"] = timings
     result["wall_time_s"] = time.perf_counter() - t0
     atomic_write_text(out / "compare.json", json_dumps(result, indent=1))
-    report.write(out, result)
+    compare_report.write(out, result)
     return result

@@ -1,7 +1,7 @@
 """Science labs: small controlled experiments that make one signature effect of gated attention visible in minutes,
 measured over seeds. Each lab is a folder: `lab.py` (its config and budgets, and `run_lab` / `run_streaming`, the entry
 point that writes OUT/lab.json, OUT/report.md, a self-contained OUT/report.html and OUT/plots/*.png), `report.py`
-(its tables and plots as experiment.report blocks) and its own parts; its `__init__` re-exports the API. The command
+(its tables and plots as experiment.pages blocks) and its own parts; its `__init__` re-exports the API. The command
 line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
 
   sinks/      the Bigram-Backcopy task of Guo et al. 2024: where an idle head parks its attention (a BOS sink in

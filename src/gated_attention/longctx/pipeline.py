@@ -1,4 +1,4 @@
-"""`gattn longctx`: the paper's Table 5 in small (the stages; the report is longctx/report.py, the stopping rule
+"""`gattn longctx`: the paper's Table 5 in small (the stages; the report is longctx/longctx_report.py, the stopping rule
 longctx/skill.py, the retrieval mixing that makes it measurable at small scale is training-data code,
 train/retrieval_mix.py).
 
@@ -13,7 +13,7 @@ more of its RULER score. At CPU scale:
   3. score RULER tasks at L/2, L, 2L, 4L with and without YaRN (greedy, KV cache), teacher-forced answer NLL, and
      perplexity by position up to 4L on the corpus validation text;
   4. write OUT/report.md (tables, mean ± std over seeds), OUT/report.json (every number, plus the paper-vs-this-run
-     `claim`) and OUT/report.png (score vs length, PPL vs position); see longctx.report.
+     `claim`) and OUT/report.png (score vs length, PPL vs position); see longctx.longctx_report.
 Every stage is cached under OUT (runs/<model>/seed<k>/, runs/<model>/seed<k>/yarn<factor>/,
 eval/<model>-seed<k>-<variant>.json; <model> is the gate, plus '.identity' for the identity init) and reused on a
 re-run when its settings match; a half-finished training run resumes from its last checkpoint.
@@ -31,7 +31,7 @@ import torch
 
 from gated_attention import experiment
 from gated_attention.longctx import ruler
-from gated_attention.longctx.report import build_report, format_markdown, write as write_report
+from gated_attention.longctx.longctx_report import build_report, format_markdown, write as write_report
 from gated_attention.util.io import atomic_write_json, locks_output, read_json_object
 from gated_attention.util.progress import Progress
 from gated_attention.train.retrieval_mix import DEFAULT_MIX_TASKS, BosTokenizer, check_mix_tasks

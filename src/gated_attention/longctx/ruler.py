@@ -13,7 +13,7 @@ import torch
 from gated_attention.data.ruler_tasks import *  # noqa: F401,F403  (the task API, re-exported)
 from gated_attention.data.ruler_tasks import (METRICS, NEEDS_CORPUS, NO_CORPUS_TASKS, _fit, _spec, decode,  # noqa: F401
                                               encode, generate_sample, score)
-from gated_attention.experiment.report import subplots
+from gated_attention.experiment.pages import subplots
 from gated_attention.util.io import locks_output, save_png
 
 

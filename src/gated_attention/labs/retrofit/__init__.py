@@ -6,7 +6,7 @@ target check), recipes.py (the named recipes, their parameter groups and extra l
 models, their data and every measurement), report.py (learning curves and the report). The lab's API is re-exported
 here: `from gated_attention.labs import retrofit; retrofit.run_lab(retrofit.RetrofitLabConfig(starts=[...]), out)`.
 """
-from .lab import KEYS, RetrofitLabConfig, aggregate, measure_start, plan_for, run_lab, target_check, train_unit
+from .retrofit_lab import KEYS, RetrofitLabConfig, aggregate, measure_start, plan_for, run_lab, target_check, train_unit
 from .recipes import CONTROL, DEFAULT_RECIPES, RECIPES, REST_LR, Recipe, get_recipe
 from .starts import Start, resolve_starts
 

@@ -81,7 +81,7 @@ def _start(entry, data_dir: str | None, seq_len: int | None) -> Start:
     """A Start from one model of `gattn lab streaming`'s resolver (labs.streaming.resolve_models)."""
     from gated_attention.util.io import read_json_object
 
-    from ..sinks import lab as sinks
+    from ..sinks import sink_lab
 
     path = Path(entry.path)
     label = entry.label.replace("/", "_").replace(":", "_")
@@ -92,7 +92,7 @@ def _start(entry, data_dir: str | None, seq_len: int | None) -> Start:
         key = read_json_object(path / "result.json", "sink-lab result").get("key") or {}
         return Start(label=label, path=str(path), model_dir=str(path), kind="sink", source="sink-lab run",
                      trained_steps=key.get("steps"), train_lr=key.get("lr"), batch_size=key.get("batch_size"),
-                     train_wd=key.get("weight_decay"), task=dict(sinks.load_run_meta(path)["task"]),
+                     train_wd=key.get("weight_decay"), task=dict(sink_lab.load_run_meta(path)["task"]),
                      fingerprint=_fingerprint(path))
     run = next((d for d in (path, path.parent) if (d / "train_config.json").is_file()), None)
     tc = read_json_object(run / "train_config.json", "training settings") if run is not None else {}
@@ -118,7 +118,7 @@ def resolve_starts(paths: list, data_dir: str | None = None, seq_len: int | None
     """Every starting model the --from folders hold (the streaming lab's resolver: a sink-lab unit, a whole sink-lab
     or compare OUT, a trainer run, an HF folder); a folder that holds several models contributes its UNGATED ones
     (a sink-lab OUT its baseline seeds, a compare OUT its baseline). All of one kind and, for sink runs, one task."""
-    from ..streaming.lab import resolve_models
+    from ..streaming.streaming_lab import resolve_models
 
     starts = []
     for p in paths:
@@ -248,7 +248,7 @@ def make_data(start: Start, batch_size: int, eval_size: int, vocab_size: int):
 def streaming_losses(model, seqs: torch.Tensor, window: int) -> dict:
     """Issue 20's measurement (`gattn lab streaming`'s measure_model, decode.stream_nll's rolling KV cache): loss
     with the first token evicted (K=0), with it kept (K=1) and with full attention, on the positions t >= window."""
-    from ..streaming.lab import measure_model
+    from ..streaming.streaming_lab import measure_model
 
     m = measure_model(model, seqs, window, [0, 1])
     return {"streaming_loss": m["window"]["0"]["loss"], "streaming_loss_kept": m["window"]["1"]["loss"],

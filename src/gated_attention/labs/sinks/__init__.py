@@ -4,7 +4,7 @@ lab.py (the lab: config and budgets, one unit = a variant x seed trained and mea
 backcopy.py (the task), metrics.py (its pure metric functions), report.py (plots and the report). The lab's API is
 re-exported here: `from gated_attention.labs import sinks; sinks.run_lab(sinks.SinkLabConfig(), "runs/lab/sinks")`.
 """
-from .lab import (BUDGETS, DEFAULT_VARIANTS, METRICS, SinkLabConfig, SinkRun, is_run_dir, load_run, measure,
+from .sink_lab import (BUDGETS, DEFAULT_VARIANTS, METRICS, SinkLabConfig, SinkRun, is_run_dir, load_run, measure,
                   model_config_for, resolve_variant, run_lab, train_unit)
 
 __all__ = ["BUDGETS", "DEFAULT_VARIANTS", "METRICS", "SinkLabConfig", "SinkRun", "is_run_dir", "load_run", "measure",

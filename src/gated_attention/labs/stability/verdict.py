@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ...experiment.report import fmt
+from ...experiment.pages import fmt
 from ...experiment.verdicts import GATED, NOT_AT_SCALE, NOT_RUN, PARTLY, REPRODUCED, Threshold  # noqa: F401
 from . import stats as St
 from .stats import separated

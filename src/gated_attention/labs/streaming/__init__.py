@@ -3,6 +3,6 @@
 lab.py (models to measure, held-out data per model kind, full attention vs a rolling window keeping K first tokens,
 lab.json), report.py (the per-position plot and the report). The lab's API is re-exported here.
 """
-from .lab import DEFAULT_SINK_TOKENS, StreamingConfig, resolve_models, run_streaming
+from .streaming_lab import DEFAULT_SINK_TOKENS, StreamingConfig, resolve_models, run_streaming
 
 __all__ = ["DEFAULT_SINK_TOKENS", "StreamingConfig", "resolve_models", "run_streaming"]

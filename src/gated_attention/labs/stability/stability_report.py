@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...experiment import report as page
-from ...experiment.report import fmt, md_table
+from ...experiment import pages
+from ...experiment.pages import fmt, md_table
 from ...gates import canonical_name
 from ...util.io import save_png
 
@@ -47,7 +47,7 @@ def _settings(lab: dict) -> list[tuple[str, bool]]:
 
 def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
     """Final loss (clipped at the loss at init) vs LR per variant at one QK-norm setting; x marks a diverged run."""
-    fig, ax = page.subplots(figsize=(7, 4.5))
+    fig, ax = pages.subplots(figsize=(7, 4.5))
     inits = []
     for v, q in _settings(lab):
         if q is not qk:
@@ -75,7 +75,7 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
     """Seed-mean max attention logit vs LR, every setting (QK-norm on dashed)."""
-    fig, ax = page.subplots(figsize=(7, 4.5))
+    fig, ax = pages.subplots(figsize=(7, 4.5))
     colors = {}
     for v, qk in _settings(lab):
         rows = [r for r in lab["runs"] if r["variant"] == v and r["qk_norm"] is qk]
@@ -97,7 +97,7 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:
     """Training loss, max attention logit and max |hidden state| over steps at one LR, every setting (seed 0)."""
-    fig, (a1, a2, a3) = page.subplots(1, 3, figsize=(16, 4))
+    fig, (a1, a2, a3) = pages.subplots(1, 3, figsize=(16, 4))
     drawn = False
     for v, qk in _settings(lab):
         row = next((r for r in lab["runs"] if (r["variant"], r["qk_norm"], r["lr"], r["seed"]) == (v, qk, lr, 0)), None)
@@ -386,7 +386,7 @@ _TITLES = {"loss_vs_lr_qk_off": "Final loss vs LR, QK-norm off", "loss_vs_lr_qk_
 
 
 def blocks(lab: dict) -> list[tuple]:
-    """The report as experiment.report blocks."""
+    """The report as experiment.pages blocks."""
     out = [("p", p) for p in _intro(lab)]
     out += [("h2", "Findings")] + [("p", f) for f in findings(lab)]
     out += [("h2", "Per setting"), ("table", *_summary_cells(lab)),
@@ -419,4 +419,4 @@ def blocks(lab: dict) -> list[tuple]:
 
 def write(lab: dict, out_dir) -> None:
     """report.md and the self-contained report.html into out_dir."""
-    page.write(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))
+    pages.write(Path(out_dir), "gattn lab stability: LR sweeps with and without the gate", blocks(lab))

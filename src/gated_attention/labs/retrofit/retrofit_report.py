@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...experiment import report as page
-from ...experiment.report import fmt_mean_std
+from ...experiment import pages
+from ...experiment.pages import fmt_mean_std
 from ...util.io import save_png
 from .recipes import CONTROL
 
@@ -80,13 +80,13 @@ def _signed(v) -> str:
 
 
 def text_table(lab: dict) -> str:
-    return page.text_table(*table_cells(lab))
+    return pages.text_table(*table_cells(lab))
 
 
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
-    from ..sinks.report import _curves
+    from ..sinks.sink_report import _curves
 
     plot_dir = Path(plot_dir)
     entries = {"variants": _entries(lab)}
@@ -94,7 +94,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     skill_key, skill_label = (("backcopy_ce", "backcopy CE (nats)") if lab["kind"] == "sink"
                               else ("val_loss", "validation loss (nats)"))
     sink_label = "BOS attention, dormant queries" if lab["kind"] == "sink" else "F-Attn (attention on token 0)"
-    fig, axes = page.subplots(1, 3, figsize=(17, 4.4))
+    fig, axes = pages.subplots(1, 3, figsize=(17, 4.4))
     for ax, key, ylabel in ((axes[0], "sink", sink_label), (axes[1], skill_key, skill_label),
                             (axes[2], "gate_dormant", "gate score, dormant (solid) / active (dashed)")):
         for name, (xs, ys, lo, hi) in _curves(entries, key).items():
@@ -153,7 +153,7 @@ def blocks(lab: dict) -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    curves = page.figures(lab.get("plots", {}), "Learning curves (mean over starts × seeds; band min..max)")
+    curves = pages.figures(lab.get("plots", {}), "Learning curves (mean over starts × seeds; band min..max)")
     footer = ("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing).")
-    page.write(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?",
+    pages.write(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?",
                [*blocks(lab), *curves, footer])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...experiment import report as page
+from ...experiment import pages
 from ...util.io import save_png
 
 # (column title, metric key, decimals) of the main table
@@ -26,7 +26,7 @@ def table_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
         n = len(v["per_seed"])
         row = [name, str(n)]
         for _, k, d in COLUMNS:
-            cell = page.fmt_mean_std(v["mean"].get(k), v["std"].get(k), d)
+            cell = pages.fmt_mean_std(v["mean"].get(k), v["std"].get(k), d)
             if k == "steps_to_skill" and v.get("skilled_seeds", n) < n:
                 cell += f" ({v.get('skilled_seeds', 0)}/{n} seeds)"
             row.append(cell)
@@ -36,7 +36,7 @@ def table_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
 
 def text_table(lab: dict) -> str:
     """The lab's table as aligned text (what `gattn lab sinks` prints)."""
-    return page.text_table(*table_cells(lab))
+    return pages.text_table(*table_cells(lab))
 
 
 def _curves(lab: dict, key: str):
@@ -58,7 +58,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
 
     plot_dir = Path(plot_dir)
     files = {}
-    fig, (a1, a2) = page.subplots(1, 2, figsize=(12, 4.2))
+    fig, (a1, a2) = pages.subplots(1, 2, figsize=(12, 4.2))
     for ax, key, ylabel in ((a1, "bos_attention_dormant", "attention on BOS from dormant queries"),
                             (a2, "backcopy_ce", "backcopy CE (nats)")):
         for name, (xs, ys, lo, hi) in _curves(lab, key).items():
@@ -74,7 +74,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     files["curves"] = save_png(fig, plot_dir / "bos_attention_vs_step.png")
 
     names = list(lab["variants"])
-    fig, axes = page.subplots(1, len(names), figsize=(3.4 * len(names), 3.5), squeeze=False)
+    fig, axes = pages.subplots(1, len(names), figsize=(3.4 * len(names), 3.5), squeeze=False)
     for ax, name in zip(axes[0], names):
         r = lab["variants"][name]["per_seed"][0]
         m = r.get("attention_map") or [[0.0]]
@@ -90,7 +90,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
 
     gated = [(n, v) for n, v in lab["variants"].items() if v["mean"].get("gate_dormant") is not None]
     if gated:
-        fig, ax = page.subplots(figsize=(1.6 + 1.4 * len(gated), 3.8))
+        fig, ax = pages.subplots(figsize=(1.6 + 1.4 * len(gated), 3.8))
         xs = range(len(gated))
         for off, key, label in ((-0.2, "gate_dormant", "dormant queries"), (0.2, "gate_active", "active (trigger)")):
             ys = [v["mean"][key] or 0.0 for _, v in gated]
@@ -109,7 +109,7 @@ _TITLES = {"curves": "Attention on BOS and backcopy CE over training",
 
 
 def blocks(lab: dict, heading: str = "h2") -> list[tuple]:
-    """Report blocks (experiment.report) of a lab: used by write() and by `gattn compare`'s report."""
+    """Report blocks (experiment.pages) of a lab: used by write() and by `gattn compare`'s report."""
     t = lab["task"]
     c = lab["config"]
     head, rows = table_cells(lab)
@@ -138,5 +138,5 @@ def blocks(lab: dict, heading: str = "h2") -> list[tuple]:
 
 def write(out_dir, lab: dict) -> None:
     footer = ("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused models cost nothing).")
-    page.write(Path(out_dir), "gattn lab sinks: attention sinks on the Bigram-Backcopy task",
-               [*blocks(lab), *page.figures(lab.get("plots", {}), _TITLES), footer])
+    pages.write(Path(out_dir), "gattn lab sinks: attention sinks on the Bigram-Backcopy task",
+               [*blocks(lab), *pages.figures(lab.get("plots", {}), _TITLES), footer])

@@ -1,5 +1,5 @@
 """Rendering of a `gattn compare` result: the Table-4 style table (the text `gattn compare` prints), the report's blocks
-(report.md and the self-contained report.html through experiment.report, like every job's) and the loss-curve plot.
+(report.md and the self-contained report.html through experiment.pages, like every job's) and the loss-curve plot.
 
 The per-layer, attention-map and gate-histogram plots come from gated_attention.analysis.plots; only the loss-curve
 plot (which needs the training logs) lives here.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..experiment import report as page
-from ..experiment.report import fmt
+from ..experiment import pages
+from ..experiment.pages import fmt
 from ..util.io import save_png
 
 # (column title, row key, decimals); the first seven are the paper's Table 4 columns that we can measure
@@ -69,7 +69,7 @@ def _layer_cells(result: dict) -> tuple[list[str], list[list[str]]]:
 
 def render_table(result: dict) -> str:
     """The Table-4 style table as aligned text (what `gattn compare` prints)."""
-    return page.text_table(*_table4_cells(result))
+    return pages.text_table(*_table4_cells(result))
 
 
 def _intro(result: dict) -> list[str]:
@@ -155,7 +155,7 @@ TITLE = "gattn compare: gated attention vs baseline"
 
 
 def blocks(result: dict) -> list[tuple]:
-    """The whole report as experiment.report blocks: the claims table first, then Table 4 and its companions, the
+    """The whole report as experiment.pages blocks: the claims table first, then Table 4 and its companions, the
     labs compare ran, and the plots."""
     out = []
     if result.get("claims"):
@@ -178,7 +178,7 @@ def blocks(result: dict) -> list[tuple]:
 
 def write(out_dir: str | Path, result: dict) -> None:
     """report.md and the self-contained report.html into out_dir."""
-    page.write(out_dir, TITLE, blocks(result))
+    pages.write(out_dir, TITLE, blocks(result))
 
 
 # ---------------------------------------------------------------- plots
@@ -198,7 +198,7 @@ def _smooth(ys: list[float], window: int) -> list[float]:
 def plot_loss_curves(logs: dict[str, list[dict]], path) -> Path:
     """All variants' training loss on one chart (trailing mean), spikes marked."""
 
-    fig, ax = page.subplots(figsize=(8, 4.5))
+    fig, ax = pages.subplots(figsize=(8, 4.5))
     for label, recs in logs.items():
         recs = [r for r in recs if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
         if not recs:

@@ -436,7 +436,7 @@ def setting_stats(runs: list[dict], margin: float) -> dict:
 @locks_output("lab.out", "gattn lab stability")  # one writer per lab folder (its worker processes write inside)
 def run_lab(lab: LabConfig, log=print) -> dict:
     """Train/reuse the grid, then write lab.json, report.md, report.html and plots into lab.out."""
-    from . import report as R
+    from . import stability_report
 
     lab.validate()
     t0 = time.perf_counter()
@@ -486,9 +486,9 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     }
     lab_json["nonfinite"] = [f for f in nonfinite_paths(lab_json) if not f.startswith("curves.")]
     lab_json = to_strict(lab_json)  # strict JSON (io): non-finite values null, each dict naming its own
-    lab_json["plots"] = {k: str(p.relative_to(out)) for k, p in R.make_plots(lab_json, out / "plots").items()}
+    lab_json["plots"] = {k: str(p.relative_to(out)) for k, p in stability_report.make_plots(lab_json, out / "plots").items()}
     lab_json["wall_time_s"] = time.perf_counter() - t0
     lab_json["cpu_s_runs"] = sum(r.get("cpu_s") or 0.0 for r in rows)
     atomic_write_json(out / "lab.json", lab_json, indent=1)
-    R.write(lab_json, out)
+    stability_report.write(lab_json, out)
     return lab_json

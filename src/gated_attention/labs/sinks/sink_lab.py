@@ -479,8 +479,7 @@ def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[in
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
-    from . import report
-
+    from . import sink_report
     cfg.validate()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -521,9 +520,9 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in sink_report.make_plots(out / "plots", lab).items()}
     from gated_attention.util.io import atomic_write_json
 
     atomic_write_json(out / "lab.json", lab, indent=1)
-    report.write(out, lab)
+    sink_report.write(out, lab)
     return lab

@@ -378,7 +378,7 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
     from gated_attention.util.io import atomic_write_json
     from gated_attention.util.precision import describe, resolve
 
-    from . import report
+    from . import retrofit_report
     from .recipes import RECIPES
 
     cfg.validate()
@@ -409,7 +409,7 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
                     "step_share_le": TARGET_STEP_SHARE},
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in retrofit_report.make_plots(out / "plots", lab).items()}
     atomic_write_json(out / "lab.json", lab)
-    report.write(out, lab)
+    retrofit_report.write(out, lab)
     return lab

@@ -85,20 +85,20 @@ def _text_entry(model_dir: Path, label: str) -> Entry:
 
 def resolve_models(paths: list) -> list[Entry]:
     """Every model the given folders hold, with unique labels (module docstring)."""
-    from ..sinks import lab as sinks
+    from ..sinks import sink_lab
 
     entries = []
     for raw in paths:
         p = Path(raw)
         if not p.is_dir():
             raise ValueError(f"--models: {p} is not a folder")
-        if sinks.is_run_dir(p):
+        if sink_lab.is_run_dir(p):
             units = [p]
         else:
-            units = sorted(u for u in p.glob("runs/*/seed*") if sinks.is_run_dir(u))
+            units = sorted(u for u in p.glob("runs/*/seed*") if sink_lab.is_run_dir(u))
         if units:
             for u in units:
-                run = sinks.load_run_meta(u)
+                run = sink_lab.load_run_meta(u)
                 entries.append(Entry(label=f"{run['variant']}/seed{run['seed']}", path=u, kind="sink_lab",
                                      variant=run["variant"], train_len=run["task"]["seq_len"]))
             continue
@@ -191,11 +191,11 @@ def measure_model(model, seqs, window: int, sink_tokens: list[int], masks: dict 
 def _load(entry: Entry, cfg: StreamingConfig):
     """(model, held-out seqs (B, T+1), masks or None, seq_len) of one entry."""
     if entry.kind == "sink_lab":
-        from ..sinks import lab as sinks
+        from ..sinks import sink_lab
 
         if cfg.text:
             raise ValueError(f"--text applies to text models; {entry.path} is a Bigram-Backcopy model")
-        run = sinks.load_run(entry.path)
+        run = sink_lab.load_run(entry.path)
         seq_len = cfg.seq_len or run.task.seq_len
         seqs = sink_lab_data(run.task, cfg.sequences, seq_len)
         m = run.task.masks(seqs[:, :-1])
@@ -237,7 +237,7 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
 
     from gated_attention.util.io import atomic_write_text, json_dumps
 
-    from . import report
+    from . import streaming_report
     from .verdict import lab_verdicts
 
     cfg.validate()
@@ -270,9 +270,9 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
             f"K={k} {w[k]['loss']:.3f}" for k in w))
     lab = {"config": {**asdict(cfg), "models": [str(m) for m in cfg.models]},
            "scored_positions": f"query positions t >= {cfg.window} (targets t + 1), the same for every setting",
-           "models": models, "by_variant": report.by_variant(models), "verdicts": lab_verdicts(models),
+           "models": models, "by_variant": streaming_report.by_variant(models), "verdicts": lab_verdicts(models),
            "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0}
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in report.make_plots(out / "plots", lab).items()}
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in streaming_report.make_plots(out / "plots", lab).items()}
     atomic_write_text(out / "lab.json", json_dumps(lab, indent=1))
-    report.write(out, lab)
+    streaming_report.write(out, lab)
     return lab

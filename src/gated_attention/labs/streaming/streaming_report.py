@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...experiment import report as page
+from ...experiment import pages
 from ...experiment.stats import mean_std
 from ...util.io import save_png
 
@@ -76,7 +76,7 @@ def variant_table(lab: dict) -> tuple[list[str], list[list[str]]] | None:
         ["backcopy CE full"] + [f"backcopy CE K={k}" for k in ks] + ["bigram CE full"] + [f"bigram CE K={k}" for k in ks]
     rows = []
     for v, e in bv.items():
-        c = lambda key, d=3: page.fmt_mean_std(e["mean"].get(key), e["std"].get(key), d)
+        c = lambda key, d=3: pages.fmt_mean_std(e["mean"].get(key), e["std"].get(key), d)
         rows.append([v, str(e["seeds"]), c("full_loss")] + [c(f"K{k}_dloss") for k in ks] + [c("full_backcopy_ce")]
                     + [c(f"K{k}_backcopy_ce") for k in ks] + [c("full_bigram_ce")] + [c(f"K{k}_bigram_ce") for k in ks])
     return head, rows
@@ -106,7 +106,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     n = len(models)
     cols = min(3, n)
     rows = (n + cols - 1) // cols
-    fig, axes = page.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = pages.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
     W = lab["config"]["window"]
     for ax, (name, m) in zip(axes.flat, models.items()):
         ax.plot(m["full"]["per_position"], color="black", lw=1.2, label="full attention")
@@ -139,7 +139,7 @@ def blocks(lab: dict) -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    plots = page.figures(lab.get("plots", {}), "Loss per position: full attention vs the rolling window")
+    plots = pages.figures(lab.get("plots", {}), "Loss per position: full attention vs the rolling window")
     footer = ("p", f"CPU time {lab['cpu_time_s']:.0f} s, wall {lab['wall_time_s']:.0f} s.")
-    page.write(Path(out_dir), "gattn lab streaming: sliding-window decoding with and without sink tokens",
+    pages.write(Path(out_dir), "gattn lab streaming: sliding-window decoding with and without sink tokens",
                [*blocks(lab), *plots, footer])

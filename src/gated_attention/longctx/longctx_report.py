@@ -4,7 +4,7 @@ each model needed to reach the retrieval skill, and the paper-vs-this-run claim 
 Input: per (model, seed, variant) the eval_stage dicts (scores by length, per-sample records, answer NLL, loss by
 position) and per (model, seed) the training outcome (steps run, held-out skill checks). Output: report.json (every
 number; written by the pipeline), report.png (score vs length, PPL vs position, skill over training), and report.md
-with a self-contained report.html (the tables and the figure) through experiment.report, like every job's report.
+with a self-contained report.html (the tables and the figure) through experiment.pages, like every job's report.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..experiment import report as page
+from ..experiment import pages
 from ..experiment import verdicts as _verdicts
 from ..experiment.stats import spread, wilson
 from ..gates import get_gate
@@ -203,7 +203,7 @@ def title(rep: dict) -> str:
 
 
 def blocks(rep: dict, plot: str | None = None) -> list[tuple]:
-    """The report as experiment.report blocks (report.md and the self-contained report.html); plot: the figure's path
+    """The report as experiment.pages blocks (report.md and the self-contained report.html); plot: the figure's path
     relative to the report folder, shown at the end when given."""
     L, factor, lengths, seeds = rep["train_length"], rep["factor"], rep["lengths"], rep["seeds"]
     b = rep["budget"]
@@ -317,14 +317,14 @@ def _plot_block(plot: str | None) -> list[tuple]:
 
 def format_markdown(rep: dict) -> str:
     """report.md's text without the figure (what `gattn longctx` prints)."""
-    return page.render(title(rep), blocks(rep), ".")[0]
+    return pages.render(title(rep), blocks(rep), ".")[0]
 
 
 def write(out_dir: str | Path, rep: dict) -> None:
     """report.png, then report.md and the self-contained report.html (the figure embedded) into out_dir."""
     out_dir = Path(out_dir)
     plot_report(rep, out_dir / "report.png")
-    page.write(out_dir, title(rep), blocks(rep, "report.png" if (out_dir / "report.png").exists() else None))
+    pages.write(out_dir, title(rep), blocks(rep, "report.png" if (out_dir / "report.png").exists() else None))
 
 
 def plot_report(rep: dict, path: Path) -> None:
@@ -336,7 +336,7 @@ def plot_report(rep: dict, path: Path) -> None:
     curves = {m: [t for t in ts if t.get("checks")] for m, ts in rep.get("training", {}).items()
               if any(t.get("checks") for t in ts)}
     # a third panel with the held-out skill checks over training when the run used the stopping rule
-    fig, axes = page.subplots(1, 3 if curves else 2, figsize=(18 if curves else 12, 4.5))
+    fig, axes = pages.subplots(1, 3 if curves else 2, figsize=(18 if curves else 12, 4.5))
     ax1, ax2 = axes[0], axes[1]
     palette = ["tab:blue", "tab:red", "tab:green", "tab:purple", "tab:orange", "tab:brown"]
     colors = {m: c for m, c in zip(rep["models"], palette)}
