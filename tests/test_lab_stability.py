@@ -433,3 +433,32 @@ def test_separated():
     assert not St.separated([0.1, 0.3], [0.3, 0.4], lower_is_better=True)  # touching is not separated
     assert St.separated([0.3, 1.0], [0.01, 0.1], lower_is_better=False)
     assert not St.separated(None, [0.3, 0.4], lower_is_better=True)
+
+
+def test_seeds_to_separate_hand_computed():
+    # half-widths 0.1 + 0.1 = 0.2 at 3 seeds, difference 0.1: separate at 3 (0.2 / 0.1)^2 = 12 seeds
+    assert St.seeds_to_separate(4.0, [3.9, 4.1], 4.1, [4.0, 4.2], 3) == 12
+    # difference 0.4 > 0.2: already separated, so the seeds run are enough
+    assert St.seeds_to_separate(4.0, [3.9, 4.1], 4.4, [4.3, 4.5], 3) == 3
+    # overlapping but nearly separate: never fewer than one more seed
+    assert St.seeds_to_separate(4.0, [3.9, 4.1], 4.19, [4.09, 4.29], 3) == 4
+    # no difference, or no interval (one seed): nothing to scale from
+    assert St.seeds_to_separate(4.0, [3.9, 4.1], 4.0, [3.9, 4.1], 3) is None
+    assert St.seeds_to_separate(4.0, None, 4.1, [4.0, 4.2], 1) is None
+    # the same answer with the roles swapped
+    assert St.seeds_to_separate(4.1, [4.0, 4.2], 4.0, [3.9, 4.1], 3) == 12
+
+
+def test_power_table_in_the_report():
+    from gated_attention.labs.stability.stability_report import power_cells
+
+    runs = [dict(_run(lr, base + d * (v != "baseline") + 0.05 * s, seed=s), variant=v, qk_norm=True)
+            for v in ("baseline", "sdpa_elementwise") for s in range(3) for lr, base, d in ((1e-2, 4.0, -0.02),)]
+    iv = lambda x: [x - 0.05, x + 0.05]  # noqa: E731
+    settings = {v: {"on": {"seeds": [0, 1, 2], "lr_sensitivity": x, "lr_sensitivity_interval": iv(x)}}
+                for v, x in (("baseline", 0.30), ("sdpa_elementwise", 0.25))}
+    head, rows = power_cells({"runs": runs, "settings": settings, "config": {}})
+    assert rows[0][:3] == ["on", "G1 elementwise", "3"]
+    assert rows[0][3] == "-0.050 (12)"  # (0.1 / 0.05)^2 * 3
+    # final loss at lr 0.01: difference -0.02, each bootstrap half-width 0.05 (seeds 0.05 apart): 3 (0.1/0.02)^2 = 75
+    assert rows[0][4] == "-0.020 (75)"

@@ -11,6 +11,7 @@ from ...experiment import pages
 from ...experiment.pages import fmt, md_table
 from ...gates import canonical_name
 from ...util.io import save_png
+from . import stats as St
 
 _NAMES = {"baseline": "baseline", "none": "baseline (none)", "sdpa_elementwise": "G1 elementwise",
           "sdpa_headwise": "G1 headwise"}
@@ -206,6 +207,47 @@ def _sens_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def power_cells(lab: dict) -> tuple[list[str], list[list[str]]] | None:
+    """Per QK-norm setting and G1 variant vs the baseline: the observed difference in LR sensitivity and in the
+    seed-mean final loss at each LR, each with the seeds per variant that would separate the two bootstrap intervals
+    if that difference were the true one (stats.seeds_to_separate); None without intervals (a pre-interval lab.json)."""
+    settings = lab.get("settings") or {}
+    base = next((v for v in settings if v in ("baseline", "none")), None)
+    if base is None:
+        return None
+    lrs = sorted({r["lr"] for r in lab["runs"]})
+    head = ["QK-norm", "variant", "seeds", "LR sensitivity: gated - baseline (seeds to separate)"] + [
+        f"final loss at lr {x:g}: gated - baseline (seeds)" for x in lrs]
+    level = lab["config"].get("bootstrap", {}).get("level", St.LEVEL)
+
+    def at(v, qk, x):
+        mine = [r for r in lab["runs"] if r["variant"] == v and r["qk_norm"] is (qk == "on") and r["lr"] == x]
+        return (St.mean_final_loss(mine), St.bootstrap(mine, St.mean_final_loss, level=level)) if mine else None
+
+    def cell(g, giv, b, biv, n):
+        need = St.seeds_to_separate(g, giv, b, biv, n)
+        sep = need is not None and need == n
+        return f"{g - b:+.3f} ({'separate' if sep else '–' if need is None else need})"
+
+    rows = []
+    for qk in ("off", "on"):
+        b = (settings.get(base) or {}).get(qk)
+        if not b:
+            continue
+        for v, per in settings.items():
+            g = per.get(qk)
+            if v == base or not g:
+                continue
+            n = len(g["seeds"])
+            cells = [qk, _name(v), str(n), cell(g["lr_sensitivity"], g["lr_sensitivity_interval"],
+                                                b["lr_sensitivity"], b["lr_sensitivity_interval"], n)]
+            for x in lrs:
+                ga, ba = at(v, qk, x), at(base, qk, x)
+                cells.append(cell(*ga, *ba, n) if ga and ba else "")
+            rows.append(cells)
+    return (head, rows) if rows else None
+
+
 def _summary_cells(lab: dict) -> tuple[list[str], list[list[str]]]:
     return _setting_cells(lab) if lab.get("settings") else _sens_cells(lab)
 
@@ -399,6 +441,11 @@ def blocks(lab: dict) -> list[tuple]:
             ("table", *_per_lr_cells(lab, "max_hidden", _seed_max)),
             ("h2", "Max |output logit| per LR (max over seeds)"),
             ("table", *_per_lr_cells(lab, "max_output_logit", _seed_max))]
+    power = power_cells(lab)
+    if power:
+        out += [("h2", "Seeds that would separate the observed differences (a power estimate from the measured "
+                       "spread: intervals shrink as 1/sqrt(seeds); 'separate' = already separated)"),
+                ("table", *power)]
     if any(r.get("mean_lost_update_share") is not None for r in lab["runs"]):
         top = max(r["lr"] for r in lab["runs"])
         out += [("h2", "Residual-stream updates smaller than half a bf16 ulp of the stream (mean over layers and "

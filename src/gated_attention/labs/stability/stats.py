@@ -107,3 +107,28 @@ def separated(better: list[float] | None, worse: list[float] | None, lower_is_be
     if not better or not worse:
         return False
     return better[1] < worse[0] if lower_is_better else better[0] > worse[1]
+
+
+def mean_final_loss(runs: list[dict]) -> float:
+    """Seed mean of the clipped final loss (a diverged run counts as the loss at init), over the runs given."""
+    vals = [clip(r.get("final_loss"), r["loss_at_init"]) for r in runs]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def seeds_to_separate(gated: float, gated_iv: list[float] | None, base: float, base_iv: list[float] | None,
+                      seeds: int) -> int | None:
+    """A power estimate from the measured spread: how many seeds per variant would make the two intervals separate
+    (`separated`) if the observed difference were the true one. An interval's half-width shrinks as 1/sqrt(seeds),
+    so intervals of half-widths h_g, h_b at n seeds separate at n' = n ((h_g + h_b) / |gated - base|)^2 seeds
+    (rounded up; at least n + 1 when they overlap at n, n when they already separate). None when there is no
+    difference or no interval (one seed) to scale from. A rough estimate: the observed difference is itself noisy,
+    so about half of the labs run with n' seeds would separate."""
+    if gated_iv is None or base_iv is None or seeds < 2:
+        return None
+    d = abs(gated - base)
+    h = (gated_iv[1] - gated_iv[0]) / 2 + (base_iv[1] - base_iv[0]) / 2
+    if not (math.isfinite(d) and math.isfinite(h)) or d == 0:
+        return None
+    if separated(gated_iv, base_iv, gated < base) or separated(base_iv, gated_iv, base < gated):
+        return seeds
+    return max(seeds + 1, math.ceil(seeds * (h / d) ** 2 - 1e-9))
