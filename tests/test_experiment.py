@@ -154,6 +154,27 @@ def test_train_or_reuse_refuses_other_settings(tmp_path, fake_trainer):
     assert fake_trainer == []
 
 
+def test_train_or_reuse_keys_the_run_on_the_callers_settings(tmp_path, fake_trainer):
+    """A lab unit's run depends on more than its TrainConfig: `key` is stored beside it under the same rule (another
+    setting stops the job before anything runs; an earlier input makes the run obsolete: it starts over)."""
+    from gated_attention.train.config import tiny
+
+    cfg, run = tiny(), tmp_path / "run"
+    key = {"task": {"vocab": 16}, "start": "mtime 1"}
+    runs.train_or_reuse(cfg, run, lambda m: None, key=key, inputs=("start",))
+    assert json.loads((run / "unit_key.json").read_text())["key"] == key
+    runs.train_or_reuse(cfg, run, lambda m: None, key=key, inputs=("start",))  # reused
+    assert len(fake_trainer) == 1
+    with pytest.raises(cache.StaleResult, match=r"task: saved \{\"vocab\": 16\} vs requested \{\"vocab\": 8\}"):
+        runs.train_or_reuse(cfg, run, lambda m: None, key={**key, "task": {"vocab": 8}}, inputs=("start",))
+    (run / "stale_marker").write_text("x")
+    lines = []
+    runs.train_or_reuse(cfg, run, lines.append, "[t]", key={**key, "start": "mtime 2"}, inputs=("start",))
+    assert len(fake_trainer) == 2 and not (run / "stale_marker").exists()  # trained again from scratch
+    assert "earlier version of its input" in lines[0]
+    assert json.loads((run / "unit_key.json").read_text())["key"]["start"] == "mtime 2"
+
+
 def test_ensure_corpus_prepares_only_a_missing_corpus(tmp_path, monkeypatch):
     from gated_attention import data
 

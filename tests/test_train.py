@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from gated_attention.train.checkpoint import list_checkpoints
 from gated_attention.train.config import apply_overrides, tiny
@@ -174,6 +175,98 @@ def test_fresh_run_refuses_existing_checkpoints(tmp_path):
         train(cfg, tmp_path)
     with pytest.raises(ValueError, match=r"differ.*lr: saved"):
         train(apply_overrides(cfg, ["lr=5e-3"]), tmp_path, resume=True)
+
+
+# ---------------------------------------------------------------- a lab's plug-ins (train/plugins.py)
+
+class _Batches:
+    """A custom source: the synthetic chain's batches, counted."""
+
+    domains: list = []
+    tokenizer = None
+
+    def __init__(self, vocab: int):
+        from gated_attention.train.data_source import SyntheticSource
+
+        self.inner, self.vocab_size, self.calls = SyntheticSource(vocab), vocab, []
+
+    def train_batch(self, batch_size, seq_len, seed, step, rows=None):
+        self.calls.append(step)
+        return self.inner.train_batch(batch_size, seq_len, seed, step, rows=rows)
+
+    def eval_batches(self, *a):
+        return iter(())
+
+
+class _Push:
+    """Extra loss: +10 x sum of the final norm's weight (Adam then lowers every entry by ~lr per step); logs it."""
+
+    needs_logits = True
+
+    def __init__(self):
+        self.model, self.seen, self.contexts = None, [], 0
+
+    def forward_context(self, step, model):
+        from contextlib import nullcontext
+
+        self.model, self.contexts = model, self.contexts + 1
+        return nullcontext()
+
+    def __call__(self, step, inputs, targets, output, ce):
+        self.seen.append((step, tuple(output.logits.shape), float(ce.detach())))
+        w = self.model.model.norm.weight
+        return 10.0 * w.sum(), {"norm_sum": float(w.detach().sum())}
+
+
+class _Snapshots:
+    """Step hook with begin(): the weights as built and after each step."""
+
+    def __init__(self):
+        self.at = {}
+
+    def begin(self, model):
+        self.at[0] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def __call__(self, steps_done, model):
+        self.at[steps_done] = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_plugins_source_groups_phases_extra_loss_and_begin(tmp_path):
+    from gated_attention.train.plugins import Plugins
+
+    cfg = apply_overrides(tiny(), ["steps=4", "lr=1e-2", "warmup_steps=0", "min_lr=1e-2", "grad_accum=2",
+                                   "data=custom", "stats_every=0", "fast=false"])
+    source, push, snaps = _Batches(256), _Push(), _Snapshots()
+    emb, norm = "model.embed_tokens.weight", "model.norm.weight"
+
+    def groups(m):  # the (tied) embedding at lr_mult 0 (never moves); everything else at the full LR, no decay
+        return [{"params": [p for n, p in m.named_parameters() if n != emb], "weight_decay": 0.0},
+                {"params": [p for n, p in m.named_parameters() if n == emb], "weight_decay": 0.0, "lr_mult": 0.0}]
+
+    def phase(step, m):  # the first two steps train only the final norm
+        for n, p in m.named_parameters():
+            p.requires_grad_(step >= 2 or n == norm)
+
+    train(cfg, tmp_path, step_hook=snaps,
+          plugins=Plugins(source=source, param_groups=groups, trainable_at=phase, extra_loss=push))
+    assert source.calls == [0, 1, 2, 3] and sorted(snaps.at) == [0, 1, 2, 3, 4]
+    b = cfg.batch_size // cfg.grad_accum
+    assert push.contexts == 8 and [s for s, _, _ in push.seen] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(shape[:2] == (b, cfg.seq_len) for _, shape, _ in push.seen)  # full logits: needs_logits
+    recs = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in recs] == pytest.approx([(a + c) / 2 for (_, _, a), (_, _, c) in
+                                                      zip(push.seen[::2], push.seen[1::2])])  # the CE, not + extra
+    assert all("norm_sum" in r["extra"] for r in recs)
+    w0, w2, w4 = (snaps.at[k] for k in (0, 2, 4))
+    assert torch.equal(w0[emb], w4[emb])  # lr_mult 0
+    moved = [n for n in w0 if n not in (norm, emb) and not torch.equal(w0[n], w2[n])]
+    assert not moved, moved  # the first phase trains the norm only
+    assert all(not torch.equal(w2[n], w4[n]) for n in w0 if n != emb)  # then everything trains
+    assert bool(((w0[norm] - w4[norm]) > 0.5 * 4 * 1e-2).all())  # the extra term: Adam lowers each entry ~lr a step
+    with pytest.raises(ValueError, match="data='custom' without a plug-in source"):
+        train(cfg, tmp_path / "nosource")
+    with pytest.raises(ValueError, match="data='synthetic' with a plug-in source"):
+        train(apply_overrides(cfg, ["data=synthetic"]), tmp_path / "mixed", plugins=Plugins(source=source))
 
 
 # ---------------------------------------------------------------- eval CLI

@@ -2,13 +2,16 @@
 
   ensure_corpus(data_dir, vocab_size, log, tag) -> Path
       Prepare the default corpus in `data_dir` (with `vocab_size`) if it has no manifest yet.
-  train_or_reuse(cfg, run_dir, log, tag, step_hook) -> summary
+  train_or_reuse(cfg, run_dir, log, tag, step_hook, model_factory, plugins, key) -> summary
       One trainer run per folder, under the reuse rule of cache.py: a finished run (summary.json + final/config.json)
       is reused, an interrupted one resumes from its last checkpoint (the trainer's exact resume), a fresh folder
       trains, and a folder holding a run with other settings stops the job. "Other settings" is the trainer's own
       comparison (`train.config.changed_settings`, also its --resume check): every TrainConfig field except those that
       do not change the numbers, precision by what it resolves to, a field added after the run counting as its
-      default, gate aliases being the same gate.
+      default, gate aliases being the same gate. A caller whose run depends on more than its TrainConfig (a lab unit:
+      its task, recipe, measurement settings) passes that as `key`, stored in run_dir/unit_key.json under the same
+      rule (other settings stop the job; an earlier input, e.g. a retrained start, makes the run obsolete: it starts
+      over).
   run_units(fn, tasks, jobs, log, threads) -> [fn(t) for t in tasks]
       Independent units (one model each) in-process or in `jobs` spawned worker processes of `threads` torch
       threads each (small models: one core per model beats sharing threads: two `gattn compare` models at once,
@@ -51,13 +54,27 @@ def is_finished(run_dir: str | Path) -> bool:
     return (run_dir / "summary.json").exists() and (run_dir / "final" / "config.json").exists()
 
 
-def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]", step_hook=None) -> dict:
+def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]", step_hook=None,
+                   model_factory=None, plugins=None, key: dict | None = None, key_defaults: dict | None = None,
+                   inputs: tuple[str, ...] = ()) -> dict:
     """Train `cfg` into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's
-    content. Raises cache.StaleResult when run_dir holds a run with other settings. step_hook: the trainer's (a
-    stopping rule; the caller keys run_dir on its settings too, cache.check)."""
+    content. Raises cache.StaleResult when run_dir holds a run with other settings. step_hook, model_factory, plugins:
+    the trainer's (a stopping rule, a curve recorder; a lab's own model; its data source, optimizer groups, trainable
+    phases, extra loss: train/plugins.py). key (with key_defaults and inputs as in cache.load): the caller's own
+    settings of the run, checked before anything runs."""
+    import shutil
+
     from ..train import checkpoint, trainer  # module attributes: tests replace trainer.train
 
     run_dir = Path(run_dir)
+    if key is not None:
+        key_path = run_dir / "unit_key.json"
+        if cache.load(key_path, key, defaults=key_defaults, inputs=inputs) is None and key_path.exists():
+            log(f"{tag} {run_dir}: made from an earlier version of its input; training it again")
+            shutil.rmtree(run_dir)  # obsolete (or its key edited by hand): the run starts over
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not key_path.exists():
+            cache.save(key_path, key, {})
     cfg_path = run_dir / "train_config.json"
     if cfg_path.exists():
         saved = read_json_object(cfg_path, "saved run settings", "delete that run folder")
@@ -68,9 +85,9 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
     resume = run_dir.exists() and checkpoint.latest_checkpoint(run_dir) is not None
     log(f"{tag} {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps at length {cfg.seq_len} "
         f"-> {run_dir}")
-    if step_hook is None:  # the plain call, as tests that replace trainer.train expect it
-        return trainer.train(cfg, run_dir, resume=resume)
-    return trainer.train(cfg, run_dir, resume=resume, step_hook=step_hook)
+    given = {k: v for k, v in (("step_hook", step_hook), ("model_factory", model_factory), ("plugins", plugins))
+             if v is not None}
+    return trainer.train(cfg, run_dir, resume=resume, **given)  # plain call without plug-ins (tests replace train)
 
 
 def _init_worker(threads: int, bf16_speedup: float | None = None) -> None:

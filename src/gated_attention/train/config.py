@@ -28,7 +28,8 @@ class TrainConfig:
     init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
     trainable: str = "all"  # "all" parameters, or only the "gates" (cheap fine-tuning of a retrofitted gate)
     # --- data
-    data: str = "corpus"  # "corpus" (gattn data prepare output) or "synthetic" (built-in Markov tokens, for tests)
+    data: str = "corpus"  # "corpus" (gattn data prepare output), "synthetic" (built-in Markov tokens, for tests) or
+    # "custom" (a lab's own task: the source passed in train(..., plugins=Plugins(source=...)), train/plugins.py)
     data_dir: str | None = None  # corpus directory; None = the data module's default
     domains: list[str] | None = None  # train on these domains only; None = all
     seq_len: int = 256  # tokens per sequence (inputs); each sample holds seq_len+1 tokens
@@ -103,8 +104,8 @@ class TrainConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             bad(f"attn_implementation={self.attn_implementation!r}; use one of {', '.join(ATTN_IMPLEMENTATIONS)} "
                 "(triton_gated needs a CUDA GPU)")
-        if self.data not in ("corpus", "synthetic"):
-            bad(f"data={self.data!r}; use 'corpus' or 'synthetic'")
+        if self.data not in ("corpus", "synthetic", "custom"):
+            bad(f"data={self.data!r}; use 'corpus' or 'synthetic' ('custom' is a lab's own source)")
         if self.dist not in ("ddp", "fsdp"):
             bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -12,6 +12,8 @@ log.jsonl is cut back to the checkpoint's step so it describes exactly one run.
 
 `_train` reads as the run's outline: check the folder, set up (model, optimizer, data), restore, then per step
 `_train_step` (forward/backward/update) and `_after_step` (eval, log line, divergence stop, checkpoint), then `_finish`.
+What a lab needs of the loop (its own task as the data source, its optimizer groups and trainable phases, an extra
+loss term, a step-0 measurement) comes in as plug-ins (train/plugins.py), so the labs train through this loop too.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from .logs import close_logs, log_step, open_logs, summary as run_summary, trunc
 from .state import full_state, load_full_state, rng_state, set_rng_state
 from .model_setup import (apply_activation_checkpointing, apply_trainable, build_model, check_attn_implementation,
                           param_groups)
+from .plugins import Plugins, begin as begin_step_hook
 from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .monitors import SpikeDetector, decoder_layers, residual_stream_stats, snapshot_params, update_weight_ratio
@@ -47,10 +50,13 @@ from ..util.precision import numerics
 
 # ---------------------------------------------------------------- the loop
 
-def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None, step_hook=None) -> dict:
+def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None, step_hook=None,
+          plugins: Plugins | None = None) -> dict:
     """Train per `cfg` into `out_dir`; returns the summary (also written to out_dir/summary.json on rank 0).
 
-    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests).
+    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests; a lab's
+    own model: the sink lab's small shapes, the retrofit lab's retrofitted start). plugins: a lab's data source,
+    optimizer groups, trainable phases and extra loss (train/plugins.py).
     step_hook(steps_done, model) -> str | None runs after every optimizer step (and that step's checkpoint) on every
     rank with the plain model; a non-empty string stops training there with it as the summary's stop_reason (a
     stopping rule such as longctx's --until-skill). It must give the same answer on every rank."""
@@ -59,7 +65,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
     try:
         with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
             _on_main(info, lambda: stack.enter_context(lock_dir(out_dir, "gattn train")))
-            return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook)
+            return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook, plugins or Plugins())
     finally:
         D.teardown()
 
@@ -93,16 +99,20 @@ class _Run:
     bar: object = None
     log_fh: object = None
     last_ckpt_step: int = -1
+    plugins: Plugins = Plugins()  # a lab's source / groups / trainable phases / extra loss (train/plugins.py)
 
     @property
     def log_path(self) -> Path:
         return self.out / "log.jsonl"
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None) -> dict:
+def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None,
+           plugins: Plugins = Plugins()) -> dict:
     latest, precision = _check_run_dir(cfg, out, resume, info)
-    run = _setup(cfg, out, model_factory, info, precision)
+    run = _setup(cfg, out, model_factory, info, precision, plugins)
     _restore(run, latest if resume else None)
+    if run.st["step"] == 0:
+        begin_step_hook(step_hook, run.raw)  # a fresh run: the hook sees the model as built (a curve's step 0)
     open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
     while run.st["step"] < cfg.steps:
@@ -176,15 +186,20 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path, want
     return latest
 
 
-def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str) -> _Run:
+def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str,
+           plugins: Plugins = Plugins()) -> _Run:
     """Data source, model (wrapped for DDP/FSDP, optionally compiled, bf16 under bf16-params), optimizer and fresh
     counters."""
+    plugins.check(cfg, info, mixed=precision == "bf16-params" and not info.distributed)
     check_attn_implementation(cfg.attn_implementation, info.device)  # triton_gated: a GPU, or one clear line
     # model: same seed on every rank, so replicas start identical
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     source_vocab = None
-    if cfg.data == "corpus":
+    if plugins.source is not None:
+        source = plugins.source
+        source_vocab = getattr(source, "vocab_size", None)
+    elif cfg.data == "corpus":
         source = make_source(cfg)
         source_vocab = source.vocab_size
     factory = model_factory or build_model
@@ -210,13 +225,14 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precisi
     fwd = model
     from ..modeling import GatedQwen3ForCausalLM
 
-    optimizer = torch.optim.AdamW(param_groups(master, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    groups = plugins.param_groups(master) if plugins.param_groups is not None else param_groups(master, cfg)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
           "stop_reason": None, "val": {}, "last_loss": None}
     per_rank = cfg.batch_size // info.world_size
     return _Run(cfg=cfg, out=out, info=info, source=source, model=model, raw=raw, master=master, fwd=fwd,
-                precision=precision, mixed=mixed,
-                fused_loss=speed.fused_loss, speed=speed,
+                precision=precision, mixed=mixed, plugins=plugins,
+                fused_loss=speed.fused_loss and not plugins.needs_logits, speed=speed,
                 fwd_kw={"use_cache": False} if isinstance(raw, GatedQwen3ForCausalLM) else {},
                 optimizer=optimizer, layers=layers,
                 spikes=SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k), st=st,
@@ -251,13 +267,17 @@ def _train_step(run: _Run, step: int) -> dict:
     t0 = time.perf_counter()
     lr = lr_for(cfg, step)
     for g in run.optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_mult", 1.0)  # a plug-in's groups may scale the schedule (retrofit: gates vs rest)
+    plug = run.plugins
+    if plug.trainable_at is not None:
+        plug.trainable_at(step, raw)  # this step's trainable set (a phase)
     rows = slice(info.rank * run.per_rank, (info.rank + 1) * run.per_rank)  # this rank's rows of the global batch
     mine = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step, rows=rows).to(info.device)  # (B/N, T+1)
     stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
     before = snapshot_params(run.master) if stats_step else None
     loss_sum = torch.zeros((), device=info.device)
     aux_sum = torch.zeros((), device=info.device)
+    extra_logs: dict[str, float] = {}
     for i in range(cfg.grad_accum):
         chunk = mine[i * run.micro:(i + 1) * run.micro]  # (b, T+1)
         x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T) each
@@ -268,7 +288,7 @@ def _train_step(run: _Run, step: int) -> dict:
         elif info.distributed and info.mode == "fsdp":
             run.model.set_requires_gradient_sync(last)
         with sync:
-            with numerics(run.precision, info.device), run.speed.training_forward():
+            with numerics(run.precision, info.device), run.speed.training_forward(), plug.forward_context(step, raw):
                 out_ = (run.fwd(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
                         else run.fwd(input_ids=x, **run.fwd_kw))
             aux = getattr(out_, "aux_loss", None)
@@ -279,6 +299,12 @@ def _train_step(run: _Run, step: int) -> dict:
                 logits = out_.logits  # (b, T, V)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 total = loss + (aux.float() if aux is not None else 0.0)
+            if plug.extra_loss is not None:  # a lab's extra term (retrofit's penalties); the logged loss stays the CE
+                extra, logs = plug.extra_loss(step, x, y, out_, loss)
+                if extra is not None:
+                    total = total + extra
+                for k, v in logs.items():
+                    extra_logs[k] = extra_logs.get(k, 0.0) + float(v) / cfg.grad_accum
             if step in cfg.inject_nan_steps:
                 total = total * float("nan")
             (total / cfg.grad_accum).backward()
@@ -312,6 +338,8 @@ def _train_step(run: _Run, step: int) -> dict:
     rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
     if aux is not None:
         rec["aux_loss"] = float(D.reduce_mean(aux_sum, info))
+    if extra_logs:
+        rec["extra"] = extra_logs
     if stats_step and aux is not None:
         rec["moe"] = _moe_record(raw)  # read before the probe forward below adds to the counts
     if stats_step:
