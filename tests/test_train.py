@@ -168,6 +168,47 @@ def test_sigkill_resume_is_exact(tmp_path):
     assert not any(x.name.startswith(".tmp-") for x in (run2 / "checkpoints").iterdir())
 
 
+class _Recorder:
+    """A step hook with state that draws from the global RNG (as a probe on random inputs would)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.records, self.fail_at = [], fail_at
+
+    def __call__(self, steps_done, model):
+        import torch
+
+        if steps_done == self.fail_at:
+            raise KeyboardInterrupt("stopped")  # the process dies here, before this step's checkpoint
+        self.records.append([steps_done, float(torch.rand(()))])
+
+    def state_dict(self):
+        return {"records": self.records}
+
+    def load_state_dict(self, st):
+        self.records = [list(r) for r in st["records"]]
+
+
+def test_step_hook_state_resumes_with_the_run(tmp_path):
+    """A stateful step hook ends a killed-and-resumed run holding what it holds after an uninterrupted one, the losses
+    stay the same although it draws random numbers (the checkpoint is written after the step's hook: it holds the
+    hook's records and the RNG after its draws), and a reused finished run restores it from the final checkpoint."""
+    from gated_attention.experiment.runs import train_or_reuse
+
+    cfg = apply_overrides(tiny(), ["steps=8", "ckpt_every=4"])
+    ref = _Recorder()
+    train(cfg, tmp_path / "ref", step_hook=ref)
+    assert [r[0] for r in ref.records] == list(range(1, 9))
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, tmp_path / "run", step_hook=_Recorder(fail_at=6))
+    assert [s for s, _ in list_checkpoints(tmp_path / "run")] == [4]
+    again = _Recorder()
+    train_or_reuse(cfg, tmp_path / "run", lambda m: None, step_hook=again)  # resumes from step 4
+    assert again.records == ref.records and losses(tmp_path / "run") == losses(tmp_path / "ref")
+    reused = _Recorder()
+    train_or_reuse(cfg, tmp_path / "run", lambda m: None, step_hook=reused)
+    assert reused.records == ref.records
+
+
 def test_fresh_run_refuses_existing_checkpoints(tmp_path):
     cfg = apply_overrides(tiny(), ["steps=2"])
     train(cfg, tmp_path)

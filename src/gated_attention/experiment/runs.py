@@ -11,7 +11,10 @@
       default, gate aliases being the same gate. A caller whose run depends on more than its TrainConfig (a lab unit:
       its task, recipe, measurement settings) passes that as `key`, stored in run_dir/unit_key.json under the same
       rule (other settings stop the job; an earlier input, e.g. a retrained start, makes the run obsolete: it starts
-      over).
+      over). A step hook with state (trainer.train) ends holding the whole run's state in all three cases (restored
+      from the checkpoints on resume, from the final one on reuse). This is the one resume policy: every model a job
+      or lab trains is a trainer run folder resumed from its own checkpoints, so a SIGKILL loses at most the steps
+      since the last one.
   run_units(fn, tasks, jobs, log, threads) -> [fn(t) for t in tasks]
       Independent units (one model each) in-process or in `jobs` spawned worker processes of `threads` torch
       threads each (small models: one core per model beats sharing threads: two `gattn compare` models at once,
@@ -59,7 +62,7 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
                    inputs: tuple[str, ...] = ()) -> dict:
     """Train `cfg` into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's
     content. Raises cache.StaleResult when run_dir holds a run with other settings. step_hook, model_factory, plugins:
-    the trainer's (a stopping rule, a curve recorder; a lab's own model; its data source, optimizer groups, trainable
+    the trainer's (a stopping rule, a recorder with state_dict/load_state_dict; a lab's own model; its data source, optimizer groups, trainable
     phases, extra loss: train/plugins.py). key (with key_defaults and inputs as in cache.load): the caller's own
     settings of the run, checked before anything runs."""
     import shutil
@@ -81,6 +84,8 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
         cache.check(run_dir, saved, cfg.to_dict(), diffs=setting_differences(saved, cfg.to_dict()))
     if is_finished(run_dir):
         log(f"{tag} {cfg.gate}: reuse finished run {run_dir}")
+        if hasattr(step_hook, "load_state_dict"):  # the hook ends as it would have after training (its records)
+            trainer.restore_step_hook(run_dir, step_hook)
         return read_json_object(run_dir / "summary.json", "run summary", "delete that run folder to retrain it")
     resume = run_dir.exists() and checkpoint.latest_checkpoint(run_dir) is not None
     log(f"{tag} {cfg.gate}: {'resuming' if resume else 'training'} {cfg.steps} steps at length {cfg.seq_len} "

@@ -6,13 +6,15 @@ train_config.json, in every checkpoint's meta.json and in summary.json; a run is
 resolved precision (train.config.changed_settings).
 
 Exact resume: everything that affects the numbers is either a pure function of the step (LR, the batch) or saved in
-the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters), so a run killed at any point
-(SIGKILL, also during a checkpoint write) and resumed logs the same losses as one that never stopped. On resume,
-log.jsonl is cut back to the checkpoint's step so it describes exactly one run.
+the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters, the step hook's state), so a run
+killed at any point (SIGKILL, also during a checkpoint write) and resumed logs the same losses, and its step hook
+holds the same records, as one that never stopped. On resume, log.jsonl is cut back to the checkpoint's step so it
+describes exactly one run. This is the one resume policy of every model a command trains (compare, longctx, the labs:
+experiment.train_or_reuse resumes an interrupted run folder).
 
 `_train` reads as the run's outline: check the folder, set up (model, optimizer, data), restore, then per step
-`_train_step` (forward/backward/update) and `_after_step` (eval, log line, divergence stop, checkpoint), then `_finish`.
-What a lab needs of the loop (its own task as the data source, its optimizer groups and trainable phases, an extra
+`_train_step` (forward/backward/update) and `_after_step` (eval, log line, divergence stop, step hook, checkpoint),
+then `_finish`. What a lab needs of the loop (its own task as the data source, its optimizer groups and trainable phases, an extra
 loss term, a step-0 measurement) comes in as plug-ins (train/plugins.py), so the labs train through this loop too.
 """
 from __future__ import annotations
@@ -57,9 +59,12 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
     model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests; a lab's
     own model: the sink lab's small shapes, the retrofit lab's retrofitted start). plugins: a lab's data source,
     optimizer groups, trainable phases and extra loss (train/plugins.py).
-    step_hook(steps_done, model) -> str | None runs after every optimizer step (and that step's checkpoint) on every
-    rank with the plain model; a non-empty string stops training there with it as the summary's stop_reason (a
-    stopping rule such as longctx's --until-skill). It must give the same answer on every rank."""
+    step_hook(steps_done, model) -> str | None runs after every optimizer step (after its log line, before its
+    checkpoint) on every rank with the plain model; a non-empty string stops training there with it as the summary's
+    stop_reason (a stopping rule such as longctx's --until-skill). It must give the same answer on every rank. A hook
+    with state (curves, probe records) defines state_dict() -> JSON-able dict and load_state_dict(d): its state is
+    saved in every checkpoint and restored on resume, so a killed and resumed run ends with the hook holding what an
+    uninterrupted one holds (restore_step_hook reloads it from a finished run)."""
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist)
     try:
@@ -100,6 +105,7 @@ class _Run:
     log_fh: object = None
     last_ckpt_step: int = -1
     plugins: Plugins = Plugins()  # a lab's source / groups / trainable phases / extra loss (train/plugins.py)
+    step_hook: object = None  # train()'s step_hook (its state rides in the checkpoints)
 
     @property
     def log_path(self) -> Path:
@@ -110,23 +116,17 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
            plugins: Plugins = Plugins()) -> dict:
     latest, precision = _check_run_dir(cfg, out, resume, info)
     run = _setup(cfg, out, model_factory, info, precision, plugins)
+    run.step_hook = step_hook
     _restore(run, latest if resume else None)
     if run.st["step"] == 0:
         begin_step_hook(step_hook, run.raw)  # a fresh run: the hook sees the model as built (a curve's step 0)
     open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
-    while run.st["step"] < cfg.steps:
+    # a run restored from its final checkpoint (killed while exporting) that had stopped early stays stopped
+    while run.st["step"] < cfg.steps and not run.st["diverged"] and not run.st["stop_reason"]:
         t0 = time.perf_counter()
         rec = _train_step(run, run.st["step"])
         _after_step(run, rec, t0, t_start)
-        if run.st["diverged"]:
-            break
-        if step_hook is not None:
-            reason = step_hook(run.st["step"], run.raw)
-            run.raw.train()  # the hook may have switched to eval mode
-            if reason:
-                run.st["stop_reason"] = str(reason)
-                break
     return _finish(run, t_start)
 
 
@@ -252,6 +252,7 @@ def _restore(run: _Run, latest: Path | None) -> None:
         run.spikes.load_state_dict(meta["spikes"])
         if rng is not None:
             set_rng_state(rng)
+        _load_hook_state(run.step_hook, meta, latest)
         if info.is_main:
             truncate_log(run.log_path, run.st["step"])
     elif info.is_main and run.log_path.exists():
@@ -362,7 +363,9 @@ def _train_step(run: _Run, step: int) -> dict:
 
 
 def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
-    """Periodic eval, the log line, the divergence stop and periodic checkpoints, after step rec["step"]."""
+    """Periodic eval, the log line, the divergence stop, the step hook (a stopping rule sets st["stop_reason"]) and
+    periodic checkpoints, after step rec["step"]. The checkpoint comes last, so it holds the hook's state (and the RNG
+    after anything the hook drew): resuming from it replays nothing and skips nothing."""
     cfg, st, step = run.cfg, run.st, rec["step"]
     if cfg.eval_every and st["step"] % cfg.eval_every == 0 and st["step"] < cfg.steps:
         st["val"] = _evaluate(run)
@@ -379,6 +382,12 @@ def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
         if run.info.is_main:
             print(f"gattn train: {st['stop_reason']}", flush=True)
         return
+    if run.step_hook is not None:
+        reason = run.step_hook(st["step"], run.raw)
+        run.raw.train()  # the hook may have switched to eval mode
+        if reason:
+            st["stop_reason"] = str(reason)
+            return  # _finish writes the final checkpoint
     if cfg.ckpt_every and st["step"] % cfg.ckpt_every == 0 and st["step"] < cfg.steps:
         _save_checkpoint(run, st["step"])
 
@@ -399,6 +408,8 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
     meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
             "config": run.cfg.to_dict(), "resolved_precision": run.precision}
+    if hasattr(run.step_hook, "state_dict"):
+        meta["step_hook"] = run.step_hook.state_dict()
     # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
     _on_main(info, lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd},
                                                       "meta.json": meta}))
@@ -406,6 +417,25 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
     _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
                                                                           run.cfg.keep_checkpoints)))
     run.last_ckpt_step = next_step
+
+
+def _load_hook_state(hook, meta: dict, ckpt: Path) -> None:
+    if not hasattr(hook, "load_state_dict"):
+        return
+    if "step_hook" not in meta:
+        raise UserError(f"checkpoint {ckpt} holds no state of this run's step hook (written without it); delete "
+                        f"{ckpt.parent.parent} to train that run again")
+    hook.load_state_dict(meta["step_hook"])
+
+
+def restore_step_hook(out_dir: str | Path, hook) -> None:
+    """Load a finished run's step-hook state from its newest checkpoint (the final one: written after the last hook
+    call), so a caller reusing the run sees what the hook held when training ended."""
+    latest = ckpt_mod.latest_valid_checkpoint(out_dir)
+    if latest is None:
+        raise UserError(f"{out_dir} holds no checkpoint to restore the step hook's state from; delete it to train "
+                        "that run again")
+    _load_hook_state(hook, ckpt_mod.load_files(latest, 0)[1], latest)
 
 
 def _on_main(info: D.DistInfo, fn) -> None:
