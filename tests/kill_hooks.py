@@ -2,9 +2,15 @@
 
     python tests/kill_hooks.py train ...          (also as the script of `torchrun ... tests/kill_hooks.py train ...`)
 
-GATTN_TEST_KILL_AT_STEP=N       SIGKILL right after step N (0-based) is finished: logged, and checkpointed if due.
+GATTN_TEST_KILL_AT_STEP=N       SIGKILL right after step N (0-based) is finished: logged, step hook run, and
+                                checkpointed if due.
+GATTN_TEST_KILL_IN_RUN=NAME     ... only in the trainer run whose folder is named NAME (a job's or a lab's unit: one
+                                model among the several a command trains; default: the first run to reach step N).
 GATTN_TEST_KILL_IN_CKPT_WRITE=N SIGKILL inside the N-th checkpoint write, after state.pt is written, before the rename.
-Both wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code.
+GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER_NAME STEP" to FILE after every finished step of every trainer run
+                                (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
+They wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code;
+they act in the process that runs them (`--jobs 1`: a job's units train in-process).
 """
 from __future__ import annotations
 
@@ -17,12 +23,17 @@ def install() -> None:
     from gated_attention.train import checkpoint, trainer
 
     kill_step = int(os.environ.get("GATTN_TEST_KILL_AT_STEP", "-1"))
-    if kill_step >= 0:
+    kill_run = os.environ.get("GATTN_TEST_KILL_IN_RUN")
+    trace = os.environ.get("GATTN_TEST_STEP_TRACE")
+    if kill_step >= 0 or trace:
         after_step = trainer._after_step
 
         def _after_step(run, rec, *args, **kwargs):
             after_step(run, rec, *args, **kwargs)
-            if rec["step"] == kill_step:
+            if trace:
+                with open(trace, "a") as fh:
+                    fh.write(f"{run.out.name} {rec['step']}\n")
+            if rec["step"] == kill_step and kill_run in (None, run.out.name):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         trainer._after_step = _after_step

@@ -290,14 +290,17 @@ def test_small_budget_end_to_end(small_lab):
     assert (one / "result.json").exists() and not (one / "checkpoints").exists() and not (one / "final").exists()
 
 
-def test_rerun_reuses_finished_runs_and_retrains_an_interrupted_one(small_lab, tiny_corpus, capsys):
+def test_rerun_reuses_finished_runs_and_refuses_other_settings(small_lab, tiny_corpus, capsys):
+    """Finished runs are reused untouched; a run folder left without result.json and without a checkpoint (killed
+    before its first one: only a temp folder of the write) trains again from step 0. A kill after a checkpoint
+    resumes there: tests/test_kill_resume.py."""
     out = small_lab
     lab = _strict_load(out / "lab.json")
     dirs = [out / r["dir"] for r in lab["runs"]]
     stamps = {d: (d / "result.json").stat().st_mtime_ns for d in dirs}
     victim = dirs[1]
-    (victim / "result.json").unlink()  # as if the lab was killed while this run trained
-    (victim / "checkpoints").mkdir()  # leftovers of the killed run must not block the restart
+    (victim / "result.json").unlink()
+    (victim / "checkpoints" / ".tmp-step_00000010").mkdir(parents=True)  # a write the kill cut short
     rc = _cli(["--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--variants", "baseline",
                "sdpa_elementwise", "--lrs", "1e-3", "1", "--seeds", "2"])
     assert rc == 0

@@ -12,10 +12,12 @@ the spikes per run. `verdict.stability_verdict` turns lab.json into the claims-t
 Layout of OUT:
   OUT/runs/<variant>_qk<on|off>_lr<lr>_s<seed>/  log.jsonl, summary.json, train_config.json, result.json
   OUT/plots/*.png, OUT/lab.json, OUT/report.md, OUT/report.html (self-contained)
-A run is finished when its result.json exists; a re-run reuses it (after checking its settings match) and retrains
-any run that was interrupted (a run is minutes long at most, so it restarts rather than resumes): stopping the lab
-and starting it again continues the grid. Runs go seed-major (every setting and LR at seed 0 first), so a lab stopped
-early already holds whole LR curves. The checkpoints and exported model of a finished run are deleted.
+A run is finished when its result.json exists; a re-run reuses it (after checking its settings match). Every run is a
+trainer run folder (experiment.train_or_reuse, the one resume policy): an interrupted one resumes from its last
+checkpoint (every `ckpt_every` steps), its recorder (loss at init, probe records, CPU seconds) restored with it, so a
+lab killed anywhere and started again loses at most the steps since that checkpoint and ends with the figures of an
+uninterrupted lab. Runs go seed-major (every setting and LR at seed 0 first), so a lab stopped early already holds
+whole LR curves. The checkpoints and exported model of a finished run are deleted once its result.json is written.
 """
 from __future__ import annotations
 
@@ -60,6 +62,8 @@ class StabilityBudget:
     weight_decay: float = 0.0  # AdamW's (on matrices); the deep budgets use the trainer's 0.1 (norms otherwise grow)
     beta2: float = 0.95  # AdamW beta2 (the trainer's default)
     stats_every: int = 10  # probe forward (max attention logit, max |h|, max |logit|) every N steps
+    ckpt_every: int = 100  # the trainer's checkpoint interval: a killed lab resumes its run from there (~1/6 of a
+    # default run: at most ~20 CPU-s lost); a change keeps finished and interrupted runs reusable (not in their key)
     spike_window: int = 50  # trailing window of the trainer's loss-spike detector ...
     spike_delta: float = 0.1  # ... a spike exceeds the window's median by more than max(delta, ...
     spike_noise_k: float = 6.0  # ... noise_k robust sigmas of the window) nats
@@ -81,14 +85,14 @@ BUDGETS: dict[str, StabilityBudget] = {
     "small": StabilityBudget(
         help="CI smoke run: 3 LRs, 30 steps of a 1-layer d=32 model per run (seconds per run)",
         lrs=(1e-3, 3e-2, 1.0), steps=30, seeds=1, seq_len=32, batch_size=8, warmup_steps=3, stats_every=10,
-        spike_window=10, eval_batches=1, eval_batch_size=4,
+        spike_window=10, eval_batches=1, eval_batch_size=4, ckpt_every=10,
         model=dict(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=2, head_dim=16)),
     "quick": StabilityBudget(
         help="the default's model and recipe, shorter: 2 LRs (0.1, 1), 3 seeds, 200 steps per run (36 runs, about "
              "25 core-minutes estimated from the default's measured cost, ~0.155 CPU-s per step + ~10 s of "
              "evaluation per run: ~13 minutes at --jobs 2 on 2 quiet cores)",
-        lrs=(0.1, 1.0), steps=200, seeds=3, weight_decay=0.1, model=dict(_DEEP)),
+        lrs=(0.1, 1.0), steps=200, seeds=3, weight_decay=0.1, ckpt_every=50, model=dict(_DEEP)),
     "default": StabilityBudget(
         help="12-layer d=64 models (2 heads of 32, FFN 192), 3 LRs around the edge of stability (0.03, 0.1, 0.3) x "
              "3 seeds at every LR, 600 steps x 16 x 64 tokens, warm-up 10, cosine, weight decay 0.1, no z-loss (54 "
@@ -98,7 +102,8 @@ BUDGETS: dict[str, StabilityBudget] = {
     "shallow": StabilityBudget(
         help="issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
              "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
-        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=150, seeds=2, seed_lrs="edge", model=dict(_SHALLOW)),
+        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=150, seeds=2, seed_lrs="edge", ckpt_every=50,
+        model=dict(_SHALLOW)),
 }
 
 
@@ -194,7 +199,7 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
         weight_decay=b.weight_decay, beta2=b.beta2, precision=lab.resolved_precision(), seq_len=b.seq_len,
         batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches, eval_batch_size=b.eval_batch_size,
         stats_every=b.stats_every, spike_window=min(b.spike_window, steps), spike_delta=b.spike_delta,
-        spike_noise_k=b.spike_noise_k, ckpt_every=0, tensorboard=False,
+        spike_noise_k=b.spike_noise_k, ckpt_every=min(b.ckpt_every, steps), tensorboard=False,
         progress=True,  # a line per GATTN_PROGRESS_INTERVAL off a terminal
         model_overrides={**b.model, "use_qk_norm": qk_norm})
     if lab.sets:
@@ -304,50 +309,83 @@ def stored_run(run_dir: str | Path, cfg_dict: dict) -> dict | None:
     return cache.load(Path(run_dir) / "result.json", cfg_dict, diff=setting_differences)
 
 
+class RunRecorder:
+    """What one run records beside the trainer's log, as a trainer step hook with state (so it resumes with the run's
+    checkpoints, train.trainer.train): the validation loss at init (measured by `factory` on the trainer's own fresh
+    model), the StabilityProbe records of the trainer's probe forwards, and the run's CPU and wall seconds over all
+    the processes that trained it."""
+
+    def __init__(self):
+        self.init_loss: float | None = None
+        self.records: list[dict] = []  # the probe's own list (shared with a bf16-params twin: updated in place)
+        self.prior_cpu_s = self.prior_wall_s = 0.0  # spent by earlier processes (a killed run's)
+        self._c0, self._t0 = time.process_time(), time.perf_counter()
+
+    def factory(self, c, vocab):
+        """The trainer's own model, evaluated once before training (the loss at init), then probed."""
+        import torch
+
+        from gated_attention.train.data_source import make_source
+        from gated_attention.train.evaluate import domain_losses
+        from gated_attention.train.model_setup import build_model
+
+        from .probe import StabilityProbe
+
+        model = build_model(c, vocab)
+        res = domain_losses(model, make_source(c), seq_len=c.seq_len, max_batches=c.eval_batches,
+                            batch_size=c.eval_batch_size, device=torch.device("cpu"), precision=c.precision)
+        self.init_loss = _mean_val(res["losses"])
+        probe = StabilityProbe(model)
+        probe.records = self.records
+        probe.attach()
+        return model
+
+    def __call__(self, steps_done: int, model) -> None:
+        return None  # records come from the probe; never stops the run
+
+    def cpu_s(self) -> float:
+        return self.prior_cpu_s + time.process_time() - self._c0
+
+    def wall_s(self) -> float:
+        return self.prior_wall_s + time.perf_counter() - self._t0
+
+    def state_dict(self) -> dict:
+        return {"init_loss": self.init_loss, "probes": list(self.records), "cpu_s": self.cpu_s(),
+                "wall_s": self.wall_s()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.init_loss = st["init_loss"]
+        self.records[:] = st["probes"]
+        self.prior_cpu_s, self.prior_wall_s = float(st["cpu_s"]), float(st["wall_s"])
+        self._c0, self._t0 = time.process_time(), time.perf_counter()
+
+
 def train_run(task: tuple) -> dict:
     """Train one grid point (cfg_dict, run_dir) and write its result.json (the trainer settings are its key), unless
-    a finished one is there. A run without result.json (interrupted) is wiped and restarts (runs are minutes long at
-    most: a restart loses at most one run per worker).
+    a finished one is there. The run is a trainer run folder under experiment.train_or_reuse: an interrupted one
+    resumes from its last checkpoint (with its recorder's state), and ends with the numbers of an uninterrupted run.
     Picklable, so --jobs can run it in a worker process (experiment.run_units)."""
     cfg_dict, run_dir = task
     out = Path(run_dir)
     done = stored_run(out, cfg_dict)
     if done is not None:
         return done
-    import torch
-
+    from gated_attention.experiment.runs import train_or_reuse
     from gated_attention.train.config import TrainConfig
-    from gated_attention.train.data_source import make_source
-    from gated_attention.train.evaluate import domain_losses
-    from gated_attention.train.model_setup import build_model
-    from gated_attention.train.trainer import train
-
-    from .probe import StabilityProbe
 
     cfg = TrainConfig.from_dict(cfg_dict).validate()
-    shutil.rmtree(out, ignore_errors=True)
-    holder: dict = {}
-
-    def factory(c, vocab):
-        """The trainer's own model, evaluated once before training (the loss at init), then probed."""
-        model = build_model(c, vocab)
-        res = domain_losses(model, make_source(c), seq_len=c.seq_len, max_batches=c.eval_batches,
-                            batch_size=c.eval_batch_size, device=torch.device("cpu"), precision=c.precision)
-        holder["init"] = _mean_val(res["losses"])
-        holder["probe"] = StabilityProbe(model).attach()
-        return model
-
-    t0, c0 = time.perf_counter(), time.process_time()
-    summary = train(cfg, out, model_factory=factory)
+    rec = RunRecorder()
+    summary = train_or_reuse(cfg, out, lambda m: print(m, file=sys.stderr, flush=True), "[stability]",
+                             step_hook=rec, model_factory=rec.factory)
     log = read_jsonl(out / "log.jsonl")
-    probes = holder["probe"].records
-    result = {**run_metrics(summary, log, probes, holder["init"], cfg.warmup_steps),
-              "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-              "curve": _curve(log, probes, cfg.stats_every)}
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the lab needs the numbers, not the weights
-    shutil.rmtree(out / "final", ignore_errors=True)
+    result = {**run_metrics(summary, log, rec.records, rec.init_loss, cfg.warmup_steps),
+              "wall_s": rec.wall_s(), "cpu_s": rec.cpu_s(), "curve": _curve(log, rec.records, cfg.stats_every)}
     # strict JSON (io): a non-finite metric is null, named in the run's "nonfinite" {metric: "nan" | "inf" | "-inf"}
     result = cache.save(out / "result.json", cfg_dict, result)
+    # the lab needs the numbers, not the weights: removed once result.json holds them (a kill before leaves a
+    # finished run that is reused, its recorder restored from the final checkpoint)
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    shutil.rmtree(out / "final", ignore_errors=True)
     loss = result["final_loss"]
     print(f"[stability] {out.name}: loss {'-' if loss is None else f'{loss:.3f}'} (init {result['loss_at_init']:.3f})"
           f"{' DIVERGED' if result['diverged'] else ''}  spikes {result['spikes']}  max attn logit "
