@@ -10,9 +10,9 @@
   run_gattn(*args, env=..., kill_hooks=...)  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
   gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
   torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine)
-  traced_gattn(*args, trace=..., env=...)    run_gattn through tests/kill_hooks.py, recording the steps every trainer
-                                             run of the command trained ({run folder name: [steps]}); with kill_in /
-                                             kill_at, SIGKILLed after that step of that unit (the kill-resume tests)
+  traced_gattn(*args, root=..., trace=...)   run_gattn through tests/kill_hooks.py, recording the steps every trainer
+                                             run of the command trained ({run folder under root: [steps]}); with
+                                             kill_in / kill_at, SIGKILLed after that step of that unit (kill tests)
   assert_matches_reference(fast, ref, ...)   a fast path against its plain reference: outputs AND input gradients
   assert_modules_match(fast, ref, run, ...)  two modules (a fast path and its reference): outputs, every parameter's
                                              gradient by name, and the inputs' gradients
@@ -159,22 +159,22 @@ def run_gattn(*args, env: dict | None = None, timeout: float = 600, kill_hooks: 
                           capture_output=True, text=True, timeout=timeout)
 
 
-def traced_gattn(*args, trace: Path, env: dict | None = None, kill_in: str | None = None, kill_at: int | None = None,
-                 timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict[str, list[int]]]:
+def traced_gattn(*args, root: Path, trace: Path, env: dict | None = None, kill_in: str | None = None,
+                 kill_at: int | None = None, timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict]:
     """`gattn ARGS` in a subprocess with kill_hooks.py's step trace in file `trace` (made fresh), optionally SIGKILLed
-    right after step `kill_at` of the trainer run whose folder is named `kill_in`. Returns (the process, the steps
-    each trainer run trained in it: {run folder name: [step, ...]} in order)."""
-    trace = Path(trace)
+    right after step `kill_at` of the trainer run in folder root/`kill_in`. Returns (the process, the steps each
+    trainer run trained in it: {its folder relative to root, e.g. "runs/baseline": [step, ...]} in order)."""
+    trace, root = Path(trace), Path(root).resolve()
     trace.unlink(missing_ok=True)
     extra = {"GATTN_TEST_STEP_TRACE": str(trace)}
     if kill_in is not None:
-        extra |= {"GATTN_TEST_KILL_IN_RUN": kill_in, "GATTN_TEST_KILL_AT_STEP": str(kill_at)}
+        extra |= {"GATTN_TEST_KILL_IN_RUN": (root / kill_in).as_posix(), "GATTN_TEST_KILL_AT_STEP": str(kill_at)}
     p = run_gattn(*args, env={**(env or {}), **extra}, timeout=timeout, kill_hooks=True)
     steps: dict[str, list[int]] = {}
     if trace.exists():
         for line in trace.read_text().splitlines():
-            name, step = line.rsplit(" ", 1)
-            steps.setdefault(name, []).append(int(step))
+            path, step = line.rsplit(" ", 1)
+            steps.setdefault(Path(path).relative_to(root).as_posix(), []).append(int(step))
     return p, steps
 
 

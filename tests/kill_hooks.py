@@ -4,10 +4,11 @@
 
 GATTN_TEST_KILL_AT_STEP=N       SIGKILL right after step N (0-based) is finished: logged, step hook run, and
                                 checkpointed if due.
-GATTN_TEST_KILL_IN_RUN=NAME     ... only in the trainer run whose folder is named NAME (a job's or a lab's unit: one
-                                model among the several a command trains; default: the first run to reach step N).
+GATTN_TEST_KILL_IN_RUN=PATH     ... only in the trainer run whose folder's path ends with PATH, e.g. runs/baseline or
+                                baseline/seed0/train (a job's or a lab's unit: one model among the several a command
+                                trains; default: the first run to reach step N).
 GATTN_TEST_KILL_IN_CKPT_WRITE=N SIGKILL inside the N-th checkpoint write, after state.pt is written, before the rename.
-GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER_NAME STEP" to FILE after every finished step of every trainer run
+GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE after every finished step of every run
                                 (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
 They wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code;
 they act in the process that runs them (`--jobs 1`: a job's units train in-process).
@@ -32,8 +33,9 @@ def install() -> None:
             after_step(run, rec, *args, **kwargs)
             if trace:
                 with open(trace, "a") as fh:
-                    fh.write(f"{run.out.name} {rec['step']}\n")
-            if rec["step"] == kill_step and kill_run in (None, run.out.name):
+                    fh.write(f"{run.out.resolve()} {rec['step']}\n")
+            here = run.out.resolve().as_posix()
+            if rec["step"] == kill_step and (kill_run is None or here == kill_run or here.endswith("/" + kill_run)):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         trainer._after_step = _after_step

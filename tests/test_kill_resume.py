@@ -78,12 +78,12 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_sigkill_mid_unit_then_rerun_ends_as_uninterrupted(case: KillCase, tiny_corpus, tmp_path):
     ref, out = tmp_path / "ref", tmp_path / "killed"
-    victim = Path(case.victim).name
-    p, full = traced_gattn(*case.argv(ref, tiny_corpus), trace=tmp_path / "ref.trace", env=ENV)
+    victim = case.victim
+    p, full = traced_gattn(*case.argv(ref, tiny_corpus), root=ref, trace=tmp_path / "ref.trace", env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
     assert len(full) >= 2 and victim in full and case.kill_at + 1 < len(full[victim])  # the kill lands mid-unit
 
-    p, before = traced_gattn(*case.argv(out, tiny_corpus), trace=tmp_path / "killed.trace", env=ENV,
+    p, before = traced_gattn(*case.argv(out, tiny_corpus), root=out, trace=tmp_path / "killed.trace", env=ENV,
                              kill_in=victim, kill_at=case.kill_at)
     assert p.returncode == -9, p.stderr[-3000:]
     assert before[victim] == full[victim][:case.kill_at + 1]
@@ -91,7 +91,7 @@ def test_sigkill_mid_unit_then_rerun_ends_as_uninterrupted(case: KillCase, tiny_
     assert ckpts and 0 < ckpts[-1] <= case.kill_at, ckpts  # a checkpoint before the kill, none after it
     assert not (out / case.victim / "summary.json").exists()
 
-    p, after = traced_gattn(*case.argv(out, tiny_corpus), trace=tmp_path / "rerun.trace", env=ENV)
+    p, after = traced_gattn(*case.argv(out, tiny_corpus), root=out, trace=tmp_path / "rerun.trace", env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
     # what the rerun trained: the killed unit from its checkpoint on; finished units not at all; the rest in full
     assert after.get(victim) == full[victim][ckpts[-1]:]
