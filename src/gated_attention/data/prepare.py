@@ -177,6 +177,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
             _log(f"{domain}: warning: {e['warning']}")
 
     # 2. tokenizer: a pretrained one, the cached one, or byte-level BPE trained on a bounded sample of train chunks
+    prog.update(1, stage="tokenizer")  # each stage is counted and named as it starts (the heartbeat shows it)
     tok_key = _key("tokenizer", cfg.vocab_size, cfg.min_frequency, cfg.seed, cfg.val_fraction,
                    [(d, e["raw_sha256"]) for d, e in entries.items()], sample.nbytes if sample else None)
     key_file = tok_dir / "gattn_key.json"  # the cache key beside the tokenizer: a killed prepare reuses it too
@@ -200,7 +201,6 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         atomic_write_json(key_file, {"key": tok_key, "sha256": sha256_file(tok_dir / "tokenizer.json")})
         _log(f"tokenizer: trained byte-level BPE on a {sample_bytes / 1e6:.1f} MB sample, vocab {len(tok)} "
              f"({time.time() - t:.1f}s)")
-    prog.update(1, stage="tokenizer")
     tok_sha = sha256_file(tok_dir / "tokenizer.json")
     ids = ids or {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     dtype = token_dtype(len(tok))
@@ -211,9 +211,10 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         tkey = _key("tokens", tok_sha, e["raw_sha256"], cfg.seed, cfg.val_fraction, dtype.str, stream.SHARD_CHUNKS)
         settings = {"seed": cfg.seed, "domain": domain, "val_fraction": cfg.val_fraction, "dtype": dtype.str,
                     "eos": ids[EOS]}
-        res = tokenize_domain(data_dir, domain, e, tkey, tok_dir / "tokenizer.json", settings, cfg.workers)
+        prog.update(1, stage=f"tokens {domain}")
+        res = tokenize_domain(data_dir, domain, e, tkey, tok_dir / "tokenizer.json", settings, cfg.workers,
+                              progress=lambda k, n: prog.update(0, tokens=n, shard=k))
         e.update(tokens=res["tokens"], token_files=res["token_files"], tokens_key=tkey)
-        prog.update(1, tokens=e["tokens"]["train"] + e["tokens"]["val"], stage=domain)
         reused = f", {res['shards_reused']} shard(s) reused" if res["shards_reused"] else ""
         _log(f"{domain}: {e['tokens']['train']:,} train / {e['tokens']['val']:,} val tokens in "
              f"{len(res['token_files']['train'])} shard(s){reused} ({time.time() - t:.1f}s)")

@@ -240,7 +240,9 @@ def _finished_shard(tok_root: Path, domain: str, k: int, key: str) -> dict[str, 
 
 def tokenize_domain(data_dir: Path, domain: str, raw_info: dict[str, Any], key: str, tokenizer_json: Path,
                     settings: dict[str, Any], workers: int, progress=None) -> dict[str, Any]:
-    """Token shards for one domain (reusing finished ones); returns {"tokens", "token_files", "shards_reused"}."""
+    """Token shards for one domain (reusing finished ones); returns {"tokens", "token_files", "shards_reused"}.
+
+    progress(k, tokens): called as each shard k is finished here, with its token count (train + val)."""
     tok_root = data_dir / "tokens"
     (tok_root / domain).mkdir(parents=True, exist_ok=True)
     n_shards = max(1, -(-raw_info["n_chunks"] // SHARD_CHUNKS))
@@ -280,7 +282,7 @@ def tokenize_domain(data_dir: Path, domain: str, raw_info: dict[str, Any], key: 
         atomic_write_json(p["meta"], meta, indent=1)  # written last: the shard counts as finished only now
         done[k] = meta
         if progress is not None:
-            progress(k)
+            progress(k, meta["train"]["tokens"] + meta["val"]["tokens"])
 
     def open_shard(k: int) -> None:
         p = _shard_paths(tok_root, domain, k)
