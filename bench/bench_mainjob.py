@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     budget = BUDGETS[args.budget]
-    base = budget_config(args.budget, budget.data_dir)  # data is not read: random tokens have the same cost
+    base = budget_config(budget, budget.data_dir)  # data is not read: random tokens have the same cost
     vocab = budget.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (base.batch_size, base.seq_len + 1), generator=g)

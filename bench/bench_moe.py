@@ -102,9 +102,7 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2, help="MoE blocks in the stack")
     p.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
-    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="parameter/activation dtype: auto (default; bf16 where this CPU runs bf16 GEMMs fast, else "
-                        "fp32: gated_attention.util.precision), bf16 or fp32")
+    common.precision_arg(p, what="parameter/activation dtype", note="; bf16 here casts the weights themselves")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="older spelling of --precision fp32 / bf16 (overrides it)")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = leave torch's default)")
@@ -121,8 +119,8 @@ def main(argv=None) -> int:
 
     if args.dtype:
         args.precision = {"bfloat16": "bf16", "float32": "fp32"}[args.dtype]
-    resolved = P.resolve(args.precision, "cpu")
-    print(f"bench: {P.describe(args.precision, 'cpu')}", flush=True)
+    resolved, line = P.decide(args.precision, "cpu")
+    print(f"bench: {line}", flush=True)
     args.dtype = str(P.dtype_of(resolved)).removeprefix("torch.")  # what build / build_lm cast to
 
     torch.manual_seed(0)

@@ -73,23 +73,26 @@ def rel_spread(xs: list[float]) -> float:
     return (q3 - q1) / statistics.median(xs)
 
 
+# the product's choices (gated_attention.util.precision) less bf16-params: the workloads cast weights per GEMM
+# (autocast), not the parameters
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
-def precision_arg(ap) -> None:
-    """Add the common `--precision` option to a bench's argument parser."""
-    ap.add_argument("--precision", choices=[p for p in PRECISIONS if p != "bf16-params"], default="auto",  # the workloads cast weights per GEMM (autocast), not the parameters
-                    help="numerics of the workload: auto (default; bf16 autocast where this CPU runs bf16 GEMMs fast, "
-                         "else fp32: gated_attention.util.precision), bf16 or fp32. The in-run GEMM peak is timed in the "
-                         "same precision; the result JSON records resolved_precision")
+def precision_arg(ap, what: str = "numerics of the workload", note: str = "; the in-run GEMM peak is timed in the "
+                  "same precision; the result JSON records resolved_precision") -> None:
+    """Add the one `--precision` option (util.precision.add_argument, the CLI's) to a bench's argument parser."""
+    from gated_attention.util import precision as P
+
+    P.add_argument(ap, default="auto", what=what, note=note, choices=PRECISIONS)
 
 
 def resolve_precision(asked: str, device="cpu") -> str:
-    """'bf16' | 'fp32' for the bench's --precision, with the product's log line (what and why) printed once."""
+    """'bf16' | 'fp32' for the bench's --precision (the bench's one decision), with the product's log line (what and
+    why) printed once."""
     from gated_attention.util import precision as P
 
-    resolved = P.resolve(asked, device)
-    print(f"bench: {P.describe(asked, device)}", flush=True)
+    resolved, line = P.decide(asked, device)
+    print(f"bench: {line}", flush=True)
     return resolved
 
 

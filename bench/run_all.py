@@ -206,9 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--impls", default="ours,ours_fast,hf", help="train bench implementations")
     ap.add_argument("--compile-impls", default="ours_fast,hf", help="train bench implementations also compiled "
                     "(each compile costs minutes on a loaded 2-core machine)")
-    ap.add_argument("--precision", choices=common.PRECISIONS, default="auto",
-                    help="numerics of every bench (default auto: bf16 autocast where this CPU runs bf16 GEMMs fast, "
-                         "else fp32); recorded as resolved_precision in every result")
+    common.precision_arg(ap, what="numerics of every bench", note="; recorded as resolved_precision in every result")
     ap.add_argument("--results", default=None, metavar="DIR",
                     help="write the result JSONs and SUMMARY.md there (default bench/results)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default=None,

@@ -61,7 +61,7 @@ def main() -> None:
         args.max_minutes = min(args.max_minutes or share / 60, share / 60)
         print(json.dumps({"fit_minutes": args.fit_minutes, "steps": args.steps, "max_minutes": args.max_minutes}),
               flush=True)
-    base = replace(budget_config("long", args.data_dir, args.set), steps=args.steps, ckpt_every=args.steps)
+    base = replace(budget_config(BUDGETS["long"], args.data_dir, args.set), steps=args.steps, ckpt_every=args.steps)
     batches = analysis_batches(base, BUDGETS["long"])
     for v in args.variants:
         cfg = replace(base, gate=v).validate()

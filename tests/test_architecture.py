@@ -272,3 +272,83 @@ def test_a_converter_format_is_one_layout_row():
         _, parser = command_parser(cmd)
         action = next(a for a in parser._actions if a.dest == dest)
         assert tuple(action.choices) == tuple(want)
+
+
+def _lab_of(mod: str) -> str | None:
+    """The lab a module belongs to (gated_attention.labs.<lab>...), else None."""
+    parts = mod.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "labs" else None
+
+
+def private_lab_imports(mod: str, source: str, is_pkg: bool = False) -> list[str]:
+    """`from <another lab's module> import _name` in a module's source (anywhere: module level or in a function)."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        target = _resolve(mod, is_pkg, node)
+        lab = _lab_of(target)
+        if lab is None or lab == _lab_of(mod):
+            continue
+        bad += [f"{mod}:{node.lineno} imports {a.name} from {target}" for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")]
+    return bad
+
+
+def test_no_lab_imports_another_labs_private_names():
+    """A lab's `_private` names are its own: what another lab (or any module outside it) needs is a public name in a
+    shared home (experiment/stats.py's seed_curves, say), never an import of `_name` across labs."""
+    bad = [b for mod, path in MODULES.items()
+           for b in private_lab_imports(mod, path.read_text(encoding="utf-8"), path.name == "__init__.py")]
+    assert not bad, "move the name to a shared module (experiment/, util/) or make it public:\n" + "\n".join(bad)
+    # the check sees what it must: a retrofit module reaching into the sink lab, in a function, relatively
+    src = "def f():\n    from ..sinks.sink_report import _curves, table_cells\n"
+    assert private_lab_imports("gated_attention.labs.retrofit.retrofit_report", src) == [
+        "gated_attention.labs.retrofit.retrofit_report:2 imports _curves from gated_attention.labs.sinks.sink_report"]
+    assert private_lab_imports("gated_attention.labs.sinks.sink_lab", "from .metrics import _x\n") == []
+
+
+def _budget_tables() -> dict[str, dict]:
+    """{module: its BUDGETS} for every module of the package that defines a module-level BUDGETS table."""
+    import importlib
+
+    found = {}
+    for mod, path in MODULES.items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            target = node.target if isinstance(node, ast.AnnAssign) else \
+                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+            if isinstance(target, ast.Name) and target.id == "BUDGETS":
+                found[mod] = importlib.import_module(mod).BUDGETS
+    return found
+
+
+def test_one_budget_shape_and_one_table_of_default_variants():
+    """Every job's budgets are one shape: a frozen dataclass per job (budgets derived from each other with
+    dataclasses.replace), never a tuple or a dict of changes; and gates.DEFAULT_VARIANTS is the one table of default
+    variants (the jobs import it; no other module defines its own)."""
+    import dataclasses
+
+    from gated_attention import gates
+
+    tables = _budget_tables()
+    assert {"gated_attention.compare.job", "gated_attention.longctx.pipeline", "gated_attention.labs.sinks.sink_lab",
+            "gated_attention.labs.stability.stability_lab"} <= set(tables), sorted(tables)
+    for mod, budgets in tables.items():
+        assert isinstance(budgets, dict) and budgets, mod
+        for name, b in budgets.items():
+            assert dataclasses.is_dataclass(b) and not isinstance(b, type), f"{mod}.BUDGETS[{name!r}] is {type(b)}"
+            assert type(b).__dataclass_params__.frozen, f"{mod}.BUDGETS[{name!r}]: {type(b).__name__} is not frozen"
+        assert len({type(b) for b in budgets.values()}) == 1, f"{mod}.BUDGETS mixes budget types"
+    defined = []
+    for mod, path in MODULES.items():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else \
+                node.targets if isinstance(node, ast.Assign) else []
+            defined += [mod for t in targets if isinstance(t, ast.Name) and t.id == "DEFAULT_VARIANTS"]
+    assert defined == ["gated_attention.gates"], f"DEFAULT_VARIANTS defined in {defined}; import gates.DEFAULT_VARIANTS"
+    from gated_attention import compare
+    from gated_attention.labs import sinks, stability
+
+    for default in (compare.DEFAULT_VARIANTS, sinks.DEFAULT_VARIANTS, stability.DEFAULT_VARIANTS,
+                    tuple(sinks.SinkLabConfig().variants), stability.LabConfig().variants):
+        assert tuple(default) == gates.DEFAULT_VARIANTS

@@ -99,6 +99,47 @@ def test_rerun_reuses_finished_runs(small_run, tiny_corpus, monkeypatch):
             assert r[k] == before["rows"][v][k]
 
 
+def test_run_compare_walks_its_path_once(small_run, tiny_corpus, monkeypatch):
+    """One pass through `run_compare`: the budget is looked up once, the sink lab's config built and its units planned
+    (each stored result read) once, never walked again by a second `run_lab`, and each variant's TrainConfig is
+    configured and validated once."""
+    import inspect
+
+    from gated_attention.labs import sinks
+    from gated_attention.labs.sinks import sink_lab
+    from gated_attention.train.config import TrainConfig
+
+    calls: dict[str, int] = {}
+
+    def count(owner, name, tag=None):
+        real = getattr(owner, name)
+
+        def counted(*a, **k):
+            calls[tag or name] = calls.get(tag or name, 0) + 1
+            return real(*a, **k)
+
+        monkeypatch.setattr(owner, name, counted)
+
+    count(C, "get_budget")
+    count(C, "sink_lab_config")
+    count(sinks, "unit_jobs")
+    count(sinks, "write_lab")
+    count(sinks, "run_lab")
+    count(sink_lab, "_stored_unit")
+    real_validate = TrainConfig.validate
+
+    def validate(self):
+        if Path(inspect.stack()[1].filename).name == "job.py":  # compare's own configuring of the runs
+            calls["validate"] = calls.get("validate", 0) + 1
+        return real_validate(self)
+
+    monkeypatch.setattr(TrainConfig, "validate", validate)
+    res = C.run_compare(small_run, tiny_corpus, "small", log=lambda m: None)
+    n_variants, n_units = len(res["variants"]), len(res["variants"]) * res["sink_lab"]["config"]["seeds"]
+    assert calls == {"get_budget": 1, "sink_lab_config": 1, "unit_jobs": 1, "write_lab": 1,
+                     "_stored_unit": n_units, "validate": n_variants}, calls
+
+
 def test_half_finished_run_resumes(small_run, tiny_corpus, monkeypatch, tmp_path):
     import gated_attention.train.trainer as T
 
@@ -136,10 +177,10 @@ def test_changed_settings_fail_loudly(small_run, tiny_corpus):
 def test_bad_arguments(tiny_corpus, tmp_path, capsys):
     with pytest.raises(ValueError, match="unknown variant"):
         C.check_variants(["baseline", "nope"])
-    with pytest.raises(ValueError, match="unknown --budget"):
-        C.budget_config("huge", str(tiny_corpus))
+    with pytest.raises(ValueError, match="unknown --budget 'huge'; valid: small, quick"):
+        C.get_budget("huge")
     with pytest.raises(ValueError, match="--variants"):
-        C.budget_config("small", str(tiny_corpus), ["gate=sdpa_headwise"])
+        C.budget_config(C.BUDGETS["small"], str(tiny_corpus), ["gate=sdpa_headwise"])
     assert cli.main(["compare", "--data-dir", str(tiny_corpus), "--out", str(tmp_path), "--variants", "nope"]) == 2
     assert "unknown variant" in capsys.readouterr().err
 
@@ -196,10 +237,14 @@ def test_long_budget_prepares_its_own_small_vocabulary_corpus():
 
 
 def test_budgets_are_valid_configs(tiny_corpus):
-    for name in C.BUDGETS:
-        cfg = C.budget_config(name, str(tiny_corpus))
+    for b in C.BUDGETS.values():
+        cfg = C.budget_config(b, str(tiny_corpus))
         assert cfg.gate == "baseline" and cfg.data == "corpus" and cfg.data_dir == str(tiny_corpus)
-    assert C.budget_config("small", str(tiny_corpus), ["steps=7"]).steps == 7
+    small = C.BUDGETS["small"]
+    assert C.budget_config(small, str(tiny_corpus), ["steps=7"]).steps == 7
+    # a config is a copy: changing it leaves the (shared) budget tables alone
+    C.budget_config(C.BUDGETS["long"], str(tiny_corpus)).model_overrides["hidden_size"] = 1
+    assert C.BUDGETS["default"].train["model_overrides"]["hidden_size"] == 128
 
 
 @pytest.mark.slow
@@ -217,16 +262,22 @@ def test_units_are_scheduled_longest_first_and_finished_ones_skipped(small_run, 
     pending units, which fill the second worker while the last LM variant trains; finished models get no worker."""
     from dataclasses import replace
 
+    from gated_attention.labs import sinks
+
     b = C.BUDGETS["small"]
-    base = C.budget_config("small", str(tiny_corpus))
-    sink_cfg = C.sink_lab_config(b, list(C.DEFAULT_VARIANTS), base.precision)
-    fresh = C.schedule_units(tmp_path / "new", base, list(C.DEFAULT_VARIANTS), b, sink_cfg)
+    base = C.budget_config(b, str(tiny_corpus))
+    cfgs = {v: replace(base, gate=v).validate() for v in C.DEFAULT_VARIANTS}
+    sink_cfg = C.sink_lab_config(b, list(C.DEFAULT_VARIANTS), precision=base.precision)
+    fresh = C.schedule_units(tmp_path / "new", cfgs, b, "fp32",
+                             sinks.unit_jobs(sink_cfg, tmp_path / "new" / "sink_lab", "fp32"))
     assert [t[0] for t in fresh] == ["lm"] * 3 + ["sink"] * 3 * sink_cfg.seeds
     assert [t[1][0].gate for t in fresh[:3]] == list(C.DEFAULT_VARIANTS)
     assert [t[1][1] for t in fresh[3:6]] == list(C.DEFAULT_VARIANTS)  # (cfg, variant, seed, dir): seed-major
-    assert C.schedule_units(small_run, base, list(C.DEFAULT_VARIANTS), b, sink_cfg) == []  # all finished
-    assert len(C.schedule_units(tmp_path / "new", base, ["baseline"], b, None)) == 1  # --no-sink-lab
-    assert replace(base, gate="baseline").validate() == fresh[0][1][0]
+    done = json.loads((small_run / "compare.json").read_text())["resolved_precision"]  # what its units trained in
+    assert C.schedule_units(small_run, cfgs, b, done, sinks.unit_jobs(sink_cfg, small_run / "sink_lab", done)) == []
+    assert len(C.schedule_units(tmp_path / "new", {"baseline": cfgs["baseline"]}, b, "fp32")) == 1  # --no-sink-lab
+    assert fresh[0][1][3] == "fp32" and fresh[3][1][0]["precision"] == "fp32"  # every unit carries the decision
+    assert cfgs["baseline"] == fresh[0][1][0]
 
 
 def test_parallel_workers_reproduce_the_in_process_run(small_run, tiny_corpus, tmp_path):

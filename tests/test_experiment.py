@@ -254,6 +254,16 @@ def test_one_seed_has_no_spread_and_missing_values_are_skipped():
     assert stats.spread([None])["n"] == 0 and stats.spread([])["mean"] is None
 
 
+def test_seed_curves_average_each_step_over_the_seeds_that_measured_it():
+    variants = {"a": {"per_seed": [{"curve": [{"step": 0, "x": 1.0}, {"step": 10, "x": 3.0}]},
+                                   {"curve": [{"step": 0, "x": 2.0}, {"step": 10, "x": None}, {"step": 20, "x": 5.0}]},
+                                   {}]},
+                "b": {"per_seed": [{"curve": [{"step": 0, "y": 1.0}]}]}}
+    curves = stats.seed_curves(variants, "x")
+    assert curves["a"] == ([0, 10, 20], [1.5, 3.0, 5.0], [1.0, 3.0, 5.0], [2.0, 3.0, 5.0])
+    assert curves["b"] == ([], [], [], [])  # no seed measured x: an empty curve, still one entry per variant
+
+
 def test_wilson_interval_is_honest_at_the_edges():
     lo, hi = stats.wilson(0, 30)
     assert lo == 0.0 and 5 < hi < 15

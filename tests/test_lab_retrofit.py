@@ -24,9 +24,9 @@ TASK = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 def _sink_start(root, seed: int = 0, steps: int = 40, model: bool = True, variant: str = "baseline"):
     """A sink-lab unit folder (result.json + the model's HF files, as `gattn lab sinks` keeps it) holding a tiny
     random model on TASK."""
-    from gated_attention.labs.sinks import BUDGETS, SinkLabConfig, model_config_for
+    from gated_attention.labs.sinks import budget_config, model_config_for
 
-    cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "steps": steps, "variants": [variant]})
+    cfg = budget_config("small", steps=steps, variants=[variant])
     unit = root / "runs" / variant / f"seed{seed}"
     unit.mkdir(parents=True)
     if model:

@@ -19,8 +19,7 @@ def sink_units(tmp_path_factory):
     from gated_attention.labs.sinks import sink_lab
 
     out = tmp_path_factory.mktemp("sinklab")
-    cfg = replace(sink_lab.SinkLabConfig(), **{**sink_lab.BUDGETS["small"][1], "steps": 20, "eval_every": 20,
-                                            "variants": ["baseline", "sdpa_elementwise"], "seeds": 1})
+    cfg = sink_lab.budget_config("small", steps=20, eval_every=20, variants=["baseline", "sdpa_elementwise"], seeds=1)
     for v in cfg.variants:
         sink_lab.train_unit((asdict(cfg), v, 0, str(out / "runs" / v / "seed0")))
     return out

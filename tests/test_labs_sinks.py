@@ -144,9 +144,9 @@ def test_mean_std_over_seeds():
 
 def test_measure_reads_the_model_through_capture():
     """q = k = 0 makes every head attend uniformly: BOS attention from query t is exactly 1/(t+1)."""
-    from gated_attention.labs.sinks.sink_lab import BUDGETS, SinkLabConfig, measure, model_config_for
+    from gated_attention.labs.sinks.sink_lab import budget_config, measure, model_config_for
 
-    cfg = replace(SinkLabConfig(), **{**BUDGETS["small"][1], "variants": ["sdpa_headwise"], "layers": 2, "heads": 2})
+    cfg = budget_config("small", variants=["sdpa_headwise"], layers=2, heads=2)
     task = BackcopyTask(**cfg.task)
     model = build_lm(model_config_for(cfg, "sdpa_headwise"), eval=False)
     with torch.no_grad():
@@ -189,8 +189,7 @@ def test_baseline_mechanisms_and_gate_init_build():
 def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
     from gated_attention.labs.sinks import sink_lab
 
-    cfg = replace(sink_lab.SinkLabConfig(), **{**sink_lab.BUDGETS["small"][1], "variants": ["sdpa_elementwise"],
-                                            "steps": 40, "ckpt_every": 15, "eval_every": 20})
+    cfg = sink_lab.budget_config("small", variants=["sdpa_elementwise"], steps=40, ckpt_every=15, eval_every=20)
     job = lambda d: (asdict(cfg), "sdpa_elementwise", 0, str(d))
     whole = sink_lab.train_unit(job(tmp_path / "whole"))
     real = BackcopyTask.train_batch
@@ -351,12 +350,12 @@ def test_help_states_the_budgets_true_defaults():
     import argparse
 
     from gated_attention.cli.lab import configure_sinks
-    from gated_attention.labs.sinks.sink_lab import BUDGETS, SinkLabConfig
+    from gated_attention.labs.sinks.sink_lab import BUDGETS
 
     p = argparse.ArgumentParser()
     configure_sinks(p)
     helps = {a.dest: " ".join(a.help.split()) for a in p._actions if a.help}
-    d = replace(SinkLabConfig(), **BUDGETS["default"][1])
+    d = BUDGETS["default"].config
     assert f"{d.lr:g} with --budget default" in helps["lr"] or helps["lr"].endswith(f"(default {d.lr:g})")
     assert f"{d.steps} with --budget default" in helps["steps"]
     assert "on with --budget default" in helps["compile"] and "off with --budget small" in helps["compile"]

@@ -37,7 +37,8 @@ def test_auto_resolves_by_the_measured_speed(cpu_kind):
     for kind in (FAST, SLOW):  # a forced choice is kept on either kind of CPU
         cpu_kind(kind)
         assert P.resolve("fp32", "cpu") == "fp32" and P.resolve("bf16", "cpu") == "bf16"
-    assert "bf16" in P.describe("auto", "cpu") or "fp32" in P.describe("auto", "cpu")
+    resolved, line = P.decide("auto", "cpu")
+    assert resolved == "fp32" and line.startswith("precision auto -> fp32 (bf16 matmul 0.02x")
     with pytest.raises(ValueError, match="fp16.*not supported"):
         P.resolve("fp16", "cpu")
     with pytest.raises(ValueError, match="use one of auto, bf16, bf16-params, fp32"):
@@ -113,6 +114,71 @@ def test_every_parser_offers_the_one_set_of_choices():
     for name in COMMANDS:
         walk(command_parser(name)[1])
     assert len(found) >= 5 and set(found) == {P.PRECISIONS}
+
+
+def test_no_parser_types_out_the_precision_choices():
+    """One definition of the choices: every `--precision` option of the package, the benches and the scripts comes
+    from util.precision.add_argument (the benches' through bench/common.precision_arg), never a literal
+    add_argument("--precision", choices=...) of its own."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    bad = []
+    for path in [*(repo / "src").rglob("*.py"), *(repo / "bench").glob("*.py"), *(repo / "scripts").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    node.func.attr == "add_argument" and any(isinstance(a, ast.Constant) and a.value == "--precision"
+                                                             for a in node.args):
+                bad.append(f"{path.relative_to(repo)}:{node.lineno}")
+    assert not bad, "use util.precision.add_argument:\n" + "\n".join(bad)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    P.add_argument(parser, choices=("fp32", "auto", "bf16"))  # a subset, in the one order
+    action = parser._actions[-1]
+    assert action.choices == ("auto", "bf16", "fp32") and "bf16-params =" not in action.help
+    with pytest.raises(ValueError, match="fp16"):
+        P.add_argument(argparse.ArgumentParser(), choices=("fp16",))
+
+
+def test_one_precision_decision_per_process(cpu_kind, monkeypatch, tiny_corpus, tmp_path):
+    """A command decides the precision once, where its run is configured, and passes the resolved value down: a whole
+    tiny `gattn compare` (its LM runs, their reuse checks, the sink lab's units and lab.json), a sink lab and a
+    stability lab each resolve "auto" once, and the bf16 GEMM speed is measured at most once in the process
+    (everything in-process: jobs=1); a rerun, which checks every stored run against its settings, decides once too."""
+    from gated_attention.compare import job as C
+    from gated_attention.labs.sinks import sink_lab
+    from gated_attention.labs.stability import stability_lab
+
+    cpu_kind(None)  # really measured (faked by the counter below), once per process
+    measured, decided = [], []
+    monkeypatch.setattr(P, "_measure_cpu_speedup", lambda: measured.append(1) or 2.0)
+    real = P.resolve
+
+    def counting(precision="auto", device=None, dist="none"):
+        if precision not in P.RESOLVED:  # a decision; a resolved value passed down is only checked
+            decided.append(precision)
+        return real(precision, device, dist)
+
+    monkeypatch.setattr(P, "resolve", counting)
+    quiet = lambda m: None
+    for _ in range(2):  # trains, then reuses everything
+        res = C.run_compare(tmp_path / "cmp", tiny_corpus, "small", variants=["baseline", "sdpa_elementwise"],
+                            sets=["steps=4", "ckpt_every=0", "stats_every=2"], log=quiet, jobs=1, streaming=False,
+                            stability_lab=None, longctx=None,
+                            sink_lab_changes={"seeds": 1, "steps": 4, "eval_every": 2, "ckpt_every": 0})
+        assert res["resolved_precision"] == "bf16" and res["sink_lab"]["config"]["resolved_precision"] == "bf16"
+        assert len(decided) == 1 and len(measured) == 1, (decided, measured)
+        decided.clear()
+    sink_lab.run_lab(sink_lab.budget_config("small", variants=["baseline"], seeds=1, steps=4, eval_every=2),
+                     tmp_path / "sinks", log=quiet)
+    assert len(decided) == 1
+    decided.clear()
+    lab = stability_lab.LabConfig(out=str(tmp_path / "stab"), budget="small", variants=("baseline",), qk_norm="on",
+                                  lrs=(1e-3,), steps=3, data_dir=str(tiny_corpus))
+    assert stability_lab.run_lab(lab, log=quiet)["config"]["resolved_precision"] == "bf16"
+    assert len(decided) == 1 and len(measured) == 1
 
 
 def test_measurement_runs_once_per_process_and_env_is_checked(cpu_kind, monkeypatch):

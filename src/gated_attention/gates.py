@@ -158,6 +158,12 @@ ALIASES = {"baseline": "none", "g1": "sdpa_elementwise", "elementwise": "sdpa_el
            "g2": "value_elementwise", "g3": "key_elementwise", "g4": "query_elementwise", "g5": "dense_elementwise"}
 
 
+# The one table of default variants: what every multi-variant job (`gattn compare`, `gattn lab sinks`, `gattn lab
+# stability`) trains unless told otherwise: the ungated model and the paper's two G1 gates (Table 4 rows 1-3). Names
+# as users type them ("baseline" is the alias of "none"): they name the run folders and the rows of the reports.
+DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
+
+
 def canonical_name(name: str) -> str:
     key = ALIASES.get(name, name)
     if key not in GATES:

@@ -41,8 +41,7 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sink-lab", action=argparse.BooleanOptionalAction, default=True,
                         help="also run `gattn lab sinks` (Bigram-Backcopy) on the same variants into OUT/sink_lab "
                              "and report it (default on, with the budget's sink-lab settings: "
-                             + "; ".join(f"{k}: lab budget {b.sink_lab[0]}"
-                                         + "".join(f", {a}={v}" for a, v in b.sink_lab[1].items())
+                             + "; ".join(f"{k}: lab budget {b.sink_lab}, seeds={b.sink_lab_seeds}"
                                          for k, b in compare.BUDGETS.items()) + "; --no-sink-lab skips it)")
     parser.add_argument("--sink-lab-seeds", type=E.positive_int, default=None, metavar="N",
                         help="seeds of that sink lab (default: the budget's, see --sink-lab)")

@@ -15,7 +15,7 @@ from ..util import precision as P
 
 from ..labs.sinks import sink_report
 from ..experiment.runs import default_jobs
-from ..labs.sinks import BUDGETS, DEFAULT_VARIANTS, SinkLabConfig
+from ..labs.sinks import BUDGETS, SinkLabConfig, budget_config
 from ..labs.sinks import run_lab as run_sink_lab
 from ..labs.stability import stability_lab
 
@@ -25,7 +25,7 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
                              "from_pretrained folder), lab.json, report.md, report.html, plots/ (default "
                              "runs/lab/sinks; a re-run reuses finished models and continues killed ones)")
     parser.add_argument("--budget", default="default", choices=list(BUDGETS),
-                        help="; ".join(f"{k}: {v[0]}" for k, v in BUDGETS.items()) + " (default: default)")
+                        help="; ".join(f"{k}: {v.help}" for k, v in BUDGETS.items()) + " (default: default)")
     parser.add_argument("--variants", nargs="+", default=None, metavar="NAME",
                         help="gate names (`gattn gates`) and baseline mechanisms (sink_logits, bondarenko_gate, "
                              "clipped_softmax, forgetting, ...)")
@@ -70,7 +70,7 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
 
 def _state_budget_defaults(parser: argparse.ArgumentParser) -> None:
     """Append each option's true default, read from the budgets themselves, to its help (so it cannot go stale)."""
-    cfgs = {name: replace(SinkLabConfig(), **changes) for name, (_, changes) in BUDGETS.items()}
+    cfgs = {name: b.config for name, b in BUDGETS.items()}
     task_fields = {a: f for a, (f, _, _) in _SINK_TASK_OPTIONS.items()}
 
     def value(cfg, dest):
@@ -101,8 +101,8 @@ _SINK_TASK_OPTIONS = {"vocab": ("vocab", int, "normal tokens V"), "triggers": ("
 
 
 def sinks_config(args) -> SinkLabConfig:
-    """The budget's config with every option the user gave applied on top."""
-    cfg = replace(SinkLabConfig(), **BUDGETS[args.budget][1])
+    """The budget's SinkLabConfig with every option the user gave applied on top."""
+    cfg = budget_config(args.budget)
     over = {k: getattr(args, k) for k in _SINK_OPTIONS if getattr(args, k, None) is not None}
     task = {f: getattr(args, a) for a, (f, _, _) in _SINK_TASK_OPTIONS.items() if getattr(args, a, None) is not None}
     if task:

@@ -6,7 +6,8 @@ claims.py (the "Paper claims vs this run" table that opens the report, one verdi
 tables, plots and report.md / report.html). The job's API is re-exported here:
 `from gated_attention import compare; compare.run_compare("runs/compare", budget="small")`.
 """
-from .job import BUDGETS, DEFAULT_DATA_DIR, DEFAULT_VARIANTS, Budget, budget_config, check_variants, run_compare
+from .job import (BUDGETS, DEFAULT_DATA_DIR, DEFAULT_VARIANTS, Budget, budget_config, check_variants, get_budget,
+                  run_compare)
 
-__all__ = ["BUDGETS", "DEFAULT_DATA_DIR", "DEFAULT_VARIANTS", "Budget", "budget_config", "check_variants",
+__all__ = ["BUDGETS", "DEFAULT_DATA_DIR", "DEFAULT_VARIANTS", "Budget", "budget_config", "check_variants", "get_budget",
            "run_compare"]

@@ -17,6 +17,7 @@ Budgets (`--budget`) are TrainConfig changes over the `small` training preset; `
 """
 from __future__ import annotations
 
+import copy
 import functools
 import sys
 import time
@@ -24,26 +25,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .. import experiment
+from ..gates import DEFAULT_VARIANTS  # the run folders and the rows of compare.json
 from ..util.io import atomic_write_text, json_dumps, locks_output, read_jsonl
 
-# variant names are the run folders and the rows of compare.json; "baseline" is the ungated gate "none" (an alias)
-DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
 
 
-@dataclass
+@dataclass(frozen=True)
 class Budget:
-    """A named training budget: changes over the `small` training preset, plus analysis size."""
+    """A named training budget: changes over the `small` training preset, plus analysis size. Budgets are frozen and
+    derived from each other with dataclasses.replace (see BUDGETS)."""
 
     help: str
-    train: dict  # TrainConfig fields (model_overrides = model-config fields)
+    train: dict  # TrainConfig fields (model_overrides = model-config fields); budget_config copies them
     analysis_batches: int = 4  # val batches (of eval_batch_size windows) per domain fed to the analysis
     map_len: int = 64  # tokens shown in the attention-map plots
     data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
     vocab_size: int = 8192  # BPE vocabulary that corpus is prepared with
-    # the small sink lab compare runs after the LM variants: a `gattn lab sinks` budget name plus changes to it
-    # (its share of the job's time: seeds, steps, ...)
-    sink_lab: tuple = ("default", {"seeds": 1})
+    # the small sink lab compare runs after the LM variants: a `gattn lab sinks` budget (sink_lab.BUDGETS) and its
+    # seeds here (the job's share of time it gets; run_compare's sink_lab_changes change more)
+    sink_lab: str = "default"
+    sink_lab_seeds: int = 1
     # the streaming check on this run's models (`gattn lab streaming`): window = this fraction of each model's
     # training length, these sink-token counts (0 = a plain window), this many held-out sequences per model
     streaming: dict = field(default_factory=lambda: {"window_frac": 0.25, "sink_tokens": (0, 4), "sequences": 16})
@@ -79,6 +81,17 @@ def _cpu_recipe(**changes) -> dict:
                 spike_window=50, model_overrides=dict(_CPU_SHAPE), **changes)
 
 
+_DEFAULT = Budget(
+    help="the main job in under 15 minutes on 2 quiet CPU cores of either kind (fp32 on an AVX2-only CPU, bf16 where "
+         "bf16 is fast): ~1.8M tokens per variant in windows of 256 on the same model, WSD schedule, on the default "
+         "sources with a 1024-token vocabulary (prepared automatically in data_v1k unless --data-dir is given), + the "
+         "1-seed sink lab and the streaming check; shows the PPL gain, the smaller massive activations and the sparse "
+         "gates on text, and the sink on the synthetic task (the first-token sink on text needs more tokens: --budget "
+         "extended)",
+    train=_cpu_recipe(seq_len=256, steps=450, warmup_steps=50, schedule="wsd", eval_batches=8, stats_every=100,
+                      ckpt_every=225),
+    data_dir="data_v1k", vocab_size=1024)
+
 BUDGETS: dict[str, Budget] = {
     "small": Budget(
         help="CI smoke run: a ~0.6M-parameter 2-layer model, 60 steps per variant (a minute or two on 2 cores)",
@@ -86,53 +99,51 @@ BUDGETS: dict[str, Budget] = {
                    eval_batches=2, eval_batch_size=4, stats_every=20, spike_window=20, ckpt_every=30,
                    model_overrides=dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
-        analysis_batches=1, map_len=32, sink_lab=("small", {"seeds": 1})),
-    "quick": Budget(
+        analysis_batches=1, map_len=32, sink_lab="small"),
+    "quick": replace(
+        _DEFAULT,
         help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model (8k-vocabulary corpus, windows of 128): "
              "about 5 minutes for three variants on 2 quiet CPU cores; shows the massive activations and the PPL "
              "gain, not yet a first-token sink",
-        train=_cpu_recipe(seq_len=128, steps=600, warmup_steps=30, eval_batches=4, stats_every=50, ckpt_every=100)),
-    "default": Budget(
-        help="the main job in under 15 minutes on 2 quiet CPU cores of either kind (fp32 on an AVX2-only CPU, bf16 "
-             "where bf16 is fast): ~1.8M tokens per variant in windows of 256 on the same model, WSD schedule, on "
-             "the default sources with a 1024-token vocabulary (prepared automatically in data_v1k unless "
-             "--data-dir is given), + the 1-seed sink lab and the streaming check; shows the PPL gain, the smaller "
-             "massive activations and the sparse gates on text, and the sink on the synthetic task (the first-token "
-             "sink on text needs more tokens: --budget extended)",
-        train=_cpu_recipe(seq_len=256, steps=450, warmup_steps=50, schedule="wsd", eval_batches=8, stats_every=100,
-                          ckpt_every=225),
-        data_dir="data_v1k", vocab_size=1024),
-    "extended": Budget(
+        train={**_DEFAULT.train, "seq_len": 128, "steps": 600, "warmup_steps": 30, "schedule": "cosine",
+               "eval_batches": 4, "stats_every": 50, "ckpt_every": 100},
+        data_dir=DEFAULT_DATA_DIR, vocab_size=8192),
+    "default": _DEFAULT,
+    "extended": replace(
+        _DEFAULT,
         help="the main job's earlier default: ~5.7M tokens per variant in windows of 256, WSD schedule (holds the "
              "peak LR, where the sink grows), 1024-token vocabulary: ~20 minutes on 2 quiet bf16-capable cores, "
              "~30 in fp32; the baseline's first-token sink on text is visible (F-Attn 1.5x uniform) and the gated "
              "models stay near uniform",
-        train=_cpu_recipe(seq_len=256, steps=1400, warmup_steps=50, schedule="wsd", eval_batches=8, stats_every=200,
-                          ckpt_every=700),
-        data_dir="data_v1k", vocab_size=1024),
-    "long": Budget(
+        train={**_DEFAULT.train, "steps": 1400, "stats_every": 200, "ckpt_every": 700}),
+    "long": replace(
+        _DEFAULT,
         help="the budget that shows the first-token sink forming: ~12M tokens per variant in windows of 256 (same "
              "model, cosine schedule) on the 1024-token-vocabulary corpus: about 40 minutes for three variants on 2 "
              "quiet CPU cores; the sink is clearer (baseline 1.8x uniform, layer 0 3.7x)",
-        train=_cpu_recipe(seq_len=256, steps=3000, warmup_steps=100, eval_batches=8, stats_every=200, ckpt_every=500),
-        data_dir="data_v1k", vocab_size=1024),
+        train={**_DEFAULT.train, "steps": 3000, "warmup_steps": 100, "schedule": "cosine", "stats_every": 200,
+               "ckpt_every": 500}),
 }
 
 
 # ---------------------------------------------------------------- configuration
 
-def budget_config(budget: str, data_dir: str, sets: list[str] | None = None):
+def get_budget(name: str) -> Budget:
+    """The budget called `name` (the one check of a --budget value)."""
+    if name not in BUDGETS:
+        raise ValueError(f"unknown --budget {name!r}; valid: {', '.join(BUDGETS)}")
+    return BUDGETS[name]
+
+
+def budget_config(budget: Budget, data_dir: str, sets: list[str] | None = None):
     """The TrainConfig shared by every variant (gate = baseline) for a budget, with `--set` overrides applied."""
     from gated_attention.presets import model_config
     from gated_attention.train.config import apply_overrides, train_preset
 
-    if budget not in BUDGETS:
-        raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
-    b = BUDGETS[budget]
     # each run reports progress (a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL s otherwise); TensorBoard
-    # files are noise here
-    cfg = replace(train_preset("small"), **b.train, data="corpus", data_dir=str(data_dir), gate="baseline",
-                  progress=True, tensorboard=False)
+    # files are noise here. A deep copy: the budgets share their model_overrides (replace of _DEFAULT)
+    cfg = replace(train_preset("small"), **copy.deepcopy(budget.train), data="corpus", data_dir=str(data_dir),
+                  gate="baseline", progress=True, tensorboard=False)
     fields = model_config(cfg.model, gate="baseline").to_dict()
     cfg = apply_overrides(cfg, list(sets or []), fields)
     if cfg.gate != "baseline":
@@ -230,25 +241,13 @@ def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
     }
 
 
-def sink_lab_config(budget: Budget, variants: list[str], precision: str = "auto"):
-    """The budget's `gattn lab sinks` settings on compare's variants, in the LM runs' precision setting."""
+def sink_lab_config(budget: Budget, variants: list[str], changes: dict | None = None, precision: str = "auto"):
+    """The budget's `gattn lab sinks` settings (its sink-lab budget and seeds, `changes` on top) on compare's
+    variants, in the LM runs' precision setting; validated."""
     from gated_attention.labs.sinks import sink_lab
 
-    name, changes = budget.sink_lab
-    return replace(sink_lab.SinkLabConfig(), **{**sink_lab.BUDGETS[name][1], **changes, "variants": list(variants),
-                                            "precision": precision})
-
-
-def run_sink_lab(budget: Budget, out: Path, variants: list[str], jobs: int | None = None, log=print,
-                 precision: str = "auto") -> dict:
-    """The budget's small `gattn lab sinks` run on compare's variants into out (reused like every lab unit), in the
-    LM runs' precision setting."""
-    from gated_attention.labs.sinks import sink_lab
-
-    cfg = sink_lab_config(budget, variants, precision)
-    log(f"[compare] sink lab ({budget.sink_lab[0]} budget, {cfg.seeds} seed(s), {cfg.steps} steps) -> {out}")
-    return sink_lab.run_lab(cfg, out, jobs=jobs or experiment.default_jobs(),
-                         log=lambda m: log(f"[compare] sink lab: {m}"))
+    return sink_lab.budget_config(budget.sink_lab, **{"seeds": budget.sink_lab_seeds, **(changes or {}),
+                                                      "variants": list(variants), "precision": precision}).validate()
 
 
 def sink_lab_summary(lab: dict, out: Path, lab_dir: Path) -> dict:
@@ -316,27 +315,29 @@ def _stderr(msg: str) -> None:
 
 
 def _unit(task: tuple, log=_stderr):
-    """One model of the job, in a worker process or in-process: ("lm", (cfg, run_dir, budget)) trains (or reuses /
-    resumes) an LM variant and analyses it -> (summary, analysis); ("sink", job) trains one sink-lab unit."""
+    """One model of the job, in a worker process or in-process: ("lm", (cfg, run_dir, budget, resolved precision))
+    trains (or reuses / resumes) an LM variant in the job's precision and analyses it -> (summary, analysis);
+    ("sink", job) trains one sink-lab unit (its job carries the decided precision too)."""
     kind, payload = task
     if kind == "sink":
         from gated_attention.labs.sinks import sink_lab
 
         return sink_lab.train_unit(payload)
-    cfg, run_dir, budget = payload
-    summary = experiment.train_or_reuse(cfg, run_dir, log, "[compare]")
+    cfg, run_dir, budget, precision = payload
+    summary = experiment.train_or_reuse(cfg, run_dir, log, "[compare]", resolved_precision=precision)
     return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
 
 
-def schedule_units(out: Path, base, variants: list[str], budget: Budget, sink_cfg) -> list[tuple]:
-    """The job's models still to train as `_unit` tasks, longest first: the LM variants, then the sink lab's units
-    (short ones that fill the second core while the last LM variant trains). Finished ones need no worker."""
-    tasks = [("lm", (replace(base, gate=v).validate(), out / "runs" / v, budget)) for v in variants
+def schedule_units(out: Path, cfgs: dict, budget: Budget, precision: str, sink_units: tuple | None = None
+                   ) -> list[tuple]:
+    """The job's models still to train as `_unit` tasks, longest first: the LM variants (cfgs: variant -> its
+    validated TrainConfig; precision: the job's resolved one), then the sink lab's pending units (sink_units:
+    sink_lab.unit_jobs' (jobs, done); short ones that fill the second core while the last LM variant trains).
+    Finished ones need no worker."""
+    tasks = [("lm", (cfg, out / "runs" / v, budget, precision)) for v, cfg in cfgs.items()
              if not experiment.is_finished(out / "runs" / v)]
-    if sink_cfg is not None:
-        from gated_attention.labs.sinks import sink_lab
-
-        jobs_list, done = sink_lab.unit_jobs(sink_cfg, out / "sink_lab")
+    if sink_units is not None:
+        jobs_list, done = sink_units
         tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
     return tasks
 
@@ -362,9 +363,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     from . import compare_report
     t0 = time.perf_counter()
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
-    if budget not in BUDGETS:
-        raise ValueError(f"unknown --budget {budget!r}; valid: {', '.join(BUDGETS)}")
-    b = BUDGETS[budget]
+    b = get_budget(budget)
     if large_sources:  # the default sources + the opt-in large ones (~100 MB more text): a corpus of its own
         from ..data import DEFAULT_SOURCES, LARGE_DEFAULT
 
@@ -372,33 +371,43 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
                                             sources=DEFAULT_SOURCES + LARGE_DEFAULT)
     else:
         data_dir = experiment.ensure_corpus(data_dir or b.data_dir, b.vocab_size, log, "[compare]")
-    base = budget_config(budget, str(data_dir), sets)
+    base = budget_config(b, str(data_dir), sets)
+    cfgs = {v: replace(base, gate=v).validate() for v in variants}  # each variant's run, configured once
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     batches = analysis_batches(base, b)
-    from ..util.precision import describe
-    from ..train.config import run_precision
+    from ..util.precision import decide, device_type
 
-    log(f"[compare] {describe(base.precision, base.device)}")  # measured here once; the workers adopt it
-    if sink_lab and sink_lab_changes:
-        b = replace(b, sink_lab=(b.sink_lab[0], {**b.sink_lab[1], **sink_lab_changes}))
-    sink_cfg = sink_lab_config(b, variants, base.precision) if sink_lab else None
+    # the job's one precision decision: every LM run and sink-lab unit (in this process or a worker) trains in it
+    precision, line = decide(base.precision, base.device)
+    log(f"[compare] {line}")
+    sink_cfg = sink_units = None
+    if sink_lab:  # its units are planned (and the finished ones read) once, here; trained in the same pool
+        from ..labs import sinks
+
+        sink_cfg = sink_lab_config(b, variants, sink_lab_changes, base.precision)
+        # the sink lab's loop runs on the CPU: it shares the decision when the LM runs do too
+        sink_precision = precision if device_type(base.device) == "cpu" else decide(sink_cfg.precision, "cpu")[0]
+        sink_units = sinks.unit_jobs(sink_cfg, out / "sink_lab", sink_precision)
+        log(f"[compare] sink lab ({b.sink_lab} budget, {sink_cfg.seeds} seed(s), {sink_cfg.steps} steps) -> "
+            f"{out / 'sink_lab'}")
     jobs = jobs or experiment.default_jobs()
-    tasks = schedule_units(out, base, variants, b, sink_cfg)
+    tasks = schedule_units(out, cfgs, b, precision, sink_units)
     threads = max(1, experiment.cores() // jobs)
-    lm = [t[1][1].name for t in tasks if t[0] == "lm"]  # the variants to train (run folder = variant name)
+    n_lm = sum(t[0] == "lm" for t in tasks)
     if tasks:
-        log(f"[compare] {len(tasks)} models to train ({len(lm)} LM variants, {len(tasks) - len(lm)} sink-lab units), "
+        log(f"[compare] {len(tasks)} models to train ({n_lm} LM variants, {len(tasks) - n_lm} sink-lab units), "
             f"{jobs} at a time" + (f", {threads} thread(s) each" if jobs > 1 and len(tasks) > 1 else ""))
     fn = _unit if jobs > 1 and len(tasks) > 1 else functools.partial(_unit, log=log)  # in-process: the caller's log
     t_models = time.perf_counter()
-    trained = dict(zip(lm, experiment.run_units(fn, tasks, jobs=jobs, log=log, threads=threads)))
+    results = experiment.run_units(fn, tasks, jobs=jobs, log=log, threads=threads)
+    trained = {t[1][1].name: r for t, r in zip(tasks, results) if t[0] == "lm"}  # run folder = variant name
     timings = {"setup": t_models - t0, "models": time.perf_counter() - t_models}
     rows, analyses, logs = {}, {}, {}
     for v in variants:
         run_dir = out / "runs" / v
         # a finished run is reused here (a file read; its analysis too, when cached)
-        summary, analysis = trained.get(v) or _unit(("lm", (replace(base, gate=v).validate(), run_dir, b)), log)
+        summary, analysis = trained[v] if v in trained else _unit(("lm", (cfgs[v], run_dir, b, precision)), log)
         rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
         analyses[v], logs[v] = analysis, read_jsonl(run_dir / "log.jsonl")
         r = rows[v]
@@ -409,7 +418,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         "variants": variants,
         "data_dir": str(data_dir),
         "train_config": base.to_dict(),
-        "resolved_precision": run_precision(base.to_dict()),  # what every run trained in (runs are keyed on it)
+        "resolved_precision": precision,  # what every run trained in (runs are keyed on it)
         "analysis": {"batches": len(batches), "batch_size": int(batches[0].shape[0]), "seq_len": base.seq_len,
                      "tokens": int(sum(x.numel() for x in batches)), "first_token": "<|bos|>"},
         "rows": rows,
@@ -419,7 +428,11 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     lab = None
     t = time.perf_counter()
     if sink_lab:  # every unit is trained by now: this aggregates them and writes the lab's report
-        lab = run_sink_lab(b, out / "sink_lab", variants, jobs, log, precision=base.precision)
+        jobs_list, done = sink_units
+        fresh = iter(r for t, r in zip(tasks, results) if t[0] == "sink")
+        lab = sinks.write_lab(sink_cfg, out / "sink_lab",
+                              [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))],
+                              sink_precision)
         result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
     timings["sink_lab_report"], t = time.perf_counter() - t, time.perf_counter()
     if streaming:

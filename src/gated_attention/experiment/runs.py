@@ -59,12 +59,13 @@ def is_finished(run_dir: str | Path) -> bool:
 
 def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]", step_hook=None,
                    model_factory=None, plugins=None, key: dict | None = None, key_defaults: dict | None = None,
-                   inputs: tuple[str, ...] = ()) -> dict:
+                   inputs: tuple[str, ...] = (), resolved_precision: str | None = None) -> dict:
     """Train `cfg` into run_dir, reusing a finished run or resuming an interrupted one; returns summary.json's
     content. Raises cache.StaleResult when run_dir holds a run with other settings. step_hook, model_factory, plugins:
     the trainer's (a stopping rule, a recorder with state_dict/load_state_dict; a lab's own model; its data source, optimizer groups, trainable
     phases, extra loss: train/plugins.py). key (with key_defaults and inputs as in cache.load): the caller's own
-    settings of the run, checked before anything runs."""
+    settings of the run, checked before anything runs. resolved_precision: the job's one decision for cfg.precision
+    (util.precision.decide), compared and trained in as it is; None: decided per run."""
     import shutil
 
     from ..train import checkpoint, trainer  # module attributes: tests replace trainer.train
@@ -81,7 +82,9 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
     cfg_path = run_dir / "train_config.json"
     if cfg_path.exists():
         saved = read_json_object(cfg_path, "saved run settings", "delete that run folder")
-        cache.check(run_dir, saved, cfg.to_dict(), diffs=setting_differences(saved, cfg.to_dict()))
+        want = cfg.to_dict() if resolved_precision is None else {**cfg.to_dict(),
+                                                                 "resolved_precision": resolved_precision}
+        cache.check(run_dir, saved, want, diffs=setting_differences(saved, want))
     if is_finished(run_dir):
         log(f"{tag} {cfg.gate}: reuse finished run {run_dir}")
         if hasattr(step_hook, "load_state_dict"):  # the hook ends as it would have after training (its records)
@@ -92,6 +95,8 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
         f"-> {run_dir}")
     given = {k: v for k, v in (("step_hook", step_hook), ("model_factory", model_factory), ("plugins", plugins))
              if v is not None}
+    if resolved_precision is not None:
+        given["resolved_precision"] = resolved_precision
     return trainer.train(cfg, run_dir, resume=resume, **given)  # plain call without plug-ins (tests replace train)
 
 

@@ -1,6 +1,7 @@
 """Aggregation over seeds, one convention for every job: the mean and the sample standard deviation (n - 1) of the
 values a seed measured (a missing or non-finite value is left out); one value has no spread, so its std is None
-(reports then show the mean alone), and nothing measured is None in both.
+(reports then show the mean alone), and nothing measured is None in both. `seed_curves` is the same over the learning
+curves the labs record per seed (the sink and retrofit labs' plots).
 """
 from __future__ import annotations
 
@@ -30,6 +31,23 @@ def mean_std(per_seed: list[dict], keys: Iterable[str]) -> tuple[dict, dict]:
         s = spread(r.get(k) for r in per_seed)
         mean[k], std[k] = s["mean"], s["std"]
     return mean, std
+
+
+def seed_curves(variants: dict, key: str) -> dict[str, tuple[list, list, list, list]]:
+    """{name: (steps, mean, lo, hi)} of one curve metric over seeds: `variants` maps a name to {"per_seed": [result,
+    ...]} (a lab.json's "variants"), each result holding "curve", a list of {"step", key, ...} points. A step's mean
+    and its min..max band are over the seeds that measured `key` there (None values left out)."""
+    out = {}
+    for name, v in variants.items():
+        by_step: dict[int, list[float]] = {}
+        for r in v["per_seed"]:
+            for p in r.get("curve", []):
+                if p.get(key) is not None:
+                    by_step.setdefault(p["step"], []).append(p[key])
+        steps = sorted(by_step)
+        out[name] = (steps, [sum(by_step[s]) / len(by_step[s]) for s in steps], [min(by_step[s]) for s in steps],
+                     [max(by_step[s]) for s in steps])
+    return out
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -70,8 +70,9 @@ def _hits(records: list[dict], length: int) -> tuple[int, int]:
 
 
 def build_report(results: dict, training: dict, b, lengths: list[int], factor: int, models: list[str],
-                 seeds: list[int]) -> dict:
-    """results[(model, seed, variant)] = eval dict; training[(model, seed)] = dict(steps_run, steps_to_skill, ...).
+                 seeds: list[int], precision: str | None = None) -> dict:
+    """results[(model, seed, variant)] = eval dict; training[(model, seed)] = dict(steps_run, steps_to_skill, ...);
+    precision: what b.precision was decided to be (the pipeline's one decision; None: decided here).
 
     A partial report (--report-only while runs are unfinished) lacks some results: each row then averages the seeds
     it has (row["seeds"]), a model with none has no rows, and training entries may carry finished=False.
@@ -127,7 +128,7 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
     skill = {m: spread([t["steps_to_skill"] for t in train[m]]) for m in models}
     done = {r["model"]: r["seeds"] for r in rows}
     rep = dict(train_length=L, factor=factor, lengths=lengths, gates=models, models=models, seeds=seeds,
-               budget=_budget_dict(b), rows=rows, training=train, steps_to_skill=skill, excluded=excluded,
+               budget=_budget_dict(b, precision), rows=rows, training=train, steps_to_skill=skill, excluded=excluded,
                complete=all((m, s, v) in results for m in models for s in seeds for v in VARIANTS),
                pos_loss={f"{m}-{v}": np.mean([results[(m, s, v)]["pos_loss"] for s in have], 0).tolist()
                          for m, have in done.items() for v in VARIANTS})
@@ -135,12 +136,12 @@ def build_report(results: dict, training: dict, b, lengths: list[int], factor: i
     return rep
 
 
-def _budget_dict(b) -> dict:
+def _budget_dict(b, precision: str | None = None) -> dict:
     import dataclasses
 
     from gated_attention.util.precision import resolve
 
-    return {**dataclasses.asdict(b), "resolved_precision": resolve(b.precision, "cpu")}
+    return {**dataclasses.asdict(b), "resolved_precision": precision or resolve(b.precision, "cpu")}
 
 
 def claim(rep: dict) -> dict:

@@ -173,8 +173,10 @@ def skill_settings(b: Budget, seed: int) -> dict | None:
                 length=b.seq_len, seed=seed)
 
 
-def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None = None) -> Path:
+def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None = None,
+                precision: str | None = None) -> Path:
     """Train (or reuse, or resume) one model (experiment.train_or_reuse); returns its final/ checkpoint directory.
+    precision: the pipeline's decision for cfg.precision (None: decided by the run).
 
     stopper: a trainer step_hook (skill.SkillStop) that ends training once the model has the skill; `skill` is its
     settings dict, kept in run_dir/skill_config.json so a run is never reused or resumed under another stopping rule
@@ -186,7 +188,8 @@ def train_stage(cfg, run_dir: Path, log=print, stopper=None, skill: dict | None 
         experiment.cache.check(run_dir, {"stopping rule": old}, {"stopping rule": skill})
     if not skill_path.exists():
         atomic_write_json(skill_path, {"rule": skill}, indent=1)
-    summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]", step_hook=stopper)
+    summary = experiment.train_or_reuse(cfg, run_dir, log, "[longctx]", step_hook=stopper,
+                                        resolved_precision=precision)
     if summary.get("diverged"):
         raise ValueError(f"training {cfg.gate} diverged ({summary.get('stop_reason')}); lower the learning rate")
     return run_dir / "final"
@@ -351,6 +354,10 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
     if factor < 2 or factor & (factor - 1):
         raise ValueError(f"--factor {factor} must be a power of two >= 2 (lengths double from L to factor*L)")
     check_budget(b)
+    from gated_attention.util.precision import decide
+
+    # the pipeline's one decision, on the trainer's device ("auto"): every cell trains in it
+    precision, line = decide(b.precision, "auto")
     models = [canonical_model(m) for m in (gates or b.models)]
     from gated_attention.gates import canonical_name
 
@@ -384,12 +391,13 @@ def run_pipeline(out_dir, b: Budget, data_dir: str | None = None, gates=None, fa
         if jobs > 1:
             log(f"[longctx] {len(cells)} (model, seed) runs, {jobs} at a time in worker processes "
                 f"({threads} torch thread(s) each)")
-        tasks = [(str(out), b, m, s, data_dir, factor, lengths, jobs > 1) for m, s in cells]
+        log(f"[longctx] {line}")
+        tasks = [(str(out), b, m, s, data_dir, factor, lengths, jobs > 1, precision) for m, s in cells]
         fn = run_cell if jobs > 1 else functools.partial(run_cell, log=log)  # workers cannot take the caller's log
         for (m, s), (outcome, evals) in zip(cells, experiment.run_units(fn, tasks, jobs, log, threads)):
             training[(m, s)] = outcome
             results.update({(m, s, variant): res for variant, res in evals.items()})
-    rep = build_report(results, training, b, lengths, factor, models, seeds)
+    rep = build_report(results, training, b, lengths, factor, models, seeds, precision)
     atomic_write_json(out / "report.json", rep, indent=2)  # int length keys become strings, as JSON has them
     write_report(out, rep)  # report.png, report.md, report.html (atomic: one-model runs in parallel share OUT)
     log(format_markdown(rep))
@@ -407,7 +415,7 @@ def run_cell(task: tuple, log=None) -> tuple[dict, dict]:
     from gated_attention.data import Corpus
     from gated_attention.longctx import skill as S
 
-    out, b, m, s, data_dir, factor, lengths, tagged = task
+    out, b, m, s, data_dir, factor, lengths, tagged, precision = task
     out = Path(out)
     if log is None:
         log = (lambda msg: print(f"[{m} seed{s}] {msg}", flush=True)) if tagged else print
@@ -420,7 +428,7 @@ def run_cell(task: tuple, log=None) -> tuple[dict, dict]:
     if skill is not None:
         scorer = S.PasskeyScorer(tok, b.seq_len, b.skill_samples, s, task=b.mix_tasks[0])
         stopper = S.SkillStop(scorer, b.skill_every, b.until_skill, run_dir / "skill.jsonl", log)
-    final = train_stage(train_config_for(b, gate, data_dir, s, init), run_dir, log, stopper, skill)
+    final = train_stage(train_config_for(b, gate, data_dir, s, init), run_dir, log, stopper, skill, precision)
     outcome = S.training_outcome(run_dir, skill)
     yarn = extend_stage(final, run_dir / f"yarn{factor}", b.seq_len, factor, log)
     evals = {variant: eval_stage(model_dir, out / "eval" / f"{model_dir_name(m)}-seed{s}-{variant}.json", b, lengths,

@@ -53,12 +53,14 @@ from ..util.precision import numerics
 # ---------------------------------------------------------------- the loop
 
 def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None, step_hook=None,
-          plugins: Plugins | None = None) -> dict:
+          plugins: Plugins | None = None, resolved_precision: str | None = None) -> dict:
     """Train per `cfg` into `out_dir`; returns the summary (also written to out_dir/summary.json on rank 0).
 
     model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests; a lab's
     own model: the sink lab's small shapes, the retrofit lab's retrofitted start). plugins: a lab's data source,
-    optimizer groups, trainable phases and extra loss (train/plugins.py).
+    optimizer groups, trainable phases and extra loss (train/plugins.py). resolved_precision: the calling command's
+    decision for cfg.precision (util.precision.decide, one of RESOLVED), taken as it is; None: this call is the
+    command (`gattn train`), which decides here and logs it.
     step_hook(steps_done, model) -> str | None runs after every optimizer step (after its log line, before its
     checkpoint) on every rank with the plain model; a non-empty string stops training there with it as the summary's
     stop_reason (a stopping rule such as longctx's --until-skill). It must give the same answer on every rank. A hook
@@ -70,7 +72,8 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
     try:
         with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
             _on_main(info, lambda: stack.enter_context(lock_dir(out_dir, "gattn train")))
-            return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook, plugins or Plugins())
+            return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook, plugins or Plugins(),
+                          resolved_precision)
     finally:
         D.teardown()
 
@@ -113,8 +116,8 @@ class _Run:
 
 
 def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None,
-           plugins: Plugins = Plugins()) -> dict:
-    latest, precision = _check_run_dir(cfg, out, resume, info)
+           plugins: Plugins = Plugins(), resolved_precision: str | None = None) -> dict:
+    latest, precision = _check_run_dir(cfg, out, resume, info, resolved_precision)
     run = _setup(cfg, out, model_factory, info, precision, plugins)
     run.step_hook = step_hook
     _restore(run, latest if resume else None)
@@ -132,20 +135,24 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
 
 # ---------------------------------------------------------------- setup and resume
 
-def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo) -> tuple[Path | None, str]:
-    """Resolve the precision, validate the run folder against `resume`, write train_config.json; returns (the
-    checkpoint to resume from — the newest VALID one — or None, the resolved precision). Rank 0 decides; an error
-    there stops every rank (D.agree)."""
+def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo,
+                   resolved_precision: str | None = None) -> tuple[Path | None, str]:
+    """Decide the precision (or take the caller's decision, `resolved_precision`), validate the run folder against
+    `resume`, write train_config.json; returns (the checkpoint to resume from — the newest VALID one — or None, the
+    resolved precision). Rank 0 decides; an error there stops every rank (D.agree)."""
     cfg.check_world(info.world_size)
     box = {}
     dist_mode = cfg.dist if info.distributed else "none"
 
     def prepare():
-        from ..util.precision import describe, resolve
+        from ..util.precision import check_resolved, decide
 
-        box["precision"] = resolve(cfg.precision, info.device, dist_mode)
+        if resolved_precision is not None:  # the command decided (and logged) it where the run was configured
+            box["precision"] = check_resolved(resolved_precision, "resolved_precision")
+        else:
+            box["precision"], line = decide(cfg.precision, info.device, dist_mode)
+            print(f"gattn train: {line}", file=sys.stderr, flush=True)
         cfg.check_world(info.world_size, box["precision"])
-        print(f"gattn train: {describe(cfg.precision, info.device, dist_mode)}", file=sys.stderr, flush=True)
         want = {**cfg.to_dict(), "resolved_precision": box["precision"]}
         box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json", want)
         atomic_write_text(out / "train_config.json", json_dumps(want, indent=1))

@@ -24,6 +24,8 @@ cost), so bf16 numerics can be studied on any CPU. `gemm_mode(device)` says whic
 runs in: autocast for "bf16", the emulation where the GEMMs are emulated, nothing for fp32.
 
 `GATTN_BF16_SPEEDUP=<float>` replaces the measurement (a known machine; tests fake both kinds of CPU with it).
+`decide(precision, device, dist)` is a command's one decision (the resolved precision and its log line), made where
+the run is configured and passed down: the trainer, the labs' units and the worker processes take it as it is.
 Every job records the outcome as `resolved_precision` (summary.json, lab.json's config, bench JSON) and keys its
 caches on it, so a bf16 result is never reused as an fp32 one. fp16 is refused: CPU fp16 matmuls are ~1000x slower
 and training in fp16 needs loss scaling, which the trainer does not do.
@@ -60,6 +62,11 @@ def _device(device) -> torch.device:
     if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def device_type(device=None) -> str:
+    """"cpu", "cuda", ... of a device setting ("auto"/None: cuda if present, else cpu): decisions are per device."""
+    return _device(device).type
 
 
 def _time_gemm(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> float:
@@ -172,8 +179,10 @@ def _warn_if_slow(precision: str, dev: torch.device) -> None:
               "keeps it; unset GATTN_BF16_GEMM to emulate, or use precision=auto or fp32", file=sys.stderr, flush=True)
 
 
-def describe(precision: str = "auto", device=None, dist: str = "none") -> str:
-    """One log line: what was asked, what it resolved to, and why (the measured ratio on a CPU)."""
+def decide(precision: str = "auto", device=None, dist: str = "none") -> tuple[str, str]:
+    """The one precision decision of a command, made where its run is configured: (the resolved precision, one log
+    line saying what was asked, what it resolved to and why). The command passes the resolved value down (to the
+    trainer, its units, its worker processes), and the layers below accept it as it is, so a process decides once."""
     dev = _device(device)
     resolved = resolve(precision, dev, dist)
     why = ""
@@ -185,7 +194,15 @@ def describe(precision: str = "auto", device=None, dist: str = "none") -> str:
             why += "; bf16 GEMMs emulated"
     elif dev.type == "cuda" and precision == "auto":
         why = " (CUDA bf16 support)" if resolved != "fp32" else " (no CUDA bf16 support)"
-    return f"precision {precision} -> {resolved}{why}"
+    return resolved, f"precision {precision} -> {resolved}{why}"
+
+
+def check_resolved(resolved: str, what: str = "resolved precision") -> str:
+    """`resolved` if it is a decided precision (one of RESOLVED): what a layer handed a decision accepts as it is."""
+    if resolved not in RESOLVED:
+        raise ValueError(f"{what}={resolved!r} is not a decided precision (one of {', '.join(RESOLVED)}); decide "
+                         "it once with util.precision.decide where the run is configured")
+    return resolved
 
 
 def numerics(resolved: str, device=None):
@@ -212,15 +229,29 @@ def param_dtype(resolved: str) -> torch.dtype:
     return torch.bfloat16 if check(resolved) == "bf16-params" else torch.float32
 
 
+# what each choice means, in every parser's help
+_CHOICE_HELP = {
+    "auto": "bf16 autocast where this CPU runs a measured bf16 GEMM faster than fp32 (on CUDA: bf16, or bf16-params "
+            "under dist=fsdp), else fp32",
+    "bf16": "autocast (fp32 weights and residual stream, bf16 matmuls)",
+    "bf16-params": "bf16 weights and activations with fp32 master weights and optimizer state",
+    "fp32": "fp32 throughout",
+}
+
+
 def add_argument(parser, *, default: str | None = "auto", flag: str = "--precision", what: str = "training numerics",
-                 note: str = "") -> None:
-    """The one `--precision` option of every parser: the choices and what each means."""
+                 note: str = "", choices: tuple[str, ...] = PRECISIONS) -> None:
+    """The one `--precision` option of every parser (the CLI's and the benches'): the choices and what each means.
+    choices: a subset of PRECISIONS, in their order, for a tool that cannot run them all (a bench workload that
+    autocasts has no bf16-params)."""
+    bad = [c for c in choices if c not in PRECISIONS]
+    if bad or not choices:
+        raise ValueError(f"precision choices {list(choices)}: each must be one of {', '.join(PRECISIONS)}")
+    choices = tuple(c for c in PRECISIONS if c in choices)
     shown = f"default {default}" if default is not None else "default: the job's own setting"
-    parser.add_argument(flag, choices=PRECISIONS, default=default, help=(
-        f"{what} ({shown}): auto = bf16 autocast where this CPU runs a measured bf16 GEMM faster than fp32 (on CUDA: "
-        "bf16, or bf16-params under dist=fsdp), else fp32; bf16 = autocast (fp32 weights and residual stream, bf16 "
-        "matmuls); bf16-params = bf16 weights and activations with fp32 master weights and optimizer state; fp32. "
-        "bf16 GEMMs are emulated (same numerics, ~fp32 speed) on CPUs without bf16 instructions" + note))
+    parser.add_argument(flag, choices=choices, default=default, help=(
+        f"{what} ({shown}): " + "; ".join(f"{c} = {_CHOICE_HELP[c]}" for c in choices)
+        + ". bf16 GEMMs are emulated (same numerics, ~fp32 speed) on CPUs without bf16 instructions" + note))
 
 
 def dtype_of(resolved: str) -> torch.dtype:

@@ -25,7 +25,7 @@ import math
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ...experiment import cache
@@ -140,12 +140,13 @@ def _measure_key(cfg: RetrofitLabConfig, start: Start) -> dict:
 
 
 def _unit_key(cfg: RetrofitLabConfig, start: Start, name: str, recipe: dict, seed: int) -> dict:
-    from gated_attention.util.precision import resolve
+    from gated_attention.util.precision import RESOLVED, resolve
 
     d = asdict(cfg)
     for k in ("starts", "recipes", "seeds", "ckpt_every", "keep_models"):  # a unit does not depend on these
         d.pop(k)
-    d["precision"] = resolve(cfg.precision, "cpu")  # what it resolved to here: "auto" reuses a bf16 unit, not fp32
+    # what it resolved to here: "auto" reuses a bf16 unit, not fp32. run_lab's units carry its one decision already
+    d["precision"] = cfg.precision if cfg.precision in RESOLVED else resolve(cfg.precision, "cpu")
     return {**d, **_measure_key(cfg, start), "plan": asdict(plan_for(cfg, start)), "recipe": name,
             "recipe_settings": recipe, "seed": seed}
 
@@ -376,7 +377,7 @@ def aggregate(units: list[dict], befores: dict[str, dict], starts: list[Start], 
 def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
     """Measure every start, train/reuse every unit, aggregate, write lab.json and the report into out."""
     from gated_attention.util.io import atomic_write_json
-    from gated_attention.util.precision import describe, resolve
+    from gated_attention.util.precision import decide
 
     from . import retrofit_report
     from .recipes import RECIPES
@@ -385,21 +386,22 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    precision, line = decide(cfg.precision, "cpu")  # the lab's one decision: every unit (its job's config) carries it
     starts = resolve_starts(cfg.starts, cfg.data_dir, cfg.seq_len, log)
     names = [CONTROL] + [r for r in cfg.recipes if r != CONTROL]
     befores = {}
     for s in starts:
         befores[s.label] = measure_start(cfg, s, out, log)
-    jobs_list = [(asdict(cfg), s.to_dict(), n, get_recipe(n).to_dict(), seed,
+    jobs_list = [(asdict(replace(cfg, precision=precision)), s.to_dict(), n, get_recipe(n).to_dict(), seed,
                   str(out / "runs" / s.label / n / f"seed{seed}"))
                  for seed in range(cfg.seeds) for s in starts for n in names]
     log(f"{len(jobs_list)} units ({len(starts)} start(s) x {len(names)} recipes x {cfg.seeds} seed(s)), "
-        f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
+        f"{jobs} at a time, {line} -> {out}")
     units = run_units(train_unit, jobs_list, jobs=jobs, log=log)
     agg = aggregate(units, befores, starts, names)
     lab = {
         "kind": starts[0].kind,
-        "config": {**asdict(cfg), "recipes": names, "resolved_precision": resolve(cfg.precision, "cpu"),
+        "config": {**asdict(cfg), "recipes": names, "resolved_precision": precision,
                    "plans": {s.label: asdict(plan_for(cfg, s)) for s in starts}},
         "recipe_settings": {n: RECIPES[n].to_dict() for n in names},
         "start": {s.label: {**s.to_dict(), "before": {k: v for k, v in befores[s.label].items() if k != "key"}}

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ...experiment import pages
 from ...experiment.pages import fmt_mean_std
+from ...experiment.stats import seed_curves
 from ...util.io import save_png
 from .recipes import CONTROL
 
@@ -86,24 +87,22 @@ def text_table(lab: dict) -> str:
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     import matplotlib.pyplot as plt
 
-    from ..sinks.sink_report import _curves
-
     plot_dir = Path(plot_dir)
-    entries = {"variants": _entries(lab)}
-    colors = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(entries["variants"])}  # one colour per recipe
+    entries = _entries(lab)  # {recipe: {"per_seed": [...]}}
+    colors = {n: plt.get_cmap("tab20")(i % 20) for i, n in enumerate(entries)}  # one colour per recipe
     skill_key, skill_label = (("backcopy_ce", "backcopy CE (nats)") if lab["kind"] == "sink"
                               else ("val_loss", "validation loss (nats)"))
     sink_label = "BOS attention, dormant queries" if lab["kind"] == "sink" else "F-Attn (attention on token 0)"
     fig, axes = pages.subplots(1, 3, figsize=(17, 4.4))
     for ax, key, ylabel in ((axes[0], "sink", sink_label), (axes[1], skill_key, skill_label),
                             (axes[2], "gate_dormant", "gate score, dormant (solid) / active (dashed)")):
-        for name, (xs, ys, lo, hi) in _curves(entries, key).items():
+        for name, (xs, ys, lo, hi) in seed_curves(entries, key).items():
             if not xs:
                 continue
             ax.plot(xs, ys, label=name, lw=1.5, color=colors[name])
             ax.fill_between(xs, lo, hi, color=colors[name], alpha=0.12, lw=0)
             if key == "gate_dormant":
-                xa, ya, _, _ = _curves({"variants": {name: entries["variants"][name]}}, "gate_active")[name]
+                xa, ya, _, _ = seed_curves({name: entries[name]}, "gate_active")[name]
                 ax.plot(xa, ya, ls="--", color=colors[name], lw=1.2)
         ax.set(xlabel="retrofit step", ylabel=ylabel)
     axes[0].set(title="the sink (band: min..max over starts x seeds)")
@@ -112,8 +111,8 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
         axes[1].set(yscale="log")
     axes[1].set(title="skill")
     axes[2].set(title="gate scores")
-    handles = [plt.Line2D([], [], color=colors[n], lw=2) for n in entries["variants"]]
-    fig.legend(handles, list(entries["variants"]), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    handles = [plt.Line2D([], [], color=colors[n], lw=2) for n in entries]
+    fig.legend(handles, list(entries), loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.tight_layout()
     return {"curves": save_png(fig, plot_dir / "learning_curves.png")}
 

@@ -27,6 +27,7 @@ OUT fail loudly.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 import time
@@ -38,8 +39,8 @@ from ...experiment import cache
 from ...util.io import locks_output
 from ...experiment.runs import run_units
 from ...experiment.stats import mean_std
+from ...gates import DEFAULT_VARIANTS
 
-DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 METRICS = ("bos_attention_dormant", "bos_attention_active", "prev_attention_active", "value_drain_ratio",
            "residual_peak_ratio", "backcopy_ce", "bigram_ce", "bigram_ce_floor", "gate_dormant", "gate_active",
            "steps_to_skill")
@@ -119,15 +120,35 @@ class SinkLabConfig:
         return self
 
 
-BUDGETS: dict[str, tuple[str, dict]] = {
-    "small": ("CI smoke run: V=16, T=32, d=32, 60 steps, 2 seeds (seconds)",
-              dict(task=BackcopyTask(vocab=16, triggers=2, seq_len=32).to_dict(), hidden_size=32,
-                   intermediate_size=64, seeds=2, steps=60, batch_size=8, warmup_steps=5, eval_every=20,
-                   eval_size=8, ckpt_every=30, compile=False)),
-    "default": ("V=64, k=3, T=64, 1 layer x 1 head, d=128, FFN 64, QK-norm off, no weight decay, 800 steps of 32 "
-                "sequences at lr 1e-2 (WSD: held, then decayed to 1e-3 over the last 20 %%), 3 seeds, compiled: the "
-                "baseline forms the full BOS sink in every seed; about 30 s of CPU per model (bf16)", {}),
+@dataclass(frozen=True)
+class SinkBudget:
+    """One named size of the lab: its help line and the whole SinkLabConfig it runs (budgets are the defaults or a
+    `replace` of them; `budget_config` hands out a copy with further changes)."""
+
+    help: str
+    config: SinkLabConfig
+
+
+_DEFAULT = SinkLabConfig()
+BUDGETS: dict[str, SinkBudget] = {
+    "small": SinkBudget(
+        "CI smoke run: V=16, T=32, d=32, 60 steps, 2 seeds (seconds)",
+        replace(_DEFAULT, task=BackcopyTask(vocab=16, triggers=2, seq_len=32).to_dict(), hidden_size=32,
+                intermediate_size=64, seeds=2, steps=60, batch_size=8, warmup_steps=5, eval_every=20, eval_size=8,
+                ckpt_every=30, compile=False)),
+    "default": SinkBudget(
+        "V=64, k=3, T=64, 1 layer x 1 head, d=128, FFN 64, QK-norm off, no weight decay, 800 steps of 32 sequences "
+        "at lr 1e-2 (WSD: held, then decayed to 1e-3 over the last 20 %%), 3 seeds, compiled: the baseline forms the "
+        "full BOS sink in every seed; about 30 s of CPU per model (bf16)", _DEFAULT),
 }
+
+
+def budget_config(name: str, **changes) -> SinkLabConfig:
+    """The SinkLabConfig of budget `name` with `changes` (SinkLabConfig fields) on top: a copy, so changing it leaves
+    the budget alone. Not validated (the lab validates what it runs)."""
+    if name not in BUDGETS:
+        raise ValueError(f"unknown sink-lab budget {name!r}; valid: {', '.join(BUDGETS)}")
+    return replace(copy.deepcopy(BUDGETS[name].config), **changes)
 
 
 # ---------------------------------------------------------------- variants and models
@@ -266,22 +287,29 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
 # ---------------------------------------------------------------- one unit: a variant x seed
 
 def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
-    from gated_attention.util.precision import resolve
+    from gated_attention.util.precision import RESOLVED, resolve
 
     d = asdict(cfg)
     for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
         d.pop(k)
     # a model trained in bf16 is not the fp32 one: the key holds what the precision resolved to on this machine (so
-    # "auto" that ran in bf16 reuses a unit trained with "bf16", and never one trained in fp32)
-    d["precision"] = resolve(cfg.precision, "cpu")
+    # "auto" that ran in bf16 reuses a unit trained with "bf16", and never one trained in fp32). The lab's units get
+    # a config whose precision the lab decided already (unit_jobs); "auto" here is a unit trained on its own
+    d["precision"] = cfg.precision if cfg.precision in RESOLVED else resolve(cfg.precision, "cpu")
     return {**d, "variant": variant, "seed": seed, "format": 1}
 
 
 def _stored_unit(unit_dir: str | Path, cfg: SinkLabConfig, variant: str, seed: int) -> dict | None:
     """The unit's result.json when it was made with these settings (cache.load: None if absent, StaleResult if made
     with others). A knob added to the lab after a unit was trained counts as its default for that unit."""
-    return cache.load(Path(unit_dir) / "result.json", _unit_key(cfg, variant, seed),
-                      defaults=_unit_key(SinkLabConfig(), variant, seed))
+    key = _unit_key(cfg, variant, seed)
+    return cache.load(Path(unit_dir) / "result.json", key, defaults=_unit_defaults(key))
+
+
+def _unit_defaults(key: dict) -> dict:
+    """The key a unit would have with every knob at its default (what a knob added later counts as), in the
+    precision of `key` (already decided: no second decision)."""
+    return _unit_key(replace(SinkLabConfig(), precision=key["precision"]), key["variant"], key["seed"])
 
 
 def train_unit(job: tuple) -> dict:
@@ -313,7 +341,7 @@ def train_unit(job: tuple) -> dict:
     opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps)
     state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
     ckpt = unit_dir / "ckpt.pt"
-    saved = cache.load_checkpoint(ckpt, key, defaults=_unit_key(SinkLabConfig(), variant, seed))
+    saved = cache.load_checkpoint(ckpt, key, defaults=_unit_defaults(key))
     if saved is not None:
         model.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
@@ -465,30 +493,35 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- the lab
 
-def unit_jobs(cfg: SinkLabConfig, out: str | Path) -> tuple[list[tuple], dict[int, dict | None]]:
+def unit_jobs(cfg: SinkLabConfig, out: str | Path, precision: str) -> tuple[list[tuple], dict[int, dict | None]]:
     """Every variant x seed unit of the lab as a `train_unit` job, seed-major (an interrupted lab has every variant
     at its first seeds, not some variants at none), and the finished ones' results by index (None = still to train).
-    `gattn compare` trains the pending ones in its own worker pool next to its LM variants."""
+    precision: the command's decision for cfg.precision (util.precision.decide): each job's config carries it, so no
+    unit (in a worker process or not) decides again. `gattn compare` trains the pending ones in its own worker pool
+    next to its LM variants."""
+    from gated_attention.util.precision import check_resolved
+
     out = Path(out)
-    jobs_list = [(asdict(cfg), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
+    unit = replace(cfg, precision=check_resolved(precision))
+    jobs_list = [(asdict(unit), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
                  for v in cfg.variants]
-    return jobs_list, {i: _stored_unit(j[3], cfg, j[1], j[2]) for i, j in enumerate(jobs_list)}
+    return jobs_list, {i: _stored_unit(j[3], unit, j[1], j[2]) for i, j in enumerate(jobs_list)}
 
 
 @locks_output("out", "gattn lab sinks")  # one writer per lab folder (its worker processes write inside)
 def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report_only: bool = False) -> dict:
     """Train/reuse every variant x seed, aggregate, write lab.json, report.md, report.html and plots into out.
     report_only: train nothing; report the finished units (e.g. of a run stopped early), seeds as available."""
-    from . import sink_report
     cfg.validate()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    jobs_list, done = unit_jobs(cfg, out)
-    from gated_attention.util.precision import describe, resolve
+    from gated_attention.util.precision import decide
 
+    precision, line = decide(cfg.precision, "cpu")  # the lab's one decision: every unit trains in it
+    jobs_list, done = unit_jobs(cfg, out, precision)
     log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
-        f"{jobs} at a time, {describe(cfg.precision, 'cpu')} -> {out}")
+        f"{jobs} at a time, {line} -> {out}")
     pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
     if len(pending) < len(jobs_list):
         log(f"reusing {len(jobs_list) - len(pending)} finished model(s)")
@@ -502,6 +535,21 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     else:
         fresh = iter(run_units(train_unit, pending, jobs=jobs, log=log))
         results = [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))]
+    return write_lab(cfg, out, results, precision, started=t0)
+
+
+@locks_output("out", "gattn lab sinks")
+def write_lab(cfg: SinkLabConfig, out: str | Path, results: list[dict], precision: str,
+              started: float | None = None) -> dict:
+    """Aggregate the finished units' results (every variant of cfg, seeds as given) over seeds and write lab.json,
+    report.md, report.html and plots into out: the lab's last step, also taken by `gattn compare`, which trains the
+    units in its own pool. precision: what cfg.precision was decided to be (lab.json's resolved_precision);
+    started: perf_counter() when the lab began (its wall time; default: now)."""
+    from . import sink_report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter() if started is None else started
     task = BackcopyTask(**cfg.task)
     variants = {}
     for v in cfg.variants:
@@ -516,7 +564,7 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
         "task": {**task.to_dict(), "name": "bigram_backcopy", "bos_id": 0,
                  "trigger_ids": task.trigger_ids.tolist(),
                  "bigram_ce_floor": variants[cfg.variants[0]]["mean"]["bigram_ce_floor"]},
-        "config": {**asdict(cfg), "resolved_precision": resolve(cfg.precision, "cpu")},
+        "config": {**asdict(cfg), "resolved_precision": precision},
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }

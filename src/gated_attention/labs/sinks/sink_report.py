@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...experiment import pages
+from ...experiment.stats import seed_curves
 from ...util.io import save_png
 
 # (column title, metric key, decimals) of the main table
@@ -39,21 +40,6 @@ def text_table(lab: dict) -> str:
     return pages.text_table(*table_cells(lab))
 
 
-def _curves(lab: dict, key: str):
-    """{variant: (steps, mean, lo, hi)} of a curve metric over seeds (points every seed measured)."""
-    out = {}
-    for name, v in lab["variants"].items():
-        by_step: dict[int, list[float]] = {}
-        for r in v["per_seed"]:
-            for p in r.get("curve", []):
-                if p.get(key) is not None:
-                    by_step.setdefault(p["step"], []).append(p[key])
-        steps = sorted(by_step)
-        out[name] = (steps, [sum(by_step[s]) / len(by_step[s]) for s in steps], [min(by_step[s]) for s in steps],
-                     [max(by_step[s]) for s in steps])
-    return out
-
-
 def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
 
     plot_dir = Path(plot_dir)
@@ -61,7 +47,7 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
     fig, (a1, a2) = pages.subplots(1, 2, figsize=(12, 4.2))
     for ax, key, ylabel in ((a1, "bos_attention_dormant", "attention on BOS from dormant queries"),
                             (a2, "backcopy_ce", "backcopy CE (nats)")):
-        for name, (xs, ys, lo, hi) in _curves(lab, key).items():
+        for name, (xs, ys, lo, hi) in seed_curves(lab["variants"], key).items():
             if not xs:
                 continue
             line, = ax.plot(xs, ys, label=name, lw=1.5)

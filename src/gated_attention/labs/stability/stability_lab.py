@@ -30,13 +30,12 @@ from pathlib import Path
 
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
-from ...gates import canonical_name
+from ...gates import DEFAULT_VARIANTS, canonical_name
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from .verdict import CONVERGED_MARGIN, FAILURE_GAP
 from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, to_strict
 
-DEFAULT_VARIANTS = ("baseline", "sdpa_elementwise", "sdpa_headwise")
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
 EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the edge of stability (--seed-lrs edge)
 # settings the lab sets per grid point or through its own flags: --set may not change them
@@ -45,9 +44,10 @@ _LAB_SETTINGS = {"gate": "--variants", "lr": "--lrs", "min_lr": "the budget's mi
                  "model.use_qk_norm": "--qk-norm", "precision": "--precision"}
 
 
-@dataclass
+@dataclass(frozen=True)
 class StabilityBudget:
-    """One named size of the lab: the LR grid, the model shape and the training recipe shared by every run."""
+    """One named size of the lab: the LR grid, the model shape and the training recipe shared by every run (frozen;
+    a budget that shares the default's recipe is a dataclasses.replace of it)."""
 
     help: str
     lrs: tuple[float, ...]  # the LR grid (peak LR of each run)
@@ -81,6 +81,13 @@ _SHALLOW = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_
 _DEEP = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=12, num_attention_heads=2,
              num_key_value_heads=2, head_dim=32)  # deep and narrow: depth is the paper's unstable case (48 layers)
 
+_DEFAULT = StabilityBudget(
+    help="12-layer d=64 models (2 heads of 32, FFN 192), 3 LRs around the edge of stability (0.03, 0.1, 0.3) x 3 "
+         "seeds at every LR, 600 steps x 16 x 64 tokens, warm-up 10, cosine, weight decay 0.1, no z-loss (54 runs; "
+         "measured 94.7 core-minutes in bf16 on an AMD EPYC Zen 4, ~105 CPU-s per run, 100 minutes at --jobs 1 on "
+         "one core: ~50 minutes at --jobs 2 on 2 quiet cores)",
+    lrs=(3e-2, 1e-1, 3e-1), steps=600, seeds=3, weight_decay=0.1, model=dict(_DEEP))
+
 BUDGETS: dict[str, StabilityBudget] = {
     "small": StabilityBudget(
         help="CI smoke run: 3 LRs, 30 steps of a 1-layer d=32 model per run (seconds per run)",
@@ -88,21 +95,19 @@ BUDGETS: dict[str, StabilityBudget] = {
         spike_window=10, eval_batches=1, eval_batch_size=4, ckpt_every=10,
         model=dict(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=2, head_dim=16)),
-    "quick": StabilityBudget(
+    "quick": replace(
+        _DEFAULT,
         help="the default's model and recipe, shorter: 2 LRs (0.1, 1), 3 seeds, 200 steps per run (36 runs, about "
              "25 core-minutes estimated from the default's measured cost, ~0.155 CPU-s per step + ~10 s of "
              "evaluation per run: ~13 minutes at --jobs 2 on 2 quiet cores)",
-        lrs=(0.1, 1.0), steps=200, seeds=3, weight_decay=0.1, ckpt_every=50, model=dict(_DEEP)),
-    "default": StabilityBudget(
-        help="12-layer d=64 models (2 heads of 32, FFN 192), 3 LRs around the edge of stability (0.03, 0.1, 0.3) x "
-             "3 seeds at every LR, 600 steps x 16 x 64 tokens, warm-up 10, cosine, weight decay 0.1, no z-loss (54 "
-             "runs; measured 94.7 core-minutes in bf16 on an AMD EPYC Zen 4, ~105 CPU-s per run, 100 minutes at "
-             "--jobs 1 on one core: ~50 minutes at --jobs 2 on 2 quiet cores)",
-        lrs=(3e-2, 1e-1, 3e-1), steps=600, seeds=3, weight_decay=0.1, model=dict(_DEEP)),
-    "shallow": StabilityBudget(
+        lrs=(0.1, 1.0), steps=200, ckpt_every=50),
+    "default": _DEFAULT,
+    "shallow": replace(
+        _DEFAULT,
         help="issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
              "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
-        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=150, seeds=2, seed_lrs="edge", ckpt_every=50,
+        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=150, seeds=2, seed_lrs="edge", weight_decay=0.0,
+        ckpt_every=50,
         model=dict(_SHALLOW)),
 }
 
@@ -122,7 +127,7 @@ class LabConfig:
     sets: tuple[str, ...] = ()  # `key=value` training/model overrides on top of the budget's recipe (--set)
     data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: experiment.runs.default_jobs())
-    precision: str = "auto"  # training numerics; resolved once (gated_attention.util.precision) and keyed per run
+    precision: str = "auto"  # training numerics; decided once by run_lab (util.precision.decide), keyed per run
 
     def validate(self) -> "LabConfig":
         from gated_attention.gates import GATES, canonical_name
@@ -161,11 +166,6 @@ class LabConfig:
         check(self.precision, "--precision")
         return self
 
-    def resolved_precision(self) -> str:
-        from gated_attention.util.precision import resolve
-
-        return resolve(self.precision, "cpu")
-
     @property
     def spec(self) -> StabilityBudget:
         return BUDGETS[self.budget]
@@ -185,18 +185,23 @@ class LabConfig:
 
 # ---------------------------------------------------------------- one run
 
-def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr: float, seed: int):
+def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr: float, seed: int,
+                 precision: str | None = None):
     """The TrainConfig of one grid point: the `small` preset with the budget's recipe and the lab's --set items, in
-    the resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one)."""
+    the resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one).
+    precision: the lab's decision for lab.precision (run_lab decides once); None: decided here."""
     from gated_attention.presets import model_config
     from gated_attention.train.config import apply_overrides, train_preset
+    from gated_attention.util.precision import check_resolved, resolve
+
+    precision = resolve(lab.precision, "cpu") if precision is None else check_resolved(precision)
 
     b = lab.spec
     steps = lab.n_steps()
     cfg = replace(
         train_preset("small"), data="corpus", data_dir=str(data_dir), gate=variant, seed=seed, steps=steps,
         lr=lr, min_lr=lr * b.min_lr_frac, warmup_steps=min(b.warmup_steps, steps - 1), schedule=b.schedule,
-        weight_decay=b.weight_decay, beta2=b.beta2, precision=lab.resolved_precision(), seq_len=b.seq_len,
+        weight_decay=b.weight_decay, beta2=b.beta2, precision=precision, seq_len=b.seq_len,
         batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches, eval_batch_size=b.eval_batch_size,
         stats_every=b.stats_every, spike_window=min(b.spike_window, steps), spike_delta=b.spike_delta,
         spike_noise_k=b.spike_noise_k, ckpt_every=min(b.ckpt_every, steps), tensorboard=False,
@@ -376,7 +381,8 @@ def train_run(task: tuple) -> dict:
     cfg = TrainConfig.from_dict(cfg_dict).validate()
     rec = RunRecorder()
     summary = train_or_reuse(cfg, out, lambda m: print(m, file=sys.stderr, flush=True), "[stability]",
-                             step_hook=rec, model_factory=rec.factory)
+                             step_hook=rec, model_factory=rec.factory,
+                             resolved_precision=cfg.precision)  # run_lab decided it (train_config)
     log = read_jsonl(out / "log.jsonl")
     result = {**run_metrics(summary, log, rec.records, rec.init_loss, cfg.warmup_steps),
               "wall_s": rec.wall_s(), "cpu_s": rec.cpu_s(), "curve": _curve(log, rec.records, cfg.stats_every)}
@@ -405,9 +411,12 @@ def _row(variant: str, qk: bool, lr: float, seed: int, res: dict, run_dir: Path,
             "nonfinite": res.get("nonfinite") or {}, "dir": str(run_dir.relative_to(out))}
 
 
-def _execute(points: list[tuple], lab: LabConfig, data_dir: Path, out: Path, log) -> dict[tuple, dict]:
-    """Run (or reuse) every (variant, qk, lr, seed) point, `lab.jobs` at a time. Returns point -> result."""
-    tasks = [(train_config(lab, data_dir, *p).to_dict(), str(out / "runs" / run_name(*p))) for p in points]
+def _execute(points: list[tuple], lab: LabConfig, data_dir: Path, out: Path, log, precision: str
+             ) -> dict[tuple, dict]:
+    """Run (or reuse) every (variant, qk, lr, seed) point, `lab.jobs` at a time, in the lab's decided precision.
+    Returns point -> result."""
+    tasks = [(train_config(lab, data_dir, *p, precision).to_dict(), str(out / "runs" / run_name(*p)))
+             for p in points]
     finished = sum(stored_run(d, c) is not None for c, d in tasks)  # also checks settings
     if finished:
         log(f"[stability] reusing {finished} finished run(s)")
@@ -476,8 +485,11 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     """Train/reuse the grid, then write lab.json, report.md, report.html and plots into lab.out."""
     from . import stability_report
 
+    from gated_attention.util.precision import decide
+
     lab.validate()
     t0 = time.perf_counter()
+    precision, line = decide(lab.precision, "cpu")  # the lab's one decision: every run trains in it
     spec = lab.spec
     data_dir = ensure_corpus(lab.data_dir or spec.data_dir, spec.vocab_size, log, tag="[stability]")
     out = Path(lab.out)
@@ -489,8 +501,8 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     first_seeds = range(seeds) if where == "all" else range(1)
     points = [(v, qk, lr, s) for s in first_seeds for v, qk in settings for lr in grid]
     log(f"[stability] {len(settings)} setting(s) x {len(grid)} LRs x {len(first_seeds)} seed(s), {lab.n_steps()} "
-        f"steps each -> {out}")
-    results = _execute(points, lab, data_dir, out, log)
+        f"steps each, {line} -> {out}")
+    results = _execute(points, lab, data_dir, out, log, precision)
     # phase 2 (--seed-lrs edge): more seeds at the LRs around each setting's edge of stability (found from seed 0)
     edges = {}
     if seeds > 1 and where == "edge":
@@ -499,17 +511,17 @@ def run_lab(lab: LabConfig, log=print) -> dict:
             seed0 = [{"lr": p[2], **results[p]} for p in points if p[:2] == (v, qk)]
             edges[(v, qk)] = edge_lrs(seed0, grid)
             more += [(v, qk, lr, s) for lr in edges[(v, qk)] for s in range(1, seeds)]
-        results.update(_execute(more, lab, data_dir, out, log))
+        results.update(_execute(more, lab, data_dir, out, log, precision))
     rows = [_row(*p, results[p], out / "runs" / run_name(*p), out) for p in results]
     rows.sort(key=lambda r: (lab.variants.index(r["variant"]), r["qk_norm"], r["lr"], r["seed"]))
     stats = {v: {key: setting_stats(_setting(rows, v, qk), spec.margin) if _setting(rows, v, qk) else None
                  for key, qk in (("on", True), ("off", False))} for v in lab.variants}  # None: not run
     pick = lambda name: {v: {k: (s[name] if s else None) for k, s in d.items()} for v, d in stats.items()}
-    first = train_config(lab, data_dir, *settings[0], grid[0], 0)
+    first = train_config(lab, data_dir, *settings[0], grid[0], 0, precision)
     lab_json = {
         "budget": lab.budget,
         "config": {**asdict(lab), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds, "seed_lrs": where,
-                   "data_dir": str(data_dir), "resolved_precision": lab.resolved_precision(), "margin": spec.margin,
+                   "data_dir": str(data_dir), "resolved_precision": precision, "margin": spec.margin,
                    "min_lr_frac": spec.min_lr_frac, "bootstrap": {"level": St.LEVEL, "resamples": St.N_BOOT}},
         "train_config": {k: v for k, v in first.to_dict().items() if k not in ("gate", "lr", "min_lr", "seed")},
         "edge_lrs": {f"{v}/{'on' if qk else 'off'}": e for (v, qk), e in edges.items()},
