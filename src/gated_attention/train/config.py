@@ -37,6 +37,8 @@ class TrainConfig:
     retrieval_tasks: list[str] | None = None  # RULER tasks for those rows; None = retrieval_mix.DEFAULT_MIX_TASKS
     batch_size: int = 16  # GLOBAL sequences per optimizer step, split over ranks then micro-batches
     grad_accum: int = 1  # micro-batches per rank per step (memory knob; does not change the math)
+    micro_batch: int = 0  # sequences per rank per forward; > 0 sets grad_accum = batch_size / (world * micro_batch)
+    # when the run starts (the paper presets: 1, so one recipe runs on any number of GPUs); 0 = grad_accum as given
     steps: int = 2000  # optimizer steps in the whole run
     # --- optimizer (AdamW; the paper gives no betas/eps/wd, so these are common LLM defaults)
     lr: float = 3e-3  # peak learning rate
@@ -119,7 +121,7 @@ class TrainConfig:
             for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
                          "keep_checkpoints", "eval_batches", "eval_batch_size"):
                 check_number(name, getattr(self, name), kind=int, min=1)
-            for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed"):
+            for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch"):
                 check_number(name, getattr(self, name), kind=int, min=0)
             check_number("lr", self.lr, min=0.0, min_open=True)
             for name in ("min_lr", "weight_decay", "grad_clip", "spike_delta", "spike_noise_k"):
@@ -158,7 +160,11 @@ class TrainConfig:
 
     def check_world(self, world_size: int, resolved_precision: str | None = None) -> None:
         """The global batch must split evenly over ranks and micro-batches (same math for any world size); bf16-params
-        over several ranks needs FSDP2 (its policy reduces gradients in fp32; DDP would all-reduce bf16 ones)."""
+        over several ranks needs FSDP2 (its policy reduces gradients in fp32; DDP would all-reduce bf16 ones).
+        With `micro_batch` set, this is where grad_accum is derived for the world size the run starts at (a resumed
+        run may start at another: grad_accum is in RESUMABLE_CHANGES)."""
+        if self.micro_batch:
+            self.grad_accum = accum_for(self.batch_size, world_size, self.micro_batch)
         if world_size > 1 and resolved_precision == "bf16-params" and self.dist != "fsdp":
             raise ValueError(f"precision bf16-params under torchrun needs dist=fsdp (FSDP2's MixedPrecisionPolicy keeps "
                              f"fp32 master weights and reduces gradients in fp32; dist={self.dist} would all-reduce "
@@ -179,6 +185,14 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig keys {unknown}; valid: {sorted(names)}")
         return cls(**d)
+
+
+def accum_for(batch_size: int, world_size: int, micro_batch: int) -> int:
+    """Micro-batches per rank per step for a global batch split over `world_size` ranks in `micro_batch` rows."""
+    if batch_size % (world_size * micro_batch):
+        raise ValueError(f"batch_size={batch_size} is not divisible by world_size*micro_batch={world_size}*"
+                         f"{micro_batch}; pick a micro_batch (or a world size) that divides it")
+    return batch_size // (world_size * micro_batch)
 
 
 # ---------------------------------------------------------------- presets (each derives from another)
@@ -206,7 +220,43 @@ def tiny_stress() -> TrainConfig:
     return replace(tiny(), lr=3e-2, warmup_steps=2)
 
 
-TRAIN_PRESETS = {"tiny": tiny, "small": small, "small-stress": small_stress, "tiny-stress": tiny_stress}
+# ---- the paper's own recipes (paper map §4, ../shared/SPEC.md §4): the model shape + its hyperparameters, in the
+# setup clusters train in: FSDP2 sharding, bf16 parameters with fp32 master weights and reductions, every decoder
+# layer recomputed in backward. Global batch in sequences of 4096 tokens, one sequence per GPU per forward
+# (micro_batch=1: grad_accum follows the world size). AdamW betas/eps/weight decay/clip are not in the paper: the
+# project's defaults. `gattn plan --preset NAME` says how many GPUs a preset needs and how long it takes.
+
+def _paper_common() -> TrainConfig:
+    return replace(small(), seq_len=4096, micro_batch=1, warmup_steps=1000, schedule="cosine", min_lr=3e-5,
+                   dist="fsdp", precision="bf16-params", activation_checkpointing="full", eval_every=2000,
+                   eval_batches=8, eval_batch_size=4, stats_every=500, ckpt_every=1000)
+
+
+def paper_dense_28l() -> TrainConfig:
+    """1.7B dense, 28 layers, 400B tokens (Table 2 rows 1-2): max LR 4e-3, global batch 1024 x 4096 tokens, 95,367
+    steps (400e9 / 4,194,304, the SPEC's derived ~95k). The 3.5T-token run (rows 3-4) is this preset with
+    --set lr=4.5e-3 --set batch_size=2048 --set steps=417233."""
+    return replace(_paper_common(), model="1.7b-28l", lr=4e-3, batch_size=1024, steps=95_367)
+
+
+def paper_dense_48l() -> TrainConfig:
+    """1.7B dense, 48 layers (d 1536), 400B tokens (Table 2 rows 5, 8, 9): max LR 4e-3, global batch 1024, 95,367
+    steps. The stress rows: --set lr=8e-3 (rows 6, 10); 1T tokens at batch 4096: --set batch_size=4096
+    --set steps=59605 --set lr=5.3e-3 (or 8e-3, rows 11-14)."""
+    return replace(_paper_common(), model="1.7b-48l", lr=4e-3, batch_size=1024, steps=95_367)
+
+
+def paper_moe_15a2b() -> TrainConfig:
+    """15A2B MoE (128 experts, top-8), 400B tokens (Tables 1, 3, 4, 6): max LR 2e-3, global batch 1024, 100k steps.
+    The load-balancing loss is global-batch (moe.py: expert counts summed over ranks and micro-batches, Qiu et al.
+    2025) with Qwen3-MoE's weight 1e-3; the router z-loss weight 1e-3 is ST-MoE's (the paper gives no weights)."""
+    return replace(_paper_common(), model="15a2b", lr=2e-3, batch_size=1024, steps=100_000,
+                   model_overrides={"router_aux_loss_coef": 1e-3, "router_z_loss_coef": 1e-3})
+
+
+TRAIN_PRESETS = {"tiny": tiny, "small": small, "small-stress": small_stress, "tiny-stress": tiny_stress,
+                 "paper-dense-28l": paper_dense_28l, "paper-dense-48l": paper_dense_48l,
+                 "paper-moe-15a2b": paper_moe_15a2b}
 
 
 def train_preset(name: str) -> TrainConfig:
@@ -375,7 +425,7 @@ def check_model(cfg: TrainConfig) -> None:
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
                                "device", "attn_implementation", "activation_checkpointing",
-                               "grad_accum", "inject_nan_steps"})
+                               "grad_accum", "micro_batch", "inject_nan_steps"})
 
 
 def run_precision(d: dict) -> str:
