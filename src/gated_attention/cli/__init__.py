@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("gated_attention.cli.model", "Build a tiny gated model and generate a few tokens (smoke demo)."),
     "data": ("gated_attention.cli.data", "Prepare the offline corpus + BPE tokenizer (prepare), show its manifest (info)."),
     "train": ("gated_attention.cli.train", "Train a model (preset + --set overrides); also under torchrun with DDP/FSDP2."),
+    "plan": ("gated_attention.cli.plan", "Before renting GPUs: a preset's parameters, FLOPs/token, memory per GPU, fit, days."),
     "eval": ("gated_attention.cli.train", "Per-domain and average perplexity and loss-by-position of a trained model."),
     "convert": ("gated_attention.cli.interop", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
     "retrofit": ("gated_attention.cli.interop", "Add a gate to a trained ungated checkpoint (identity or random init)."),

@@ -209,6 +209,10 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precisi
     elif cfg.data == "corpus":
         source = make_source(cfg)
         source_vocab = source.vocab_size
+    if model_factory is None:  # before anything is built: a run the plan says cannot fit stops with one line
+        from .plan import check_fits
+
+        check_fits(cfg, info.device, info.world_size, precision, source_vocab)
     factory = model_factory or build_model
     model = factory(cfg, source_vocab).to(info.device)
     apply_trainable(model, cfg.trainable)  # before wrapping: DDP/FSDP and the optimizer see only what trains

@@ -1,0 +1,51 @@
+"""`gattn plan`: a training preset's size, FLOPs, memory per GPU, fit and days, before a GPU is rented
+(train/plan.py does the work; the model is built on the meta device, so any size plans in seconds)."""
+from __future__ import annotations
+
+import argparse
+
+from ..util import errors as E
+from ..util import precision as P
+
+
+def configure_plan(parser: argparse.ArgumentParser) -> None:
+    from ..train.config import ACTIVATION_CHECKPOINTING, TRAIN_PRESETS
+    from ..train.plan import DEFAULTS
+
+    parser.add_argument("--preset", required=True, choices=list(TRAIN_PRESETS),
+                        help="training preset to plan (the paper's: paper-dense-28l, paper-dense-48l, paper-moe-15a2b)")
+    parser.add_argument("--gate", default=None, help="gate variant (see `gattn gates`); default: the preset's")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a TrainConfig or model.* field as `gattn train --set` does; repeatable")
+    parser.add_argument("--gpus", type=E.positive_int, default=DEFAULTS["gpus"],
+                        help=f"GPUs (ranks) the run uses (default {DEFAULTS['gpus']})")
+    parser.add_argument("--gpu-memory", type=E.positive_float, default=DEFAULTS["gpu_memory_gb"], metavar="GB",
+                        help=f"memory of one GPU in GB (default {DEFAULTS['gpu_memory_gb']:g}: H100 80GB)")
+    parser.add_argument("--gpu-tflops", type=E.positive_float, default=DEFAULTS["gpu_tflops"], metavar="T",
+                        help=f"peak dense bf16 TFLOP/s of one GPU (default {DEFAULTS['gpu_tflops']:g}: H100 SXM)")
+    parser.add_argument("--mfu", type=E.positive_float, default=DEFAULTS["mfu"], metavar="F",
+                        help=f"model FLOPs utilisation to assume, in (0, 1] (default {DEFAULTS['mfu']:g})")
+    parser.add_argument("--dist", choices=("ddp", "fsdp"), default=None, help="default: the preset's")
+    parser.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default=None,
+                        help="default: the preset's")
+    parser.add_argument("--seq-len", type=E.positive_int, default=None, metavar="L", help="default: the preset's")
+    parser.add_argument("--micro-batch", type=E.positive_int, default=None, metavar="B",
+                        help="sequences per GPU per forward (grad_accum follows); default: the preset's")
+    P.add_argument(parser, default=None, what="training numerics on the GPUs",
+                   note="; auto plans CUDA's choice (bf16-params under fsdp, else bf16)")
+    parser.add_argument("--json", action="store_true",
+                        help="print only the JSON object (params_total, params_activated, flops_per_token, "
+                             "memory_per_gpu_gb, fits, tokens_per_s, days, then the settings assumed)")
+
+
+def run_plan(args) -> int:
+    from ..train.config import config_from_args
+    from ..train.plan import format_plan, plan
+    from ..util.io import json_dumps
+
+    cfg = config_from_args(args.preset, args.gate, args.sets, None)
+    result = plan(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
+                  dist=args.dist, activation_checkpointing=args.activation_checkpointing, seq_len=args.seq_len,
+                  micro_batch=args.micro_batch, precision=args.precision)
+    print(json_dumps(result, indent=1) if args.json else format_plan(result, args.preset))
+    return 0

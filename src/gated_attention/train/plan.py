@@ -1,0 +1,341 @@
+"""The run before it is paid for (`gattn plan`): size, FLOPs, memory per GPU, fit and time of a training config.
+
+`plan(cfg, ...)` builds the model on the meta device (shapes only: seconds, no memory, any size) and reports
+  - params_total / params_activated: every stored parameter (tied ones once); activated counts the k routed experts of
+    each MoE layer in place of all E (presets.param_report's convention, which the test checks it against);
+  - flops_per_token: MODEL FLOPs of one training token, 6 x activated matmul parameters (every Linear including the
+    lm_head, the router, k experts) + causal attention 6 * L * H * D * (T + 1) (the QK^T and AV products over the
+    average (T+1)/2 keys, forward + 2x backward) - bench/bench_train.py's `train_flops` count. Activation
+    checkpointing recomputes the layers' forward once more: `hardware_flops_per_token` counts that too, MFU does not;
+  - memory_per_gpu_gb by part, in GB (1e9 bytes), per rank:
+      params      the stored weights: fp32 (4 B); bf16-params in one process adds the bf16 compute copy (2 B,
+                  train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters);
+      grads       fp32 gradients of the trainable parameters (FSDP2: the sharded fp32 reduce-scatter output);
+      optimizer   AdamW's two fp32 moments (8 B per trainable parameter, / N under FSDP2);
+      activations what the forward saves for backward for one micro-batch of micro_batch x seq_len tokens, plus one
+                  layer's worth of backward working memory (the formula: `activation_bytes`, calibrated against the
+                  tensors autograd actually saves - tests/test_plan.py counts them); with activation checkpointing
+                  every layer keeps only its input and one layer is recomputed at a time;
+      buffers     communication buffers: FSDP2's unsharded parameters (the root group - embeddings, final norm, head
+                  - for the whole step, plus the current and the prefetched layer) and one layer's unsharded
+                  gradients; DDP's gradient buckets (a second fp32 copy of the gradients); none in one process;
+      overhead    the runtime itself: CUDA context, NCCL and allocator slack on a GPU (GPU_OVERHEAD_GB); the
+                  imported libraries on a CPU (CPU_OVERHEAD_GB, measured: docs/scale.md);
+      total       their sum, compared with the GPU's memory for `fits`;
+  - tokens_per_s = mfu * gpu_tflops * 1e12 * gpus / flops_per_token, and days to the recipe's token budget
+    (steps x global batch x seq_len) at that speed.
+
+The formulas model this project's trainer (the fused fast path by default, sdpa's flash kernel that keeps no T x T
+matrix, FSDP2 with one group per decoder layer); docs/scale.md compares them with the peak memory measured on this
+machine. torch.compile (compile=auto on a long run) saves fewer activations than eager, so a compiled run needs at
+most what the plan says.
+
+`check_fits(cfg, ...)` is the trainer's check before it builds anything: a config the plan says cannot fit the memory
+this machine has stops with one line naming `gattn plan`. Nothing here is imported by the model.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from .config import TrainConfig, accum_for
+
+GB = 1e9
+GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB), NCCL buffers and caching-allocator slack per GPU
+CPU_OVERHEAD_GB = 0.6  # a rank's RSS after importing torch + transformers + this package (measured: docs/scale.md)
+DEFAULTS = {"gpus": 8, "gpu_memory_gb": 80.0, "gpu_tflops": 989.0, "mfu": 0.4}  # one 8 x H100-80GB node, dense bf16
+JSON_KEYS = ("params_total", "params_activated", "flops_per_token", "memory_per_gpu_gb", "fits", "tokens_per_s",
+             "days")  # the contract (issue 30); more keys follow them
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "overhead", "total")
+
+
+# ---------------------------------------------------------------- the model on the meta device
+
+def meta_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    """The model `cfg` trains, built on the meta device: every parameter has its shape and dtype, none has storage."""
+    import gated_attention  # noqa: F401  (registers the Auto classes)
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    from .model_setup import apply_trainable, build_model_config
+
+    if cfg.init_from:
+        from gated_attention.configuration import GatedQwen3Config
+
+        config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)
+    else:
+        config = build_model_config(cfg, vocab_size)
+    with torch.device("meta"):
+        model = GatedQwen3ForCausalLM(config)
+    apply_trainable(model, cfg.trainable)
+    return model
+
+
+def _unique(params) -> list[nn.Parameter]:
+    seen, out = set(), []
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def sizes(model: nn.Module) -> dict:
+    """Parameter counts of a (meta) model: total, activated, trainable, activated matmul parameters, the largest
+    decoder layer and the root group (what is not in a decoder layer)."""
+    from gated_attention.moe import MoeExperts, MoeRouter
+
+    config = model.config
+    params = _unique(model.parameters())
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    k_over_e = (config.num_experts_per_tok / config.num_experts) if config.num_experts else 1.0
+    inactive = sum(p.numel() for m in model.modules() if isinstance(m, MoeExperts) for p in m.parameters())
+    activated = total - round(inactive * (1 - k_over_e))
+    matmul = 0
+    for m in model.modules():  # every GEMM weight once per token; the embedding lookup is not a matmul
+        if isinstance(m, nn.Linear):
+            matmul += m.weight.numel()
+        elif isinstance(m, MoeRouter):
+            matmul += m.weight.numel()
+        elif isinstance(m, MoeExperts):
+            matmul += round(sum(p.numel() for p in m.parameters()) * k_over_e)
+    layers = list(model.model.layers)
+    per_layer = [sum(p.numel() for p in _unique(layer.parameters())) for layer in layers]
+    in_layers = {id(p) for layer in layers for p in layer.parameters()}
+    root = sum(p.numel() for p in params if id(p) not in in_layers)
+    return {"total": total, "activated": activated, "trainable": trainable, "matmul_activated": matmul,
+            "layer_max": max(per_layer, default=0), "root": root}
+
+
+def flops_per_token(config, matmul_activated: int, seq_len: int) -> dict:
+    """Model FLOPs per training token (6N + causal attention) and the hardware FLOPs with one more forward of every
+    layer when activation checkpointing recomputes it."""
+    L, H, D = config.num_hidden_layers, config.num_attention_heads, config.head_dim
+    attention = 6 * L * H * D * (seq_len + 1)  # 3 x (2 GEMMs x 2 FLOPs x H*D x (T+1)/2 keys) per layer
+    return {"model": 6 * matmul_activated + attention, "attention": attention,
+            "forward": 2 * matmul_activated + attention // 3}
+
+
+# ---------------------------------------------------------------- activations (calibrated, tests/test_plan.py)
+
+# Bytes per token one decoder layer saves for backward (unique storages), eager, as counted with
+# torch.autograd.graph.saved_tensors_hooks on this project's layers while varying one width at a time (d hidden,
+# q = H*D, kv = KV*D, f FFN width, H / KV heads). fp32: 6d + 4q + 4kv + 4f + 2H + KV + 2 elements (the RMSNorm input,
+# its normalised value and output, the fused q/k/v output, QK-norm's, RoPE's and sdpa's q/k/out, the log-sum-exp,
+# SwiGLU's gate/up/act/product); bf16-params: the same in bf16 plus the fp32 copies RMSNorm and QK-norm compute in;
+# bf16 autocast: fp32 residual-side tensors, bf16 matmul outputs.
+LAYER_COEF = {  # precision -> bytes per token per unit of (d, q, kv, f, H, KV, 1)
+    "fp32": (24, 16, 16, 16, 8, 4, 8),
+    "bf16-params": (16, 16, 14, 8, 8, 4, 8),
+    "bf16": (22, 14, 12, 8, 8, 4, 8),
+}
+GATE_COEF = {"fp32": (4, 4), "bf16-params": (2, 4), "bf16": (2, 4)}  # G1 gate: bytes per (score width g, q)
+REST_COEF = {"fp32": (12, 4), "bf16-params": (8, 2), "bf16": (10, 4)}  # final norm + loss input: per (d, D), + 12
+
+
+def _gate_width(config) -> int:
+    from gated_attention.gates import get_gate
+
+    spec = get_gate(config.gate)
+    d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    return spec.score_width(d, H, KV, D) if spec is not None and spec.source.value == "input" else 0
+
+
+def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, fused: bool = True) -> dict:
+    """What decoder layer `layer_idx` saves for backward over a micro-batch of `tokens` tokens (LAYER_COEF; a G1
+    gate adds its logits and the gated output): `per_token` x tokens, plus `weights`, the weight-sized tensors a
+    forward keeps (the fast path's concatenated q/k/v/gate weight; under autocast the bf16 copy of every weight it
+    cast). An MoE layer replaces the SwiGLU's 4f by the router's logits and probabilities (8 B per expert) and, per
+    routed slot (k per token), the token's copy in and out of its expert (2d) and the expert's gate/up/act/product
+    (4I), plus 32 B of indices and weights."""
+    d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q, kv, f = H * D, KV * D, config.intermediate_size
+    g = _gate_width(config)
+    cd, cq, ckv, cf, cH, cKV, c0 = LAYER_COEF[precision]
+    ab = 4 if precision == "fp32" else 2  # bytes of the FFN's matmul outputs
+    moe = config.is_moe_layer(layer_idx)
+    per_token = cd * d + cq * q + ckv * kv + cH * H + cKV * KV + c0
+    if g:
+        per_token += GATE_COEF[precision][0] * g + GATE_COEF[precision][1] * q
+    if moe:
+        k, E, I = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
+        per_token += 8 * E + k * ((2 * d + 4 * I) * ab + 32) + 8
+        ffn_weights = 3 * d * I * E + d * E  # autocast casts the fused expert tensors whole, and the router
+    else:
+        per_token += cf * f
+        ffn_weights = 3 * d * f
+    qkv_weights = (q + 2 * kv + g) * d
+    if precision == "bf16":  # autocast's cache: a bf16 copy of every weight cast, held by the graph until backward
+        weights = 2 * (qkv_weights + q * d + ffn_weights)
+    else:
+        weights = qkv_weights * (4 if precision == "fp32" else 2) if fused else 0
+    return {"per_token": per_token, "tokens": tokens, "weights": weights, "total": per_token * tokens + weights}
+
+
+def activation_bytes(config, tokens: int, precision: str, checkpointing: str, fused_loss: bool = True) -> dict:
+    """Saved activations of a micro-batch of `tokens` tokens: `saved_layers` (every layer; with checkpointing only
+    each layer's input, in the residual stream's dtype, plus the one layer being recomputed), `rest` (the final norm
+    and the loss: the fused loss computes its gradients in the forward and keeps its fp32 (V, d) head gradient; the
+    plain loss keeps fp32 logits), and `working`: the backward's own memory, estimated as one layer's activations and
+    two gradients of the residual stream."""
+    L, d, V, D = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.head_dim
+    layers = [layer_activation_bytes(config, i, tokens, precision, fused_loss)["total"] for i in range(L)]
+    stream = 2 if precision == "bf16-params" else 4  # the residual stream: bf16 only under bf16-params
+    if checkpointing == "full":
+        saved = L * tokens * d * stream + max(layers)
+    else:
+        saved = sum(layers)
+    cd, cD = REST_COEF[precision]
+    rest = tokens * (cd * d + cD * D + 12)
+    rest += V * d * 4 if fused_loss else tokens * (4 * V + 8)
+    working = max(layers) + 2 * tokens * d * 4
+    return {"saved_layers": saved, "rest": rest, "working": working, "total": saved + rest + working}
+
+
+# ---------------------------------------------------------------- the plan
+
+def _resolved(precision: str, dist: str) -> str:
+    """The precision a GPU run computes in ('auto' on a CUDA GPU with bf16: bf16-params under FSDP, else bf16)."""
+    if precision == "auto":
+        return "bf16-params" if dist == "fsdp" else "bf16"
+    return precision
+
+
+def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpointing: str, tokens: int,
+           fused_loss: bool = True, device: str = "cuda") -> dict:
+    """Bytes per rank by part (module docstring), in GB."""
+    P, Pt = sz["total"], sz["trainable"]
+    sharded = dist == "fsdp" and world > 1
+    one_process = world == 1
+    n = world if sharded else 1
+    pd = 2 if precision == "bf16-params" else 4  # the dtype forward/backward see the parameters in
+    params = 4 * P / n + (2 * P if precision == "bf16-params" and one_process else 0)
+    grads = 4 * Pt / n
+    optimizer = 8 * Pt / n
+    if sharded:  # root group unsharded (and its gradient) all step; the current + prefetched layer; a layer's grads
+        buffers = 2 * sz["root"] * pd + sz["layer_max"] * (2 * pd + pd + 4)
+    elif dist == "ddp" and not one_process:
+        buffers = 4 * Pt  # gradient buckets (gradient_as_bucket_view=False: a copy of every gradient)
+    else:
+        buffers = 0.0
+    act = activation_bytes(config, tokens, precision, checkpointing, fused_loss)["total"]
+    overhead = (GPU_OVERHEAD_GB if device == "cuda" else CPU_OVERHEAD_GB) * GB
+    parts = {"params": params, "grads": grads, "optimizer": optimizer, "activations": act, "buffers": buffers,
+             "overhead": overhead}
+    parts["total"] = sum(parts.values())
+    return {k: v / GB for k, v in parts.items()}
+
+
+def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | None = None,
+         gpu_tflops: float | None = None, mfu: float | None = None, dist: str | None = None,
+         activation_checkpointing: str | None = None, seq_len: int | None = None, micro_batch: int | None = None,
+         precision: str | None = None, vocab_size: int | None = None, device: str = "cuda") -> dict:
+    """The plan of training `cfg` on `gpus` GPUs (defaults: DEFAULTS and the config's own settings); the JSON
+    object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed)."""
+    from ..util.errors import UserError, check_number
+
+    gpus = DEFAULTS["gpus"] if gpus is None else gpus
+    gpu_memory_gb = DEFAULTS["gpu_memory_gb"] if gpu_memory_gb is None else gpu_memory_gb
+    gpu_tflops = DEFAULTS["gpu_tflops"] if gpu_tflops is None else gpu_tflops
+    mfu = DEFAULTS["mfu"] if mfu is None else mfu
+    check_number("gpus", gpus, kind=int, min=1)
+    check_number("gpu_memory_gb", gpu_memory_gb, min=0.0, min_open=True)
+    check_number("gpu_tflops", gpu_tflops, min=0.0, min_open=True)
+    check_number("mfu", mfu, min=0.0, max=1.0, min_open=True)
+    changes = {k: v for k, v in (("dist", dist), ("activation_checkpointing", activation_checkpointing),
+                                 ("seq_len", seq_len), ("precision", precision)) if v is not None}
+    cfg = replace(cfg, **changes).validate()
+    mode = cfg.dist if gpus > 1 else "none"
+    resolved = _resolved(cfg.precision, mode)
+    try:
+        cfg.check_world(gpus, resolved)
+        if micro_batch is not None:
+            check_number("micro_batch", micro_batch, kind=int, min=1)
+            accum = accum_for(cfg.batch_size, gpus, micro_batch)
+        else:
+            accum = cfg.grad_accum
+            micro_batch = cfg.batch_size // (gpus * accum)
+    except ValueError as exc:
+        raise UserError(f"{exc} (gattn plan: --gpus / --micro-batch / --dist)") from None
+    model = meta_model(cfg, vocab_size)
+    config = model.config
+    sz = sizes(model)
+    fl = flops_per_token(config, sz["matmul_activated"], cfg.seq_len)
+    mem = memory(sz, config, world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
+                 tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device)
+    tokens_per_s = mfu * gpu_tflops * 1e12 * gpus / fl["model"]
+    budget = cfg.steps * cfg.batch_size * cfg.seq_len
+    hardware = fl["model"] + (fl["forward"] if cfg.activation_checkpointing == "full" else 0)
+    return {"params_total": sz["total"], "params_activated": sz["activated"], "flops_per_token": fl["model"],
+            "memory_per_gpu_gb": mem, "fits": mem["total"] <= gpu_memory_gb, "tokens_per_s": tokens_per_s,
+            "days": budget / tokens_per_s / 86400,
+            "hardware_flops_per_token": hardware, "params_trainable": sz["trainable"], "token_budget": budget,
+            "settings": {"model": cfg.model, "gate": cfg.gate, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
+                         "gpu_tflops": gpu_tflops, "mfu": mfu, "dist": mode, "precision": resolved,
+                         "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
+                         "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
+                         "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
+
+
+def format_plan(p: dict, preset: str) -> str:
+    """The table `gattn plan` prints without --json."""
+    s, m = p["settings"], p["memory_per_gpu_gb"]
+    lines = [f"gattn plan: {preset} (model {s['model']}, gate {s['gate']}) on {s['gpus']} GPU(s) of "
+             f"{s['gpu_memory_gb']:g} GB, {s['gpu_tflops']:g} TFLOP/s at MFU {s['mfu']:g}",
+             f"  {s['dist'] if s['dist'] != 'none' else 'one process'}, {s['precision']}, activation checkpointing {s['activation_checkpointing']}, seq "
+             f"{s['seq_len']}, micro-batch {s['micro_batch']} x grad_accum {s['grad_accum']} (global batch "
+             f"{s['global_batch']}), {s['steps']:,} steps",
+             f"  parameters      {p['params_total'] / 1e9:8.3f} B total, {p['params_activated'] / 1e9:.3f} B activated",
+             f"  FLOPs / token   {p['flops_per_token'] / 1e9:8.2f} G (model), "
+             f"{p['hardware_flops_per_token'] / 1e9:.2f} G with recompute",
+             "  memory / GPU (GB)"]
+    for key in MEMORY_KEYS[:-1]:
+        lines.append(f"    {key:<12} {m[key]:8.2f}")
+    verdict = "fits" if p["fits"] else f"does NOT fit {s['gpu_memory_gb']:g} GB"
+    lines.append(f"    {'total':<12} {m['total']:8.2f}   {verdict}")
+    budget = p["token_budget"]
+    tokens = f"{budget / 1e9:,.1f} B" if budget >= 1e9 else f"{budget / 1e6:,.2f} M"
+    lines.append(f"  speed           {p['tokens_per_s']:,.0f} tokens/s; {tokens} tokens in {p['days']:.3g} days")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the trainer's check before it builds
+
+def available_gb(device: torch.device, local_world: int = 1) -> float:
+    """Memory one rank may use here: the GPU's free memory, or the host's available memory split over its ranks."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free / GB
+    try:
+        with open("/proc/meminfo") as fh:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in fh if ":" in line}
+        return info["MemAvailable"] * 1024 / GB / max(1, local_world)
+    except (OSError, KeyError, ValueError):
+        return math.inf  # unknown: do not refuse
+
+
+def check_fits(cfg: TrainConfig, device: torch.device, world: int, precision: str,
+               vocab_size: int | None = None) -> dict:
+    """Raise a UserError naming `gattn plan` when the plan of `cfg` at this world size exceeds the memory one rank
+    has here; returns the plan otherwise. Run before the model is built (the plan's model is on the meta device)."""
+    from ..util.errors import UserError
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    have = available_gb(device, local)
+    p = plan(cfg, gpus=world, gpu_memory_gb=have if math.isfinite(have) else 1e12, precision=precision,
+             vocab_size=vocab_size, device=device.type, micro_batch=cfg.batch_size // (world * cfg.grad_accum))
+    if not p["fits"]:
+        m = p["memory_per_gpu_gb"]
+        where = "this GPU has free" if device.type == "cuda" else f"this host has for each of its {local} rank(s)"
+        setting = f"{cfg.dist}, {precision}" if world > 1 else f"one process, {precision}"
+        raise UserError(
+            f"this run (model {cfg.model}, gate {cfg.gate}) needs ~{m['total']:.1f} GB per rank at world size {world} "
+            f"({setting}: params {m['params']:.1f}, grads {m['grads']:.1f}, optimizer {m['optimizer']:.1f}, "
+            f"activations {m['activations']:.1f}, buffers {m['buffers']:.1f}) but {where} {have:.1f} GB; run "
+            "`gattn plan` with the same --preset and --set to find a setting that fits (--gpus N under dist=fsdp, "
+            "--activation-checkpointing full, a smaller --micro-batch), or shrink the model with --set model.*=...")
+    return p

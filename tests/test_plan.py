@@ -1,0 +1,258 @@
+"""`gattn plan` (train/plan.py) and the paper's training presets: the JSON contract, the meta-device build, the
+numbers against a hand computation and against what autograd really saves, fits / does not fit, the trainer's refusal
+naming `gattn plan`, and the three paper presets training a few steps shrunk at 2 ranks."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import resource
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from gated_attention import cli
+from gated_attention.presets import param_report
+from gated_attention.train import plan as PL
+from gated_attention.train.config import accum_for, apply_overrides, train_preset
+from harness import torchrun_argv
+
+PAPER = ("paper-dense-28l", "paper-dense-48l", "paper-moe-15a2b")
+
+
+def plan_json(*args) -> dict:
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli.main(["plan", *args, "--json"]) == 0
+    return json.loads(buf.getvalue())  # stdout holds only the object
+
+
+def test_json_contract():
+    p = plan_json("--preset", "paper-dense-28l", "--gpus", "8")
+    assert list(p)[:len(PL.JSON_KEYS)] == list(PL.JSON_KEYS)
+    mem = p["memory_per_gpu_gb"]
+    assert {"params", "grads", "optimizer", "activations", "total"} <= set(mem)
+    assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
+    assert isinstance(p["fits"], bool) and p["tokens_per_s"] > 0 and p["days"] > 0
+    assert p["params_total"] == param_report(PL.meta_model(train_preset("paper-dense-28l")).config)["total"]
+    s = p["settings"]  # the preset's recipe as planned
+    assert (s["dist"], s["precision"], s["activation_checkpointing"], s["seq_len"], s["micro_batch"]) == \
+        ("fsdp", "bf16-params", "full", 4096, 1)
+    assert s["grad_accum"] == 1024 // 8
+
+
+def test_table_and_flags():
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli.main(["plan", "--preset", "paper-dense-48l", "--gpus", "4", "--dist", "fsdp", "--seq-len", "2048",
+                         "--micro-batch", "2", "--activation-checkpointing", "none", "--mfu", "0.3"]) == 0
+    text = buf.getvalue()
+    assert "memory / GPU" in text and "micro-batch 2 x grad_accum 128" in text and "seq 2048" in text
+
+
+def test_bad_split_is_one_line(capsys):
+    assert cli.main(["plan", "--preset", "paper-dense-48l", "--gpus", "4", "--micro-batch", "3", "--json"]) == 2
+    err = capsys.readouterr()
+    assert err.out == "" and "not divisible" in err.err and len(err.err.strip().splitlines()) == 1
+
+
+def test_meta_build_holds_no_memory():
+    """The 15A2B model (62 GB of fp32 weights, more than this machine has) is planned in shapes only."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    model = PL.meta_model(train_preset("paper-moe-15a2b"))
+    assert all(p.is_meta for p in model.parameters())
+    sz = PL.sizes(model)
+    grown_gb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024 / 1e9
+    assert grown_gb < 1.0, grown_gb  # building it for real would take 62 GB
+    ref = param_report(model.config)
+    assert (sz["total"], sz["activated"]) == (ref["total"], ref["activated"])  # 15.58B / 1.99B
+
+
+def tiny_cfg(*sets):
+    return apply_overrides(train_preset("tiny"), ["precision=fp32", "seq_len=32", "batch_size=4", *sets])
+
+
+def test_numbers_equal_a_hand_computation():
+    """The tiny model (vocab 128, d 32, FFN 64, 2 layers, 4 q / 2 kv heads of 8, tied), counted by hand."""
+    d, f, L, H, KV, D, V, T = 32, 64, 2, 4, 2, 8, 128, 32
+    attn = d * H * D + 2 * d * KV * D + H * D * d  # q, k, v, o projections
+    layer = attn + 2 * D + 2 * d + 3 * d * f  # + QK-norm weights, the two RMSNorms, SwiGLU
+    total = V * d + d + L * layer  # tied embedding, final norm
+    matmul = L * (attn + 3 * d * f) + V * d  # every GEMM weight, the (tied) lm_head included
+    flops = 6 * matmul + 6 * L * H * D * (T + 1)
+    p = PL.plan(tiny_cfg(), gpus=1, gpu_memory_gb=1.0, mfu=0.5, gpu_tflops=100.0, device="cpu")
+    assert (p["params_total"], p["params_activated"], p["flops_per_token"]) == (total, total, flops)
+    m = p["memory_per_gpu_gb"]
+    assert m["params"] * 1e9 == pytest.approx(4 * total) and m["grads"] * 1e9 == pytest.approx(4 * total)
+    assert m["optimizer"] * 1e9 == pytest.approx(8 * total) and m["buffers"] == 0
+    assert p["tokens_per_s"] == pytest.approx(0.5 * 100e12 / flops)
+    cfg = tiny_cfg()
+    assert p["days"] == pytest.approx(cfg.steps * cfg.batch_size * T / p["tokens_per_s"] / 86400)
+    # two ranks: FSDP2 shards params, grads and moments; DDP keeps them whole and adds its gradient buckets
+    fs = PL.plan(tiny_cfg("dist=fsdp"), gpus=2, device="cpu")["memory_per_gpu_gb"]
+    dd = PL.plan(tiny_cfg("dist=ddp"), gpus=2, device="cpu")["memory_per_gpu_gb"]
+    assert fs["params"] * 1e9 == pytest.approx(2 * total) and fs["optimizer"] * 1e9 == pytest.approx(4 * total)
+    root_and_layer = 2 * (V * d + d) * 4 + layer * (2 * 4 + 4 + 4)  # root gathered (+ its grad), 2 layers, 1 grad
+    assert fs["buffers"] * 1e9 == pytest.approx(root_and_layer)
+    assert dd["params"] * 1e9 == pytest.approx(4 * total) and dd["buffers"] * 1e9 == pytest.approx(4 * total)
+    # bf16-params in one process: the fp32 master and its bf16 compute twin
+    bp = PL.plan(tiny_cfg("precision=bf16-params"), gpus=1, device="cpu")["memory_per_gpu_gb"]
+    assert bp["params"] * 1e9 == pytest.approx(6 * total)
+
+
+def test_flops_equal_the_bench_count():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_train import train_flops
+
+    cfg = tiny_cfg("gate=sdpa_elementwise", "model.hidden_size=48", "model.intermediate_size=96")
+    p = PL.plan(cfg, gpus=1, device="cpu")
+    config = PL.meta_model(cfg).config
+    assert p["flops_per_token"] == pytest.approx(train_flops(config, 1, cfg.seq_len) / cfg.seq_len)
+
+
+def test_moe_activated_matmul_counts_k_experts():
+    cfg = tiny_cfg("model=tiny-moe")
+    model = PL.meta_model(cfg)
+    c = model.config
+    sz = PL.sizes(model)
+    expert = 3 * c.hidden_size * c.moe_intermediate_size
+    dense = sz["matmul_activated"] - c.num_hidden_layers * (c.num_experts_per_tok * expert
+                                                            + c.hidden_size * c.num_experts)
+    attn = 2 * c.hidden_size * c.num_attention_heads * c.head_dim + 2 * c.hidden_size * c.num_key_value_heads * c.head_dim
+    assert dense == c.num_hidden_layers * attn + c.vocab_size * c.hidden_size
+
+
+def saved_bytes(cfg) -> tuple[int, object, int]:
+    """Bytes of the unique non-parameter storages autograd saves in one training forward of `cfg` (the trainer's
+    model, fast path, precision and checkpointing), the model config, and the tokens it ran on."""
+    from gated_attention.train import fastpath
+    from gated_attention.train.mixed_precision import MasterWeights
+    from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
+    from gated_attention.train.monitors import decoder_layers
+    from gated_attention.util.precision import numerics
+
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    if cfg.precision == "bf16-params":
+        model = MasterWeights(model).compute
+    layers = decoder_layers(model)
+    fastpath.prepare(cfg, model, layers, torch.device("cpu"), cfg.precision)
+    apply_activation_checkpointing(layers, cfg.activation_checkpointing)
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    b = cfg.batch_size
+    x = torch.randint(0, model.config.vocab_size, (b, cfg.seq_len + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), numerics(cfg.precision, torch.device("cpu")):
+        model(input_ids=x[:, :-1], shift_labels=x[:, 1:], fused_loss=True, use_cache=False)
+    return sum(seen.values()), model.config, b * cfg.seq_len
+
+
+SHAPE = ["model.hidden_size=96", "model.intermediate_size=160", "model.head_dim=16", "model.vocab_size=512",
+         "model.num_hidden_layers=3", "compile=false", "seq_len=64", "batch_size=2"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-params"])
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("gate", ["none", "sdpa_elementwise"])
+def test_activation_formula_matches_what_autograd_saves(precision, model, gate):
+    """The plan's saved-activation bytes (layers + embedding/norm/loss part) against the storages autograd holds in
+    a real forward of the trainer's model: within 10 %, so the formula tracks this code rather than a textbook's."""
+    cfg = tiny_cfg(f"precision={precision}", f"model={model}", f"gate={gate}", *SHAPE)
+    counted, config, tokens = saved_bytes(cfg)
+    a = PL.activation_bytes(config, tokens, precision, "none", fused_loss=True)
+    predicted = a["saved_layers"] + a["rest"]
+    assert predicted == pytest.approx(counted, rel=0.10), (predicted, counted)
+
+
+def test_fits_and_does_not_fit():
+    moe = train_preset("paper-moe-15a2b")
+    one = PL.plan(moe, gpus=1, gpu_memory_gb=80)
+    eight = PL.plan(moe, gpus=8, gpu_memory_gb=80)
+    assert not one["fits"] and one["memory_per_gpu_gb"]["params"] > 80  # 15.6B fp32 masters alone: 62 GB
+    assert eight["fits"] and eight["memory_per_gpu_gb"]["total"] < one["memory_per_gpu_gb"]["total"] / 4
+    # activation checkpointing is what lets 4096-token sequences of the 28-layer model sit beside the weights
+    dense = train_preset("paper-dense-28l")
+    full = PL.plan(dense, gpus=8, micro_batch=4)["memory_per_gpu_gb"]["activations"]
+    none = PL.plan(dense, gpus=8, micro_batch=4, activation_checkpointing="none")["memory_per_gpu_gb"]["activations"]
+    assert none > 5 * full
+
+
+def test_trainer_refuses_a_run_that_does_not_fit(monkeypatch, tmp_path):
+    from gated_attention.train.trainer import train
+    from gated_attention.util.errors import UserError
+
+    monkeypatch.setattr(PL, "available_gb", lambda device, local_world=1: 16.0)  # a 16 GB host
+    with pytest.raises(UserError, match="gattn plan") as err:  # 1.7B params + AdamW in one process: ~31 GB
+        train(apply_overrides(train_preset("paper-dense-28l"), ["data=synthetic"]), tmp_path / "run")
+    assert "per rank at world size 1" in str(err.value) and not (tmp_path / "run" / "checkpoints").exists()
+    train(tiny_cfg("steps=2", "eval_batches=1"), tmp_path / "tiny")  # a run that fits starts as before
+
+
+def test_paper_presets_hold_the_papers_recipes():
+    spec = {"paper-dense-28l": ("1.7b-28l", 4e-3, 95_367), "paper-dense-48l": ("1.7b-48l", 4e-3, 95_367),
+            "paper-moe-15a2b": ("15a2b", 2e-3, 100_000)}
+    for name, (model, lr, steps) in spec.items():
+        c = train_preset(name)
+        assert (c.model, c.lr, c.steps, c.batch_size, c.seq_len, c.warmup_steps, c.min_lr, c.schedule) == \
+            (model, lr, steps, 1024, 4096, 1000, 3e-5, "cosine")
+        assert (c.dist, c.precision, c.activation_checkpointing, c.micro_batch) == ("fsdp", "bf16-params", "full", 1)
+    moe = PL.meta_model(train_preset("paper-moe-15a2b")).config
+    assert moe.router_aux_loss_coef > 0 and moe.router_z_loss_coef > 0  # global-batch LBL (moe.py) and z-loss
+    assert accum_for(1024, 8, 1) == 128
+
+
+SHRUNK = ["model.num_hidden_layers=2", "model.hidden_size=64", "model.intermediate_size=128",
+          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=16", "model.vocab_size=256",
+          "seq_len=32", "batch_size=4", "steps=3", "warmup_steps=1", "data=synthetic", "eval_batches=1",
+          "eval_batch_size=2", "ckpt_every=0", "stats_every=2", "compile=false", "progress=false",
+          "tensorboard=false"]
+MOE_SHRUNK = ["model.num_experts=8", "model.num_experts_per_tok=2", "model.moe_intermediate_size=32"]
+
+
+@pytest.mark.parametrize("name", [pytest.param("paper-dense-28l", marks=pytest.mark.slow),
+                                  pytest.param("paper-dense-48l", marks=pytest.mark.slow), "paper-moe-15a2b"])
+def test_paper_preset_trains_shrunk_at_two_ranks(tmp_path, name):
+    """The recipe as it is (FSDP2, bf16-params, activation checkpointing, micro-batch 1 -> grad_accum 2 at 2 ranks;
+    for the MoE its LBL and z-loss) on a model shrunk to seconds, under torchrun with gloo."""
+    sets = SHRUNK + (MOE_SHRUNK if "moe" in name else [])
+    cmd = torchrun_argv("train", "--preset", name, "--out", tmp_path, *sum((["--set", s] for s in sets), []))
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    saved = json.loads((tmp_path / "train_config.json").read_text())
+    assert (saved["dist"], saved["resolved_precision"], saved["activation_checkpointing"], saved["grad_accum"]) == \
+        ("fsdp", "bf16-params", "full", 2)
+    log = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert len(log) == 3 and all(r["loss"] == r["loss"] for r in log)  # finite
+    if "moe" in name:
+        assert all(r["aux_loss"] > 0 for r in log) and log[0]["moe"]["z_loss"][0] > 0
+
+
+def test_gpu_check_dry_run(tmp_path):
+    """bench/gpu_check.sh --dry-run works without a GPU: every part's command and limit (within the script's total),
+    and the plan of the paper part's exact settings."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "PYTHONPATH": str(root / "src")}
+    p = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    out = p.stdout
+    for name in ("kernel_tests", "paper_28l", "bench_kernel", "train_triton_gated", "train_sdpa", "train_compare"):
+        assert f"== {name} (limit" in out and "would run" in out, name
+    limits = [int(x) for x in __import__("re").findall(r"\(limit (\d+)s\) would run", out)]
+    assert sum(limits) <= 470  # one command under 8 minutes
+    assert "bench/bench_plan.py run --preset paper-dense-28l" in out
+    assert "gattn plan: paper-dense-28l" in out and "bf16-params, activation checkpointing full" in out
+    assert "attn_implementation=triton_gated" in out
