@@ -1,23 +1,43 @@
 #!/usr/bin/env bash
-# The GPU check of the fused gated attention kernel (attn_implementation="triton_gated"), in one script that runs in
-# under 8 minutes on a single CUDA GPU (H100/H200 class):
+# The GPU check, in one command that ends within TOTAL_LIMIT seconds (default 470: under 8 minutes) on a single CUDA GPU
+# (H100/H200 class):
 #   1. the kernel tests WITHOUT Triton's interpreter (tests/test_triton_attention.py with TRITON_INTERPRET=0: the same
 #      forward/gradient checks as on CPU, on the GPU with the compiled kernels, plus bf16 at the GPU's own tiles);
-#   2. bench/bench_kernel.py: fused gated kernel vs the ungated kernel vs SDPA (flash) + the separate gate, forward and
+#   2. the paper's 28-layer recipe on this GPU beside its plan: `bench/bench_plan.py run --preset paper-dense-28l`
+#      (G1 elementwise, the recipe's FSDP2 setting at world size 1 = the one-process path, bf16-params, activation
+#      checkpointing, seq 4096, micro-batch 1; the triton_gated kernel if part 1 passed, else sdpa; a global batch of
+#      PAPER_BATCH sequences for PAPER_STEPS steps, synthetic tokens): tokens/s, MFU (over the GPU's nominal dense
+#      bf16 peak) and peak memory (torch.cuda.max_memory_allocated / reserved) next to `gattn plan`'s prediction for the
+#      same setting -> $OUT/paper_28l/rank0.json;
+#   3. bench/bench_kernel.py: fused gated kernel vs the ungated kernel vs SDPA (flash) + the separate gate, forward and
 #      forward+backward, bf16, D=128, T = 1k..16k -> bench/results/kernel.json;
-#   3. a short training run with the kernel (`gattn train --set attn_implementation=triton_gated`, a 4-layer model of
+#   4. a short training run with the kernel (`gattn train --set attn_implementation=triton_gated`, a 4-layer model of
 #      the 1.7B shape: d=2048, 16 q / 8 kv heads, head_dim 128, 32k vocabulary, G1 elementwise, synthetic tokens, bf16) next to the
 #      same run with sdpa: both loss curves must agree (bf16 noise) and the tokens/s of each is printed.
-# Each part has its own time limit; the script goes on after a failed part and exits 1 if any failed.
+# Each part has its own time limit, cut to what is left of TOTAL_LIMIT; the script goes on after a failed part and
+# exits 1 if any failed.
 # Needs: the project's environment with a CUDA build of torch and Triton (PYTHON=path/to/python, default .venv/bin/python;
 # `pip install -e '.[kernel]'`). Output: $OUT (default runs/gpu_check): one log per part, summary.txt.
-# Run: bash bench/gpu_check.sh            (TRAIN_STEPS=60, SEQS=1024,2048,4096,8192,16384 to change the sizes)
+# Run: bash bench/gpu_check.sh            (TRAIN_STEPS=60, SEQS=1024,2048,4096,8192,16384, PAPER_STEPS=8,
+#                                          PAPER_BATCH=8 to change the sizes)
+#      bash bench/gpu_check.sh --dry-run  (any machine, no GPU needed: prints every part's command and limit, checks
+#                                          the paper part's settings and prints `gattn plan`'s prediction for them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=${OUT:-runs/gpu_check}
 SEQS=${SEQS:-1024,2048,4096,8192,16384}
 TRAIN_STEPS=${TRAIN_STEPS:-60}
+PAPER_STEPS=${PAPER_STEPS:-8}
+PAPER_BATCH=${PAPER_BATCH:-8}
+TOTAL_LIMIT=${TOTAL_LIMIT:-470}
+DRY=0
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY=1 ;;
+    *) echo "gpu_check: unknown argument $arg (use --dry-run or none)" >&2; exit 2 ;;
+  esac
+done
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -27,7 +47,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 part() {  # part NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.log, record pass/fail and seconds
   local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
+  local t0=$SECONDS left=$((TOTAL_LIMIT - SECONDS))
+  [ "$limit" -gt "$left" ] && limit=$left  # the whole script stays within TOTAL_LIMIT
+  if [ "$DRY" = 1 ]; then say "== $name (limit ${limit}s) would run: $*"; return 0; fi
+  if [ "$limit" -le 0 ]; then say "-- $name: SKIPPED (no time left of TOTAL_LIMIT=${TOTAL_LIMIT}s)"; failed=1; return 0; fi
   say "== $name (limit ${limit}s): $*"
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
@@ -35,8 +58,10 @@ part() {  # part NAME LIMIT_S CMD...: run with a time limit, log to $OUT/NAME.lo
   if [ $rc -eq 0 ]; then say "-- $name: ok ($((SECONDS - t0)) s)"; else say "-- $name: FAILED rc=$rc ($((SECONDS - t0)) s; see $OUT/$name.log)"; failed=1; fi
 }
 
-# 0. the machine: refuse clearly when there is no GPU (nothing below could run)
-if ! "$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
+# 0. the machine: refuse clearly when there is no GPU (nothing below could run); a dry run only reports it
+if [ "$DRY" = 1 ]; then
+  say "gpu_check --dry-run: nothing is trained or timed; $("$PY" -c 'import torch; print(f"torch {torch.__version__}, CUDA visible: {torch.cuda.is_available()}")')"
+elif ! "$PY" - <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import sys, torch
 if not torch.cuda.is_available():
     sys.exit(f"gpu_check: no CUDA GPU visible to torch {torch.__version__} (a CPU build, or no driver); "
@@ -54,14 +79,29 @@ then
 fi
 
 # 1. kernel tests on the GPU (TRITON_INTERPRET=0: compiled kernels; the bf16 and GPU-tile tests run only here)
-part kernel_tests 300 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
+part kernel_tests 120 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/test_triton_attention.py
+IMPL=triton_gated
+if [ "$DRY" = 0 ] && ! grep -q "kernel_tests: ok" "$SUMMARY"; then IMPL=sdpa; say "(kernel tests failed: part 2 uses sdpa)"; fi
 
-# 2. kernel timings: fused gated vs ungated kernel vs SDPA flash + separate gate, bf16, D=128
-part bench_kernel 180 env TRITON_INTERPRET=0 "$PY" bench/bench_kernel.py --seqs "$SEQS" --head-dim 128 \
+# 2. the paper's 28-layer recipe on one GPU, measured beside gattn plan's prediction for the same setting
+PAPER_SETS=(--set gate=sdpa_elementwise --set device=cuda --set data=synthetic --set attn_implementation=$IMPL
+  --set batch_size="$PAPER_BATCH" --set steps="$PAPER_STEPS" --set warmup_steps=2 --set eval_batches=1
+  --set eval_batch_size=1 --set ckpt_every=0 --set stats_every=0 --set compile=false --set progress=false
+  --set tensorboard=false)
+if [ "$DRY" = 1 ]; then  # the settings parse, and the plan of them (CPU, meta device: seconds)
+  "$PY" -m gated_attention.cli plan --preset paper-dense-28l --gpus 1 --gpu-memory 141 --gpu-tflops 989 \
+    "${PAPER_SETS[@]}" | tee -a "$SUMMARY" || { say "-- plan of the paper part: FAILED"; failed=1; }
+fi
+rm -rf "$OUT/paper_28l"
+part paper_28l 190 env TRITON_INTERPRET=0 "$PY" bench/bench_plan.py run --preset paper-dense-28l \
+  --out "$OUT/paper_28l" "${PAPER_SETS[@]}"
+
+# 3. kernel timings: fused gated vs ungated kernel vs SDPA flash + separate gate, bf16, D=128
+part bench_kernel 60 env TRITON_INTERPRET=0 "$PY" bench/bench_kernel.py --seqs "$SEQS" --head-dim 128 \
   --dtype bf16 --reps 20 --out kernel
 
-# 3. a short training run with the kernel, and the same run with sdpa (same seed, same batches)
+# 4. a short training run with the kernel, and the same run with sdpa (same seed, same batches)
 train() {  # train IMPL
   TRITON_INTERPRET=0 "$PY" -m gated_attention.cli train --preset small --gate sdpa_elementwise \
     --out "$OUT/train_$1" --set attn_implementation="$1" --set device=cuda --set data=synthetic \
@@ -70,9 +110,9 @@ train() {  # train IMPL
     --set ckpt_every=0 --set stats_every=0 --set compile=false --set tensorboard=false --set progress=false
 }
 rm -rf "$OUT/train_triton_gated" "$OUT/train_sdpa"
-part train_triton_gated 150 train triton_gated
-part train_sdpa 150 train sdpa
-part train_compare 30 "$PY" - "$OUT" <<'EOF'
+part train_triton_gated 45 train triton_gated
+part train_sdpa 45 train sdpa
+part train_compare 10 "$PY" - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -94,5 +134,5 @@ json.dump({"triton_gated": a, "sdpa": b, "max_abs_loss_diff": diff}, open(out / 
 sys.exit(0 if abs(last(a["losses"]) - last(b["losses"])) < 0.05 and diff < 0.25 else 1)
 EOF
 
-say "== done in ${SECONDS}s; results: $SUMMARY, bench/results/kernel.json, $OUT/train_compare.json"
+say "== done in ${SECONDS}s; results: $SUMMARY, $OUT/paper_28l/rank0.json, bench/results/kernel.json, $OUT/train_compare.json"
 exit $failed

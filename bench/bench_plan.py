@@ -1,0 +1,213 @@
+"""`gattn plan` against a measured run: per-rank peak memory and tokens/s of a real `gattn train` run next to the plan's
+prediction for the same setting, and the plan's FLOPs per token next to bench_train.py's count.
+
+  run       ONE rank (alone, or under torchrun): train a preset with --set overrides through the trainer and write
+            OUT/rank<r>.json: the plan of this exact setting (world size, precision as resolved here), the RSS after
+            the imports (the runtime's own share), the peak RSS when the last training step ends (ru_maxrss, a
+            high-water mark: build + training, before the final checkpoint and export), on CUDA
+            torch.cuda.max_memory_allocated / reserved at that point, the median tokens/s of the steady steps, and
+            MFU (model FLOPs/s over --gpu-tflops; on CUDA the nominal dense bf16 peak of the GPU by name)
+  validate  the CPU validation table (docs/scale.md): a >= 200M-parameter model trained a few steps in one process,
+            DDP x2 and FSDP x2 (gloo), each rank under GNU `/usr/bin/time -v` (its whole-process peak RSS, final
+            checkpoint and export included); /proc/loadavg before and after every run -> bench/results/<--out>.json
+
+Run: python bench/bench_plan.py validate [--layers 12 --hidden 1024 --ffn 4096 --seq 1024 --steps 3
+                                          --precision fp32 --modes 1proc,ddp,fsdp --ac none --out plan_check]
+     python bench/bench_plan.py run --preset paper-dense-28l --set device=cuda ... --out DIR   (bench/gpu_check.sh)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common  # (also puts src/ on the path)
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
+              "B200": 2250.0}  # nominal dense bf16 TFLOP/s (SXM parts)
+
+
+def maxrss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: KiB
+
+
+def load1() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def gpu_tflops(device) -> float | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in GPU_TFLOPS.items() if k in name), None)
+
+
+def run_rank(args) -> int:
+    import torch
+
+    from gated_attention.train import dist as D
+    from gated_attention.train.config import config_from_args
+    from gated_attention.train.plan import plan
+    from gated_attention.train.trainer import train
+    from gated_attention.util.precision import resolve
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    baseline = maxrss_gb()  # torch, transformers and the package imported, nothing built
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    cfg = config_from_args(args.preset, None, args.sets, args.data_dir)
+    device = D.pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
+    mode = cfg.dist if world > 1 else "none"
+    precision = resolve(cfg.precision, device, mode)
+    tflops = args.gpu_tflops or gpu_tflops(device)
+    predicted = plan(cfg, gpus=world, precision=precision, device=device.type, mfu=0.5,
+                     gpu_tflops=tflops or 1.0, gpu_memory_gb=1e6)
+    marks: dict = {}
+
+    def hook(step, model):
+        marks["rss_gb"] = maxrss_gb()
+        if device.type == "cuda":
+            marks["cuda_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+            marks["cuda_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+        return None
+
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    train(cfg, out / "run", step_hook=hook)
+    wall = time.perf_counter() - t0
+    log = [json.loads(x) for x in (out / "run" / "log.jsonl").read_text().splitlines() if x.strip()]
+    steady = [r["tokens_per_s"] for r in log[1:] if "tokens_per_s" in r] or [log[-1]["tokens_per_s"]]
+    tok_s = statistics.median(steady)  # cluster-wide tokens/s (the trainer logs the global batch's tokens)
+    rec = {"rank": rank, "world_size": world, "dist": mode, "resolved_precision": precision,
+           "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
+           "micro_batch": predicted["settings"]["micro_batch"], "device": str(device),
+           "baseline_rss_gb": baseline, "peak_rss_train_gb": marks.get("rss_gb"), "peak_rss_end_gb": maxrss_gb(),
+           "cuda_peak_allocated_gb": marks.get("cuda_allocated_gb"), "cuda_peak_reserved_gb": marks.get("cuda_reserved_gb"),
+           "tokens_per_s": tok_s, "gpu_tflops": tflops,
+           "mfu": tok_s * predicted["flops_per_token"] / (world * tflops * 1e12) if tflops else None,
+           "wall_s": wall, "load_end": load1(), "plan": predicted}
+    if rank == 0 and device.type == "cuda":  # the plan's own prediction of this speed at the measured MFU
+        rec["plan_tokens_per_s_at_measured_mfu"] = rec["mfu"] * tflops * 1e12 * world / predicted["flops_per_token"]
+    common.write_text(out / f"rank{rank}.json", json.dumps(rec, indent=1))
+    if rank == 0:
+        m = predicted["memory_per_gpu_gb"]
+        got = rec["cuda_peak_allocated_gb"] if device.type == "cuda" else rec["peak_rss_train_gb"]
+        print(f"bench_plan: {args.preset} world {world} {mode} {precision} ac={cfg.activation_checkpointing}: "
+              f"plan {m['total']:.2f} GB/rank (params {m['params']:.2f}, grads {m['grads']:.2f}, optimizer "
+              f"{m['optimizer']:.2f}, activations {m['activations']:.2f}, buffers {m['buffers']:.2f}, overhead "
+              f"{m['overhead']:.2f}); measured peak {got:.2f} GB; {tok_s:,.0f} tokens/s"
+              + (f", MFU {rec['mfu']:.3f}" if rec["mfu"] is not None else ""), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- validate (CPU, the docs/scale.md table)
+
+def validate_sets(args, mode: str, ac: str) -> list[str]:
+    heads = args.hidden // 64
+    sets = {"data": "synthetic", "model.vocab_size": args.vocab, "model.num_hidden_layers": args.layers,
+            "model.hidden_size": args.hidden, "model.intermediate_size": args.ffn, "model.num_attention_heads": heads,
+            "model.num_key_value_heads": heads, "model.head_dim": 64, "model.max_position_embeddings": max(4096, args.seq),
+            "seq_len": args.seq, "batch_size": 2, "micro_batch": 1, "steps": args.steps, "warmup_steps": 1,
+            "ckpt_every": 0, "keep_checkpoints": 1, "stats_every": 0, "eval_batches": 1, "eval_batch_size": 1,
+            "precision": args.precision, "compile": "false", "progress": "false", "tensorboard": "false",
+            "activation_checkpointing": ac, "dist": "fsdp" if mode == "fsdp" else "ddp"}
+    return sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])
+
+
+def validate(args) -> int:
+    from gated_attention.train.config import config_from_args
+    from gated_attention.train.plan import plan
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_train import train_flops
+
+    out_root = Path(args.scratch)
+    rows = []
+    for mode in args.modes.split(","):
+        for ac in args.ac.split(","):
+            out = out_root / f"{mode}_{ac}"
+            subprocess.run(["rm", "-rf", str(out)], check=True)
+            out.mkdir(parents=True)
+            me = [sys.executable, str(Path(__file__).resolve()), "run", "--preset", "small", "--out", str(out),
+                  *validate_sets(args, mode, ac)]
+            timed = f"/usr/bin/time -v -o {shlex.quote(str(out))}/time_rank$RANK.txt {shlex.join(me)}"
+            if mode == "1proc":
+                cmd = ["sh", "-c", f"RANK=0; {timed}"]
+            else:
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--no-python",
+                       "sh", "-c", timed]
+            before = load1()
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+            print(f"== {mode} ac={ac}: {' '.join(cmd)}", flush=True)
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if p.returncode:
+                print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
+                return 1
+            print(p.stdout.strip().splitlines()[-2] if p.stdout.strip() else "", flush=True)
+            ranks = sorted(out.glob("rank*.json"))
+            for r in ranks:
+                rec = json.loads(r.read_text())
+                text = (out / f"time_rank{rec['rank']}.txt").read_text()
+                rec["peak_rss_time_gb"] = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)",
+                                                        text).group(1)) * 1024 / 1e9
+                rec["load_before"], rec["mode"] = before, mode
+                rows.append(rec)
+    cfg = config_from_args("small", None, validate_sets(args, "1proc", "none")[1::2], None)
+    p1 = plan(cfg, gpus=1, precision=args.precision, device="cpu")
+    from gated_attention.train.plan import meta_model
+
+    config = meta_model(cfg).config
+    flops = {"plan_flops_per_token": p1["flops_per_token"],
+             "bench_train_flops_per_token": train_flops(config, 1, args.seq) / args.seq}
+    result = {"machine": common.machine(), "args": vars(args), "flops": flops, "params_total": p1["params_total"],
+              "rows": rows}
+    path = common.write_json(args.out, result)
+    print(f"{'mode':<6} {'ac':<5} rank  plan GB  (+runtime)  peak@last step  peak (time -v)  baseline  tok/s  load")
+    for r in rows:
+        m = r["plan"]["memory_per_gpu_gb"]
+        print(f"{r['mode']:<6} {r['activation_checkpointing']:<5} {r['rank']:>4}  {m['total']:7.2f}  "
+              f"{m['total'] - m['overhead'] + r['baseline_rss_gb']:9.2f}  {r['peak_rss_train_gb']:14.2f}  "
+              f"{r['peak_rss_time_gb']:14.2f}  {r['baseline_rss_gb']:8.2f}  {r['tokens_per_s']:5.0f}  "
+              f"{r['load_before']:.2f}->{r['load_end']:.2f}")
+    print(f"FLOPs/token: plan {flops['plan_flops_per_token']:.4g}, bench_train {flops['bench_train_flops_per_token']:.4g}"
+          f"; wrote {path}")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one rank: train and measure beside the plan")
+    r.add_argument("--preset", required=True)
+    r.add_argument("--set", dest="sets", action="append", default=[])
+    r.add_argument("--data-dir", default=None)
+    r.add_argument("--gpu-tflops", type=float, default=None, help="peak TFLOP/s for MFU (CUDA default: by GPU name)")
+    r.add_argument("--out", required=True)
+    v = sub.add_parser("validate", help="1 process, DDP x2, FSDP x2 on CPU under /usr/bin/time -v")
+    v.add_argument("--layers", type=int, default=12)
+    v.add_argument("--hidden", type=int, default=1024)
+    v.add_argument("--ffn", type=int, default=4096)
+    v.add_argument("--vocab", type=int, default=1024)
+    v.add_argument("--seq", type=int, default=1024)
+    v.add_argument("--steps", type=int, default=3)
+    v.add_argument("--precision", default="fp32")
+    v.add_argument("--modes", default="1proc,ddp,fsdp")
+    v.add_argument("--ac", default="none")
+    v.add_argument("--scratch", default=str(ROOT / "runs" / "bench_plan"))
+    v.add_argument("--out", default="plan_check")
+    args = ap.parse_args()
+    return run_rank(args) if args.cmd == "run" else validate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
