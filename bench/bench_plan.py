@@ -153,7 +153,7 @@ def validate(args) -> int:
             if p.returncode:
                 print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
                 return 1
-            print(p.stdout.strip().splitlines()[-2] if p.stdout.strip() else "", flush=True)
+            print("\n".join(x for x in p.stdout.splitlines() if x.startswith("bench_plan:")), flush=True)
             ranks = sorted(out.glob("rank*.json"))
             for r in ranks:
                 rec = json.loads(r.read_text())
