@@ -200,7 +200,9 @@ def main() -> int:
     v.add_argument("--vocab", type=int, default=1024)
     v.add_argument("--seq", type=int, default=1024)
     v.add_argument("--steps", type=int, default=3)
-    v.add_argument("--precision", default="fp32")
+    from gated_attention.util.precision import add_argument as precision_argument
+    precision_argument(v, default="fp32", what="numerics of the validated runs",
+                       choices=("fp32", "bf16", "bf16-params"))
     v.add_argument("--modes", default="1proc,ddp,fsdp")
     v.add_argument("--ac", default="none")
     v.add_argument("--scratch", default=str(ROOT / "runs" / "bench_plan"))
