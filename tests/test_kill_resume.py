@@ -72,6 +72,11 @@ CASES = [
                                   "--seeds", "1"],
              victim="runs/baseline_qkoff_lr0.03_s0", kill_at=14,  # the small budget: 30 steps, a checkpoint every 10
              figures=lambda out: _json(out / "lab.json")),
+    KillCase("sinks",
+             lambda out, corpus: ["lab", "sinks", "--budget", "small", "--out", out, "--jobs", "1",
+                                  "--variants", "baseline", "sdpa_elementwise", "--seeds", "1"],
+             victim="runs/sdpa_elementwise/seed0", kill_at=40,  # the small budget: 60 steps, a checkpoint every 30
+             figures=lambda out: _json(out / "lab.json")),
 ]
 
 

@@ -202,7 +202,9 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(BackcopyTask, "train_batch", dying)
     with pytest.raises(KeyboardInterrupt):
         sink_lab.train_unit(job(tmp_path / "killed"))
-    assert (tmp_path / "killed" / "ckpt.pt").exists()
+    from gated_attention.train.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path / "killed").name.endswith("30")  # the trainer's checkpoint (one resume policy)
     monkeypatch.setattr(BackcopyTask, "train_batch", real)
     # the reuse rule (experiment.cache): a half-trained unit is not resumed, nor silently restarted, under other
     # settings; a unit finished under other settings stops the job too
@@ -212,10 +214,12 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
     with pytest.raises(StaleResult, match="lr: saved"):
         sink_lab.train_unit((other[0], "sdpa_elementwise", 0, str(tmp_path / "whole")))
     resumed = sink_lab.train_unit(job(tmp_path / "killed"))
-    assert not (tmp_path / "killed" / "ckpt.pt").exists()
+    assert not (tmp_path / "killed" / "checkpoints").exists()  # a finished unit keeps its model, not its optimizer
     for k in sink_lab.METRICS:
         assert resumed[k] == whole[k], k
     assert [p["step"] for p in resumed["curve"]] == [0, 20, 40]
+    assert resumed["curve"] == whole["curve"]  # the step hook's records rode in the checkpoint
+    assert sink_lab.load_run(tmp_path / "killed").model.config.gate == "sdpa_elementwise"
 
 
 # ---------------------------------------------------------------- end to end through the CLI

@@ -4,10 +4,10 @@ Each variant (a gate name from `gattn gates`, or a runtime baseline mechanism su
 LM (`GatedQwen3ForCausalLM` from `presets.model_config` with small-shape overrides: 1-3 layers, default 1 layer,
 1 head, d=128) trained on the task (backcopy.py) with the project's optimizer conventions (AdamW, weight decay on
 matrices only via the trainer's `param_groups`, warm-up + cosine/WSD from `train.schedule`, global-norm clipping,
-autocast in the resolved precision: gated_attention.util.precision). Every variant and seed sees the same batches (a batch is a function of the seed and the step) and
-starts from the same seed. A compact loop is used instead of the trainer: a 1-layer model's step is ~20 ms, where
-the trainer's per-step bookkeeping and per-domain evaluation would dominate, and the lab needs metrics *during*
-training (learning curves) that the trainer does not compute.
+the resolved precision: gated_attention.util.precision), trained by the one training loop, `train.trainer.train` via
+`experiment.train_or_reuse`: the task is the trainer's data source, the learning curve and the time-to-skill rule its
+step hook, and the per-step backcopy CE an extra-loss plug-in that adds nothing (train/plugins.py). Every variant and
+seed sees the same batches (a batch is a function of the seed and the step) and starts from the same seed.
 
 Measurements (measure(); capture.py's Recorder with eager probabilities, on a fixed held-out set), per layer and head:
 attention on BOS from dormant and from active (trigger) queries, attention on the previous token from trigger
@@ -20,13 +20,12 @@ default 1-layer 1-head model, the only head); the residual peak is the largest o
 The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
 unit's settings under "key", its measurements) and the finished model as a Hugging Face folder (config.json,
 model.safetensors, generation_config.json: `GatedQwen3ForCausalLM.from_pretrained(run_dir)` loads it; `load_run(run_dir)`
-returns it with its task and lab settings), + ckpt.pt while running; then lab.json, report.md, report.html, plots/.
+returns it with its task and lab settings), + the trainer's run files (train_config.json, log.jsonl, summary.json; checkpoints/ and final/ while running); then lab.json, report.md, report.html, plots/.
 Finished units are reused; a killed run continues from its last checkpoint; settings that differ from an existing
 OUT fail loudly.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 import sys
@@ -83,7 +82,7 @@ class SinkLabConfig:
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none. Off: with it the logit
     # gap is bounded by the norm gains and the backcopy is learned worse at lr 1e-2 (CE 0.19 vs 0.002 at T=64)
     grad_clip: float = 1.0  # global-norm clipping (0 = off)
-    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
+    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | bf16-params | fp32
     compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
     eval_every: int = 100  # learning-curve resolution in steps
     eval_size: int = 64  # held-out sequences for every measurement
@@ -101,9 +100,6 @@ class SinkLabConfig:
         from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
-        if self.precision == "bf16-params":  # this lab's own loop autocasts; the trainer's (issue 27) does bf16-params
-            raise ValueError("--precision bf16-params is not supported by this lab yet (its loop autocasts); use "
-                             "auto, bf16 or fp32")
         if not 0.0 <= self.decay_frac <= 1.0:
             raise ValueError(f"--decay-frac must be in [0, 1]; got {self.decay_frac}")
         if not 0.0 <= self.beta2 < 1.0 or not self.adam_eps > 0:
@@ -312,17 +308,129 @@ def _unit_defaults(key: dict) -> dict:
     return _unit_key(replace(SinkLabConfig(), precision=key["precision"]), key["variant"], key["seed"])
 
 
+class _BackcopySource:
+    """The trainer's data source for a unit (train/plugins.py): the task's batches, a pure function of (seed, step);
+    no held-out domains (the lab measures on its own eval set)."""
+
+    domains: list = []
+
+    def __init__(self, task: BackcopyTask):
+        self.task, self.vocab_size = task, task.model_vocab
+
+    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int, rows: slice | None = None):
+        seqs = self.task.train_batch(batch_size, seed, step)  # (B, T+1)
+        return seqs if rows is None else seqs[rows]
+
+    def eval_batches(self, domain: str, seq_len: int, max_batches: int, batch_size: int):
+        return iter(())
+
+
+class _TaskLoss:
+    """The trainer's extra-loss plug-in, adding nothing to the loss: it reads each step's logits to log the
+    training batch's backcopy CE (the time-to-skill rule) and its next-token CE into the recorder."""
+
+    needs_logits = True  # the per-position CE needs the logits (no chunked fused loss)
+
+    def __init__(self, rec: "_UnitRecorder"):
+        self.rec = rec
+
+    def __call__(self, step, inputs, targets, output, ce):
+        import torch.nn.functional as F
+
+        import torch
+
+        active = self.rec.task.masks(inputs)["active"]  # (B, T)
+        with torch.no_grad():
+            tok = F.cross_entropy(output.logits.detach().float().transpose(1, 2), targets, reduction="none")  # (B, T)
+        bc = float(tok[active].mean()) if bool(active.any()) else math.nan
+        self.rec.observe(float(ce.detach()), bc)
+        return None, {"backcopy_ce": bc}
+
+
+class _UnitRecorder:
+    """The unit's step hook: the learning curve (measure() every eval_every steps, from step 0), the trailing
+    training CEs and the time-to-skill step, CPU and wall time; its state rides in the trainer's checkpoints."""
+
+    def __init__(self, cfg: SinkLabConfig, variant: str, seed: int, task: BackcopyTask):
+        self.cfg, self.variant, self.seed, self.task = cfg, variant, seed, task
+        self.eval_seqs = task.eval_set(cfg.eval_size)
+        self.extra_loss = _TaskLoss(self)
+        self.state = {"curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0, "cpu": 0.0}
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def observe(self, loss: float, bc: float) -> None:
+        st = self.state
+        st["losses"] = (st["losses"] + [loss])[-SKILL_WINDOW:]
+        st["bc"] = (st["bc"] + [bc])[-SKILL_WINDOW:]
+
+    def wall_s(self) -> float:
+        return self.state["wall"] + time.perf_counter() - self._t0
+
+    def cpu_s(self) -> float:
+        return self.state["cpu"] + time.process_time() - self._c0
+
+    def record(self, step: int, model) -> dict:
+        m = measure(model, self.task, self.eval_seqs)
+        losses = self.state["losses"]
+        self.state["curve"].append({"step": step, **{k: m[k] for k in METRICS if k in m},
+                                    "null_attention_dormant": m["null_attention_dormant"],
+                                    "train_loss": sum(losses) / len(losses) if losses else None})
+        _log(f"{self.variant} seed {self.seed}: step {step}/{self.cfg.steps}  backcopy CE {_f(m['backcopy_ce'])}  "
+             f"bigram CE {_f(m['bigram_ce'])} (floor {_f(m['bigram_ce_floor'])})  BOS attn dormant "
+             f"{_f(m['bos_attention_dormant'])}  gate dormant/active {_f(m['gate_dormant'])}/"
+             f"{_f(m['gate_active'])}  ({self.wall_s():.0f}s)")
+        return m
+
+    def begin(self, model) -> None:
+        self.record(0, model)
+
+    def __call__(self, steps_done: int, model) -> str | None:
+        from .metrics import trailing_mean
+
+        st = self.state
+        if not math.isfinite(st["losses"][-1]):
+            return f"loss is {st['losses'][-1]} at step {steps_done - 1}"
+        if st["skill"] is None and len(st["bc"]) == SKILL_WINDOW and \
+                trailing_mean(st["bc"], SKILL_WINDOW)[-1] < SKILL_CE:
+            st["skill"] = steps_done - 1
+        if steps_done % self.cfg.eval_every == 0 or steps_done == self.cfg.steps:
+            self.record(steps_done, model)
+        return None
+
+    def state_dict(self) -> dict:
+        return {**self.state, "wall": self.wall_s(), "cpu": self.cpu_s()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.state = dict(st)
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+
+def unit_train_config(cfg: SinkLabConfig, variant: str, seed: int, precision: str):
+    """The trainer settings of one unit: the lab's optimizer and schedule, its own task as the data (plug-in
+    source), the lab's measurements in place of the trainer's eval and probes."""
+    from gated_attention.train.config import TrainConfig
+
+    task = BackcopyTask(**cfg.task)
+    gate, _ = resolve_variant(variant)
+    return TrainConfig(
+        gate=gate, data="custom", seq_len=task.seq_len, batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr,
+        min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, wsd_decay_frac=cfg.decay_frac,
+        weight_decay=cfg.weight_decay, wd_on_embeddings=False, beta1=0.9, beta2=cfg.beta2, eps=cfg.adam_eps,
+        grad_clip=cfg.grad_clip, precision=precision, compile="true" if cfg.compile else "false", device="cpu",
+        seed=seed, eval_every=0, stats_every=0, max_bad_steps=1, ckpt_every=cfg.ckpt_every, keep_checkpoints=1,
+        progress=False, tensorboard=False).validate()
+
+
 def train_unit(job: tuple) -> dict:
     """Train one variant x seed (or reuse / resume it) and return its result dict. job = (cfg dict, variant, seed,
-    unit dir); a plain tuple so it can cross to a worker process."""
-    import torch
-    import torch.nn.functional as F
+    unit dir); a plain tuple so it can cross to a worker process. The unit is a trainer run folder
+    (experiment.train_or_reuse, the one resume policy): a killed unit resumes from its last checkpoint with its
+    learning curve, and ends with the figures of an uninterrupted one."""
+    import shutil
 
+    from gated_attention.experiment.runs import train_or_reuse
     from gated_attention.modeling import GatedQwen3ForCausalLM
-    from gated_attention.train.schedule import lr_at
-    from gated_attention.train.model_setup import param_groups
-
-    from .metrics import trailing_mean
+    from gated_attention.train.plugins import Plugins
 
     cfg_d, variant, seed, unit_dir = job
     cfg = SinkLabConfig(**cfg_d)
@@ -333,90 +441,33 @@ def train_unit(job: tuple) -> dict:
         _log(f"{variant} seed {seed}: reusing {unit_dir / 'result.json'}")
         return done
     task = BackcopyTask(**cfg.task)
-    eval_seqs = task.eval_set(cfg.eval_size)
-    torch.manual_seed(seed)
-    model = GatedQwen3ForCausalLM(model_config_for(cfg, variant))
-    model.train()
-    opt_cfg = argparse.Namespace(weight_decay=cfg.weight_decay, wd_on_embeddings=False)
-    opt = torch.optim.AdamW(param_groups(model, opt_cfg), lr=cfg.lr, betas=(0.9, cfg.beta2), eps=cfg.adam_eps)
-    state = {"step": 0, "curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0}
-    ckpt = unit_dir / "ckpt.pt"
-    saved = cache.load_checkpoint(ckpt, key, defaults=_unit_defaults(key))
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
-        _log(f"{variant} seed {seed}: resuming at step {state['step']}")
-    amp = key["precision"] == "bf16"
-    fwd = model
-    if cfg.compile:
-        fwd = torch.compile(model)
-        try:  # compile errors surface at the first call: fall back to eager (same maths, slower) and say so
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                fwd(input_ids=task.train_batch(cfg.batch_size, seed, 0)[:, :-1])
-        except Exception as exc:  # noqa: BLE001
-            _log(f"{variant} seed {seed}: torch.compile failed ({type(exc).__name__}: {str(exc)[:120]}); "
-                 "training eagerly")
-            fwd = model
-    t0 = time.perf_counter() - state["wall"]
-    c0 = time.process_time() - state.get("cpu", 0.0)  # CPU seconds: comparable across a loaded and a quiet machine
-    params = sum(p.numel() for p in model.parameters())
-
-    def record(step: int) -> None:
-        m = measure(model, task, eval_seqs)
-        losses = state["losses"][-SKILL_WINDOW:]
-        point = {"step": step, **{k: m[k] for k in METRICS if k in m}, "null_attention_dormant":
-                 m["null_attention_dormant"], "train_loss": sum(losses) / len(losses) if losses else None}
-        state["curve"].append(point)
-        _log(f"{variant} seed {seed}: step {step}/{cfg.steps}  backcopy CE {_f(m['backcopy_ce'])}  bigram CE "
-             f"{_f(m['bigram_ce'])} (floor {_f(m['bigram_ce_floor'])})  BOS attn dormant "
-             f"{_f(m['bos_attention_dormant'])}  gate dormant/active {_f(m['gate_dormant'])}/"
-             f"{_f(m['gate_active'])}  ({time.perf_counter() - t0:.0f}s)")
-
-    if state["step"] == 0:
-        record(0)
-    for step in range(state["step"], cfg.steps):
-        lr = lr_at(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
-                   schedule=cfg.schedule, wsd_decay_frac=cfg.decay_frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        seqs = task.train_batch(cfg.batch_size, seed, step)  # (B, T+1)
-        inputs, targets = seqs[:, :-1], seqs[:, 1:]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            logits = fwd(input_ids=inputs).logits  # (B, T, V+1)
-        ce = F.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")  # (B, T)
-        loss = ce.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        active = task.masks(inputs)["active"]
-        state["losses"].append(float(loss.detach()))
-        state["losses"] = state["losses"][-SKILL_WINDOW:]
-        state["bc"].append(float(ce.detach()[active].mean()) if bool(active.any()) else math.nan)
-        state["bc"] = state["bc"][-SKILL_WINDOW:]
-        if state["skill"] is None and len(state["bc"]) == SKILL_WINDOW and \
-                trailing_mean(state["bc"], SKILL_WINDOW)[-1] < SKILL_CE:
-            state["skill"] = step
-        if not math.isfinite(state["losses"][-1]):
-            raise ValueError(f"{variant} seed {seed}: loss is {state['losses'][-1]} at step {step}; lower --lr")
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            record(step + 1)
-        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
-            state["step"], state["wall"], state["cpu"] = step + 1, time.perf_counter() - t0, time.process_time() - c0
-            cache.save_checkpoint(ckpt, key, model=model.state_dict(), opt=opt.state_dict(), state=state)
-    final = measure(model, task, eval_seqs)
+    tcfg = unit_train_config(cfg, variant, seed, key["precision"])
+    rec = _UnitRecorder(cfg, variant, seed, task)
+    summary = train_or_reuse(tcfg, unit_dir, _log, f"seed {seed} gate", step_hook=rec,
+                             model_factory=lambda c, v: GatedQwen3ForCausalLM(model_config_for(cfg, variant)),
+                             plugins=Plugins(source=_BackcopySource(task), extra_loss=rec.extra_loss),
+                             key=key, key_defaults=_unit_defaults(key), resolved_precision=key["precision"])
+    if summary.get("diverged") or summary.get("stop_reason"):
+        raise ValueError(f"{variant} seed {seed}: {summary.get('stop_reason') or 'diverged'}; lower --lr "
+                         f"(run folder {unit_dir})")
+    model = GatedQwen3ForCausalLM.from_pretrained(unit_dir / "final")  # the trained fp32 weights
+    st = rec.state
+    final = measure(model, task, rec.eval_seqs)
     result = {"variant": variant, "seed": seed, **{k: final[k] for k in METRICS if k in final},
-              "steps_to_skill": state["skill"], "null_attention_dormant": final["null_attention_dormant"],
-              "final_train_loss": sum(state["losses"]) / max(len(state["losses"]), 1),
-              "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0, "params": params, "backcopy_head": final["backcopy_head"],
+              "steps_to_skill": st["skill"], "null_attention_dormant": final["null_attention_dormant"],
+              "final_train_loss": sum(st["losses"]) / max(len(st["losses"]), 1),
+              "wall_time_s": rec.wall_s(), "cpu_time_s": rec.cpu_s(),
+              "params": sum(p.numel() for p in model.parameters()), "backcopy_head": final["backcopy_head"],
               "per_layer": final["per_layer"], "attention_map": final["attention_map"],
-              "map_active_rows": final["map_active_rows"], "curve": state["curve"]}
-    model.save_pretrained(unit_dir)  # the model first: result.json is the "finished" marker, written last
-    out = cache.save(unit_dir / "result.json", key, result)
-    if ckpt.exists():
-        ckpt.unlink()
+              "map_active_rows": final["map_active_rows"], "curve": st["curve"],
+              "resolved_precision": summary.get("resolved_precision")}
+    for f in (unit_dir / "final").iterdir():  # the unit folder is the model's HF folder (load_run, from_pretrained)
+        shutil.copy2(f, unit_dir / f.name)
+    out = cache.save(unit_dir / "result.json", key, result)  # the "finished" marker, written last
+    # the lab needs the model, not the optimizer state: the checkpoints go once result.json holds the figures (a
+    # kill before leaves a finished run, reused with its recorder restored from the final checkpoint)
+    shutil.rmtree(unit_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(unit_dir / "final", ignore_errors=True)
     return out
 
 
