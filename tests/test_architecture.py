@@ -352,3 +352,38 @@ def test_one_budget_shape_and_one_table_of_default_variants():
     for default in (compare.DEFAULT_VARIANTS, sinks.DEFAULT_VARIANTS, stability.DEFAULT_VARIANTS,
                     tuple(sinks.SinkLabConfig().variants), stability.LabConfig().variants):
         assert tuple(default) == gates.DEFAULT_VARIANTS
+
+
+def optimizer_use(mod: str, src: str) -> list[str]:
+    """Where module `mod` builds an optimizer (anything under torch.optim), steps one (`<...opt...>.step()`) or
+    backpropagates (`.backward(`): what only the one training loop, train/, may do."""
+    bad = []
+    for node in sorted((n for n in ast.walk(ast.parse(src)) if hasattr(n, "lineno")), key=lambda n: n.lineno):
+        where = f"{mod}:{node.lineno}"
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.optim"):
+            bad.append(f"{where} imports from {node.module}")
+        elif isinstance(node, ast.Attribute) and node.attr == "optim" and isinstance(node.value, ast.Name) \
+                and node.value.id == "torch":
+            bad.append(f"{where} uses torch.optim")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            recv = ast.unparse(node.func.value)
+            if node.func.attr == "backward":
+                bad.append(f"{where} calls {recv}.backward()")
+            elif node.func.attr == "step" and not node.args and "opt" in recv.lower():
+                bad.append(f"{where} calls {recv}.step()")
+    return bad
+
+
+def test_no_optimizer_step_outside_the_training_loop():
+    """One loop (issue 27): every model any command trains goes through train.trainer.train; a lab's needs are its
+    plug-ins (train/plugins.py), never an optimizer or a backward pass of its own."""
+    bad = [b for mod, path in MODULES.items() if not mod.startswith(f"{ROOT}.train.")
+           for b in optimizer_use(mod, path.read_text(encoding="utf-8"))]
+    assert not bad, "train through train.trainer.train (with plug-ins) instead:\n" + "\n".join(bad)
+    # the check sees a lab loop of the old kind, also inside a function
+    loop = ("def f(model, loss):\n    import torch\n    opt = torch.optim.AdamW(model.parameters())\n"
+            "    loss.backward()\n    opt.step()\n")
+    assert [b.split(" ", 1)[1] for b in optimizer_use("m", loop)] == [
+        "uses torch.optim", "calls loss.backward()", "calls opt.step()"]
+    assert optimizer_use("m", "from torch.optim import AdamW\nscheduler.step(3)\n") == [
+        "m:1 imports from torch.optim"]

@@ -61,22 +61,6 @@ def test_a_changed_input_makes_the_result_obsolete_not_stale(tmp_path):
         cache.cached(path, {"samples": 20, "model_mtime": 3.0}, lambda: {"v": 3}, inputs=("model_mtime",))
 
 
-def test_a_unit_checkpoint_follows_the_same_rule(tmp_path):
-    """save/load_checkpoint: the parts come back as saved for the same key; a changed setting stops; a changed input
-    makes the checkpoint obsolete (the unit starts over); no checkpoint is None."""
-    import torch
-
-    path = tmp_path / "ckpt.pt"
-    assert cache.load_checkpoint(path, {"lr": 0.1}) is None
-    key = {"lr": 0.1, "steps": (4, 8), "model_mtime": 1.0}
-    cache.save_checkpoint(path, key, model={"w": torch.arange(3.0)}, state={"step": 3})
-    got = cache.load_checkpoint(path, dict(key), inputs=("model_mtime",))
-    assert torch.equal(got["model"]["w"], torch.arange(3.0)) and got["state"] == {"step": 3}
-    assert cache.load_checkpoint(path, {**key, "model_mtime": 2.0}, inputs=("model_mtime",)) is None
-    with pytest.raises(cache.StaleResult, match="lr: saved 0.1 vs requested 0.2"):
-        cache.load_checkpoint(path, {**key, "lr": 0.2}, inputs=("model_mtime",))
-
-
 def test_missing_or_unreadable_result_is_computed(tmp_path):
     path = tmp_path / "r.json"
     assert cache.load(path, {"a": 1}) is None

@@ -54,41 +54,60 @@ def _json(path: Path) -> dict:
 @dataclass(frozen=True)
 class KillCase:
     name: str
-    argv: Callable[[Path, str], list]  # (out, corpus) -> the gattn command line
+    argv: Callable[[Path, dict], list]  # (out, inputs: "corpus" and the fixtures named in `needs`) -> the command
     victim: str  # the unit killed: its trainer run folder, relative to out
     kill_at: int  # killed right after this step (0-based) of the victim, past a checkpoint of it
     figures: Callable[[Path], dict]  # the command's final figures, from its output folder
+    needs: tuple = ()  # fixtures the command reads (their values in argv's inputs under their names)
 
 
 CASES = [
     KillCase("compare",
-             lambda out, corpus: ["compare", "--budget", "small", "--data-dir", corpus, "--out", out, "--jobs", "1",
+             lambda out, inp: ["compare", "--budget", "small", "--data-dir", inp["corpus"], "--out", out, "--jobs", "1",
                                   "--variants", "baseline", "sdpa_elementwise", "--no-streaming"],
              victim="runs/sdpa_elementwise", kill_at=40,  # the small budget: 60 steps, a checkpoint every 30
              figures=lambda out: _json(out / "compare.json")),
     KillCase("stability",
-             lambda out, corpus: ["lab", "stability", "--budget", "small", "--data-dir", corpus, "--out", out,
+             lambda out, inp: ["lab", "stability", "--budget", "small", "--data-dir", inp["corpus"], "--out", out,
                                   "--jobs", "1", "--variants", "baseline", "--qk-norm", "off", "--lrs", "1e-3", "3e-2",
                                   "--seeds", "1"],
              victim="runs/baseline_qkoff_lr0.03_s0", kill_at=14,  # the small budget: 30 steps, a checkpoint every 10
              figures=lambda out: _json(out / "lab.json")),
     KillCase("sinks",
-             lambda out, corpus: ["lab", "sinks", "--budget", "small", "--out", out, "--jobs", "1",
+             lambda out, inp: ["lab", "sinks", "--budget", "small", "--out", out, "--jobs", "1",
                                   "--variants", "baseline", "sdpa_elementwise", "--seeds", "1"],
              victim="runs/sdpa_elementwise/seed0", kill_at=40,  # the small budget: 60 steps, a checkpoint every 30
              figures=lambda out: _json(out / "lab.json")),
+    KillCase("retrofit",
+             lambda out, inp: ["lab", "retrofit", "--from", inp["sink_start"], "--recipes", "bos-penalty",
+                               "--steps", "300", "--eval-size", "8", "--jobs", "1", "--out", out],
+             victim="runs/baseline_seed0/bos-penalty/seed0", kill_at=270,  # a checkpoint every 250 steps
+             figures=lambda out: _json(out / "lab.json"), needs=("sink_start",)),
 ]
 
 
+@pytest.fixture(scope="module")
+def sink_start(tmp_path_factory):
+    """A trained sink-lab baseline (the small budget), the retrofit case's starting model."""
+    from harness import run_gattn
+
+    out = tmp_path_factory.mktemp("sink_start")
+    r = run_gattn("lab", "sinks", "--budget", "small", "--variants", "baseline", "--seeds", "1", "--jobs", "1",
+                  "--out", str(out), env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return str(out / "runs" / "baseline" / "seed0")
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_sigkill_mid_unit_then_rerun_ends_as_uninterrupted(case: KillCase, tiny_corpus, tmp_path):
+def test_sigkill_mid_unit_then_rerun_ends_as_uninterrupted(case: KillCase, tiny_corpus, tmp_path, request):
     ref, out = tmp_path / "ref", tmp_path / "killed"
+    inputs = {"corpus": tiny_corpus, **{n: request.getfixturevalue(n) for n in case.needs}}
     victim = case.victim
-    p, full = traced_gattn(*case.argv(ref, tiny_corpus), root=ref, trace=tmp_path / "ref.trace", env=ENV)
+    p, full = traced_gattn(*case.argv(ref, inputs), root=ref, trace=tmp_path / "ref.trace", env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
     assert len(full) >= 2 and victim in full and case.kill_at + 1 < len(full[victim])  # the kill lands mid-unit
 
-    p, before = traced_gattn(*case.argv(out, tiny_corpus), root=out, trace=tmp_path / "killed.trace", env=ENV,
+    p, before = traced_gattn(*case.argv(out, inputs), root=out, trace=tmp_path / "killed.trace", env=ENV,
                              kill_in=victim, kill_at=case.kill_at)
     assert p.returncode == -9, p.stderr[-3000:]
     assert before[victim] == full[victim][:case.kill_at + 1]
@@ -96,7 +115,7 @@ def test_sigkill_mid_unit_then_rerun_ends_as_uninterrupted(case: KillCase, tiny_
     assert ckpts and 0 < ckpts[-1] <= case.kill_at, ckpts  # a checkpoint before the kill, none after it
     assert not (out / case.victim / "summary.json").exists()
 
-    p, after = traced_gattn(*case.argv(out, tiny_corpus), root=out, trace=tmp_path / "rerun.trace", env=ENV)
+    p, after = traced_gattn(*case.argv(out, inputs), root=out, trace=tmp_path / "rerun.trace", env=ENV)
     assert p.returncode == 0, p.stderr[-3000:]
     # what the rerun trained: the killed unit from its checkpoint on; finished units not at all; the rest in full
     assert after.get(victim) == full[victim][ckpts[-1]:]

@@ -101,12 +101,15 @@ def test_gates_first_phase_freezes_the_rest(sink_start, tmp_path, monkeypatch):
     monkeypatch.setattr(S.SinkData, "train_batch", dying)
     with pytest.raises(KeyboardInterrupt):
         retrofit_lab.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "u"))
-    saved = torch.load(tmp_path / "u" / "ckpt.pt", weights_only=True)
-    assert saved["state"]["step"] == 2
+    from gated_attention.train.checkpoint import latest_checkpoint, load_files
+
+    shared, meta, _ = load_files(latest_checkpoint(tmp_path / "u"), 0)  # the trainer's checkpoint after step 2
+    saved = shared["model"]
+    assert meta["state"]["step"] == 2
     before = _weights(sink_start)
-    gates = [k for k in saved["model"] if R.is_gate_param(k)]
-    assert all(torch.equal(saved["model"][k], before[k]) for k in before)
-    assert any(not torch.equal(saved["model"][k], torch.zeros_like(saved["model"][k])) for k in gates)
+    gates = [k for k in saved if R.is_gate_param(k)]
+    assert all(torch.equal(saved[k], before[k]) for k in before)
+    assert any(not torch.equal(saved[k], torch.zeros_like(saved[k])) for k in gates)
 
 
 def test_param_groups_split_gates_and_rest_with_the_decay_rule(sink_start):
@@ -407,10 +410,11 @@ def test_killed_unit_resumes_exactly(sink_start, tmp_path, monkeypatch):
         retrofit_lab.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "killed"))
     monkeypatch.setattr(S.SinkData, "train_batch", real)
     resumed = retrofit_lab.train_unit(_job(cfg, sink_start, "warmup-penalty", tmp_path / "killed"))
-    assert not (tmp_path / "killed" / "ckpt.pt").exists()
+    assert not (tmp_path / "killed" / "checkpoints").exists()
     for k in ("sink_after", "skill_after", "gate_dormant", "gate_active", "streaming_loss_after", "final_train_loss"):
         assert resumed[k] == whole[k], k
     assert [p["step"] for p in resumed["curve"]] == [0, 4, 8]
+    assert resumed["curve"] == whole["curve"]  # the recorder's state rode in the trainer's checkpoint
 
 
 # ---------------------------------------------------------------- text starting points and the CLI

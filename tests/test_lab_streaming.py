@@ -53,7 +53,7 @@ def test_resolution_and_labels(sink_units, compare_like):
 
 def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
     from gated_attention.decode import stream_nll
-    from gated_attention.labs.sinks import sink_lab
+    from gated_attention.labs.sinks.stored import load_run
     from gated_attention.labs.streaming.streaming_lab import StreamingConfig, run_streaming, sink_lab_data
 
     W = 8
@@ -66,7 +66,7 @@ def test_sink_lab_models_json_contract_and_numbers(sink_units, tmp_path):
     assert set(m["window"]) == {"0", "2", "40"} and set(m["window"]["0"]) >= {"loss", "ppl", "per_position"}
     assert m["full"]["ppl"] == pytest.approx(math.exp(m["full"]["loss"]))
     # by hand: the same sequences, the same scored positions
-    run = sink_lab.load_run(sink_units / "runs" / "baseline" / "seed0")
+    run = load_run(sink_units / "runs" / "baseline" / "seed0")
     seqs = sink_lab_data(run.task, 6, run.task.seq_len)
     want = float(stream_nll(run.model, seqs, W, 0)[:, W:].mean())
     assert m["window"]["0"]["loss"] == pytest.approx(want, rel=1e-6)

@@ -12,6 +12,7 @@ import torch
 
 from gated_attention.labs.sinks import metrics as M
 from gated_attention.labs.sinks.backcopy import BOS, BackcopyTask
+from gated_attention.labs.sinks.stored import load_run
 from gated_attention.experiment.stats import mean_std
 from gated_attention.experiment.cache import StaleResult
 from harness import build_lm, run_gattn
@@ -219,7 +220,7 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
         assert resumed[k] == whole[k], k
     assert [p["step"] for p in resumed["curve"]] == [0, 20, 40]
     assert resumed["curve"] == whole["curve"]  # the step hook's records rode in the checkpoint
-    assert sink_lab.load_run(tmp_path / "killed").model.config.gate == "sdpa_elementwise"
+    assert load_run(tmp_path / "killed").model.config.gate == "sdpa_elementwise"
 
 
 # ---------------------------------------------------------------- end to end through the CLI
@@ -302,7 +303,8 @@ def test_report_only_reports_the_finished_models(small_lab, tmp_path):
 def test_finished_models_are_loadable_hf_folders(small_lab):
     """Every unit folder is a from_pretrained folder; load_run returns its model, task and settings, and the
     model measures exactly what result.json recorded (the saved weights are the final ones)."""
-    from gated_attention.labs.sinks.sink_lab import is_run_dir, load_run, measure
+    from gated_attention.labs.sinks.sink_lab import measure
+    from gated_attention.labs.sinks.stored import is_run_dir, load_run
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     out, _ = small_lab

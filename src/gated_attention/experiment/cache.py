@@ -18,9 +18,8 @@ its values compare as JSON values (tuples and lists alike); `inputs` names the k
 whose key gains a setting passes `defaults` (the value every older result was computed with), so results stored
 before it stay reusable.
 
-A unit that trains (a lab's model) also keeps a resumable checkpoint while it runs: `save_checkpoint` /
-`load_checkpoint` store it with the same key and apply the same policy (a checkpoint of other settings stops the job;
-of an earlier input it is ignored and the unit starts over), so a killed job continues where it stopped.
+A unit that trains (a lab's model) is a trainer run folder: it resumes from the trainer's own checkpoints
+(`experiment.train_or_reuse`, the one resume policy), its key checked here first.
 """
 from __future__ import annotations
 
@@ -121,37 +120,3 @@ def cached(path: str | Path, key: dict, compute: Callable[[], dict], log: Log = 
     if Path(path).is_file():
         log(f"{tag} recompute {path}: made from an earlier version of its input (or unreadable)")
     return save(path, key, compute(), key_field, indent)
-
-
-
-def save_checkpoint(path: str | Path, key: dict, **parts) -> None:
-    """A unit's resumable checkpoint: its key and torch state `parts` (model / optimizer state dicts, the loop's
-    plain state), written atomically (a kill mid-write leaves the previous checkpoint)."""
-    import io
-
-    import torch
-
-    from ..util.io import atomic_write_bytes
-
-    buf = io.BytesIO()
-    torch.save({"key": to_strict(key), **parts}, buf)
-    atomic_write_bytes(path, buf.getvalue())
-
-
-def load_checkpoint(path: str | Path, key: dict, defaults: dict | None = None,
-                    inputs: tuple[str, ...] = ()) -> dict | None:
-    """The checkpoint at `path` (its parts, as saved) if it was made with `key`; None when there is none or it was
-    made from an earlier version of its `inputs` (the unit starts over); StaleResult when a setting differs. Loaded
-    with weights_only: no pickled code runs from a file in a user's folder."""
-    import torch
-
-    path = Path(path)
-    if not path.is_file():
-        return None
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    stored = saved.get("key") or {}
-    settings = [k for k in set(stored) | set(key) if k not in inputs]
-    check(path, {k: stored[k] for k in settings if k in stored}, {k: key[k] for k in settings if k in key}, defaults)
-    if differences({k: stored.get(k) for k in inputs}, {k: key.get(k) for k in inputs}):
-        return None
-    return saved

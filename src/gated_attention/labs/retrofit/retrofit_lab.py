@@ -8,14 +8,15 @@ train `--steps` steps (default: 25 % of the steps the start was trained for) on 
 (learning curves) and after. The `control` unit (the ungated model, the same steps and batches, the pretrained
 weights' LR of the recipes) always runs: each recipe is read against it.
 
-Training: AdamW (betas 0.9/0.95, eps 1e-8, the start's own weight decay on matrices only, as the sink lab and the
-trainer; the start's peak LR and batch size),
+Training goes through the one training loop (`train.trainer.train` via `experiment.train_or_reuse`; the recipe's
+parameter groups, phases and penalties are its plug-ins, train/plugins.py): AdamW (betas 0.9/0.95, eps 1e-8, the
+start's own weight decay on matrices only, as the sink lab and the trainer; the start's peak LR and batch size),
 linear warm-up over 5 % of the steps then cosine to 10 % of the peak, global-norm clipping at 1.0 over the trainable
 parameters, autocast in the resolved precision (util/precision.py: bf16 where this CPU runs it fast);
 measurements in fp32. The gate seed of the `random` init is the unit's seed.
 
 Layout of OUT: runs/<start>/start.json (the starting model's measurements, cached), runs/<start>/<recipe>/seed<k>/
-(result.json, ckpt.pt while training, model/ = the retrofitted model, loadable with AutoModelForCausalLM after
+(result.json, model/ = the retrofitted model, the trainer's run files — checkpoints/ and final/ while training —, loadable with AutoModelForCausalLM after
 `import gated_attention`), lab.json, report.md, report.html, plots/. Finished units are reused, a killed unit
 continues from its last checkpoint, other settings in an existing OUT stop the job naming them (experiment.cache).
 """
@@ -102,8 +103,9 @@ class RetrofitLabConfig:
         from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
-        if self.precision == "bf16-params":  # this lab's own loop autocasts; the trainer's (issue 27) does bf16-params
-            raise ValueError("--precision bf16-params is not supported by this lab yet (its loop autocasts); use "
+        if self.precision == "bf16-params":  # recipes train phases of the parameters (the trainer's trainable_at)
+            raise ValueError("--precision bf16-params is not supported by this lab: its recipes change which "
+                             "parameters train between phases, which the bf16 master copy fixes at the start; use "
                              "auto, bf16 or fp32")
         return self
 
@@ -161,18 +163,128 @@ def _f(v, d: int = 3) -> str:
 
 # ---------------------------------------------------------------- one unit: start x recipe x seed
 
+class _UnitSource:
+    """The trainer's data source for a unit (train/plugins.py): the start's batches, a pure function of (seed, step)
+    (DATA_SEED offsets them as before); no held-out domains (the lab measures itself)."""
+
+    domains: list = []
+
+    def __init__(self, data):
+        self.data = data
+
+    def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int, rows: slice | None = None):
+        seqs = self.data.train_batch(seed, step)  # (B, T+1)
+        return seqs if rows is None else seqs[rows]
+
+    def eval_batches(self, domain: str, seq_len: int, max_batches: int, batch_size: int):
+        return iter(())
+
+
+class _Penalties:
+    """The recipe's extra loss terms as the trainer's extra-loss plug-in: during the penalty phase the forward runs
+    under a capture.py tap that keeps q / k / gate scores with their graph (GradTap), and the penalties are computed
+    from it; the next-token CE and the penalty values go to the recorder."""
+
+    def __init__(self, recipe, penalty_until: int, rec: "_UnitRecorder"):
+        self.recipe, self.penalty_until, self.rec, self.tap = recipe, penalty_until, rec, None
+
+    def forward_context(self, step: int, model):
+        from gated_attention.capture import capture
+
+        from .recipes import GradTap
+
+        self.tap = GradTap() if self.recipe.uses_tap and step < self.penalty_until else None
+        return capture(model, self.tap) if self.tap is not None else nullcontext()
+
+    def __call__(self, step, inputs, targets, output, ce):
+        from .recipes import extra_loss
+
+        extra, logged = extra_loss(self.recipe, self.tap, True)
+        self.tap = None
+        self.rec.observe(float(ce.detach()), logged)
+        return extra, logged
+
+
+class _UnitRecorder:
+    """The unit's step hook: the learning curve (the start's measurements every eval_every steps, from step 0), the
+    trailing training CE and penalty values, CPU and wall time; its state rides in the trainer's checkpoints."""
+
+    def __init__(self, label: str, plan: Plan, data, masks):
+        from . import starts as S
+
+        self.label, self.plan, self.data, self.masks, self.measure = label, plan, data, masks, S.measure
+        self.state = {"curve": [], "losses": [], "extra": {}, "wall": 0.0, "cpu": 0.0}
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+    def observe(self, ce: float, logged: dict) -> None:
+        st, n = self.state, self.plan.eval_every
+        st["losses"] = (st["losses"] + [ce])[-max(n, 50):]
+        for k, v in logged.items():
+            st["extra"][k] = (st["extra"].get(k, []) + [v])[-n:]
+
+    def wall_s(self) -> float:
+        return self.state["wall"] + time.perf_counter() - self._t0
+
+    def cpu_s(self) -> float:
+        return self.state["cpu"] + time.process_time() - self._c0
+
+    def record(self, step: int, model) -> None:
+        m = self.measure(model, self.data, self.masks, full=False)
+        n, st = self.plan.eval_every, self.state
+        recent = st["losses"][-n:]
+        st["curve"].append({"step": step, **{k: m.get(k) for k in ("sink", "skill", "backcopy_ce", "bigram_ce",
+                                                                      "val_loss", "gate_dormant", "gate_active",
+                                                                      "sink_rate", "m_act")},
+                            "train_loss": sum(recent) / len(recent) if recent else None,
+                            **{k: (sum(v[-n:]) / len(v[-n:]) if v else None) for k, v in st["extra"].items()}})
+        _log(f"{self.label}: step {step}/{self.plan.steps}  sink {_f(m.get('sink'))}  skill {_f(m.get('skill'))}  "
+             f"gate dormant/active {_f(m.get('gate_dormant'))}/{_f(m.get('gate_active'))}  ({self.wall_s():.0f}s)")
+
+    def begin(self, model) -> None:
+        self.record(0, model)
+
+    def __call__(self, steps_done: int, model) -> None:
+        if steps_done % self.plan.eval_every == 0 or steps_done == self.plan.steps:
+            self.record(steps_done, model)
+
+    def state_dict(self) -> dict:
+        return {**self.state, "wall": self.wall_s(), "cpu": self.cpu_s()}
+
+    def load_state_dict(self, st: dict) -> None:
+        self.state = dict(st)
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+
+def unit_train_config(cfg: RetrofitLabConfig, plan: Plan, recipe, seq_len: int, seed: int, precision: str):
+    """The trainer settings of one unit: AdamW 0.9/0.95, warm-up then cosine to min_lr_frac of the peak, clipping
+    over the trainable parameters; the lab's measurements in place of the trainer's eval and probes."""
+    from gated_attention.train.config import TrainConfig
+
+    return TrainConfig(
+        gate=recipe.gate or "none", data="custom", seq_len=seq_len, batch_size=plan.batch_size, steps=plan.steps,
+        lr=plan.lr, min_lr=plan.lr * cfg.min_lr_frac, warmup_steps=max(1, round(cfg.warmup_frac * plan.steps)),
+        schedule="cosine", weight_decay=plan.weight_decay, wd_on_embeddings=False, beta1=0.9, beta2=0.95, eps=1e-8,
+        grad_clip=cfg.grad_clip, precision=precision, device="cpu", seed=seed,
+        # the plain path: the fused q/k/v/gate GEMM would merge the gate's weights (own LR, own phase) with the rest,
+        # and compiling would recompile at every phase change
+        fast=False, compile="false", eval_every=0, stats_every=0, max_bad_steps=1, ckpt_every=cfg.ckpt_every,
+        keep_checkpoints=1, progress=False, tensorboard=False).validate()
+
+
 def train_unit(job: tuple) -> dict:
     """Train one unit (or reuse / resume it) and return its result. job = (cfg dict, start dict, recipe name, recipe
-    dict, seed, unit dir): plain data, so it can cross to a worker process."""
-    import torch
-    import torch.nn.functional as F
+    dict, seed, unit dir): plain data, so it can cross to a worker process. The unit is a trainer run folder
+    (experiment.train_or_reuse, the one resume policy): the recipe's parameter groups, phases and penalties are the
+    trainer's plug-ins (train/plugins.py); a killed unit resumes from its last checkpoint with its learning curve."""
+    import shutil
 
-    from gated_attention.capture import capture
+    from gated_attention.experiment.runs import train_or_reuse
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+    from gated_attention.train.plugins import Plugins
     from gated_attention.util.io import atomic_dir
-    from gated_attention.train.schedule import lr_at
 
     from . import starts as S
-    from .recipes import GradTap, extra_loss, param_groups, set_phase
+    from .recipes import param_groups, set_phase
 
     cfg_d, start_d, name, recipe_d, seed, unit_dir = job
     cfg, start, recipe = RetrofitLabConfig(**cfg_d), Start(**start_d), recipe_from_dict(recipe_d)
@@ -183,95 +295,49 @@ def train_unit(job: tuple) -> dict:
         _log(f"{start.label} {name} seed {seed}: reusing {unit_dir / 'result.json'}")
         return done
     plan = plan_for(cfg, start)
-    torch.manual_seed(seed)
-    model = S.build_model(start.model_dir, recipe.gate, recipe.init, seed)
-    data = S.make_data(start, plan.batch_size, cfg.eval_size, model.config.vocab_size)
-    masks = None
-    if data.kind == "text" and recipe.gate is not None:
-        masks = S.start_masks(S.build_model(start.model_dir, None, "identity", seed), data.eval_batches())
-    opt = torch.optim.AdamW(param_groups(model, recipe, plan.lr, plan.weight_decay), lr=plan.lr, betas=(0.9, 0.95),
-                            eps=1e-8)
-    state = {"step": 0, "curve": [], "losses": [], "extra": {}, "wall": 0.0, "cpu": 0.0}
-    ckpt = unit_dir / "ckpt.pt"
-    saved = cache.load_checkpoint(ckpt, key, inputs=INPUTS)
-    if saved is not None:
-        model.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["opt"])
-        state = saved["state"]
-        _log(f"{start.label} {name} seed {seed}: resuming at step {state['step']}")
-    t0, c0 = time.perf_counter() - state["wall"], time.process_time() - state["cpu"]
+    probe = S.build_model(start.model_dir, None, "identity", seed)  # the start as it is: vocabulary, sink masks
+    data = S.make_data(start, plan.batch_size, cfg.eval_size, probe.config.vocab_size)
+    masks = S.start_masks(probe, data.eval_batches()) if data.kind == "text" and recipe.gate is not None else None
+    del probe
+    label = f"{start.label} {name} seed {seed}"
+    rec = _UnitRecorder(label, plan, data, masks)
     gates_only_until = round(recipe.gates_first * plan.steps)
-    penalty_until = round(recipe.penalty_until * plan.steps)
-    warmup = max(1, round(cfg.warmup_frac * plan.steps))
-
-    def record(step: int) -> None:
-        m = S.measure(model, data, masks, full=False)
-        recent = state["losses"][-plan.eval_every:]
-        point = {"step": step, **{k: m.get(k) for k in ("sink", "skill", "backcopy_ce", "bigram_ce", "val_loss",
-                                                        "gate_dormant", "gate_active", "sink_rate", "m_act")},
-                 "train_loss": sum(recent) / len(recent) if recent else None,
-                 **{k: (sum(v[-plan.eval_every:]) / len(v[-plan.eval_every:]) if v else None)
-                    for k, v in state["extra"].items()}}
-        state["curve"].append(point)
-        _log(f"{start.label} {name} seed {seed}: step {step}/{plan.steps}  sink {_f(m.get('sink'))}  skill "
-             f"{_f(m.get('skill'))}  gate dormant/active {_f(m.get('gate_dormant'))}/{_f(m.get('gate_active'))}  "
-             f"({time.perf_counter() - t0:.0f}s)")
-
-    if state["step"] == 0:
-        record(0)
-    amp = key["precision"] == "bf16"
-    for step in range(state["step"], plan.steps):
-        set_phase(model, recipe, gates_only=step < gates_only_until)
-        f = lr_at(step, lr=1.0, min_lr=cfg.min_lr_frac, warmup_steps=warmup, steps=plan.steps, schedule="cosine")
-        for g in opt.param_groups:
-            g["lr"] = plan.lr * g["lr_mult"] * f
-        seqs = data.train_batch(seed, step)  # (B, T+1)
-        inputs, targets = seqs[:, :-1], seqs[:, 1:]
-        tap = GradTap() if recipe.uses_tap and step < penalty_until else None
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp), \
-                (capture(model, tap) if tap is not None else nullcontext()):
-            logits = model(input_ids=inputs).logits  # (B, T, V)
-        ce = F.cross_entropy(logits.float().transpose(1, 2), targets)
-        extra, logged = extra_loss(recipe, tap, True)
-        loss = ce if extra is None else ce + extra
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        trainable = [p for p in model.parameters() if p.grad is not None]
-        if cfg.grad_clip > 0 and trainable:
-            torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-        opt.step()
-        state["losses"] = (state["losses"] + [float(ce.detach())])[-max(plan.eval_every, 50):]
-        for k, v in logged.items():
-            state["extra"][k] = (state["extra"].get(k, []) + [v])[-plan.eval_every:]
-        if not math.isfinite(state["losses"][-1]):
-            raise ValueError(f"{start.label} {name} seed {seed}: loss is {state['losses'][-1]} at step {step}; "
-                             "lower --lr")
-        if (step + 1) % plan.eval_every == 0 or step + 1 == plan.steps:
-            record(step + 1)
-        if cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0 and step + 1 < plan.steps:
-            state.update(step=step + 1, wall=time.perf_counter() - t0, cpu=time.process_time() - c0)
-            cache.save_checkpoint(ckpt, key, model=model.state_dict(), opt=opt.state_dict(), state=state)
-    for p in model.parameters():
-        p.requires_grad_(True)
+    seq_len = data.seq_len if data.kind == "text" else data.task.seq_len  # the batches' T (they hold T + 1 tokens)
+    plugins = Plugins(source=_UnitSource(data),
+                      param_groups=lambda m: param_groups(m, recipe, plan.lr, plan.weight_decay),
+                      trainable_at=lambda step, m: set_phase(m, recipe, gates_only=step < gates_only_until),
+                      extra_loss=_Penalties(recipe, round(recipe.penalty_until * plan.steps), rec))
+    tcfg = unit_train_config(cfg, plan, recipe, seq_len, seed, key["precision"])
+    summary = train_or_reuse(tcfg, unit_dir, _log, f"{label}:", step_hook=rec, plugins=plugins,
+                             model_factory=lambda c, v: S.build_model(start.model_dir, recipe.gate, recipe.init, seed),
+                             key=key, inputs=INPUTS, resolved_precision=key["precision"])
+    if summary.get("diverged") or summary.get("stop_reason"):
+        raise ValueError(f"{label}: {summary.get('stop_reason') or 'diverged'}; lower --lr (run folder {unit_dir})")
+    model = GatedQwen3ForCausalLM.from_pretrained(unit_dir / "final")  # the trained fp32 weights
+    model.eval()
+    st = rec.state
     final = S.measure(model, data, masks, window=plan.window, full=True)
     result = {"start": start.label, "recipe": name, "seed": seed, "steps": plan.steps,
               **{f"{stem}_after": final.get(k) for k, stem in MEASURED.items()},
               "gate_dormant": final.get("gate_dormant"), "gate_active": final.get("gate_active"),
-              "steps_to_sink_target": next((p["step"] for p in state["curve"] if p.get("sink") is not None
+              "steps_to_sink_target": next((p["step"] for p in st["curve"] if p.get("sink") is not None
                                             and p["sink"] <= TARGET_SINK), None),
-              "gate_dormant_start": state["curve"][0].get("gate_dormant"),
-              "gate_active_start": state["curve"][0].get("gate_active"), "ppl_after": final.get("ppl"),
+              "gate_dormant_start": st["curve"][0].get("gate_dormant"),
+              "gate_active_start": st["curve"][0].get("gate_active"), "ppl_after": final.get("ppl"),
               "f_attn_per_layer_after": final.get("f_attn_per_layer"),
-              "final_train_loss": sum(state["losses"][-50:]) / max(1, len(state["losses"][-50:])),
-              "trainable_params": sum(p.numel() for g in opt.param_groups for p in g["params"]),
-              "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0,
-              "curve": state["curve"]}
+              "final_train_loss": sum(st["losses"][-50:]) / max(1, len(st["losses"][-50:])),
+              "trainable_params": sum(p.numel() for g in param_groups(model, recipe, plan.lr, plan.weight_decay)
+                                      for p in g["params"]),
+              "wall_time_s": rec.wall_s(), "cpu_time_s": rec.cpu_s(), "curve": st["curve"],
+              "resolved_precision": summary.get("resolved_precision")}
     if cfg.keep_models:
         with atomic_dir(unit_dir / "model", overwrite=True) as tmp:
-            model.save_pretrained(tmp)
-    out = cache.save(unit_dir / "result.json", key, result)
-    if ckpt.exists():
-        ckpt.unlink()
+            for f in (unit_dir / "final").iterdir():
+                shutil.copy2(f, Path(tmp) / f.name)
+    out = cache.save(unit_dir / "result.json", key, result)  # the "finished" marker, written last
+    # the lab keeps the model (model/), not the optimizer state: the trainer's folders go once result.json is there
+    shutil.rmtree(unit_dir / "checkpoints", ignore_errors=True)
+    shutil.rmtree(unit_dir / "final", ignore_errors=True)
     return out
 
 

@@ -81,7 +81,7 @@ def _start(entry, data_dir: str | None, seq_len: int | None) -> Start:
     """A Start from one model of `gattn lab streaming`'s resolver (labs.streaming.resolve_models)."""
     from gated_attention.util.io import read_json_object
 
-    from ..sinks import sink_lab
+    from ..sinks import stored as sink_lab
 
     path = Path(entry.path)
     label = entry.label.replace("/", "_").replace(":", "_")

@@ -85,7 +85,7 @@ def _text_entry(model_dir: Path, label: str) -> Entry:
 
 def resolve_models(paths: list) -> list[Entry]:
     """Every model the given folders hold, with unique labels (module docstring)."""
-    from ..sinks import sink_lab
+    from ..sinks import stored as sink_lab
 
     entries = []
     for raw in paths:
@@ -191,7 +191,7 @@ def measure_model(model, seqs, window: int, sink_tokens: list[int], masks: dict 
 def _load(entry: Entry, cfg: StreamingConfig):
     """(model, held-out seqs (B, T+1), masks or None, seq_len) of one entry."""
     if entry.kind == "sink_lab":
-        from ..sinks import sink_lab
+        from ..sinks import stored as sink_lab
 
         if cfg.text:
             raise ValueError(f"--text applies to text models; {entry.path} is a Bigram-Backcopy model")
