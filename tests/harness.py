@@ -145,10 +145,11 @@ def gattn_argv(*args, kill_hooks: bool = False) -> list[str]:
     return [sys.executable, *runner, *map(str, args)]
 
 
-def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False) -> list[str]:
-    """`gattn ARGS` under torchrun: nproc ranks on this machine (--standalone), each the command of gattn_argv."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *gattn_argv(*args, kill_hooks=kill_hooks)[1:]]
+def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False, script: str | Path | None = None) -> list[str]:
+    """`gattn ARGS` under torchrun: nproc ranks on this machine (--standalone), each the command of gattn_argv; with
+    `script`, each rank runs that test script with ARGS instead."""
+    ranks = [str(script), *map(str, args)] if script is not None else gattn_argv(*args, kill_hooks=kill_hooks)[1:]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *ranks]
 
 
 def run_gattn(*args, env: dict | None = None, timeout: float = 600, kill_hooks: bool = False

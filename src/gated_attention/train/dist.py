@@ -1,8 +1,10 @@
 """Distributed setup on PyTorch's own engine: torchrun env -> process group, DDP or FSDP2 wrapping.
 
 One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) runs unwrapped. Under
-`torchrun --nproc_per_node=N` the backend is gloo on CPU and nccl on CUDA. Every rank builds the full model from the
-same seed, so DDP needs no initial broadcast to agree and FSDP2 shards identical weights.
+`torchrun --nproc_per_node=N` the backend is gloo on CPU and nccl on CUDA. Under DDP every rank builds the full model
+from the same seed, so DDP needs no initial broadcast to agree; under FSDP2 the model is built on the meta device,
+sharded, and each rank fills only its own shards (train/meta_init.py), with bf16-params as FSDP2's
+MixedPrecisionPolicy (wrap).
 
 Data: every rank draws the same GLOBAL batch (a function of (seed, step)) and keeps rows
 [rank*B/N, (rank+1)*B/N); DDP/FSDP average gradients over ranks, which for equal slices equals the mean over the
@@ -68,8 +70,10 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module]) -> nn.Module:
-    """DDP, or FSDP2 with one shard group per decoder layer plus the root (embeddings, final norm, head)."""
+def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32") -> nn.Module:
+    """DDP, or FSDP2 with one shard group per decoder layer plus the root (embeddings, final norm, head); under
+    precision bf16-params FSDP2's MixedPrecisionPolicy: parameters all-gathered and computed in bf16, gradients
+    reduced in fp32 into the fp32 sharded master parameters the optimizer steps."""
     if not info.distributed:
         return model
     if info.mode == "ddp":
@@ -77,11 +81,14 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module]) -> nn.Module
 
         return DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     if info.mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        kw = {}
+        if precision == "bf16-params":
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in layers:
-            fully_shard(layer)
-        fully_shard(model)  # the root: tied embedding/head stay together in this group
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)  # the root: tied embedding/head stay together in this group
         return model
     raise ValueError(f"unknown dist mode {info.mode!r}; use 'ddp' or 'fsdp'")
 

@@ -50,13 +50,11 @@ def build_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
     return GatedQwen3ForCausalLM(build_model_config(cfg, vocab_size))
 
 
-def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
-    """Continued training: the weights of the checkpoint dir `cfg.init_from` (from_pretrained, fp32 master weights)
-    instead of a fresh init. Its config.json sets the model (cfg.model is unused); model.* overrides are applied on
-    top and must not change any weight's shape. The run's gate must name the checkpoint's (so logs say what ran)."""
+def init_config(cfg: TrainConfig, vocab_size: int | None = None):
+    """The model config of continued training from `cfg.init_from`, checked against the run (its gate, the
+    tokenizer's vocabulary): what load_init_model loads into, and what a sharded-from-birth run builds on meta."""
     from gated_attention.configuration import GatedQwen3Config
     from gated_attention.gates import canonical_name
-    from gated_attention.modeling import GatedQwen3ForCausalLM
 
     from gated_attention.util.io import check_hf_dir
 
@@ -69,6 +67,16 @@ def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Modul
     if vocab_size is not None and config.vocab_size < vocab_size:
         raise ValueError(f"init_from={cfg.init_from} has vocab_size {config.vocab_size}, smaller than the "
                          f"tokenizer's {vocab_size}: use the tokenizer that checkpoint was trained with")
+    return config
+
+
+def load_init_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
+    """Continued training: the weights of the checkpoint dir `cfg.init_from` (from_pretrained, fp32 master weights)
+    instead of a fresh init. Its config.json sets the model (cfg.model is unused); model.* overrides are applied on
+    top and must not change any weight's shape. The run's gate must name the checkpoint's (so logs say what ran)."""
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    config = init_config(cfg, vocab_size)
     model, info = GatedQwen3ForCausalLM.from_pretrained(cfg.init_from, config=config, dtype=torch.float32,
                                                         attn_implementation=cfg.attn_implementation,
                                                         output_loading_info=True)

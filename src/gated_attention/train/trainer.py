@@ -214,7 +214,17 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precisi
 
         check_fits(cfg, info.device, info.world_size, precision, source_vocab)
     factory = model_factory or build_model
-    model = factory(cfg, source_vocab).to(info.device)
+    # dist=fsdp: built on the meta device and filled shard by shard after sharding (train/meta_init.py), so no rank
+    # holds the whole model; in one process it is filled at once, with the same init stream
+    birth = cfg.dist == "fsdp" and model_factory is None
+    if birth:
+        from .meta_init import build_on_meta, fill_model
+
+        model = build_on_meta(factory, cfg, source_vocab)
+        if not info.distributed:
+            fill_model(model, cfg, source_vocab, info.device)
+    else:
+        model = factory(cfg, source_vocab).to(info.device)
     apply_trainable(model, cfg.trainable)  # before wrapping: DDP/FSDP and the optimizer see only what trains
     if cfg.data == "synthetic":
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
@@ -229,7 +239,9 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precisi
     # fast path (fused projections/gate, chunked loss) and when to compile: fastpath.py
     speed = fastpath.prepare(cfg, model, layers, info.device, precision)
     apply_activation_checkpointing(layers, cfg.activation_checkpointing)  # before wrapping: FSDP2 hooks stay outside
-    model = D.wrap(model, info, layers)
+    model = D.wrap(model, info, layers, precision)
+    if birth and info.distributed:
+        fill_model(model, cfg, source_vocab, info.device)  # each rank allocates and fills its own shards
     raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
     if mixed is None:
         master = raw

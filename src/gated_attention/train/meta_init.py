@@ -1,0 +1,169 @@
+"""Sharded from birth (`dist=fsdp`): the model is built on the meta device (no memory, no RNG draws), sharded by
+FSDP2 while it holds no data, then every rank allocates only its own shards and fills them — from the init stream
+below, or from an `init_from` checkpoint read slice by slice — so no rank ever holds the whole model.
+
+The init stream is Hugging Face's own: `_init_weights` module by module in `PreTrainedModel.initialize_weights`'
+post-order, from `torch.manual_seed(cfg.seed)`. It is replayed on a *twin*, a second meta build of the unsharded
+model: one module at a time, the twin's own parameters and buffers get full-size temporaries, `_init_weights` fills
+them (the same draws, in the same order, as in one process), each rank copies its rows (FSDP2 shards dim 0 in
+`torch.chunk` pieces) into its local shard, and the temporaries go. The largest temporary is one module's own
+parameters (the embedding, a layer's experts), never the model; RNG draws are identical on every rank and at every
+world size, so N ranks hold exactly the rows of the model `materialize` gives one process at the same seed (tested
+at 2 ranks: gathered and compared).
+
+This stream is not the one of a model constructed on CPU (`GatedQwen3ForCausalLM(config)`: its layers draw a default
+init at construction before HF's init overwrites it, which shifts the generator): under `dist=fsdp` the same seed gives
+the same weights at any world size, one process included; `dist=ddp` and one-process runs keep the constructed init.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def build_on_meta(factory, cfg, vocab_size: int | None) -> nn.Module:
+    """factory(cfg, vocab_size) under the meta device: parameters and buffers without storage; HF skips its init.
+    Continued training (`init_from`) builds the checkpoint's model (its config, checked) without loading it."""
+    from .model_setup import build_model, init_config
+
+    with torch.device("meta"):
+        if cfg.init_from and factory is build_model:
+            from ..modeling import GatedQwen3ForCausalLM
+
+            return GatedQwen3ForCausalLM(init_config(cfg, vocab_size))
+        return factory(cfg, vocab_size)
+
+
+def _post_order(module: nn.Module, path: str = ""):
+    """(path, module) in the order `PreTrainedModel.initialize_weights` visits them: children first."""
+    for name, child in module.named_children():
+        yield from _post_order(child, f"{path}.{name}" if path else name)
+    yield path, module
+
+
+def local_rows(full_rows: int, world: int, rank: int) -> slice:
+    """The dim-0 rows rank `rank` holds of a tensor with `full_rows` rows sharded over `world` ranks (FSDP2's
+    Shard(0): torch.chunk pieces of ceil(rows / world); the last ranks may hold fewer or none)."""
+    chunk = -(-full_rows // world)
+    start = min(full_rows, rank * chunk)
+    return slice(start, min(full_rows, start + chunk))
+
+
+def fill(dst: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the full tensor `full` into `dst` (a plain tensor, or an FSDP2-sharded DTensor)."""
+    to_local = getattr(dst, "to_local", None)
+    if to_local is None:
+        dst.data.copy_(full.to(dst.device, dst.dtype))
+        return
+    import torch.distributed as dist
+
+    local = to_local()
+    rows = local_rows(full.shape[0], dist.get_world_size(), dist.get_rank()) if full.dim() else slice(None)
+    part = full[rows] if full.dim() else full
+    if tuple(local.shape) != tuple(part.shape):
+        raise RuntimeError(f"shard of shape {tuple(local.shape)} vs rows {rows} of {tuple(full.shape)}: not FSDP2's "
+                           "dim-0 sharding")
+    local.copy_(part.to(local.device, local.dtype))
+
+
+def _to_empty(model: nn.Module, device: torch.device) -> None:
+    """Storage for every parameter and buffer; tied weights stay one tensor (to_empty allocates per module: an
+    unsharded model is re-tied by HF's tie_weights; FSDP2 holds a shared parameter once already)."""
+    model.to_empty(device=device)
+    sharded = any(hasattr(p, "to_local") for p in model.parameters())
+    if not sharded and hasattr(model, "tie_weights"):
+        model.tie_weights()
+
+
+def materialize(model: nn.Module, twin: nn.Module, seed: int, device: torch.device) -> None:
+    """Allocate `model` (meta, sharded or not) on `device` and fill it with the init stream of `twin` (an unsharded
+    meta build of the same model) from `seed`, one module at a time."""
+    from transformers import initialization as hf_init
+
+    _to_empty(model, device)
+    torch.manual_seed(seed)
+    with torch.no_grad(), hf_init.guard_torch_init_functions():
+        for path, tmod in _post_order(twin):
+            own_p = [(n, p) for n, p in tmod._parameters.items() if p is not None]
+            own_b = [(n, b) for n, b in tmod._buffers.items() if b is not None]
+            if not own_p and not own_b:
+                twin._initialize_weights(tmod)  # draws nothing, but keeps HF's visiting flags as in one process
+                continue
+            for n, p in own_p:
+                tmod._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+            for n, b in own_b:
+                tmod._buffers[n] = torch.empty(b.shape, dtype=b.dtype)
+            twin._initialize_weights(tmod)
+            dst = model.get_submodule(path)
+            for n, _ in own_p:
+                fill(dst._parameters[n], tmod._parameters[n].data)
+            for n, _ in own_b:
+                dst._buffers[n].copy_(tmod._buffers[n].to(dst._buffers[n].device))
+            for n, p in own_p:  # the temporaries go: the twin keeps no data
+                tmod._parameters[n] = p
+            for n, b in own_b:
+                tmod._buffers[n] = b
+    _restore_plain_attributes(model, device)
+
+
+def _restore_plain_attributes(model: nn.Module, device: torch.device) -> None:
+    """Tensors a module keeps as plain attributes (not parameters or buffers) are not touched by to_empty: none may
+    stay on the meta device."""
+    for name, mod in model.named_modules():
+        for k, v in vars(mod).items():
+            if isinstance(v, torch.Tensor) and v.is_meta:
+                raise RuntimeError(f"{name}.{k} is a meta tensor outside the module's parameters and buffers; "
+                                   "register it as a buffer so the meta-device build can materialise it")
+
+
+def fill_model(model: nn.Module, cfg, vocab_size: int | None, device: torch.device) -> None:
+    """Allocate and fill a meta-built training model (sharded or not): from `cfg.init_from`, else from the init stream
+    at `cfg.seed`."""
+    from .model_setup import build_model
+
+    if cfg.init_from:
+        load_sharded(model, cfg.init_from, device)
+    else:
+        materialize(model, build_on_meta(build_model, cfg, vocab_size), cfg.seed, device)
+
+
+def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
+    """Allocate `model` (meta, sharded) on `device` and fill every parameter and persistent buffer from the HF
+    safetensors folder `folder`, each rank reading only its rows (safetensors' lazy slices)."""
+    from safetensors import safe_open
+
+    from ..util.io import hf_weight_files
+
+    _to_empty(model, device)
+    where = {}
+    for f in hf_weight_files(folder):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                where[k] = f
+    import torch.distributed as dist
+
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    state = dict(model.named_parameters())
+    state.update(model.named_buffers())
+    missing = [k for k in state if k not in where and k in model.state_dict()]
+    tied = {k for k in missing if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)}
+    if set(missing) - tied:
+        raise ValueError(f"init_from={folder} lacks {sorted(set(missing) - tied)[:5]}")
+    with torch.no_grad():
+        for k, dst in state.items():
+            if k not in where:
+                continue
+            with safe_open(str(where[k]), framework="pt") as fh:
+                sl = fh.get_slice(k)
+                shape = sl.get_shape()
+                if tuple(shape) != tuple(dst.shape):
+                    raise ValueError(f"init_from={folder}: {k} has shape {tuple(shape)}, the model "
+                                     f"{tuple(dst.shape)}; model.* overrides must not change a weight's shape")
+                if hasattr(dst, "to_local") and shape:
+                    rows = local_rows(shape[0], world, rank)
+                    dst.to_local().copy_(sl[rows.start:rows.stop].to(dst.dtype))
+                else:
+                    dst.copy_(sl[:].to(dst.dtype))
+    for mod in model.modules():  # non-persistent buffers (RoPE frequencies) are in no checkpoint: computed anew
+        if type(mod).__name__ == "RotaryEmbedding":
+            model._init_weights(mod)
