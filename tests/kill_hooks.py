@@ -7,7 +7,8 @@ GATTN_TEST_KILL_AT_STEP=N       SIGKILL right after step N (0-based) is finished
 GATTN_TEST_KILL_IN_RUN=PATH     ... only in the trainer run whose folder's path ends with PATH, e.g. runs/baseline or
                                 baseline/seed0/train (a job's or a lab's unit: one model among the several a command
                                 trains; default: the first run to reach step N).
-GATTN_TEST_KILL_IN_CKPT_WRITE=N SIGKILL inside the N-th checkpoint write, after state.pt is written, before the rename.
+GATTN_TEST_KILL_IN_CKPT_WRITE=N SIGKILL inside the N-th checkpoint write, after the state (state.pt or the DCP
+                                shards) and meta.json are written, before the manifest and the rename.
 GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE after every finished step of every run
                                 (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
 They wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code;
@@ -46,7 +47,7 @@ def install() -> None:
 
         def _write_files(tmp, files):
             write_files(tmp, files)
-            if "state.pt" in files:
+            if "meta.json" in files:  # after the state (state.pt, or the DCP shards before it), before the rename
                 done[0] += 1
                 if done[0] == kill_write:
                     os.kill(os.getpid(), signal.SIGKILL)

@@ -130,3 +130,55 @@ def test_fsdp_init_from_is_read_shard_by_shard(tmp_path):
     assert set(got["state"]) == set(ref) and all(0.3 < s < 0.7 for s in got["shares"])
     assert [k for k in ref if not torch.equal(got["state"][k], ref[k])] == []
     assert torch.equal(got["inv_freq"], saved.model.rotary_emb.inv_freq)  # in no checkpoint: computed anew
+
+
+FSDP_SETS = [s if not s.startswith("ckpt_every") else "ckpt_every=2" for s in SETS] + ["dist=fsdp"]
+
+
+def test_dcp_checkpoints_resume_across_world_sizes_2_1_2(tmp_path, reference_fsdp):
+    """dist=fsdp checkpoints are DCP folders written by every rank (one shard file each): killed at 2 ranks, resumed
+    in one process, killed again, resumed at 2 ranks, the run logs the losses of an uninterrupted one."""
+    from gated_attention.train.checkpoint import latest_checkpoint, verify
+
+    out = tmp_path / "run"
+    p = torchrun(out, FSDP_SETS, {"GATTN_TEST_KILL_AT_STEP": "2"})  # killed after step 2; checkpoint at 2
+    assert p.returncode != 0
+    ck = latest_checkpoint(out)
+    assert sorted(f.name for f in (ck / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (ck / "state.pt").exists() and verify(ck) is None
+    p = run_gattn("train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in FSDP_SETS), []), "--resume",
+                  env={"OMP_NUM_THREADS": "1", "GATTN_TEST_KILL_AT_STEP": "4"}, kill_hooks=True)
+    assert p.returncode != 0 and latest_checkpoint(out).name.endswith("4")
+    assert sorted(f.name for f in (latest_checkpoint(out) / "state").iterdir()) == [".metadata", "__0_0.distcp"]
+    p = torchrun(out, FSDP_SETS, resume=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(out) == pytest.approx(reference_fsdp, abs=1e-5)
+    # gattn convert reads a sharded checkpoint as a model folder: the last one holds the final weights
+    p = run_gattn("convert", "--from", "native", "--to", "native", latest_checkpoint(out), tmp_path / "conv")
+    assert p.returncode == 0, p.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    got, want = load_file(tmp_path / "conv" / "model.safetensors"), load_file(out / "final" / "model.safetensors")
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_sigkill_during_a_sharded_save_falls_back_and_resumes(tmp_path, reference_fsdp):
+    """Killed inside the second DCP save (shards and meta.json written, no manifest, not renamed): that step is
+    never a checkpoint; the resume starts from the one before and ends as an uninterrupted run. A corrupt shard
+    fails verification."""
+    from gated_attention.train.checkpoint import checkpoint_root, list_checkpoints, verify
+
+    out = tmp_path / "run"
+    p = torchrun(out, FSDP_SETS, {"GATTN_TEST_KILL_IN_CKPT_WRITE": "2"})
+    assert p.returncode != 0
+    assert [s for s, _ in list_checkpoints(out)] == [2]
+    assert any(d.name.startswith(".tmp-") for d in checkpoint_root(out).iterdir())  # the half-written one
+    p = torchrun(out, FSDP_SETS, resume=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(out) == pytest.approx(reference_fsdp, abs=1e-5)
+    last = list_checkpoints(out)[-1][1]
+    shard = last / "state" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "state/__1_0.distcp checksum does not match" in verify(last)

@@ -46,10 +46,34 @@ def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
         raise ConversionError(f"{path} has no config.json")
     try:
         config = read_json_object(cfg_file, "config", "pass a checkpoint folder written by save_pretrained")
+        if (path / "state" / ".metadata").is_file():  # a sharded training checkpoint (dist=fsdp): DCP shards
+            return config, load_dcp_model_state(path / "state")
         state = load_hf_state(path)  # model.safetensors or the index's shards (confined to the folder), verified
     except UserError as exc:
         raise ConversionError(str(exc)) from None
     return config, state
+
+
+def load_dcp_model_state(folder: str | os.PathLike) -> dict:
+    """The full model state dict of a torch.distributed.checkpoint folder written by the trainer under dist=fsdp (at
+    any world size), read in this one process: tensors shaped from the checkpoint's metadata, filled by DCP (no
+    pickled code is read: DCP's tensor files and its metadata only)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(folder))
+    md = reader.read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    if not state:
+        raise ConversionError(f"{folder} holds no model tensors (not a gattn training checkpoint)")
+    with warnings.catch_warnings():  # one process reading on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, storage_reader=reader)
+    return {k[len("model."):]: v for k, v in state.items()}
 
 
 def save_dir(dst: str | os.PathLike, config: dict, state: dict, src: str | os.PathLike | None = None,

@@ -1,6 +1,8 @@
-"""Atomic, rotated, full-state training checkpoints.
+"""Atomic, rotated training checkpoints: a gathered full state (DDP, one process), or sharded DCP (dist=fsdp).
 
-Layout: OUT/checkpoints/step_00000120/{state.pt, meta.json, rng_rank0.pt, ...}. A checkpoint is written into a hidden
+Layout: OUT/checkpoints/step_00000120/{state.pt, meta.json, rng_rank0.pt, ...}; under dist=fsdp `state/` (a
+torch.distributed.checkpoint folder: `.metadata` and one `__<rank>_0.distcp` per writing rank, written by every rank
+in parallel, readable at any world size) in place of state.pt. A checkpoint is written into a hidden
 temporary folder, every file fsync'ed, then the folder is renamed into place (rename is atomic on POSIX) and the
 parent fsync'ed. A crash (even SIGKILL mid-write) therefore leaves either the previous checkpoints intact plus a stale
 `.tmp-*` folder (removed on the next start) or the complete new one, never a half-written `step_*`.
@@ -33,6 +35,7 @@ from ..util.io import from_strict, json_dumps
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
+SHARDED = "state"  # the DCP folder of a sharded checkpoint
 
 
 def _fsync_file(path: Path) -> None:
@@ -118,8 +121,8 @@ def _sha256(path: Path) -> str:
 def write_manifest(tmp: Path) -> None:
     """Record every file's size and SHA-256 in manifest.json — the last file written into a checkpoint."""
     try:
-        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(tmp.iterdir()) if p.is_file() and p.name != MANIFEST}
+        files = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MANIFEST}
         path = tmp / MANIFEST
         path.write_text(json_dumps({"version": 1, "files": files}, indent=1, sort_keys=True))
         _fsync_file(path)
@@ -137,9 +140,10 @@ def verify(ckpt: Path) -> str | None:
         files = json.loads(man.read_text())["files"]
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         return "manifest.json is unreadable"
-    for name in ("state.pt", "meta.json"):
-        if name not in files:
-            return f"manifest lists no {name}"
+    if "meta.json" not in files:
+        return "manifest lists no meta.json"
+    if "state.pt" not in files and SHARDED + "/.metadata" not in files:
+        return f"manifest lists no state.pt and no {SHARDED}/.metadata"
     for name, rec in files.items():
         p = ckpt / name
         if not p.is_file():
@@ -188,13 +192,18 @@ def commit(out_dir: str | Path, step: int, keep: int) -> Path:
     return final
 
 
-def load_files(ckpt: Path, rank: int) -> tuple[dict, dict, dict | None]:
-    """(shared state, meta, this rank's RNG state or None if the checkpoint came from fewer ranks).
+def is_sharded(ckpt: Path) -> bool:
+    return (Path(ckpt) / SHARDED / ".metadata").is_file()
+
+
+def load_files(ckpt: Path, rank: int) -> tuple[dict | None, dict, dict | None]:
+    """(shared state — None for a sharded checkpoint, whose state/ is read by state.load_sharded_state —, meta, this
+    rank's RNG state or None if the checkpoint came from fewer ranks).
 
     weights_only=True: only tensors and plain containers are unpickled, so a run folder from someone else cannot
     execute code."""
     try:
-        state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+        state = None if is_sharded(ckpt) else torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
         meta = from_strict(json.loads((ckpt / "meta.json").read_text()))  # NaN state round-trips
         rng_path = ckpt / f"rng_rank{rank}.pt"
         rng = torch.load(rng_path, map_location="cpu", weights_only=True) if rng_path.exists() else None

@@ -10,9 +10,9 @@ Data: every rank draws the same GLOBAL batch (a function of (seed, step)) and ke
 [rank*B/N, (rank+1)*B/N); DDP/FSDP average gradients over ranks, which for equal slices equals the mean over the
 global batch, so N ranks compute the same update as one process (up to float summation order).
 
-Checkpoints use the gathered FULL state dict (torch.distributed.checkpoint.state_dict with full_state_dict=True):
-one rank-independent file that any world size (including 1) can resume from, at the cost of gathering on rank 0,
-which is fine at the model sizes this project trains.
+Checkpoints: under DDP the gathered FULL state dict (one rank-independent state.pt written by rank 0); under FSDP2
+sharded torch.distributed.checkpoint folders written by every rank (train/state.py, train/checkpoint.py). Both resume
+at any world size, one process included.
 """
 from __future__ import annotations
 

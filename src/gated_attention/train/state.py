@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+from contextlib import contextmanager
+
 import torch
 
 
@@ -43,6 +45,41 @@ def _to_cpu(obj):
     if isinstance(obj, list):
         return [_to_cpu(v) for v in obj]
     return obj
+
+
+@contextmanager
+def _one_process_quiet():
+    """DCP in one process warns on every call that it assumes one process: that is the intent (dist=fsdp at world
+    size 1), so that warning is dropped."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def save_sharded_state(model, optimizer, folder) -> None:
+    """torch.distributed.checkpoint (DCP): every rank writes its own shards of the model and AdamW state into
+    `folder` in parallel (a collective; in one process the whole state); no gather anywhere."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    with _one_process_quiet():
+        dcp.save({"model": msd, "optimizer": osd}, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+
+
+def load_sharded_state(model, optimizer, folder) -> None:
+    """Load a DCP checkpoint written at any world size into this run's model and optimizer, each rank reading the
+    parts of its own shards (DCP reshards: 2 ranks -> 1 process -> 2 ranks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)  # the optimizer's state is created (zeros) for DCP to fill
+    sd = {"model": msd, "optimizer": osd}
+    with _one_process_quiet():
+        dcp.load(sd, storage_reader=dcp.FileSystemReader(str(folder)))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
 
 
 def load_full_state(model, optimizer, msd: dict, osd: dict) -> None:

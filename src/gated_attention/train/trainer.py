@@ -38,7 +38,7 @@ from .config import TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import domain_losses
 from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
-from .state import full_state, load_full_state, rng_state, set_rng_state
+from .state import full_state, load_full_state, load_sharded_state, rng_state, save_sharded_state, set_rng_state
 from .model_setup import (apply_activation_checkpointing, apply_trainable, build_model, check_attn_implementation,
                           param_groups)
 from .plugins import Plugins, begin as begin_step_hook
@@ -268,7 +268,10 @@ def _restore(run: _Run, latest: Path | None) -> None:
     info = run.info
     if latest is not None:
         shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
-        load_full_state(run.master, run.optimizer, shared["model"], shared["optimizer"])
+        if shared is None:  # DCP: each rank reads its shards, whatever the world size that wrote it
+            D.agree(info, _error_of(lambda: load_sharded_state(run.master, run.optimizer, latest / ckpt_mod.SHARDED)))
+        else:
+            load_full_state(run.master, run.optimizer, shared["model"], shared["optimizer"])
         if run.mixed is not None:
             run.mixed.sync()
         run.st.update(meta["state"])
@@ -425,17 +428,26 @@ def _evaluate(run: _Run) -> dict:
 # ---------------------------------------------------------------- checkpointing and the end of the run
 
 def _save_checkpoint(run: _Run, next_step: int) -> None:
-    """An exact-resume checkpoint (collective): shared state by rank 0, each rank's RNG, then an atomic commit."""
+    """An exact-resume checkpoint (collective): the state (gathered by rank 0, or under dist=fsdp sharded DCP written
+    by every rank), meta.json, each rank's RNG, then an atomic commit."""
     info = run.info
-    msd, osd = full_state(run.master, run.optimizer)  # collective
+    sharded = run.cfg.dist == "fsdp"
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
+    if sharded:
+        D.agree(info, _error_of(lambda: save_sharded_state(run.master, run.optimizer, tmp / ckpt_mod.SHARDED)))
+    else:
+        msd, osd = full_state(run.master, run.optimizer)  # collective
     meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
             "config": run.cfg.to_dict(), "resolved_precision": run.precision}
     if hasattr(run.step_hook, "state_dict"):
         meta["step_hook"] = run.step_hook.state_dict()
     # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
-    _on_main(info, lambda: ckpt_mod.write_files(tmp, {"state.pt": {"model": msd, "optimizer": osd},
-                                                      "meta.json": meta}))
+    shared = {"meta.json": meta} if sharded else {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta}
+    if sharded and hasattr(run.raw, "config"):  # `gattn convert` reads a sharded checkpoint as a model folder
+        import json
+
+        shared["config.json"] = json.loads(run.raw.config.to_json_string())
+    _on_main(info, lambda: ckpt_mod.write_files(tmp, shared))
     D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()})))
     _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
                                                                           run.cfg.keep_checkpoints)))
