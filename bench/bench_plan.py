@@ -81,10 +81,30 @@ def run_rank(args) -> int:
             marks["cuda_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
         return None
 
+    from gated_attention.train import trainer
+
+    timings: dict = {"save_s": [], "restore_s": None}
+    save, restore = trainer._save_checkpoint, trainer._restore
+
+    def timed_save(run, step):  # every checkpoint write, collective included (the final one at least)
+        t = time.perf_counter()
+        save(run, step)
+        timings["save_s"].append(time.perf_counter() - t)
+
+    def timed_restore(run, latest):
+        t = time.perf_counter()
+        restore(run, latest)
+        if latest is not None:
+            timings["restore_s"] = time.perf_counter() - t
+
+    trainer._save_checkpoint, trainer._restore = timed_save, timed_restore
     out = Path(args.out)
     t0 = time.perf_counter()
-    train(cfg, out / "run", step_hook=hook)
+    train(cfg, out / "run", step_hook=hook, resume=args.resume)
     wall = time.perf_counter() - t0
+    if args.resume:  # a finished run resumed: what it measures is reading the last checkpoint back
+        common.write_text(out / f"resume_rank{rank}.json", json.dumps({"rank": rank, **timings}))
+        return 0
     log = [json.loads(x) for x in (out / "run" / "log.jsonl").read_text().splitlines() if x.strip()]
     steady = [r["tokens_per_s"] for r in log[1:] if "tokens_per_s" in r] or [log[-1]["tokens_per_s"]]
     tok_s = statistics.median(steady)  # cluster-wide tokens/s (the trainer logs the global batch's tokens)
@@ -95,7 +115,9 @@ def run_rank(args) -> int:
            "cuda_peak_allocated_gb": marks.get("cuda_allocated_gb"), "cuda_peak_reserved_gb": marks.get("cuda_reserved_gb"),
            "tokens_per_s": tok_s, "gpu_tflops": tflops,
            "mfu": tok_s * predicted["flops_per_token"] / (world * tflops * 1e12) if tflops else None,
-           "wall_s": wall, "load_end": load1(), "plan": predicted}
+           "wall_s": wall, "load_end": load1(), "plan": predicted, "save_s": timings["save_s"],
+           "checkpoint_format": "dcp" if cfg.dist == "fsdp" else "full state dict",
+           "checkpoint_mb": sum(f.stat().st_size for f in (out / "run" / "checkpoints").rglob("*") if f.is_file()) / 1e6}
     if rank == 0 and device.type == "cuda":  # the plan's own prediction of this speed at the measured MFU
         rec["plan_tokens_per_s_at_measured_mfu"] = rec["mfu"] * tflops * 1e12 * world / predicted["flops_per_token"]
     common.write_text(out / f"rank{rank}.json", json.dumps(rec, indent=1))
@@ -154,6 +176,11 @@ def validate(args) -> int:
                 print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
                 return 1
             print("\n".join(x for x in p.stdout.splitlines() if x.startswith("bench_plan:")), flush=True)
+            again = subprocess.run([c.replace(f"{timed}", f"{shlex.join(me)} --resume") for c in cmd], env=env,
+                                   capture_output=True, text=True)  # the finished run resumed: the restore's time
+            if again.returncode:
+                print(again.stdout[-2000:], again.stderr[-4000:], file=sys.stderr)
+                return 1
             ranks = sorted(out.glob("rank*.json"))
             for r in ranks:
                 rec = json.loads(r.read_text())
@@ -161,6 +188,7 @@ def validate(args) -> int:
                 rec["peak_rss_time_gb"] = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)",
                                                         text).group(1)) * 1024 / 1e9
                 rec["load_before"], rec["mode"] = before, mode
+                rec["restore_s"] = json.loads((out / f"resume_rank{rec['rank']}.json").read_text())["restore_s"]
                 rows.append(rec)
     cfg = config_from_args("small", None, validate_sets(args, "1proc", "none")[1::2], None)
     p1 = plan(cfg, gpus=1, precision=args.precision, device="cpu")
@@ -172,12 +200,14 @@ def validate(args) -> int:
     result = {"machine": common.machine(), "args": vars(args), "flops": flops, "params_total": p1["params_total"],
               "rows": rows}
     path = common.write_json(args.out, result)
-    print(f"{'mode':<6} {'ac':<5} rank  plan GB  (+runtime)  peak@last step  peak (time -v)  baseline  tok/s  load")
+    print(f"{'mode':<6} {'ac':<5} rank  plan GB  (+runtime)  peak@last step  peak (time -v)  baseline  tok/s  "
+          f"save s  restore s  ckpt MB  load")
     for r in rows:
         m = r["plan"]["memory_per_gpu_gb"]
         print(f"{r['mode']:<6} {r['activation_checkpointing']:<5} {r['rank']:>4}  {m['total']:7.2f}  "
               f"{m['total'] - m['overhead'] + r['baseline_rss_gb']:9.2f}  {r['peak_rss_train_gb']:14.2f}  "
               f"{r['peak_rss_time_gb']:14.2f}  {r['baseline_rss_gb']:8.2f}  {r['tokens_per_s']:5.0f}  "
+              f"{r['save_s'][-1]:6.2f}  {r['restore_s']:9.2f}  {r['checkpoint_mb']:7.0f}  "
               f"{r['load_before']:.2f}->{r['load_end']:.2f}")
     print(f"FLOPs/token: plan {flops['plan_flops_per_token']:.4g}, bench_train {flops['bench_train_flops_per_token']:.4g}"
           f"; wrote {path}")
@@ -193,6 +223,7 @@ def main() -> int:
     r.add_argument("--data-dir", default=None)
     r.add_argument("--gpu-tflops", type=float, default=None, help="peak TFLOP/s for MFU (CUDA default: by GPU name)")
     r.add_argument("--out", required=True)
+    r.add_argument("--resume", action="store_true", help="resume the finished run in --out (times the restore)")
     v = sub.add_parser("validate", help="1 process, DDP x2, FSDP x2 on CPU under /usr/bin/time -v")
     v.add_argument("--layers", type=int, default=12)
     v.add_argument("--hidden", type=int, default=1024)
