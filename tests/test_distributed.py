@@ -50,6 +50,12 @@ def test_two_ranks_equal_one(tmp_path, reference, reference_fsdp, mode):
     assert p.returncode == 0, p.stderr[-3000:]
     assert losses(tmp_path) == pytest.approx(reference if mode == "ddp" else reference_fsdp, abs=1e-5)
     assert (tmp_path / "final" / "model.safetensors").exists()
+    # under FSDP final/ is written from the shards (no gather): a plain HF folder all the same
+    from gated_attention.modeling import GatedQwen3ForCausalLM
+
+    assert sorted(p.name for p in (tmp_path / "final").iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
+    model = GatedQwen3ForCausalLM.from_pretrained(tmp_path / "final")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, stored once
 
 
 def test_resume_after_distributed_kill(tmp_path, reference):

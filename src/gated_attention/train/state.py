@@ -82,6 +82,20 @@ def load_sharded_state(model, optimizer, folder) -> None:
     set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
 
 
+def save_hf_sharded(model, folder) -> None:
+    """The model's weights as HF safetensors written from the shards (a collective): every rank writes its own
+    shards (DCP's HuggingFaceStorageWriter), which rank 0 then consolidates into full tensors on disk, streaming —
+    no rank gathers the model in memory. A tied head is stored once (as save_pretrained does)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    sd = get_model_state_dict(model)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    dcp.save(sd, storage_writer=dcp.HuggingFaceStorageWriter(str(folder), save_distributed=True,
+                                                              enable_consolidation=True))
+
+
 def load_full_state(model, optimizer, msd: dict, osd: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 

@@ -38,7 +38,8 @@ from .config import TrainConfig, describe_changes
 from .data_source import make_source
 from .evaluate import domain_losses
 from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
-from .state import full_state, load_full_state, load_sharded_state, rng_state, save_sharded_state, set_rng_state
+from .state import (full_state, load_full_state, load_sharded_state, rng_state, save_hf_sharded, save_sharded_state,
+                    set_rng_state)
 from .model_setup import (apply_activation_checkpointing, apply_trainable, build_model, check_attn_implementation,
                           param_groups)
 from .plugins import Plugins, begin as begin_step_hook
@@ -494,11 +495,15 @@ def _finish(run: _Run, t_start: float) -> dict:
     st["wall_time"] = time.perf_counter() - t_start
     if run.last_ckpt_step != st["step"]:
         _save_checkpoint(run, st["step"])
-    msd, _ = full_state(run.master, run.optimizer) if info.distributed else (None, None)
+    sharded = info.distributed and info.mode == "fsdp"
+    if sharded and hasattr(run.raw, "save_pretrained"):  # final/ written from the shards: no rank gathers the model
+        _export_final_sharded(run, run.out / "final")
+    msd, _ = full_state(run.master, run.optimizer) if info.distributed and not sharded else (None, None)
     box = {}
 
     def export():
-        _export_final(run.master, msd, run.source, run.out / "final")
+        if not sharded:
+            _export_final(run.master, msd, run.source, run.out / "final")
         summary = run_summary(run.cfg, st, run.spikes, run.log_path)
         summary["resolved_precision"] = run.precision
         if run.precision != "fp32":  # how its bf16 GEMMs ran: "native", or "emulated" (util/bf16_emulation.py)
@@ -525,6 +530,39 @@ def _moe_record(model: nn.Module) -> dict | None:
             "lb_loss": [stats[f"{n}/lb_loss"] for n in layers], "z_loss": [stats[f"{n}/z_loss"] for n in layers],
             # tokens the counts describe: the step's global batch, or more if the per-step reset were missing
             "tokens": sum(stats[f"{layers[0]}/expert_load"]) // top_k if top_k else None}
+
+
+def _export_final_sharded(run: _Run, dest: Path) -> None:
+    """final/ under FSDP (a collective): rank 0 opens the atomic temp folder, every rank writes its shards as HF
+    safetensors into it (state.save_hf_sharded: consolidated on disk by rank 0), rank 0 adds config, generation
+    config and tokenizer and swaps the folder into place; a failure on any rank leaves the old final/ untouched."""
+    import shutil
+
+    info, stack, box = run.info, ExitStack(), {}
+    _on_main(info, lambda: box.update(tmp=str(stack.enter_context(atomic_dir(dest, overwrite=True)))))
+    tmp = Path(D.broadcast_object(box.get("tmp"), info))
+
+    def finish():
+        shutil.rmtree(tmp / "sharded", ignore_errors=True)  # the per-rank pieces, consolidated by now
+        files = sorted(tmp.glob("model-*-of-*.safetensors"))
+        if len(files) == 1:  # one file: the plain layout every loader reads first
+            files[0].rename(tmp / "model.safetensors")
+            (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
+        run.raw.config.save_pretrained(tmp)
+        if getattr(run.raw, "generation_config", None) is not None:
+            run.raw.generation_config.save_pretrained(tmp)
+        if getattr(run.source, "tokenizer", None) is not None:
+            from gated_attention.data import save_tokenizer
+
+            save_tokenizer(run.source.tokenizer, tmp)
+
+    try:
+        D.agree(info, _error_of(lambda: save_hf_sharded(run.master, tmp)))
+        _on_main(info, finish)
+    except BaseException as exc:
+        stack.__exit__(type(exc), exc, exc.__traceback__)  # rank 0: the temp folder goes, final/ stays as it was
+        raise
+    _on_main(info, stack.close)  # rank 0: the new final/ in place
 
 
 def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> None:
