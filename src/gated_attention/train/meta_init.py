@@ -103,10 +103,10 @@ def materialize(model: nn.Module, twin: nn.Module, seed: int, device: torch.devi
                 tmod._parameters[n] = p
             for n, b in own_b:
                 tmod._buffers[n] = b
-    _restore_plain_attributes(model, device)
+    _check_no_meta_left(model)
 
 
-def _restore_plain_attributes(model: nn.Module, device: torch.device) -> None:
+def _check_no_meta_left(model: nn.Module) -> None:
     """Tensors a module keeps as plain attributes (not parameters or buffers) are not touched by to_empty: none may
     stay on the meta device."""
     for name, mod in model.named_modules():
@@ -134,36 +134,35 @@ def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
 
     from ..util.io import hf_weight_files
 
-    _to_empty(model, device)
-    where = {}
-    for f in hf_weight_files(folder):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                where[k] = f
     import torch.distributed as dist
 
+    _to_empty(model, device)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
-    missing = [k for k in state if k not in where and k in model.state_dict()]
+    filled = set()
+    with torch.no_grad():
+        for f in hf_weight_files(folder):  # each file opened once; each tensor read as this rank's rows only
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    dst = state.get(k)
+                    if dst is None:
+                        continue
+                    sl = fh.get_slice(k)
+                    shape = sl.get_shape()
+                    if tuple(shape) != tuple(dst.shape):
+                        raise ValueError(f"init_from={folder}: {k} has shape {tuple(shape)}, the model "
+                                         f"{tuple(dst.shape)}; model.* overrides must not change a weight's shape")
+                    if hasattr(dst, "to_local") and shape:
+                        rows = local_rows(shape[0], world, rank)
+                        dst.to_local().copy_(sl[rows.start:rows.stop].to(dst.dtype))
+                    else:
+                        dst.copy_(sl[:].to(dst.dtype))
+                    filled.add(k)
+    missing = [k for k in state if k not in filled and k in model.state_dict()]
     tied = {k for k in missing if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)}
     if set(missing) - tied:
         raise ValueError(f"init_from={folder} lacks {sorted(set(missing) - tied)[:5]}")
-    with torch.no_grad():
-        for k, dst in state.items():
-            if k not in where:
-                continue
-            with safe_open(str(where[k]), framework="pt") as fh:
-                sl = fh.get_slice(k)
-                shape = sl.get_shape()
-                if tuple(shape) != tuple(dst.shape):
-                    raise ValueError(f"init_from={folder}: {k} has shape {tuple(shape)}, the model "
-                                     f"{tuple(dst.shape)}; model.* overrides must not change a weight's shape")
-                if hasattr(dst, "to_local") and shape:
-                    rows = local_rows(shape[0], world, rank)
-                    dst.to_local().copy_(sl[rows.start:rows.stop].to(dst.dtype))
-                else:
-                    dst.copy_(sl[:].to(dst.dtype))
     for mod in model.modules():  # non-persistent buffers (RoPE frequencies) are in no checkpoint: computed anew
         if type(mod).__name__ == "RotaryEmbedding":
             model._init_weights(mod)

@@ -551,10 +551,7 @@ def _export_final_sharded(run: _Run, dest: Path) -> None:
         run.raw.config.save_pretrained(tmp)
         if getattr(run.raw, "generation_config", None) is not None:
             run.raw.generation_config.save_pretrained(tmp)
-        if getattr(run.source, "tokenizer", None) is not None:
-            from gated_attention.data import save_tokenizer
-
-            save_tokenizer(run.source.tokenizer, tmp)
+        _save_tokenizer(run.source, tmp)
 
     try:
         D.agree(info, _error_of(lambda: save_hf_sharded(run.master, tmp)))
@@ -576,7 +573,12 @@ def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> N
             plain.save_pretrained(tmp)
         else:
             raw.save_pretrained(tmp)
-        if getattr(source, "tokenizer", None) is not None:
-            from gated_attention.data import save_tokenizer
+        _save_tokenizer(source, tmp)
 
-            save_tokenizer(source.tokenizer, tmp)
+
+def _save_tokenizer(source, folder: Path) -> None:
+    """The run's tokenizer beside its exported model, when its data source has one."""
+    if getattr(source, "tokenizer", None) is not None:
+        from gated_attention.data import save_tokenizer
+
+        save_tokenizer(source.tokenizer, folder)

@@ -295,10 +295,13 @@ def train_unit(job: tuple) -> dict:
         _log(f"{start.label} {name} seed {seed}: reusing {unit_dir / 'result.json'}")
         return done
     plan = plan_for(cfg, start)
-    probe = S.build_model(start.model_dir, None, "identity", seed)  # the start as it is: vocabulary, sink masks
-    data = S.make_data(start, plan.batch_size, cfg.eval_size, probe.config.vocab_size)
-    masks = S.start_masks(probe, data.eval_batches()) if data.kind == "text" and recipe.gate is not None else None
-    del probe
+    from gated_attention.util.io import read_json_object
+
+    vocab = read_json_object(Path(start.model_dir) / "config.json", "starting model config")["vocab_size"]
+    data = S.make_data(start, plan.batch_size, cfg.eval_size, vocab)
+    masks = None
+    if data.kind == "text" and recipe.gate is not None:  # the start as it is, for its sink masks
+        masks = S.start_masks(S.build_model(start.model_dir, None, "identity", seed), data.eval_batches())
     label = f"{start.label} {name} seed {seed}"
     rec = _UnitRecorder(label, plan, data, masks)
     gates_only_until = round(recipe.gates_first * plan.steps)

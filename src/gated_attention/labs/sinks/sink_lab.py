@@ -387,9 +387,7 @@ class _UnitRecorder:
     def __call__(self, steps_done: int, model) -> str | None:
         from .metrics import trailing_mean
 
-        st = self.state
-        if not math.isfinite(st["losses"][-1]):
-            return f"loss is {st['losses'][-1]} at step {steps_done - 1}"
+        st = self.state  # a non-finite step never gets here: the unit's max_bad_steps=1 stops the run first
         if st["skill"] is None and len(st["bc"]) == SKILL_WINDOW and \
                 trailing_mean(st["bc"], SKILL_WINDOW)[-1] < SKILL_CE:
             st["skill"] = steps_done - 1
