@@ -270,6 +270,24 @@ def test_streaming_losses_read_the_streaming_lab():
     assert got["streaming_loss"] != got["window_full_loss"]
 
 
+def test_target_check_at_its_thresholds():
+    """Issue 21's target on hand-made records placed on both sides of each threshold (the values from THRESHOLDS)."""
+    sink, margin, share = (t.value for t in retrofit_lab.THRESHOLDS)
+
+    def entry(sinks, shares, bc, bg):
+        recs = [{"sink_after": a, "step_share": b} for a, b in zip(sinks, shares)]
+        return {"per_seed": recs, "mean": {"backcopy_ce_after": bc, "bigram_ce_after": bg}}
+
+    control = entry([0.9], [share], 0.10, 3.20)
+    ok = retrofit_lab.target_check(entry([sink, sink - 0.1], [share, share], 0.10 + margin, 3.20), control, "sink")
+    assert ok["met"] and ok["sink_after_max"] == sink
+    assert not retrofit_lab.target_check(entry([sink + 1e-3, 0.0], [share] * 2, 0.1, 3.2), control, "sink")["met"]
+    assert not retrofit_lab.target_check(entry([0.0], [share + 0.01], 0.1, 3.2), control, "sink")["met"]
+    worse = retrofit_lab.target_check(entry([0.0], [share], 0.1, 3.20 + margin + 1e-3), control, "sink")
+    assert not worse["met"] and not worse["bigram_ce_after_within_margin"]
+    assert not retrofit_lab.target_check(entry([0.0], [share], 0.1, 3.2), control, "text")["met"]  # sink lab only
+
+
 def test_interval_uses_student_t():
     i = retrofit_lab.interval([1.0, 2.0, 3.0])
     assert i["mean"] == 2.0 and i["std"] == pytest.approx(1.0) and i["ci95"] == pytest.approx(4.303 / 3 ** 0.5,
@@ -371,6 +389,9 @@ def test_lab_json_contract(small_lab):
     r = disk["recipes"]["bos-penalty"]
     assert set(r["vs_control"]) == set(retrofit_lab.PAIRED) and r["vs_control"]["sink_after"]["n"] == 4
     assert set(r["target"]) >= {"sink_le_target", "steps_le_target", "met"}
+    assert [t["name"] for t in disk["thresholds"]] == [t.name for t in retrofit_lab.THRESHOLDS]
+    assert all(t["kind"] in ("paper", "published", "chosen") and t["source"] for t in disk["thresholds"])
+    assert "Thresholds and where they come from" in (out / "report.md").read_text()
     assert r["per_seed"][0]["step_share"] == pytest.approx(6 / 40)
     from gated_attention.util.precision import resolve
 

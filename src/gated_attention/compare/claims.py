@@ -64,7 +64,8 @@ BOS_SINK_PARTLY = Threshold(
     "mean attention on the first token exceeds epsilon = 0.3")
 TASK_SKILL = Threshold(
     "skill: baseline backcopy CE at most", SKILL_CE, "nats", "chosen",
-    "below ln 2 = 0.69 nats: surer of the copied token than a coin flip between two (the sink lab's skill threshold)")
+    "the sink lab's skill threshold: below ln 2 = 0.69 nats with room, i.e. surer of the copied token than a coin "
+    "flip between two")
 BOS_GATED = Threshold(
     "removed: a G1 model's dormant-query attention on BOS at most", 0.1, "share", "paper",
     "SPEC §3.4: the paper's G1 first-token attention, 0.048 (elementwise) / 0.073 (headwise), rounded up")

@@ -10,6 +10,8 @@ from pathlib import Path
 from ...experiment import pages
 from ...experiment.pages import fmt_mean_std
 from ...experiment.stats import seed_curves
+from ...experiment.verdicts import Threshold
+from ...experiment.verdicts import cells as threshold_table
 from ...util.io import save_png
 from .recipes import CONTROL
 
@@ -142,6 +144,9 @@ def blocks(lab: dict) -> list[tuple]:
     ]
     if lab["kind"] == "sink":
         out += [("h2", "Issue 21's target on the sink lab"), ("table", *target_cells(lab))]
+        if lab.get("thresholds"):  # labs written before the thresholds were recorded have only "targets"
+            out += [("p", "Thresholds and where they come from (fixed in issue 21, before the lab ran):"),
+                    ("table", *threshold_table({"target": [Threshold(**t) for t in lab["thresholds"]]}))]
     out += [("h2", "Recipes (LRs as multiples of the lab's peak LR; penalties stop at the given share of the steps)"),
             ("table", ["recipe", "gate", "init", "gate LR", "rest LR", "gates alone first", "BOS penalty", "gate L1",
                        "penalties until", "what it is"],
