@@ -372,6 +372,17 @@ def test_set_overrides_reach_every_run_and_lab_settings_are_refused(tiny_corpus,
     assert "--set lr: the lab sets it per run; use --lrs" in capsys.readouterr().err
 
 
+def test_runs_are_eager_unless_compile_is_set(tiny_corpus):
+    """A grid's numbers must not depend on the machine's load: compile=auto decides from a timing and compiled bf16
+    kernels round differently, so the lab pins eager; --set compile=true still reaches the runs."""
+    S = stability_lab
+    lab = S.LabConfig(budget="small", variants=("baseline",), qk_norm="on", lrs=(1e-2,), steps=4)
+    assert S.train_config(lab, str(tiny_corpus), "baseline", True, 1e-2, 0, "fp32").compile == "false"
+    lab = S.LabConfig(budget="small", variants=("baseline",), qk_norm="on", lrs=(1e-2,), steps=4,
+                      sets=("compile=true",))
+    assert S.train_config(lab, str(tiny_corpus), "baseline", True, 1e-2, 0, "fp32").compile == "true"
+
+
 def test_bad_input_is_refused(tmp_path):
     for kw, msg in ((dict(variants=("nope",)), "unknown variant"), (dict(lrs=(1e-3, -1.0)), "positive"),
                     (dict(qk_norm="maybe"), "qk-norm"), (dict(steps=0), "steps"), (dict(jobs=0), "jobs"),

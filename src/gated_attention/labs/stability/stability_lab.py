@@ -206,6 +206,10 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
         stats_every=b.stats_every, spike_window=min(b.spike_window, steps), spike_delta=b.spike_delta,
         spike_noise_k=b.spike_noise_k, ckpt_every=min(b.ckpt_every, steps), tensorboard=False,
         progress=True,  # a line per GATTN_PROGRESS_INTERVAL off a terminal
+        # eager unless --set compile=...: compile=auto decides from a timing, and compiled kernels round differently
+        # from eager ones, which in bf16 at these LRs changes the trajectory (the same 24-layer run: loss 6.50 vs 6.92
+        # after 12 steps) — a grid's numbers would depend on how loaded the machine was
+        compile="false",
         model_overrides={**b.model, "use_qk_norm": qk_norm})
     if lab.sets:
         cfg = apply_overrides(cfg, list(lab.sets), model_config(cfg.model, gate=variant).to_dict())
