@@ -78,6 +78,12 @@ CASES = [
                                   "--variants", "baseline", "sdpa_elementwise", "--seeds", "1"],
              victim="runs/sdpa_elementwise/seed0", kill_at=40,  # the small budget: 60 steps, a checkpoint every 30
              figures=lambda out: _json(out / "lab.json")),
+    KillCase("scaling",
+             lambda out, inp: ["lab", "scaling", "--budget", "quick", "--data-dir", inp["corpus"], "--out", out,
+                               "--jobs", "1", "--variants", "baseline", "sdpa_elementwise", "--lrs", "0.01", "0.02",
+                               "--seeds", "2"],
+             victim="runs/sdpa_elementwise_d24l1_lr0.02_s0", kill_at=40,  # 119 steps, a checkpoint every 29
+             figures=lambda out: _json(out / "lab.json")),
     KillCase("retrofit",
              lambda out, inp: ["lab", "retrofit", "--from", inp["sink_start"], "--recipes", "bos-penalty",
                                "--steps", "300", "--eval-size", "8", "--jobs", "1", "--out", out],
