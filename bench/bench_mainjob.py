@@ -8,6 +8,13 @@ the trainer resolves it) with the trainer's arguments, backward, gradient clippi
 time (first compiled step minus a steady one), and the step count the fast path fits into the plain path's wall time
 for the budget (compile included).
 Run: python bench/bench_mainjob.py --threads 1 [--reps 7] [--budget default] [--precision auto|bf16|fp32]
+
+`--whole`: the main job's wall time instead — `gattn compare --budget B` end to end into a fresh folder (the corpus
+prepared first and not counted), with the CPU kind, the precision its runs resolved to and the load average before
+and after. `--emulate-avx2` runs it with the instruction set limited to AVX2 (ATEN_CPU_CAPABILITY=avx2,
+ONEDNN_MAX_CPU_ISA=AVX2, MKL_ENABLE_INSTRUCTIONS=AVX2): on an AVX-512 machine, the kernels an AVX2-only CPU runs
+(bf16 GEMMs ~30x slower than fp32 there, fp32 ~2x slower than AVX-512); clock and caches stay this machine's.
+Run: python bench/bench_mainjob.py --whole [--emulate-avx2] [--budget default] [--jobs 2]
 """
 from __future__ import annotations
 
@@ -51,6 +58,45 @@ def make_step(cfg, vocab: int, x, y, precision: str = "bf16"):
     return step, plan
 
 
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def whole_job(budget: str, jobs: int | None, emulate_avx2: bool, out: str) -> dict:
+    """`gattn compare --budget budget` end to end in a subprocess into a fresh folder; its wall time, the machine and
+    load before and after, and the job's own timings (compare.json)."""
+    import json
+    import subprocess
+    import sys
+
+    from gated_attention import experiment
+
+    b = BUDGETS[budget]
+    experiment.ensure_corpus(b.data_dir, b.vocab_size, print, "[bench]")  # not counted
+    env = {**os.environ, **(AVX2_ENV if emulate_avx2 else {})}
+    env.pop("GATTN_BF16_SPEEDUP", None)
+    folder = tempfile.mkdtemp(prefix="gattn_mainjob_")
+    argv = [sys.executable, "-m", "gated_attention.cli", "compare", "--budget", budget, "--data-dir", b.data_dir,
+            "--out", folder, *(["--jobs", str(jobs)] if jobs else [])]
+    load0 = os.getloadavg()
+    t = time.perf_counter()
+    p = subprocess.run(argv, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if p.returncode not in (0, 1):
+        raise SystemExit(f"gattn compare failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    res = json.loads(open(os.path.join(folder, "compare.json")).read())
+    result = {"bench": "mainjob_whole", "machine": common.machine(), "budget": budget, "emulated_avx2": emulate_avx2,
+              "wall_s": wall, "load_avg_before": load0, "load_avg_after": os.getloadavg(),
+              "resolved_precision": res["resolved_precision"], "seeds": res.get("seeds"),
+              "timings_s": res["timings_s"], "layout": res["layout"], "out": folder}
+    path = common.write_json(out, result)
+    print(f"gattn compare --budget {budget}: {wall / 60:.1f} min wall ({wall:.0f} s), precision "
+          f"{res['resolved_precision']}, {'AVX2 emulated' if emulate_avx2 else 'native ISA'} on "
+          f"{result['machine']['cpu']} ({result['machine']['cpu_kind']}), load {load0[0]:.1f} -> "
+          f"{result['load_avg_after'][0]:.1f}; parts {', '.join(f'{k} {v:.0f}s' for k, v in res['timings_s'].items())}"
+          f"; wrote {path}")
+    return result
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--budget", default="default", choices=list(BUDGETS), help="compare budget whose model/shape to time")
@@ -61,8 +107,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default="mainjob", help="results/<out>.json")
     ap.add_argument("--warm-cache", action="store_true", help="reuse inductor's on-disk cache (default: a fresh one, "
                     "so the compile time measured is the cold cost a first run pays)")
+    ap.add_argument("--whole", action="store_true", help="time the whole `gattn compare --budget B` instead")
+    ap.add_argument("--emulate-avx2", action="store_true", help="with --whole: limit the kernels to AVX2")
+    ap.add_argument("--jobs", type=int, default=None, help="with --whole: compare's --jobs (default: its own)")
     common.precision_arg(ap)
     args = ap.parse_args(argv)
+    if args.whole:
+        return whole_job(args.budget, args.jobs, args.emulate_avx2, args.out + "_whole")
     prec = common.resolve_precision(args.precision)
     if not args.warm_cache:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="gattn_inductor_")

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Attention-sink emergence curve (docs/experiments/sink_emergence.md): train `gattn compare --budget long`'s
-setting for each variant and analyse the model every --every steps on held-out val windows (8 BOS-started windows
-per domain, as `gattn compare` does), printing one JSON line per point and writing OUT/<variant>/curve.jsonl.
+setting for each variant and analyse the model every --every steps on held-out val windows (the `long` budget's
+analysis set: 4 batches of 8 = 32 BOS-started windows per domain), printing one JSON line per point and writing
+OUT/<variant>/curve.jsonl.
 
     /work/bin/cpu python scripts/sink_emergence.py --data-dir DATA --out OUT [--steps 3000] [--every 150]
         [--variants baseline sdpa_elementwise] [--max-minutes M] [--fit-minutes M]

@@ -185,7 +185,8 @@ def test_bad_arguments(tiny_corpus, tmp_path, capsys):
     assert "unknown variant" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, name", [("--stability-lab", "lab.json"), ("--longctx", "report.json")])
+@pytest.mark.parametrize("flag, name", [("--stability-lab", "lab.json"), ("--longctx", "report.json"),
+                                        ("--scaling-lab", "lab.json")])
 def test_named_evidence_folder_without_its_output_stops_before_training(flag, name, tiny_corpus, tmp_path, capsys):
     """A --stability-lab / --longctx DIR the user names must hold that lab's output: one line, exit 2, nothing trained
     (it used to run and report 'not run here')."""
@@ -244,7 +245,7 @@ def test_budgets_are_valid_configs(tiny_corpus):
     assert C.budget_config(small, str(tiny_corpus), ["steps=7"]).steps == 7
     # a config is a copy: changing it leaves the (shared) budget tables alone
     C.budget_config(C.BUDGETS["long"], str(tiny_corpus)).model_overrides["hidden_size"] = 1
-    assert C.BUDGETS["default"].train["model_overrides"]["hidden_size"] == 128
+    assert C.BUDGETS["text"].train["model_overrides"]["hidden_size"] == 128
 
 
 @pytest.mark.slow
@@ -295,3 +296,38 @@ def test_parallel_workers_reproduce_the_in_process_run(small_run, tiny_corpus, t
         assert x["mean"]["backcopy_ce"] == pytest.approx(ref["sink_lab"]["variants"][v]["mean"]["backcopy_ce"],
                                                          rel=2e-3, abs=1e-4)
     assert set(res["timings_s"]) == {"setup", "models", "sink_lab_report", "streaming", "report"}
+
+
+def test_seeds_give_the_perplexity_row_its_measure(tiny_corpus, tmp_path):
+    """--seeds 2: every variant trains seeds 0 and 1 (runs/<v>, runs/<v>_seed1; the same batches per seed), and the
+    perplexity row carries the measure (Δ in nats paired over seeds with its interval, tokens per parameter, seeds,
+    LRs and whether they were tuned), judged by the 0.0128-nat rule on this run (no scaling lab here)."""
+    out = tmp_path / "out"
+    argv = ["compare", "--budget", "small", "--data-dir", str(tiny_corpus), "--out", str(out), "--jobs", "1",
+            "--variants", "baseline", "sdpa_elementwise", "--seeds", "2", "--no-sink-lab", "--no-streaming",
+            "--scaling-lab", str(tmp_path / "none")]
+    from gated_attention.labs.scaling import verdict as V
+
+    with pytest.raises(ValueError, match="--seeds"):  # no seeds: refused before anything trains
+        C.run_compare(out, tiny_corpus, "small", ["baseline"], seeds=0)
+    (tmp_path / "none").mkdir()
+    (tmp_path / "none" / "lab.json").write_text(json.dumps({"deltas": [], "config": {}, "verdict": {
+        "per_variant": {}, "text": ""}}))  # a lab without this variant: the row falls back to this run's verdict
+    assert cli.main(argv) == 0
+    res = json.loads((out / "compare.json").read_text())
+    for v in ("baseline", "sdpa_elementwise"):
+        assert (out / "runs" / v / "final").exists() and (out / "runs" / f"{v}_seed1" / "final").exists()
+        assert set(res["rows"][v]["val_loss_by_seed"]) == {"0", "1"}
+    cfg0 = json.loads((out / "runs" / "baseline" / "train_config.json").read_text())
+    cfg1 = json.loads((out / "runs" / "baseline_seed1" / "train_config.json").read_text())
+    assert cfg1["seed"] == cfg0["seed"] + 1
+    row = res["claims"][0]
+    m = row["measure"]
+    d = m["delta_nats"]["sdpa_elementwise"]
+    by = {v: res["rows"][v]["val_loss_by_seed"] for v in ("baseline", "sdpa_elementwise")}
+    diffs = [by["sdpa_elementwise"][k] - by["baseline"][k] for k in ("0", "1")]
+    assert d["mean"] == pytest.approx(sum(diffs) / 2) and d["ci_low"] < d["mean"] < d["ci_high"]
+    assert m["seeds"] == 2 and m["tokens_per_param"] > 0 and m["lr_tuned"] == {"baseline": False,
+                                                                               "sdpa_elementwise": False}
+    assert m["lr"]["baseline"] == res["train_config"]["lr"] and m["verdict_source"] == "this run"
+    assert row["verdict"] == V.judge(d["mean"], d["ci_low"], d["ci_high"])

@@ -29,8 +29,22 @@ def _verdicts(table):
     return {r["claim"]: r["verdict"] for r in table}
 
 
+def _measure(deltas=((-0.05, -0.04, -0.06), (-0.03, -0.02, -0.04)), base=(3.0, 3.1, 3.2), tuned=True):
+    """A perplexity measure from per-seed val losses: each G1 variant's per-seed Δ added to the baseline's."""
+    losses = {"baseline": dict(enumerate(base))}
+    for v, ds in zip(C.GATED, deltas):
+        losses[v] = {k: base[k] + d for k, d in enumerate(ds)}
+    return C.ppl_measure(losses, lrs={v: 0.01 for v in losses}, lr_tuned={v: tuned for v in losses},
+                         tokens_per_param=20.0)
+
+
+def _ppl(measure, scaling_dir=None):
+    t = C.claims_table({"rows": _rows(), "ppl_measure": measure}, None, scaling_dir=scaling_dir)
+    return {r["claim"]: r for r in t}["Lower perplexity at parameter parity"]
+
+
 def test_verdicts_follow_the_figures(tmp_path):
-    t = C.claims_table({"rows": _rows()}, _lab(), tmp_path / "none", tmp_path / "none")
+    t = C.claims_table({"rows": _rows(), "ppl_measure": _measure()}, _lab(), tmp_path / "none", tmp_path / "none")
     assert [r["claim"] for r in t][:3] == ["Lower perplexity at parameter parity", "Attention sink removed: real text",
                                            "Attention sink removed: synthetic task (Bigram-Backcopy)"]
     v = _verdicts(t)
@@ -53,7 +67,7 @@ def test_verdicts_follow_the_figures(tmp_path):
 def test_weaker_effects_get_weaker_verdicts():
     rows = _rows(g_ppl=(19.0, 20.5), f=(0.037, 0.030, 0.029), mact=(283.0, 200.0, 290.0), gate=(0.6, 0.7))
     v = _verdicts(C.claims_table({"rows": rows}, _lab(b_sink=0.4, g_sink=0.2, gd=0.5, ga=0.55)))
-    assert v["Lower perplexity at parameter parity"] == C.PARTLY  # one of two gated variants lower
+    assert v["Lower perplexity at parameter parity"] == C.NOT_RUN  # no measure: nothing to judge
     # 1.54x uniform: forming, but the gated models keep 0.46 / 0.38 of its excess (more than a quarter)
     assert v["Attention sink removed: real text"] == C.NOT_AT_SCALE
     assert v["Massive activations reduced"] == C.NOT_AT_SCALE  # headwise is higher
@@ -72,9 +86,14 @@ def _claim(rows, name, lab=None):
 
 def test_every_rule_at_its_thresholds():
     """Each rule's branches on hand-made figures placed on both sides of its thresholds (experiment.verdicts)."""
-    ppl = lambda g: _claim(_rows(base_ppl=100.0, g_ppl=g), "Lower perplexity at parameter parity")
-    assert ppl((99.0, 99.0)) == C.REPRODUCED  # exactly the paper's smallest gain, 1 %
-    assert ppl((99.0, 99.2)) == C.PARTLY and ppl((99.2, 99.2)) == C.NOT_AT_SCALE
+    # the perplexity row: Δ of G1 elementwise (paired over 3 seeds) against δ = 0.0128 nats (labs/scaling/verdict.py)
+    d = 0.0128
+    ppl = lambda *ds: _ppl(_measure(deltas=(ds, (0.0, 0.0, 0.0))))["verdict"]
+    assert ppl(-d - 0.002, -d - 0.001, -d - 0.0015) == "reproduced"
+    assert ppl(-d + 0.002, -d + 0.003, -d + 0.0025) == "lower, smaller than the paper's"
+    assert ppl(-0.002, 0.001, 0.0005) == "no effect of the paper's size"
+    assert ppl(0.02, 0.021, 0.0205) == "worse"
+    assert ppl(-0.05, 0.03, 0.0) == "inconclusive"
     u = 0.02
     text = lambda b, *g: _claim(_rows(f=(b * u, *(x * u for x in g)), u=u), "Attention sink removed: real text")
     assert text(2.0, 1.25, 1.25) == C.REPRODUCED  # a formed sink (2x uniform); G1 keep a quarter of its excess
@@ -295,3 +314,29 @@ def test_streaming_rule_branches():
     for m in st["models"].values():  # no plain window measured: nothing to judge
         m["window"] = {"4": m["window"]["4"]}
     assert row(st)["verdict"] == C.NOT_RUN
+
+
+def test_perplexity_row_carries_its_measure_and_regime(tmp_path):
+    row = _ppl(_measure(tuned=False), tmp_path / "no_lab")
+    m = row["measure"]
+    assert set(m["delta_nats"]) == set(C.GATED) and m["seeds"] == 3 and m["tokens_per_param"] == 20.0
+    for d in m["delta_nats"].values():
+        assert {"mean", "ci_low", "ci_high"} <= set(d) and d["ci_low"] < d["mean"] < d["ci_high"]
+    assert m["lr"]["baseline"] == 0.01 and m["lr_tuned"] == {v: False for v in ("baseline", *C.GATED)}
+    assert m["verdict_source"] == "this run" and "LRs not tuned" in row["this_run"]
+    assert row["command"] == C.SCALING_CMD  # untuned LRs: the row names the command that tunes them
+    one = _ppl(C.ppl_measure({"baseline": {0: 3.0}, "sdpa_elementwise": {0: 2.9}}, {}, {"baseline": True}, 20.0))
+    assert one["verdict"] == "inconclusive" and "one seed" in one["this_run"]
+
+
+def test_perplexity_row_takes_the_scaling_labs_verdict(tmp_path):
+    lab = {"config": {"tokens_per_param": 20, "seeds": 3}, "deltas": [],
+           "verdict": {"per_variant": {"sdpa_elementwise": {"gain": "no effect of the paper's size"},
+                                       "sdpa_headwise": {"gain": "worse"}},
+                       "text": "sdpa_elementwise at d48l2: Δ +0.0010 ..."}}
+    (tmp_path / "lab.json").write_text(json.dumps(lab))
+    row = _ppl(_measure(), tmp_path)  # this run alone would say "reproduced"
+    assert row["verdict"] == "no effect of the paper's size"
+    assert row["measure"]["verdict_source"] == f"scaling lab {tmp_path}" and "scaling ladder" in row["this_run"]
+    with pytest.raises(Exception, match="--scaling-lab"):
+        C.require_evidence("--scaling-lab", tmp_path / "missing")

@@ -136,6 +136,7 @@ def test_gated_units_match_the_baselines_parameters():
     (dict(heldout=("/no/such/file.txt",)), "no such file"),
     (dict(lrs=(1e-3,)), ">= 2 distinct"),
     (dict(budget="huge"), "unknown --budget"),
+    (dict(sizes=("d99l9",)), "ladder.s sizes are"),
 ])
 def test_bad_settings_fail_with_one_clear_line(kw, msg):
     with pytest.raises(ValueError, match=msg):

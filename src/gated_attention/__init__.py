@@ -4,7 +4,14 @@ Importing the package registers `GatedQwen3Config` / `GatedQwen3ForCausalLM` (mo
 transformers Auto classes, so `AutoModelForCausalLM.from_pretrained(dir)` works on our checkpoints. The package's layers
 (util, core model, interop, data, train, analysis, experiment, labs, jobs, cli) are described in ARCHITECTURE.md.
 """
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+import logging as _logging
+
+# transformers imports torchao when it is installed (the `quant` extra): torchao then warns about its CUDA-only
+# kernels and torch about its enum registrations, four lines on every import on a CPU machine. Errors still show.
+for _name in ("torchao", "torch.utils._pytree"):
+    _logging.getLogger(_name).setLevel(_logging.ERROR)
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # noqa: E402
 
 from .configuration import GatedQwen3Config
 from .gates import GATES, GateSpec, get_gate

@@ -10,7 +10,8 @@ from pathlib import Path
 from ..compare import job as compare
 from ..compare import claims, compare_report
 
-DEFAULT_EVIDENCE = {"--stability-lab": "runs/lab/stability", "--longctx": "runs/longctx"}  # may be absent
+DEFAULT_EVIDENCE = {"--stability-lab": "runs/lab/stability", "--longctx": "runs/longctx",
+                    "--scaling-lab": "runs/lab/scaling"}  # may be absent
 
 
 def configure_compare(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +55,14 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
                         help="a `gattn lab stability` output whose lab.json fills the claims table's stability row "
                              f"(default {DEFAULT_EVIDENCE['--stability-lab']}, 'not run here' when absent; a DIR "
                              "given here must hold a lab.json, else the command stops before training, exit 2)")
+    parser.add_argument("--seeds", type=E.positive_int, default=None, metavar="N",
+                        help="seeds 0..N-1 of every LM variant (paired: the same batches per seed), for the "
+                             "perplexity row's interval (default: the budget's; "
+                             + ", ".join(f"{k}: {b.seeds}" for k, b in compare.BUDGETS.items()) + ")")
+    parser.add_argument("--scaling-lab", default=None, metavar="DIR",
+                        help="a `gattn lab scaling` output whose verdict (tuned LRs, 20 tokens/param, seeds) decides "
+                             f"the perplexity row (default {DEFAULT_EVIDENCE['--scaling-lab']}; absent: the row's "
+                             "verdict is this run's own; a DIR given here must hold a lab.json, else exit 2)")
     parser.add_argument("--longctx", default=None, metavar="DIR",
                         help="a `gattn longctx` output whose report.json \"claim\" fills the long-context row "
                              f"(default {DEFAULT_EVIDENCE['--longctx']}, 'not run here' when absent; a DIR given here "
@@ -66,7 +75,8 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args) -> int:
-    for flag, attr in (("--stability-lab", "stability_lab"), ("--longctx", "longctx")):
+    for flag, attr in (("--stability-lab", "stability_lab"), ("--longctx", "longctx"),
+                       ("--scaling-lab", "scaling_lab")):
         if getattr(args, attr) is None:
             setattr(args, attr, DEFAULT_EVIDENCE[flag])
         else:
@@ -75,7 +85,8 @@ def run_compare(args) -> int:
                               log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
                               stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,
                               streaming=args.streaming, large_sources=args.large_sources,
-                              sink_lab_changes={"seeds": args.sink_lab_seeds} if args.sink_lab_seeds else None)
+                              sink_lab_changes={"seeds": args.sink_lab_seeds} if args.sink_lab_seeds else None,
+                              seeds=args.seeds, scaling_lab=args.scaling_lab)
     print(compare_report.render_table(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s)")
     return 1 if any(r.get("diverged") for r in res["rows"].values()) else 0

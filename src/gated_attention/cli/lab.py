@@ -192,6 +192,9 @@ def configure_scaling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
                         help="seed 0's LR sweep (default: the budget's, spaced x2); the sweep is extended past an "
                              "edge while the best LR sits on it")
+    parser.add_argument("--sizes", nargs="+", default=None, metavar="NAME",
+                        help="train only these rungs of the budget's ladder (names as --plan prints them, e.g. "
+                             "d48l2; default: all; the loss-vs-compute fit needs 3)")
     parser.add_argument("--heldout", nargs="+", default=[], metavar="PATH",
                         help="plain-text files never trained on: every run's loss on them (heldout_loss)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
@@ -215,6 +218,7 @@ def run_scaling(args) -> int:
     lab = sl.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants), seeds=args.seeds,
                        tokens_per_param=args.tokens_per_param, lrs=tuple(args.lrs) if args.lrs else None,
                        heldout=tuple(args.heldout), sets=tuple(args.sets), data_dir=args.data_dir,
+                       sizes=tuple(args.sizes) if args.sizes else None,
                        precision=args.precision,
                        jobs=args.jobs if args.jobs is not None else default_jobs()).validate()
     if args.plan:

@@ -72,6 +72,17 @@ def render_table(result: dict) -> str:
     return pages.text_table(*_table4_cells(result))
 
 
+def _lrs(result: dict) -> str:
+    """Each variant's peak LR (one number when they share it) and where the LRs come from."""
+    m = result.get("ppl_measure") or {}
+    lrs = m.get("lr") or {}
+    if not lrs:
+        return f"{result['train_config']['lr']:g}"
+    vals = set(lrs.values())
+    text = f"{vals.pop():g}" if len(vals) == 1 else ", ".join(f"{v} {x:g}" for v, x in lrs.items())
+    return text + (f" — {m['lr_source']}" if m.get("lr_source") else "")
+
+
 def _intro(result: dict) -> list[str]:
     c = result["train_config"]
     mo = c.get("model_overrides") or {}
@@ -80,9 +91,11 @@ def _intro(result: dict) -> list[str]:
     return [
         f"Budget `{result['budget']}`: model preset `{c['model']}` ({shape or 'preset shape'}), seq_len {c['seq_len']}, "
         f"batch {c['batch_size']}, {c['steps']} steps ({c['steps'] * c['batch_size'] * c['seq_len']:,} tokens per "
-        f"variant), lr {c['lr']:g} ({c['schedule']}, warm-up {c['warmup_steps']}), weight decay {c['weight_decay']:g}, "
-        f"precision {c['precision']} -> {result.get('resolved_precision', c['precision'])}, seed {c['seed']}. Every variant sees the same batches in the same order; gated variants "
-        f"shrink the FFN to match the baseline's parameter count.",
+        f"variant and seed), peak LR {_lrs(result)} ({c['schedule']}, warm-up {c['warmup_steps']}), weight decay "
+        f"{c['weight_decay']:g}, precision {c['precision']} -> {result.get('resolved_precision', c['precision'])}, "
+        f"seeds {c['seed']}..{c['seed'] + result.get('seeds', 1) - 1}. Every variant sees the same batches in the same "
+        f"order per seed; gated variants shrink the FFN to match the baseline's parameter count. The tables and plots "
+        f"are seed {c['seed']}'s models; the perplexity row's Δ pairs every seed.",
         f"Analysis on {a['tokens']:,} held-out tokens ({a['batches']} batches of {a['batch_size']} x {a['seq_len']}, "
         f"each window starting with {a['first_token']}). F-Attn = attention probability on token 0, mean over heads, "
         f"queries and layers (\"uniform F-Attn\" is its value with uniform causal attention: no sink). M-Act = mean over "

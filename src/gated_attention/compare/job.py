@@ -46,6 +46,11 @@ class Budget:
     # seeds here (the job's share of time it gets; run_compare's sink_lab_changes change more)
     sink_lab: str = "default"
     sink_lab_seeds: int = 1
+    # the LM variants: seeds 0..seeds-1 of each (paired: the same batches per seed), and each variant's peak LR
+    # (a variant missing here trains at train["lr"]); lr_source says where the LRs come from (tuned or not)
+    seeds: int = 1
+    lrs: dict = field(default_factory=dict)
+    lr_source: str = "one LR for every variant, not tuned"
     # the streaming check on this run's models (`gattn lab streaming`): window = this fraction of each model's
     # training length, these sink-token counts (0 = a plain window), this many held-out sequences per model
     streaming: dict = field(default_factory=lambda: {"window_frac": 0.25, "sink_tokens": (0, 4), "sequences": 16})
@@ -66,10 +71,11 @@ class Budget:
 # 1400 steps with a WSD schedule (the growth slowed exactly when the cosine LR fell, so WSD holds the peak): measured
 # baseline F-Attn 0.037 = 1.54x uniform at 5.7M tokens (docs/experiments/sink_emergence.md); it was the default until
 # the main job had to fit 15 minutes on a CPU without fast bf16 (an fp32 step is 1.2-1.45x a bf16 one on a CPU that
-# has it). `default` = the same setting for 450 steps (1.8M tokens): the PPL gain and the massive activations show
-# (both within ~1M tokens), the text sink does not yet, so the sink claim rests on the sink lab there (per-part costs
-# on both CPU kinds: docs/experiments/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k
-# vocabulary, windows of 128.
+# has it). `text` (the default until issue 41) = the same setting for 450 steps (1.8M tokens): an early-training PPL
+# difference (one seed, one LR: not the paper's gain, see _DEFAULT below) and the massive activations show (both within
+# ~1M tokens), the text sink does not yet, so the sink claim rests on the sink lab there (per-part costs on both CPU
+# kinds: docs/experiments/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k vocabulary, windows
+# of 128.
 _CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
 
@@ -81,16 +87,47 @@ def _cpu_recipe(**changes) -> dict:
                 spike_window=50, model_overrides=dict(_CPU_SHAPE), **changes)
 
 
-_DEFAULT = Budget(
-    help="the main job in under 15 minutes on 2 quiet CPU cores of either kind (fp32 on an AVX2-only CPU, bf16 where "
-         "bf16 is fast): ~1.8M tokens per variant in windows of 256 on the same model, WSD schedule, on the default "
-         "sources with a 1024-token vocabulary (prepared automatically in data_v1k unless --data-dir is given), + the "
-         "1-seed sink lab and the streaming check; shows the PPL gain, the smaller massive activations and the sparse "
-         "gates on text, and the sink on the synthetic task (the first-token sink on text needs more tokens: --budget "
-         "extended)",
+_TEXT = Budget(
+    help="the main job's text setting before issue 41: ~1.8M tokens per variant (2.3 per non-embedding parameter) in "
+         "windows of 256 on a 0.79M-non-embedding-parameter 4-layer model, WSD schedule, one LR for every variant, "
+         "1024-token vocabulary, + the 1-seed sink lab and the streaming check",
     train=_cpu_recipe(seq_len=256, steps=450, warmup_steps=50, schedule="wsd", eval_batches=8, stats_every=100,
                       ckpt_every=225),
     data_dir="data_v1k", vocab_size=1024)
+
+
+def _ladder_rung(name: str) -> dict:
+    """The TrainConfig changes of one rung of `gattn lab scaling`'s default ladder: its shape and recipe (20 tokens per
+    non-embedding parameter, windows of 128, batch 8, cosine to 10 %, weight decay 0.1, QK-norm)."""
+    from ..labs.scaling import scaling_lab as sl
+
+    spec = sl.BUDGETS["default"]
+    size = next(s for s in spec.sizes if s.name == name)
+    return sl.recipe(spec, size, sl.size_info(spec, size, 1024, spec.tokens_per_param))
+
+
+# The main job's LM setting (issue 41) is the default scaling ladder's d48l2 rung: a 2-layer d=48 model (60k
+# non-embedding parameters) at 20 tokens per parameter, each variant at the best LR of its seed-0 sweep there
+# (`gattn lab scaling --budget default`, docs/experiments/scaling.md), 3 paired seeds. The old setting (d=128, 2.3
+# tokens per parameter, one LR) measured a -30 % PPL "gain" that the project's longer runs showed fading with tokens
+# (-18 % at 6 tokens/param, +5.5 % at 45): an early-training effect, not the paper's equal-compute gain.
+_RUNG = "d48l2"
+# seed-0 sweeps at d48l2 (val loss): baseline 0.002/0.004/0.008/0.016/0.032 -> 4.234/4.129/4.304/4.203/4.203;
+# elementwise 4.216/4.034/4.102/4.067/4.135; headwise (0.004..0.032) 4.053/4.041/4.120/4.079
+LADDER_LRS = {"baseline": 4e-3, "sdpa_elementwise": 4e-3, "sdpa_headwise": 8e-3}
+_DEFAULT = Budget(
+    help="the main job in under 15 minutes on 2 cores of either CPU kind (fp32 on an AVX2-only CPU): the default "
+         "scaling ladder's d48l2 rung (2 layers, d=48, 60k non-embedding parameters) at 20 tokens per parameter "
+         "(1.2M tokens), each variant at its own tuned LR, 3 paired seeds, windows of 128 on the default sources "
+         "with a 1024-token vocabulary (prepared automatically in data_v1k unless --data-dir is given), + the 1-seed "
+         "sink lab and the streaming check",
+    train={**_ladder_rung(_RUNG), "lr": LADDER_LRS["baseline"], "min_lr": LADDER_LRS["baseline"] * 0.01,
+           "eval_every": 0, "stats_every": 0, "spike_window": 50,
+           # fp32 and eager, as the ladder trains: the same numbers on either CPU kind and whatever the machine's load
+           # (bf16 autocast and compile=auto decide from timings; at d=48 neither is faster)
+           "precision": "fp32", "compile": "false"},
+    analysis_batches=1, data_dir="data_v1k", vocab_size=1024, seeds=3, lrs=dict(LADDER_LRS),
+    lr_source=f"each variant's best LR at {_RUNG} in the default scaling ladder (seed-0 sweep)")
 
 BUDGETS: dict[str, Budget] = {
     "small": Budget(
@@ -101,27 +138,28 @@ BUDGETS: dict[str, Budget] = {
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32)),
         analysis_batches=1, map_len=32, sink_lab="small"),
     "quick": replace(
-        _DEFAULT,
+        _TEXT,
         help="~1.2M tokens per variant on a 1.8M-parameter 4-layer model (8k-vocabulary corpus, windows of 128): "
              "about 5 minutes for three variants on 2 quiet CPU cores; shows the massive activations and the PPL "
              "gain, not yet a first-token sink",
-        train={**_DEFAULT.train, "seq_len": 128, "steps": 600, "warmup_steps": 30, "schedule": "cosine",
+        train={**_TEXT.train, "seq_len": 128, "steps": 600, "warmup_steps": 30, "schedule": "cosine",
                "eval_batches": 4, "stats_every": 50, "ckpt_every": 100},
         data_dir=DEFAULT_DATA_DIR, vocab_size=8192),
     "default": _DEFAULT,
+    "text": _TEXT,
     "extended": replace(
-        _DEFAULT,
+        _TEXT,
         help="the main job's earlier default: ~5.7M tokens per variant in windows of 256, WSD schedule (holds the "
              "peak LR, where the sink grows), 1024-token vocabulary: ~20 minutes on 2 quiet bf16-capable cores, "
              "~30 in fp32; the baseline's first-token sink on text is visible (F-Attn 1.5x uniform) and the gated "
              "models stay near uniform",
-        train={**_DEFAULT.train, "steps": 1400, "stats_every": 200, "ckpt_every": 700}),
+        train={**_TEXT.train, "steps": 1400, "stats_every": 200, "ckpt_every": 700}),
     "long": replace(
-        _DEFAULT,
+        _TEXT,
         help="the budget that shows the first-token sink forming: ~12M tokens per variant in windows of 256 (same "
              "model, cosine schedule) on the 1024-token-vocabulary corpus: about 40 minutes for three variants on 2 "
              "quiet CPU cores; the sink is clearer (baseline 1.8x uniform, layer 0 3.7x)",
-        train={**_DEFAULT.train, "steps": 3000, "warmup_steps": 100, "schedule": "cosine", "stats_every": 200,
+        train={**_TEXT.train, "steps": 3000, "warmup_steps": 100, "schedule": "cosine", "stats_every": 200,
                "ckpt_every": 500}),
 }
 
@@ -195,12 +233,22 @@ def analyze_variant(run_dir: Path, cfg, budget: Budget, batches) -> dict:
                              key_field="compare_key", indent=None, inputs=("final_mtime",))
 
 
-def count_params(run_dir: Path) -> int:
+def param_counts(run_dir: Path) -> dict:
+    """param_report of the run's final model (total, non_embedding, ...)."""
     from gated_attention.presets import param_report
     from gated_attention.configuration import GatedQwen3Config
 
-    conf = GatedQwen3Config.from_pretrained(run_dir / "final")
-    return int(param_report(conf)["total"])
+    return param_report(GatedQwen3Config.from_pretrained(run_dir / "final"))
+
+
+def count_params(run_dir: Path) -> int:
+    return int(param_counts(run_dir)["total"])
+
+
+def mean_val_loss(summary: dict) -> float | None:
+    """The run's validation loss in nats, mean over domains (the measure of the perplexity row)."""
+    losses = [float(x) for x in (summary.get("val_losses") or {}).values()]
+    return sum(losses) / len(losses) if losses else None
 
 
 # ---------------------------------------------------------------- the whole job
@@ -325,17 +373,24 @@ def _unit(task: tuple, log=_stderr):
         return sink_lab.train_unit(payload)
     cfg, run_dir, budget, precision = payload
     summary = experiment.train_or_reuse(cfg, run_dir, log, "[compare]", resolved_precision=precision)
+    if "_seed" in run_dir.name:  # seeds 1.. add to the perplexity measure only; the analysis is seed 0's
+        return summary, None
     return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
+
+
+def run_name(variant: str, seed: int) -> str:
+    """The run folder of one LM variant and seed (relative to OUT/runs): seed 0 keeps the variant's name."""
+    return variant if seed == 0 else f"{variant}_seed{seed}"
 
 
 def schedule_units(out: Path, cfgs: dict, budget: Budget, precision: str, sink_units: tuple | None = None
                    ) -> list[tuple]:
-    """The job's models still to train as `_unit` tasks, longest first: the LM variants (cfgs: variant -> its
+    """The job's models still to train as `_unit` tasks, longest first: the LM runs (cfgs: run name -> its
     validated TrainConfig; precision: the job's resolved one), then the sink lab's pending units (sink_units:
     sink_lab.unit_jobs' (jobs, done); short ones that fill the second core while the last LM variant trains).
     Finished ones need no worker."""
-    tasks = [("lm", (cfg, out / "runs" / v, budget, precision)) for v, cfg in cfgs.items()
-             if not experiment.is_finished(out / "runs" / v)]
+    tasks = [("lm", (cfg, out / "runs" / name, budget, precision)) for name, cfg in cfgs.items()
+             if not experiment.is_finished(out / "runs" / name)]
     if sink_units is not None:
         jobs_list, done = sink_units
         tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
@@ -347,7 +402,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
                 variants: list[str] | None = None, sets: list[str] | None = None, log=print,
                 sink_lab: bool = True, stability_lab: str | Path | None = "runs/lab/stability",
                 longctx: str | Path | None = "runs/longctx", jobs: int | None = None,
-                streaming: bool = True, sink_lab_changes: dict | None = None, large_sources: bool = False) -> dict:
+                streaming: bool = True, sink_lab_changes: dict | None = None, large_sources: bool = False,
+                seeds: int | None = None, scaling_lab: str | Path | None = "runs/lab/scaling") -> dict:
     """Train/reuse every variant, analyse, run the small sink lab, and write compare.json, report.md, report.html
     and plots into `out`; the report opens with the "Paper claims vs this run" table (claims.py), which also
     reads a stability lab in `stability_lab` and a long-context report in `longctx` when they exist. streaming: also
@@ -362,6 +418,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     from . import claims
     from . import compare_report
     t0 = time.perf_counter()
+    if seeds is not None and seeds < 1:
+        raise ValueError(f"--seeds {seeds} must be >= 1")
     variants = check_variants(list(variants or DEFAULT_VARIANTS))
     b = get_budget(budget)
     if large_sources:  # the default sources + the opt-in large ones (~100 MB more text): a corpus of its own
@@ -372,7 +430,13 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     else:
         data_dir = experiment.ensure_corpus(data_dir or b.data_dir, b.vocab_size, log, "[compare]")
     base = budget_config(b, str(data_dir), sets)
-    cfgs = {v: replace(base, gate=v).validate() for v in variants}  # each variant's run, configured once
+    n_seeds = seeds or b.seeds
+    lr_set = any(x.split("=", 1)[0].strip() in ("lr", "min_lr") for x in sets or [])
+    lrs = {v: base.lr if lr_set else b.lrs.get(v, base.lr) for v in variants}
+    # each (variant, seed) run, configured once: seed 0 in runs/<variant>, seed k in runs/<variant>_seed<k>
+    cfgs = {run_name(v, k): replace(base, gate=v, seed=base.seed + k, lr=lrs[v],
+                                    min_lr=base.min_lr * lrs[v] / base.lr).validate()
+            for k in range(n_seeds) for v in variants}
     out = Path(out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     batches = analysis_batches(base, b)
@@ -401,21 +465,40 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     fn = _unit if jobs > 1 and len(tasks) > 1 else functools.partial(_unit, log=log)  # in-process: the caller's log
     t_models = time.perf_counter()
     results = experiment.run_units(fn, tasks, jobs=jobs, log=log, threads=threads)
-    trained = {t[1][1].name: r for t, r in zip(tasks, results) if t[0] == "lm"}  # run folder = variant name
+    trained = {t[1][1].name: r for t, r in zip(tasks, results) if t[0] == "lm"}  # run folder = run name
     timings = {"setup": t_models - t0, "models": time.perf_counter() - t_models}
-    rows, analyses, logs = {}, {}, {}
+    rows, analyses, logs, seed_losses = {}, {}, {}, {}
+    for name in cfgs:  # seeds 1..: their val losses (a finished run is reused: a file read)
+        if name not in variants:
+            summary = trained[name][0] if name in trained else experiment.train_or_reuse(
+                cfgs[name], out / "runs" / name, log, "[compare]", resolved_precision=precision)
+            v, k = name.rsplit("_seed", 1)
+            seed_losses.setdefault(v, {})[int(k)] = mean_val_loss(summary)
     for v in variants:
         run_dir = out / "runs" / v
         # a finished run is reused here (a file read; its analysis too, when cached)
         summary, analysis = trained[v] if v in trained else _unit(("lm", (cfgs[v], run_dir, b, precision)), log)
+        seed_losses.setdefault(v, {})[0] = mean_val_loss(summary)
         rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
+        rows[v]["val_loss_by_seed"] = {str(k): seed_losses[v][k] for k in sorted(seed_losses[v])}
+        rows[v]["lr"] = cfgs[v].lr
         analyses[v], logs[v] = analysis, read_jsonl(run_dir / "log.jsonl")
         r = rows[v]
         log(f"[compare] {v}: Avg PPL {compare_report.fmt(r['avg_ppl'], 3)}  F-Attn {compare_report.fmt(r['f_attn'], 3)}  "
             f"M-Act {compare_report.fmt(r['m_act'], 1)}  gate {compare_report.fmt(r['gate_mean'], 3)}  spikes {r['spikes']}")
+    from ..gates import canonical_name
+
+    base_v = next((v for v in variants if canonical_name(v) == "none"), variants[0])
+    base_params = param_counts(out / "runs" / base_v)
     result = {
         "budget": budget,
         "variants": variants,
+        "seeds": n_seeds,
+        "ppl_measure": claims.ppl_measure(
+            seed_losses, lrs={v: cfgs[v].lr for v in variants},
+            lr_tuned={v: bool(b.lrs.get(v)) and not lr_set for v in variants},
+            tokens_per_param=rows[base_v]["tokens"] / base_params["non_embedding"]
+            if rows[base_v].get("tokens") else None, lr_source=b.lr_source if not lr_set else "--set lr"),
         "data_dir": str(data_dir),
         "train_config": base.to_dict(),
         "resolved_precision": precision,  # what every run trained in (runs are keyed on it)
@@ -438,7 +521,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     if streaming:
         result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)
     timings["streaming"], t = time.perf_counter() - t, time.perf_counter()
-    result["claims"] = claims.claims_table(result, lab, stability_lab, longctx)
+    result["claims"] = claims.claims_table(result, lab, stability_lab, longctx, scaling_lab)
     plots = compare_report.make_plots(out / "plots", analyses, logs)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     timings["report"] = time.perf_counter() - t

@@ -72,7 +72,8 @@ class ScalingBudget:
     seq_len: int = 128
     batch_size: int = 8  # sequences per step: small, so the smallest rung still takes ~100 steps
     warmup_frac: float = 0.05  # share of the steps in linear warm-up (>= 5 steps)
-    min_lr_frac: float = 0.1  # cosine decay to this share of the peak LR
+    min_lr_frac: float = 0.01  # cosine decay to this share of the peak LR (the paper: 2e-3 -> 3e-5, SPEC §4; a 10 %
+    # floor left the seed-0 sweeps' final losses 0.1-0.2 nats apart at neighbouring LRs, more than the LR effect)
     weight_decay: float = 0.1
     ffn_mult: int = 3  # FFN width of the ungated model = ffn_mult x hidden (gated models shrink it to equal params)
     eval_batches: int = 8  # x eval_batch_size = BOS-started validation windows per domain (>= 256)
@@ -125,6 +126,7 @@ class LabConfig:
     tokens_per_param: float | None = None  # None = the budget's (20 for default and gpu)
     lrs: tuple[float, ...] | None = None  # None = the budget's grid
     heldout: tuple[str, ...] = ()  # plain-text files: out-of-domain loss of every run
+    sizes: tuple[str, ...] | None = None  # a subset of the budget's rungs by name (None = all; the fit needs 3)
     sets: tuple[str, ...] = ()  # `key=value` training overrides on top of the recipe (--set)
     data_dir: str | None = None
     jobs: int = 1
@@ -157,6 +159,11 @@ class LabConfig:
                 raise ValueError(f"--heldout {p}: no such file (give plain-text files)")
         if self.jobs < 1:
             raise ValueError(f"--jobs {self.jobs} must be >= 1")
+        names = [s.name for s in self.spec.sizes]
+        bad = [s for s in self.sizes or () if s not in names]
+        if bad or (self.sizes is not None and not self.sizes):
+            raise ValueError(f"--sizes {' '.join(bad) or '(none)'}: the {self.budget} ladder's sizes are "
+                             f"{', '.join(names)}")
         for item in self.sets:
             key = item.split("=", 1)[0].strip()
             if key in _LAB_SETTINGS or key.startswith("model."):
@@ -170,6 +177,9 @@ class LabConfig:
 
     def grid(self) -> tuple[float, ...]:
         return tuple(sorted(float(x) for x in (self.lrs or self.spec.lrs)))
+
+    def rungs(self) -> tuple[Size, ...]:
+        return tuple(s for s in self.spec.sizes if self.sizes is None or s.name in self.sizes)
 
     def n_seeds(self) -> int:
         return self.seeds or self.spec.seeds
@@ -322,12 +332,12 @@ def plan_text(lab: LabConfig, vocab: int | None = None) -> str:
     vocab = vocab or spec.vocab_size
     rows, total = [], 0.0
     units = len(lab.grid()) + lab.n_seeds() - 1
-    for s in spec.sizes:
+    for s in lab.rungs():
         i = size_info(spec, s, vocab, lab.tpp())
         total += i["flops"] * units * len(lab.variants)
         rows.append(f"  {i['name']:>10}  {i['params_total']:>13,} total  {i['params_non_embedding']:>13,} non-emb.  "
                     f"{i['tokens']:>15,} tokens  {i['flops']:.3g} FLOPs")
-    return "\n".join([f"ladder `{lab.budget}` ({len(lab.variants)} variants x {len(spec.sizes)} sizes x {units} units "
+    return "\n".join([f"ladder `{lab.budget}` ({len(lab.variants)} variants x {len(lab.rungs())} sizes x {units} units "
                       f"each, vocabulary {vocab}):", *rows,
                       f"total {total:.3g} FLOPs (+ evaluation); at 40 % MFU of a 989-TFLOP/s GPU: "
                       f"{total / (0.4 * 989e12) / 3600:.2f} GPU-hours"])
@@ -349,21 +359,23 @@ def _stage(points: list[tuple], lab: LabConfig, ctx: dict, log) -> dict[tuple, d
 
 
 def sweep(lab: LabConfig, ctx: dict, log) -> dict[tuple, dict]:
-    """Seed 0 at every LR of the grid for every (variant, size), then, while a best LR sits at an edge of the LRs
-    tried, one more LR beyond it (at most max_extensions per pair)."""
-    pairs = [(v, s) for s in ctx["size"] for v in lab.variants]
-    results = _stage([(v, s, lr, 0) for v, s in pairs for lr in lab.grid()], lab, ctx, log)
-    for _ in range(lab.spec.max_extensions):
-        more = []
-        for v, s in pairs:
-            losses = {p[2]: r["val_loss"] for p, r in results.items() if p[:2] == (v, s)}
-            nxt = V.extend_grid(list(losses), V.lr_basin(losses)["best_lr"])
-            if nxt is not None:
-                more.append((v, s, nxt, 0))
-        if not more:
-            break
-        log(f"[scaling] best LR at an edge for {len(more)} pair(s): extending the sweep")
-        results.update(_stage(more, lab, ctx, log))
+    """Size by size (smallest first, so a lab stopped early holds whole rungs): seed 0 at every LR of the grid for
+    every variant, then, while a variant's best LR sits at an edge of the LRs tried, one more LR beyond it (at most
+    max_extensions per variant and size)."""
+    results = {}
+    for s in ctx["size"]:
+        results.update(_stage([(v, s, lr, 0) for v in lab.variants for lr in lab.grid()], lab, ctx, log))
+        for _ in range(lab.spec.max_extensions):
+            more = []
+            for v in lab.variants:
+                losses = {p[2]: r["val_loss"] for p, r in results.items() if p[:2] == (v, s)}
+                nxt = V.extend_grid(list(losses), V.lr_basin(losses)["best_lr"])
+                if nxt is not None:
+                    more.append((v, s, nxt, 0))
+            if not more:
+                break
+            log(f"[scaling] {s}: best LR at an edge for {', '.join(p[0] for p in more)}: extending the sweep")
+            results.update(_stage(more, lab, ctx, log))
     return results
 
 
@@ -382,9 +394,9 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     vocab = data.Corpus(data_dir).vocab_size
     out = Path(lab.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    sizes = [size_info(spec, s, vocab, lab.tpp()) for s in spec.sizes]
+    sizes = [size_info(spec, s, vocab, lab.tpp()) for s in lab.rungs()]
     ctx = {"data_dir": str(data_dir), "precision": precision, "out": out,
-           "size": {s.name: s for s in spec.sizes}, "info": {i["name"]: i for i in sizes}}
+           "size": {s.name: s for s in lab.rungs()}, "info": {i["name"]: i for i in sizes}}
     log(f"[scaling] {len(lab.variants)} variants x {len(sizes)} sizes ({sizes[0]['params_non_embedding']:,}-"
         f"{sizes[-1]['params_non_embedding']:,} non-embedding parameters, {lab.tpp():g} tokens each), {line} -> {out}")
     results = sweep(lab, ctx, log)
