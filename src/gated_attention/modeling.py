@@ -6,6 +6,9 @@ functions applied to a built model; nothing here imports them. Masks and the KV 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -80,6 +83,48 @@ class GatedQwen3DecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+class _ExactRecompute:
+    """The function one checkpointed layer call runs: its first call is the forward, any later call the recompute in
+    backward, which must rebuild the same graph. The recompute re-enters the bf16 GEMM emulation the forward ran in
+    (a Python mode: torch.utils.checkpoint restores autocast and RNG, not modes; the backward runs outside it) and
+    replays the MoE blocks' routing the forward recorded (moe.py) instead of deciding again."""
+
+    def __init__(self, function):
+        from .util.bf16_emulation import emulating
+
+        self.function = function
+        self.emulated = emulating()  # the numerics the forward runs in (checked when the layer is called)
+        self.routing: list = []
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        from .moe import routing_record, routing_replay
+        from .util.bf16_emulation import emulated_bf16
+
+        self.calls += 1
+        if self.calls == 1:
+            with routing_record(self.routing):
+                return self.function(*args, **kwargs)
+        with routing_replay(self.routing), emulated_bf16() if self.emulated else contextlib.nullcontext():
+            return self.function(*args, **kwargs)
+
+
+def exact_checkpoint(checkpoint_fn=None):
+    """A decoder layer's checkpoint function (`checkpoint_fn(function, *args, **kwargs)`, torch.utils.checkpoint
+    non-reentrant by default) whose recompute is identical to the forward (_ExactRecompute). Under torch.compile the
+    checkpoint is traced into the layer's graph, whose recompute is the compiled graph's own."""
+    checkpoint_fn = checkpoint_fn or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+    @functools.wraps(checkpoint_fn)
+    def checkpoint(function, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return checkpoint_fn(function, *args, **kwargs)
+        return checkpoint_fn(_ExactRecompute(function), *args, **kwargs)
+
+    checkpoint.exact = True
+    return checkpoint
+
+
 class GatedQwen3PreTrainedModel(PreTrainedModel):
     config_class = GatedQwen3Config
     config: GatedQwen3Config
@@ -92,6 +137,13 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": GatedQwen3DecoderLayer, "attentions": GatedAttention}
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1):
+        """transformers' `activation_checkpointing_enable()` lands here: its checkpoint function (with the user's
+        kwargs) is wrapped so that the recompute replays the forward exactly (exact_checkpoint)."""
+        fn = exact_checkpoint(gradient_checkpointing_func or torch.utils.checkpoint.checkpoint)
+        super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=fn, every_n_layers=every_n_layers)
 
     @torch.no_grad()
     def _init_weights(self, module):
