@@ -109,20 +109,31 @@ class _ExactRecompute:
             return self.function(*args, **kwargs)
 
 
-def exact_checkpoint(checkpoint_fn=None):
+def exact_checkpoint(checkpoint_fn=None, traceable: bool = True):
     """A decoder layer's checkpoint function (`checkpoint_fn(function, *args, **kwargs)`, torch.utils.checkpoint
-    non-reentrant by default) whose recompute is identical to the forward (_ExactRecompute). Under torch.compile the
-    checkpoint is traced into the layer's graph, whose recompute is the compiled graph's own."""
+    non-reentrant by default) whose recompute is identical to the forward (_ExactRecompute). `traceable` (a layer
+    without MoE blocks): under torch.compile the plain checkpoint is traced into the layer's graph, whose recompute is
+    the compiled graph's own. An MoE layer always records and replays its routing (its Python-side statistics keep
+    the checkpoint out of the compiled graph anyway, so the checkpoint runs eagerly around the compiled parts)."""
     checkpoint_fn = checkpoint_fn or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
     @functools.wraps(checkpoint_fn)
     def checkpoint(function, *args, **kwargs):
-        if torch.compiler.is_compiling():
+        if traceable and torch.compiler.is_compiling():
             return checkpoint_fn(function, *args, **kwargs)
         return checkpoint_fn(_ExactRecompute(function), *args, **kwargs)
 
-    checkpoint.exact = True
     return checkpoint
+
+
+def set_exact_checkpointing(layers, checkpoint_fn=None, enable: bool = True) -> None:
+    """Checkpoint each decoder layer in `layers` with exact_checkpoint(checkpoint_fn) (or stop, enable=False)."""
+    from .moe import SparseMoeBlock
+
+    for layer in layers:
+        moe = any(isinstance(m, SparseMoeBlock) for m in layer.modules())
+        layer._gradient_checkpointing_func = exact_checkpoint(checkpoint_fn, traceable=not moe)
+        layer.gradient_checkpointing = enable
 
 
 class GatedQwen3PreTrainedModel(PreTrainedModel):
@@ -142,8 +153,11 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
                                     every_n_layers: int = 1):
         """transformers' `activation_checkpointing_enable()` lands here: its checkpoint function (with the user's
         kwargs) is wrapped so that the recompute replays the forward exactly (exact_checkpoint)."""
-        fn = exact_checkpoint(gradient_checkpointing_func or torch.utils.checkpoint.checkpoint)
+        fn = gradient_checkpointing_func or torch.utils.checkpoint.checkpoint
         super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=fn, every_n_layers=every_n_layers)
+        layers = [m for m in self.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for layer in layers:  # the same choice of layers, each with its exact checkpoint function
+            set_exact_checkpointing([layer], fn, enable=layer.gradient_checkpointing)
 
     @torch.no_grad()
     def _init_weights(self, module):

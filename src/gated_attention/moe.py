@@ -186,6 +186,8 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.device.type not in ("cpu", "cuda"):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # torch.compile's shape check of _grouped_mm (its meta kernel) accepts bf16 only, CPU included
     esz = x.element_size()
     return all((n * esz) % 16 == 0 for n in (x.shape[-1], w.shape[-1], w.shape[-2]))
 

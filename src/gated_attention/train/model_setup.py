@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..modeling import exact_checkpoint
+from ..modeling import set_exact_checkpointing
 from .config import TrainConfig
 
 
@@ -141,8 +141,5 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
     if not layers or not all(isinstance(layer, GradientCheckpointingLayer) for layer in layers):
         raise ValueError("activation_checkpointing=full needs the model's decoder layers (GatedQwen3DecoderLayer, or "
                          "any transformers GradientCheckpointingLayer); use --set activation_checkpointing=none")
-    fn = exact_checkpoint(functools.partial(checkpoint, use_reentrant=False))
-    for layer in layers:
-        layer._gradient_checkpointing_func = fn
-        layer.gradient_checkpointing = True
+    set_exact_checkpointing(layers, functools.partial(checkpoint, use_reentrant=False))
     return len(layers)
