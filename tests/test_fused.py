@@ -1,5 +1,6 @@
 """Fast paths (gated_attention/fused.py) against their plain references: forward AND gradients, checkpoint names,
 static KV cache generation and whole-model torch.compile without graph breaks. Tiny models only."""
+import contextlib
 import copy
 
 import pytest
@@ -7,8 +8,8 @@ import torch
 
 import gated_attention  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.fused import (FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul, reference_lm_loss,
-                                  unfuse_qkv)
+from gated_attention.fused import (LOSS_CHUNK_BYTES, FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul,
+                                   loss_chunk_tokens, reference_lm_loss, unfuse_qkv)
 from harness import tiny_lm
 
 # G1 gates (folded into the GEMM; sigmoid ones take the fused multiply), a non-G1 gate (keeps its own projection),
@@ -178,6 +179,66 @@ def test_chunked_lm_loss_bf16_autocast_close_to_reference():
     torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-3)
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the shape and dtype of every tensor an op allocates (returns in memory none of its inputs hold: an
+    in-place op or a view is not an allocation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        held = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                if isinstance(a, torch.Tensor)}
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
+                self.shapes.append((tuple(t.shape), t.dtype))
+        return out
+
+
+def test_loss_chunk_is_chosen_by_bytes():
+    """The default chunk fills a byte budget of (c, V) temporaries: at Qwen3's 151,936-token vocabulary 294 tokens in
+    bf16 (14 chunks per 4,096 tokens) and 441 in fp32, never more than the budget, never 0 tokens."""
+    V = 151_936
+    assert loss_chunk_tokens(V, torch.bfloat16) == LOSS_CHUNK_BYTES // (V * 6) == 294
+    assert loss_chunk_tokens(V, torch.float32) == LOSS_CHUNK_BYTES // (V * 4) == 441
+    assert loss_chunk_tokens(V, torch.bfloat16, chunk_bytes=1) == 1
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_chunked_loss_never_allocates_the_logits_and_matches_the_plain_loss(autocast):
+    """Watching every tensor the loss's forward and backward allocate: none is a (B, T, V) / (N, V) logits tensor or
+    larger than the chunk the byte budget gives, and in fp32 the weight gradient is accumulated in place (the one
+    (V, d) tensor is the gradient itself; it was one (V, d) temporary per chunk). Loss and gradients equal the plain
+    full-logits loss."""
+    torch.manual_seed(0)
+    B, T, d, V = 4, 24, 16, 500
+    h = torch.randn(B, T, d, requires_grad=True)
+    w = (0.3 * torch.randn(V, d)).requires_grad_()
+    t = torch.randint(0, V, (B, T))
+    dtype = torch.bfloat16 if autocast else torch.float32
+    budget = 20 * V * 6  # 20 tokens per chunk in bf16, 30 in fp32: 5 or 4 chunks of the 96 tokens
+    chunk = loss_chunk_tokens(V, dtype, budget)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    with _Allocations() as seen, ctx:
+        loss = chunked_lm_loss(h, w, t, chunk_bytes=budget)
+        gh, gw = torch.autograd.grad(loss, [h, w])
+    rows = [shape[0] for shape, _ in seen.shapes if len(shape) == 2 and shape[-1] == V]  # (c, V) tensors
+    assert rows and max(rows) == chunk and not any(len(s) == 3 and s[-1] == V for s, _ in seen.shapes)
+    weight_sized = [s for s in seen.shapes if s[0] == (V, d)]
+    if not autocast:
+        assert len(weight_sized) == 2, weight_sized  # the fp32 accumulator and the gradient scaled in backward
+    with ctx:
+        ref = reference_lm_loss(h, w, t)
+    rh, rw = torch.autograd.grad(ref, [h, w])
+    tol = dict(rtol=2e-2, atol=2e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref, **tol)
+    torch.testing.assert_close(gh, rh, **tol)
+    torch.testing.assert_close(gw, rw, **tol)
 
 
 def test_chunked_lm_loss_errors_and_no_grad():

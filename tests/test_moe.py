@@ -401,3 +401,53 @@ def test_tiny_moe_lm_activation_checkpointing_counts_once_and_same_grads():
         key = f"model.layers.{layer}.mlp/expert_load"
         assert moe_stats(ckpt)[key] == moe_stats(plain)[key]
         assert sum(moe_stats(ckpt)[key]) == 2 * 8 * plain.config.num_experts_per_tok
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every op that copies a tensor's value to the host (float(t), t.item(), t.tolist(), bool(t), ...: all
+    reach aten._local_scalar_dense), i.e. every device->host sync a forward or backward makes on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_training_forward_and_backward_read_nothing_on_the_host(micro_batches):
+    """No device->host sync in an MoE layer's training forward and backward (the fast path, global-batch statistics
+    over micro-batches included): one would stall FSDP2's prefetch in every layer. The statistics are read only when
+    logged (moe_stats)."""
+    torch.manual_seed(0)
+    block = SparseMoeBlock(make_cfg(shared_expert_intermediate_size=16)).train()
+    block.use_grouped_mm = True  # the grouped kernel (the per-segment fallback splits by counts on the host)
+    for _ in range(micro_batches):
+        x = torch.randn(2, 5, 32, requires_grad=True)
+        with _HostReads() as mode:
+            _, loss = block_loss(block, x)
+            loss.backward()
+        assert mode.reads == []
+    stats = moe_stats(block)  # logging reads them, and they are the global batch's
+    assert sum(stats["block/expert_load"]) == micro_batches * 10 * 2 and stats["block/lb_loss"] > 0
+
+
+def test_router_gemm_in_fp32_under_bf16_autocast():
+    """The router's logits are an fp32 GEMM of the hidden states under bf16 autocast (and with bf16 parameters):
+    a bf16 GEMM would round near-tied experts into another top-k choice."""
+    torch.manual_seed(0)
+    block = SparseMoeBlock(make_cfg())
+    h = torch.randn(12, 32)
+    for h_in, w in ((h, block.gate.weight), (h.bfloat16(), block.gate.weight)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits, probs, top_w, top_i = block.gate(h_in)
+        assert logits.dtype == probs.dtype == torch.float32
+        torch.testing.assert_close(logits, h_in.float() @ w.float().t(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(top_i, torch.topk(probs, 2).indices) and top_w.dtype == h_in.dtype
+    block = block.to(torch.bfloat16)  # bf16-params: the weights' bf16 values, multiplied in fp32
+    logits = block.gate(h.bfloat16())[0]
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, h.bfloat16().float() @ block.gate.weight.float().t(), rtol=1e-6, atol=1e-6)

@@ -138,10 +138,12 @@ def test_noncontiguous_layouts():
     assert_matches_reference(fast, ref, [qkvg], rtol=1e-5, atol=2e-6, grad_rtol=1e-4, grad_atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=gpu_only)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs(dtype):
     """fp16 / bf16 storage (fp32 softmax and accumulators inside) against the fp32 reference. bf16 -- what GPU
-    training uses -- runs only on a GPU: Triton's interpreter does not support bf16 tl.dot (triton-lang/triton#11584)."""
+    training uses -- runs the bf16 kernel only on a GPU: Triton's interpreter computes bf16 tl.dot wrongly
+    (triton-lang/triton#11584), so there the kernel runs in fp32 on the bf16 values (the dtypes at the boundary are
+    what this checks on a CPU)."""
     torch.manual_seed(2)
     b, h, kv, t, d = 1, 2, 1, 20, 32
     tol = {torch.float16: (1e-2, 5e-3, 2e-2, 1e-2), torch.bfloat16: (5e-2, 4e-2, 1e-1, 8e-2)}[dtype]
@@ -244,6 +246,57 @@ def test_model_with_triton_gated_matches_sdpa(gate, fused_qkv, monkeypatch, tiny
     assert len(calls) == 2  # both layers ran the kernel...
     fused_gate = layer.gate is not None and layer.gate.spec.fusable_in_kernel
     assert all((c is not None) == fused_gate for c in calls)  # ...with the gate in it exactly for G1 sigmoid gates
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="CPU autocast with the interpreter (the GPU runs it in gpu_check.sh)")
+def test_mixed_dtypes_under_bf16_autocast_match_the_reference():
+    """Under bf16 autocast q and k arrive in fp32 (QK-norm's weight is fp32) and v in bf16: the kernel casts them to
+    the autocast dtype (it raised 'q, k, v dtypes differ' before); output and the gradient of each input, in its own
+    dtype, against the fp32 reference on the same bf16-rounded values."""
+    torch.manual_seed(4)
+    b, h, kv, t, d = 1, 2, 1, 20, 32
+    q, k = leaf(b, h, t, d), leaf(b, kv, t, d)  # fp32
+    v, g = leaf(b, kv, t, d, dtype=torch.bfloat16), leaf(b, t, h, d, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gated_flash_attention(q, k, v, None, d ** -0.5, g, 1.0, blocks=(16, 16))
+    assert out.dtype == torch.bfloat16
+    w = torch.randn(out.shape)
+    (out.float() * w).sum().backward()
+    fast = [x.grad for x in (q, k, v, g)]
+    assert [x.dtype for x in fast] == [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+    leaves = [x.detach().to(torch.bfloat16).float().requires_grad_() for x in (q, k, v, g)]
+    ref = reference(*leaves[:3], None, d ** -0.5, leaves[3], 1.0)
+    (ref * w).sum().backward()
+    assert _rel_err(out, ref) < 1e-2
+    for name, a, r in zip("qkvg", fast, leaves):
+        assert _rel_err(a, r.grad) < 3e-2, name
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="CPU autocast with the interpreter (the GPU runs it in gpu_check.sh)")
+@pytest.mark.parametrize("gate", ["sdpa_elementwise", "sdpa_headwise"])
+def test_model_with_triton_gated_under_bf16_autocast_matches_sdpa(gate, tiny_model):
+    """The whole model under bf16 autocast (what precision=auto picks on a GPU; QK-norm makes q, k fp32): the loss and
+    every parameter's gradient against the sdpa model, the plain path, under the same autocast."""
+    ref = tiny_model(gate, backend="sdpa", eval=False, perturbed=True).to(DEV)
+    fast = copy.deepcopy(ref)
+    fast.set_attn_implementation("triton_gated")
+    ids = torch.randint(0, 128, (2, 13)).to(DEV)
+    results = []
+    for model in (fast, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        results.append((out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (logits_f, grads_f), (logits_r, grads_r) = results
+    assert _rel_err(logits_f, logits_r) < 2e-2
+    assert grads_f.keys() == grads_r.keys() and all(grads_f[n] is not None for n in grads_r)
+    for name, g in grads_r.items():
+        assert _rel_err(grads_f[name], g) < 5e-2, name
 
 
 def test_generate_with_kv_cache_matches_sdpa(tiny_model):

@@ -236,9 +236,28 @@ def unfuse_qkv(model: nn.Module) -> nn.Module:
 
 
 
-def _default_chunk(vocab: int) -> int:
-    # ~2M fp32 logits (8 MiB) per chunk: big enough for an efficient GEMM, small enough to stay cache-friendly
-    return max(32, (1 << 21) // vocab)
+LOSS_CHUNK_BYTES = 256 * 2**20  # the (c, V) temporaries of one chunk of the loss, fp32 logits + their compute-dtype copy
+
+
+def loss_chunk_tokens(vocab: int, compute_dtype: torch.dtype, chunk_bytes: int = LOSS_CHUNK_BYTES) -> int:
+    """Tokens per chunk of `chunked_lm_loss`: as many as fit `chunk_bytes` of (c, V) temporaries (the fp32 logits,
+    exponentiated in place, plus their copy in the compute dtype when it is not fp32). At Qwen3's 151,936-token
+    vocabulary in bf16 that is 294 tokens (14 chunks per 4,096 tokens); a fixed ~2M-logit chunk was 32 (128)."""
+    copy = 0 if compute_dtype == torch.float32 else torch.empty((), dtype=compute_dtype).element_size()
+    per_token = vocab * (4 + copy)  # bytes of (1, V) temporaries
+    return max(1, chunk_bytes // per_token)
+
+
+def _accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, hc: torch.Tensor) -> None:
+    """grad_w (V, d) fp32 += g.T @ hc, without a (V, d) temporary where the GEMM can accumulate into grad_w itself:
+    fp32 compute (addmm_ in place), CUDA half compute (addmm's fp32 out_dtype into grad_w). A CPU bf16 GEMM cannot
+    write fp32, so there one (V, d) product per chunk is added (few chunks: loss_chunk_tokens)."""
+    if g.dtype == torch.float32:
+        grad_w.addmm_(g.t(), hc)
+    elif g.is_cuda:
+        torch.addmm(grad_w, g.t(), hc, out_dtype=torch.float32, out=grad_w)
+    else:
+        grad_w += g.t() @ hc
 
 
 class _ChunkedLinearCE(torch.autograd.Function):
@@ -271,7 +290,7 @@ class _ChunkedLinearCE(torch.autograd.Function):
                     e.scatter_add_(1, safe[:, None], -w_tok[:, None])  # (softmax - onehot) * weight
                     g = e.to(compute_dtype)  # (c, V)
                     grad_h[s:s + chunk] = g @ w
-                    grad_w += g.t() @ hc  # (V, d), accumulated in fp32 across chunks
+                    _accumulate_weight_grad(grad_w, g, hc)  # (V, d), accumulated in fp32 across chunks
             loss = total / denom
         if want_grad:
             ctx.save_for_backward(grad_h, grad_w)
@@ -287,12 +306,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                    chunk_tokens: int | None = None) -> torch.Tensor:
+                    chunk_tokens: int | None = None, chunk_bytes: int = LOSS_CHUNK_BYTES) -> torch.Tensor:
     """Mean cross-entropy of (hidden @ weight.T) against `targets` (already aligned: position t predicts targets[t]).
 
     hidden (..., d), targets (...) with `ignore_index` for positions without a target. Divides by the number of valid
     targets, or by `num_items_in_batch` when given (transformers' convention for gradient accumulation). The matmul runs
-    in the autocast dtype when autocast is on (as lm_head would), the log-sum-exp in fp32."""
+    in the autocast dtype when autocast is on (as lm_head would), the log-sum-exp in fp32. Chunks of `chunk_tokens`,
+    or by default as many tokens as fit `chunk_bytes` of (c, V) temporaries (loss_chunk_tokens)."""
     d = hidden.shape[-1]
     h = hidden.reshape(-1, d)  # (N, d)
     t = targets.reshape(-1).to(h.device)  # (N,)
@@ -304,7 +324,7 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         denom = (t != ignore_index).sum().to(torch.float32)
     else:
         denom = torch.as_tensor(num_items_in_batch, device=h.device).to(torch.float32)
-    chunk = chunk_tokens or _default_chunk(weight.shape[0])
+    chunk = chunk_tokens or loss_chunk_tokens(weight.shape[0], dtype, chunk_bytes)
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return _ChunkedLinearCE.apply(h, weight, t, denom, chunk, ignore_index, dtype, want_grad)
 
@@ -324,4 +344,4 @@ def reference_lm_loss(hidden, weight, targets, num_items_in_batch=None, ignore_i
 
 
 __all__ = ["fuse_qkv", "unfuse_qkv", "fused_sigmoid_mul", "FusedGatedAttention", "chunked_lm_loss", "shift_for_loss",
-           "reference_lm_loss"]
+           "reference_lm_loss", "loss_chunk_tokens", "LOSS_CHUNK_BYTES"]

@@ -6,6 +6,9 @@ functions applied to a built model; nothing here imports them. Masks and the KV 
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
@@ -80,6 +83,59 @@ class GatedQwen3DecoderLayer(GradientCheckpointingLayer):
         return hidden_states
 
 
+class _ExactRecompute:
+    """The function one checkpointed layer call runs: its first call is the forward, any later call the recompute in
+    backward, which must rebuild the same graph. The recompute re-enters the bf16 GEMM emulation the forward ran in
+    (a Python mode: torch.utils.checkpoint restores autocast and RNG, not modes; the backward runs outside it) and
+    replays the MoE blocks' routing the forward recorded (moe.py) instead of deciding again."""
+
+    def __init__(self, function):
+        from .util.bf16_emulation import emulating
+
+        self.function = function
+        self.emulated = emulating()  # the numerics the forward runs in (checked when the layer is called)
+        self.routing: list = []
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        from .moe import routing_record, routing_replay
+        from .util.bf16_emulation import emulated_bf16
+
+        self.calls += 1
+        if self.calls == 1:
+            with routing_record(self.routing):
+                return self.function(*args, **kwargs)
+        with routing_replay(self.routing), emulated_bf16() if self.emulated else contextlib.nullcontext():
+            return self.function(*args, **kwargs)
+
+
+def exact_checkpoint(checkpoint_fn=None, traceable: bool = True):
+    """A decoder layer's checkpoint function (`checkpoint_fn(function, *args, **kwargs)`, torch.utils.checkpoint
+    non-reentrant by default) whose recompute is identical to the forward (_ExactRecompute). `traceable` (a layer
+    without MoE blocks): under torch.compile the plain checkpoint is traced into the layer's graph, whose recompute is
+    the compiled graph's own. An MoE layer always records and replays its routing (its Python-side statistics keep
+    the checkpoint out of the compiled graph anyway, so the checkpoint runs eagerly around the compiled parts)."""
+    checkpoint_fn = checkpoint_fn or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+
+    @functools.wraps(checkpoint_fn)
+    def checkpoint(function, *args, **kwargs):
+        if traceable and torch.compiler.is_compiling():
+            return checkpoint_fn(function, *args, **kwargs)
+        return checkpoint_fn(_ExactRecompute(function), *args, **kwargs)
+
+    return checkpoint
+
+
+def set_exact_checkpointing(layers, checkpoint_fn=None, enable: bool = True) -> None:
+    """Checkpoint each decoder layer in `layers` with exact_checkpoint(checkpoint_fn) (or stop, enable=False)."""
+    from .moe import SparseMoeBlock
+
+    for layer in layers:
+        moe = any(isinstance(m, SparseMoeBlock) for m in layer.modules())
+        layer._gradient_checkpointing_func = exact_checkpoint(checkpoint_fn, traceable=not moe)
+        layer.gradient_checkpointing = enable
+
+
 class GatedQwen3PreTrainedModel(PreTrainedModel):
     config_class = GatedQwen3Config
     config: GatedQwen3Config
@@ -92,6 +148,16 @@ class GatedQwen3PreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = True
     _supports_attention_backend = True
     _can_record_outputs = {"hidden_states": GatedQwen3DecoderLayer, "attentions": GatedAttention}
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1):
+        """transformers' `activation_checkpointing_enable()` lands here: its checkpoint function (with the user's
+        kwargs) is wrapped so that the recompute replays the forward exactly (exact_checkpoint)."""
+        fn = gradient_checkpointing_func or torch.utils.checkpoint.checkpoint
+        super()._set_gradient_checkpointing(enable=enable, gradient_checkpointing_func=fn, every_n_layers=every_n_layers)
+        layers = [m for m in self.modules() if isinstance(m, GradientCheckpointingLayer)]
+        for layer in layers:  # the same choice of layers, each with its exact checkpoint function
+            set_exact_checkpointing([layer], fn, enable=layer.gradient_checkpointing)
 
     @torch.no_grad()
     def _init_weights(self, module):

@@ -18,10 +18,17 @@ Losses (stored on the block after each forward, collected by `collect_aux_loss(m
     accumulated across the micro-batches of one optimizer step in `MoEBalanceState`; P_i stays local and carries the
     gradient. The micro-batch m of M therefore uses the counts of micro-batches 1..m (the last one sees the full global
     batch), which is what Megatron's global aux loss does too: the exact global f is unknown before all micro-batches
-    have run. The trainer calls `reset_moe_balance(model)` after each optimizer step. Activation-checkpoint recompute
-    (a forward run inside backward) neither counts a micro-batch twice nor overwrites the stored loss.
+    have run. The trainer calls `reset_moe_balance(model)` after each optimizer step. The statistics stay on the device
+    (no host sync in the forward, which would stall FSDP2's prefetch): they are read only when logged.
+  * Activation-checkpoint recompute replays the forward exactly: the checkpointed layer's forward records each MoE
+    block's routing (expert indices and the global counts its loss used) and the recompute inside backward reuses
+    them (`routing_record` / `routing_replay`, driven by `modeling.exact_checkpoint`) instead of deciding again. So
+    the recomputed graph is the forward's even where a GEMM rounds differently on a second run, a micro-batch is
+    never counted twice, and the stored loss is not overwritten.
   * router z-loss = mean over tokens of logsumexp(router logits)^2 (ST-MoE), local.
   aux_loss = router_aux_loss_coef * LBL + router_z_loss_coef * z_loss.
+The router GEMM runs in fp32 whatever the autocast or parameter dtype (its logits feed a softmax, a top-k choice and
+the z-loss's square: bf16 rounding would flip near-tied experts), as Megatron's and torchtitan's routers do.
 
 Two implementations of the expert computation, selected by `config.moe_impl`:
   * "loop": a plain loop over experts (the reference);
@@ -30,6 +37,9 @@ Two implementations of the expert computation, selected by `config.moe_impl`:
     expert segment). No tokens are ever dropped (no capacity factor).
 """
 from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -58,28 +68,30 @@ class MoEBalanceState:
     def reset(self) -> None:
         """Start a new global batch (call after every optimizer step)."""
         self.counts: torch.Tensor | None = None  # (E,) routing slots per expert
-        self.tokens: float = 0.0  # tokens routed (each takes k slots)
+        self.tokens: torch.Tensor | None = None  # () tokens routed (each takes k slots), on the device: no host sync
         self.prob_sum: torch.Tensor | None = None  # (E,) summed router probabilities (detached, for logging)
         self.micro_batches: int = 0
 
-    def update(self, counts: torch.Tensor, tokens: int, prob_sum: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """Add one micro-batch's local statistics (all-reduced over ranks); return the running (counts, tokens)."""
+    def update(self, counts: torch.Tensor, tokens: int, prob_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add one micro-batch's local statistics (all-reduced over ranks); return the running (counts, tokens), both
+        device tensors (nothing here reads a value on the host)."""
         packed = torch.cat([counts.double(), prob_sum.detach().double(), counts.new_full((1,), tokens).double()])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=self.process_group)
         E = self.num_experts
         if self.counts is None:
-            self.counts, self.prob_sum = packed[:E].clone(), packed[E:2 * E].clone()
+            self.counts, self.prob_sum, self.tokens = packed[:E].clone(), packed[E:2 * E].clone(), packed[2 * E].clone()
         else:
             self.counts += packed[:E]
             self.prob_sum += packed[E:2 * E]
-        self.tokens += float(packed[2 * E])
+            self.tokens += packed[2 * E]
         self.micro_batches += 1
         return self.counts, self.tokens
 
     def lb_loss(self, top_k: int) -> float | None:
-        """The load-balancing loss of the whole global batch so far (f and P both global), for logging."""
-        if self.counts is None or self.tokens == 0:
+        """The load-balancing loss of the whole global batch so far (f and P both global), for logging (reads it on the
+        host: call it only when logging)."""
+        if self.counts is None or float(self.tokens) == 0:
             return None
         f = self.counts / (top_k * self.tokens)  # (E,)
         p = self.prob_sum / self.tokens  # (E,)
@@ -87,16 +99,54 @@ class MoEBalanceState:
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass, i.e. during activation-checkpoint recomputation of a forward."""
+    """True while autograd runs a backward pass (a forward run there is a recomputation)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
 
 
-def load_balancing_loss(counts: torch.Tensor, tokens: float, top_k: int, mean_probs: torch.Tensor) -> torch.Tensor:
+class _Routing(threading.local):
+    """What the MoE blocks of the running checkpointed forward record, or its recompute replays (per thread: a CUDA
+    backward runs on autograd's device thread, and the record is set and read within one call there)."""
+    mode: str | None = None  # None | "record" | "replay"
+    entries: list | None = None  # one (top_i, global counts, global tokens) per MoE block call, in call order
+    next: int = 0
+
+
+_ROUTING = _Routing()
+
+
+@contextmanager
+def _routing(mode: str, entries: list):
+    saved = (_ROUTING.mode, _ROUTING.entries, _ROUTING.next)
+    _ROUTING.mode, _ROUTING.entries, _ROUTING.next = mode, entries, 0
+    try:
+        yield
+    finally:
+        _ROUTING.mode, _ROUTING.entries, _ROUTING.next = saved
+
+
+def routing_record(entries: list):
+    """Context of a checkpointed forward: every MoE block appends its routing decisions to `entries`."""
+    return _routing("record", entries)
+
+
+def routing_replay(entries: list):
+    """Context of its recomputation: the MoE blocks take their routing from `entries`, in the same order."""
+    return _routing("replay", entries)
+
+
+def load_balancing_loss(counts: torch.Tensor, tokens, top_k: int, mean_probs: torch.Tensor) -> torch.Tensor:
     """E * sum_i f_i * P_i with f_i = counts_i / (k * tokens) (no gradient) and P_i = mean_probs_i (gradient)."""
     num_experts = mean_probs.shape[-1]
     f = (counts.to(mean_probs.dtype) / (top_k * tokens)).detach()  # (E,)
     return num_experts * (f * mean_probs).sum()
+
+
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) int64 routing slots per expert. A scatter-add, not torch.bincount: CUDA's bincount reads the input's max
+    on the host (a device sync in every MoE layer)."""
+    flat = expert_ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
@@ -136,6 +186,8 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if x.device.type not in ("cpu", "cuda"):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # torch.compile's shape check of _grouped_mm (its meta kernel) accepts bf16 only, CPU included
     esz = x.element_size()
     return all((n * esz) % 16 == 0 for n in (x.shape[-1], w.shape[-1], w.shape[-2]))
 
@@ -164,11 +216,18 @@ class MoeRouter(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))  # (E, d)
 
-    def forward(self, h: torch.Tensor):
-        """h (N, d) -> logits (N, E) in h.dtype, probs (N, E) fp32, top_w (N, k) in h.dtype, top_i (N, k)."""
-        logits = F.linear(h, self.weight)  # (N, E)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # (N, E)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+    def forward(self, h: torch.Tensor, top_i: torch.Tensor | None = None):
+        """h (N, d) -> logits (N, E) fp32, probs (N, E) fp32, top_w (N, k) in h.dtype, top_i (N, k).
+
+        The GEMM runs in fp32 (module docstring). `top_i` given (a recompute replaying its forward's routing): the
+        weights are read at those experts instead of choosing again; both ways take them with one gather from probs,
+        so the forward and its replay build the same graph."""
+        with torch.autocast(h.device.type, enabled=False):
+            logits = F.linear(h.float(), self.weight.float())  # (N, E) fp32
+        probs = torch.softmax(logits, dim=-1)  # (N, E)
+        if top_i is None:
+            top_i = torch.topk(probs.detach(), self.top_k, dim=-1).indices  # (N, k): the choice carries no gradient
+        top_w = probs.gather(-1, top_i)  # (N, k)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         return logits, probs, top_w.to(h.dtype), top_i
@@ -203,7 +262,7 @@ class MoeExperts(nn.Module):
         N, k = top_i.shape
         flat_e = top_i.reshape(-1)  # (N*k,) expert of each (token, slot), token-major
         order = torch.argsort(flat_e, stable=True)  # (N*k,) sorted position -> flat (token, slot) index
-        counts = torch.bincount(flat_e, minlength=self.num_experts)  # (E,)
+        counts = expert_counts(flat_e, self.num_experts)  # (E,)
         xs = h[order // k]  # (N*k, d) token rows grouped by expert
         gu = grouped_matmul(xs, self.gate_up_proj.transpose(1, 2), counts, use_grouped_mm)  # (N*k, 2I)
         gate, up = gu.chunk(2, dim=-1)  # (N*k, I) each
@@ -267,7 +326,6 @@ class SparseMoeBlock(nn.Module):
         self.lb_loss: torch.Tensor | None = None  # unweighted, detached, for logging
         self.z_loss: torch.Tensor | None = None
         self.expert_load: torch.Tensor | None = None  # (E,) routing slots per expert in the last forward
-        self._last_global: tuple[torch.Tensor, float] | None = None  # (counts, tokens) the last training forward used
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -278,35 +336,45 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         h = x.reshape(B * T, d)  # (N, d)
-        logits, probs, top_w, top_i = self.gate(h)  # (N, E), (N, E), (N, k), (N, k)
+        mode = _ROUTING.mode
+        replayed = None
+        if mode == "replay":
+            replayed = _ROUTING.entries[_ROUTING.next]  # (top_i, global counts, global tokens) of the forward
+            _ROUTING.next += 1
+        elif _in_backward() and self.training and torch.is_grad_enabled():
+            raise RuntimeError("an MoE block was recomputed inside backward by a checkpoint function that does not "
+                               "replay its routing; enable checkpointing with model.activation_checkpointing_enable() "
+                               "or the trainer's activation_checkpointing (they wrap it in modeling.exact_checkpoint)")
+        logits, probs, top_w, top_i = self.gate(h, None if replayed is None else replayed[0])  # (N, E) x2, (N, k) x2
         if self.moe_impl == "loop":
             out = self.experts.forward_loop(h, top_i, top_w)
         else:
             out = self.experts.forward_grouped(h, top_i, top_w, self.use_grouped_mm)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(h)) * self.shared_expert(h)  # gate (N, 1)
-        self._update_losses(logits, probs, top_i)
+        self._update_losses(logits, probs, top_i, replayed, record=mode == "record")
         return out.view(B, T, d)  # (B, T, d)
 
-    def _update_losses(self, logits: torch.Tensor, probs: torch.Tensor, top_i: torch.Tensor) -> None:
+    def _update_losses(self, logits: torch.Tensor, probs: torch.Tensor, top_i: torch.Tensor, replayed, record: bool
+                       ) -> None:
         N = probs.shape[0]
-        counts = torch.bincount(top_i.reshape(-1), minlength=self.num_experts)  # (E,)
+        counts = expert_counts(top_i, self.num_experts)  # (E,)
         prob_sum = probs.sum(dim=0)  # (E,) fp32, with grad
-        recomputing = _in_backward()
-        if self.training and not recomputing:
+        if replayed is not None:
+            # the recompute of a checkpointed forward: this micro-batch is already counted; use the f it used
+            g_counts, g_tokens = replayed[1], replayed[2]
+        elif self.training:
             # Eval forwards must not leak into the training step's global batch, so only training accumulates.
             g_counts, g_tokens = self.balance.update(counts, N, prob_sum)
-            self._last_global = (g_counts.clone(), g_tokens)
-        elif self.training and self._last_global is not None:
-            # Activation-checkpoint recompute (inside backward): this micro-batch is already counted; reuse the
-            # f its original forward used so the recomputed graph equals the original one.
-            g_counts, g_tokens = self._last_global
+            g_counts, g_tokens = g_counts.clone(), g_tokens.clone()  # the running sums change with later micro-batches
         else:
             g_counts, g_tokens = counts, N
+        if record:
+            _ROUTING.entries.append((top_i.detach(), g_counts, g_tokens))
         lbl = load_balancing_loss(g_counts, g_tokens, self.top_k, prob_sum / N)
         zl = router_z_loss(logits)
         aux = self.aux_loss_coef * lbl + self.z_loss_coef * zl
-        if recomputing:
+        if replayed is not None:
             return  # the trainer already collected the original forward's loss and statistics
         self.aux_loss = aux
         self.lb_loss, self.z_loss = lbl.detach(), zl.detach()

@@ -282,7 +282,8 @@ def gated_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
                           gate_scale: float = 1.0, blocks: tuple[int, int] | None = None) -> torch.Tensor:
     """q (B, H, T, D), k/v (B, KV, S, D), gate_logits (B, T, H, D) | (B, T, H, 1) | None -> out (B, T, H, D).
 
-    out = attention(q, k, v) * gate_scale * sigmoid(gate_logits) (ungated when gate_logits is None)."""
+    out = attention(q, k, v) * gate_scale * sigmoid(gate_logits) (ungated when gate_logits is None). Under autocast q,
+    k and v are first cast to the autocast dtype (the output is in it too)."""
     check_device(q)
     bsz, h, t, d = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != bsz or k.shape[3] != d or h % k.shape[1]:
@@ -292,10 +293,23 @@ def gated_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
                                     or gate_logits.shape[3] not in (1, d)):
         raise ValueError(f"triton_gated: gate logits must be (B, T, H, D) or (B, T, H, 1) = ({bsz}, {t}, {h}, "
                          f"{d}|1); got {tuple(gate_logits.shape)}")
+    if torch.is_autocast_enabled(q.device.type):
+        # autocast's rule for an attention kernel: q, k, v in the autocast dtype. Under bf16 autocast q and k leave
+        # QK-norm in fp32 (its weight is fp32) while v leaves its projection in bf16; the gradients flow back through
+        # the casts in each input's own dtype.
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"triton_gated: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+        raise ValueError(f"triton_gated: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); pass them in one "
+                         "dtype, or run under torch.autocast (which casts them to its dtype)")
     plan = plan_mask(mask, bsz, h, t, k.shape[2])
     scaling = d ** -0.5 if scaling is None else float(scaling)
+    if interpreted() and q.dtype == torch.bfloat16:
+        # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton-lang/triton#11584): there the kernel runs in
+        # fp32 on the bf16 values and rounds its output to bf16, as sdpa_attention does on a CPU; a GPU runs bf16.
+        g32 = None if gate_logits is None else gate_logits.float()
+        out = _GatedFlashAttention.apply(q.float(), k.float(), v.float(), g32, plan, scaling, float(gate_scale), blocks)
+        return out.to(torch.bfloat16)
     return _GatedFlashAttention.apply(q, k, v, gate_logits, plan, scaling, float(gate_scale), blocks)
 
 

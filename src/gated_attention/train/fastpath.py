@@ -11,6 +11,11 @@ fast=false: the plain layers and the plain full-logits cross-entropy (the refere
 
 compile ("auto" by default, or "true" / "false"): what is compiled is the decoder layer's forward, ONCE for every
 layer (the layers are identical code; parameters are graph inputs), and it is used for the training forward only:
+the compiled function calls the layer's class forward as it is at call time, i.e. the outermost wrapper: under
+activation checkpointing the one that checkpoints (transformers' GradientCheckpointingLayer checkpoints only from the
+outermost `forward`, and FSDP2's `fully_shard` subclasses the layer, adding one), so the checkpoint is traced into
+the layer's graph whether compile starts before or after wrapping (torchtitan's order too: checkpoint, then compile
+each block, then shard); FSDP2's hooks stay outside, in `__call__`.
 evaluation, the stats probe and analysis run the same layers eagerly, so their hooks and no_grad never trigger a
 recompile. Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
 
@@ -84,6 +89,13 @@ def should_compile(steps_left: int, eager_step_s: float, saving: float = COMPILE
     return steps_left * eager_step_s * saving > compile_cost_s(eager_step_s)
 
 
+def _class_forward(layer: nn.Module, *args, **kwargs):
+    """The layer's class `forward` as it is now (not when compile was enabled): after `fully_shard` the FSDP
+    subclass's, the outermost, which is the one that checkpoints. Compiling a class's forward captured before
+    wrapping ran the inner one, which saw itself not outermost and silently did not checkpoint."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
 class SpeedPlan:
     """What the trainer runs: built once per process by `prepare(cfg, model, layers, device)`.
 
@@ -113,7 +125,7 @@ class SpeedPlan:
 
     def _enable(self, why: str) -> None:
         # one compiled function for every layer: the layers are instances of one class with the same structure
-        self.compiled_fn = torch.compile(type(self.layers[0]).forward, backend=self.backend)
+        self.compiled_fn = torch.compile(_class_forward, backend=self.backend)
         self.decision = why
 
     @contextmanager

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..modeling import set_exact_checkpointing
 from .config import TrainConfig
 
 
@@ -128,8 +129,9 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
     `gradient_checkpointing` flag and the checkpoint function `_gradient_checkpointing_func`): it checkpoints the
     layer's `forward` only in training mode with grad enabled, so FSDP2's module hooks stay outside the recomputed
     region (apply before `fully_shard`), evaluation and no-grad probes run unchanged, and the trainer's compiled layer
-    forward (train/fastpath.py compiles the class's forward) traces the checkpoint itself. The numbers equal "none"
-    (the recompute is the same forward; MoE layers skip their global-batch bookkeeping when recomputing, moe.py)."""
+    forward (train/fastpath.py: it calls the outermost checkpointing forward) traces the checkpoint into its graph.
+    The numbers equal "none": the recompute replays the forward exactly (`modeling.exact_checkpoint`: the same bf16
+    GEMM emulation, the MoE blocks' recorded routing and global-batch counts)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if mode == "none":
@@ -139,8 +141,5 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
     if not layers or not all(isinstance(layer, GradientCheckpointingLayer) for layer in layers):
         raise ValueError("activation_checkpointing=full needs the model's decoder layers (GatedQwen3DecoderLayer, or "
                          "any transformers GradientCheckpointingLayer); use --set activation_checkpointing=none")
-    fn = functools.partial(checkpoint, use_reentrant=False)
-    for layer in layers:
-        layer._gradient_checkpointing_func = fn
-        layer.gradient_checkpointing = True
+    set_exact_checkpointing(layers, functools.partial(checkpoint, use_reentrant=False))
     return len(layers)

@@ -133,6 +133,11 @@ class EmulatedBF16(TorchFunctionMode):
         return func(*_fill(template, [t.float() for t in tensors]), **kwargs).to(_BF16)
 
 
+def emulating() -> bool:
+    """True inside `emulated_bf16()` (checkpointing re-enters it for the recompute, which runs in backward, outside)."""
+    return any(isinstance(m, EmulatedBF16) for m in torch.overrides._get_current_function_mode_stack())
+
+
 def emulated_bf16() -> EmulatedBF16:
     """Context manager: bf16 GEMMs inside it are computed as fp32 GEMMs of bf16 values (module docstring)."""
     return EmulatedBF16()
