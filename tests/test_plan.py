@@ -105,6 +105,33 @@ def test_numbers_equal_a_hand_computation():
     assert bp["params"] * 1e9 == pytest.approx(6 * total)
 
 
+def test_gradients_follow_the_accumulation_policy():
+    """Under FSDP2 with grad_accum > 1 the plan counts the gradients the trainer holds, by the trainer's own policy
+    function (train.dist.unsharded_accumulation): sharded (4 B / N) by default; accum_grads=auto plans whole ones plus
+    the sharded output (4 B + 4 B / N) only where those fit the GPU's memory, at the byte."""
+    Pt = PL.plan(tiny_cfg(), gpus=1, device="cpu")["params_trainable"]
+    cfg = tiny_cfg("dist=fsdp", "grad_accum=2")  # 4 sequences = 2 ranks x 2 micro-batches of 1
+    sh = PL.plan(cfg, gpus=2, gpu_memory_gb=1e3, device="cpu")
+    assert sh["settings"]["grad_accumulation"] == "sharded"
+    assert sh["memory_per_gpu_gb"]["grads"] * 1e9 == pytest.approx(4 * Pt / 2)
+    auto = replace(cfg, accum_grads="auto")
+    room = sh["memory_per_gpu_gb"]["total"]  # the sharded plan's total: what whole gradients must fit beside
+    fits = PL.plan(auto, gpus=2, gpu_memory_gb=room + 4 * Pt / 1e9, device="cpu")
+    assert fits["settings"]["grad_accumulation"] == "unsharded"
+    assert fits["memory_per_gpu_gb"]["grads"] * 1e9 == pytest.approx(4 * Pt + 4 * Pt / 2)
+    assert fits["memory_per_gpu_gb"]["total"] == pytest.approx(room + 4 * Pt / 1e9)
+    tight = PL.plan(auto, gpus=2, gpu_memory_gb=room + (4 * Pt - 8) / 1e9, device="cpu")
+    assert tight["settings"]["grad_accumulation"] == "sharded"
+    # one process and DDP hold whole gradients whatever the policy; one micro-batch needs no choice
+    assert PL.plan(replace(auto, dist="ddp"), gpus=2, device="cpu")["settings"]["grad_accumulation"] == "whole"
+    one = PL.plan(replace(auto, grad_accum=1), gpus=2, gpu_memory_gb=1e3, device="cpu")
+    assert one["settings"]["grad_accumulation"] == "sharded"
+    # the 15A2B MoE at 64 GPUs, micro-batch 1 (16 micro-batches): a 1/64 shard of the fp32 gradients, not all 62 GB
+    moe = PL.plan(train_preset("paper-moe-15a2b"), gpus=64)
+    assert moe["settings"]["grad_accumulation"] == "sharded" and moe["settings"]["grad_accum"] == 16
+    assert moe["memory_per_gpu_gb"]["grads"] == pytest.approx(4 * moe["params_trainable"] / 64 / 1e9)
+
+
 def test_flops_equal_the_bench_count():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from bench_train import train_flops

@@ -10,7 +10,11 @@
   - memory_per_gpu_gb by part, in GB (1e9 bytes), per rank:
       params      the stored weights: fp32 (4 B); bf16-params in one process adds the bf16 compute copy (2 B,
                   train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters);
-      grads       fp32 gradients of the trainable parameters (FSDP2: the sharded fp32 reduce-scatter output);
+      grads       fp32 gradients of the trainable parameters by the accumulation policy
+                  (train.dist.unsharded_accumulation, which the trainer follows): FSDP2 reduce-scattering every
+                  micro-batch holds the sharded fp32 output (4 B / N); keeping whole gradients until the last
+                  micro-batch (accum_grads=auto, only where that fits) holds them whole plus the sharded output
+                  (4 B + 4 B / N); DDP and one process hold them whole (4 B);
       optimizer   AdamW's two fp32 moments (8 B per trainable parameter, / N under FSDP2);
       activations what the forward saves for backward for one micro-batch of micro_batch x seq_len tokens, plus one
                   layer's worth of backward working memory (the formula: `activation_bytes`, calibrated against the
@@ -43,6 +47,7 @@ import torch
 from torch import nn
 
 from .config import TrainConfig, accum_for
+from .dist import unsharded_accumulation
 
 GB = 1e9
 GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB), NCCL buffers and caching-allocator slack per GPU
@@ -206,15 +211,16 @@ def _resolved(precision: str, dist: str) -> str:
 
 
 def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpointing: str, tokens: int,
-           fused_loss: bool = True, device: str = "cuda") -> dict:
-    """Bytes per rank by part (module docstring), in GB."""
+           fused_loss: bool = True, device: str = "cuda", unsharded_grads: bool = False) -> dict:
+    """Bytes per rank by part (module docstring), in GB. unsharded_grads: FSDP2 keeps whole gradients across the
+    micro-batches (train.dist.unsharded_accumulation said so)."""
     P, Pt = sz["total"], sz["trainable"]
     sharded = dist == "fsdp" and world > 1
     one_process = world == 1
     n = world if sharded else 1
     pd = 2 if precision == "bf16-params" else 4  # the dtype forward/backward see the parameters in
     params = 4 * P / n + (2 * P if precision == "bf16-params" and one_process else 0)
-    grads = 4 * Pt / n
+    grads = 4 * Pt / n + (4 * Pt if sharded and unsharded_grads else 0)
     optimizer = 8 * Pt / n
     if sharded:  # root group unsharded (and its gradient) all step; the current + prefetched layer; a layer's grads
         buffers = 2 * sz["root"] * pd + sz["layer_max"] * (2 * pd + pd + 4)
@@ -265,8 +271,15 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     config = model.config
     sz = sizes(model)
     fl = flops_per_token(config, sz["matmul_activated"], cfg.seq_len)
-    mem = memory(sz, config, world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
-                 tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device)
+    common = dict(world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
+                  tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device)
+    mem = memory(sz, config, **common)
+    # the trainer's own accumulation policy: whole gradients across micro-batches only where they fit
+    unsharded = unsharded_accumulation(cfg.accum_grads, mode, gpus, accum, 4 * sz["trainable"],
+                                       (gpu_memory_gb - mem["total"]) * GB)
+    if unsharded:
+        mem = memory(sz, config, **common, unsharded_grads=True)
+    accumulation = "unsharded" if unsharded else ("sharded" if mode == "fsdp" else "whole")
     tokens_per_s = mfu * gpu_tflops * 1e12 * gpus / fl["model"]
     budget = cfg.steps * cfg.batch_size * cfg.seq_len
     hardware = fl["model"] + (fl["forward"] if cfg.activation_checkpointing == "full" else 0)
@@ -278,6 +291,7 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
                          "gpu_tflops": gpu_tflops, "mfu": mfu, "dist": mode, "precision": resolved,
                          "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
                          "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
+                         "grad_accumulation": accumulation,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
 
 
@@ -288,7 +302,7 @@ def format_plan(p: dict, preset: str) -> str:
              f"{s['gpu_memory_gb']:g} GB, {s['gpu_tflops']:g} TFLOP/s at MFU {s['mfu']:g}",
              f"  {s['dist'] if s['dist'] != 'none' else 'one process'}, {s['precision']}, activation checkpointing {s['activation_checkpointing']}, seq "
              f"{s['seq_len']}, micro-batch {s['micro_batch']} x grad_accum {s['grad_accum']} (global batch "
-             f"{s['global_batch']}), {s['steps']:,} steps",
+             f"{s['global_batch']}; gradients {s['grad_accumulation']}), {s['steps']:,} steps",
              f"  parameters      {p['params_total'] / 1e9:8.3f} B total, {p['params_activated'] / 1e9:.3f} B activated",
              f"  FLOPs / token   {p['flops_per_token'] / 1e9:8.2f} G (model), "
              f"{p['hardware_flops_per_token'] / 1e9:.2f} G with recompute",
