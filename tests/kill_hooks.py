@@ -14,6 +14,8 @@ GATTN_TEST_RAISE_AT_STEP=N      raise RuntimeError("injected failure at step N o
                                 of a SIGKILL (a rank that fails while its peers go on into the next collectives).
 Faults fire only in a torchrun's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0): the workers torchrun
 --max-restarts restarts run clean.
+GATTN_TEST_HASH_TRACE=FILE      append "RANK CALLER PATH" to FILE for every checkpoint file this rank hashes (CALLER:
+                                "verify" on resume, "_record" when a manifest is written).
 GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE after every finished step of every run
                                 (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
 They wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code;
@@ -53,6 +55,18 @@ def install() -> None:
                 raise RuntimeError(f"injected failure at step {raise_step} on rank {rank}")
 
         trainer._after_step = _after_step
+    hash_trace = os.environ.get("GATTN_TEST_HASH_TRACE")
+    if hash_trace:
+        import inspect
+
+        sha256 = checkpoint._sha256
+
+        def _sha256(path):
+            with open(hash_trace, "a") as fh:
+                fh.write(f"{rank} {inspect.stack()[1].function} {path}\n")
+            return sha256(path)
+
+        checkpoint._sha256 = _sha256
     kill_write = int(os.environ.get("GATTN_TEST_KILL_IN_CKPT_WRITE", "0")) if faulty else 0
     if kill_write > 0:
         write_files = checkpoint.write_files

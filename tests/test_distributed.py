@@ -268,8 +268,38 @@ def test_fsdp_accumulation_holds_a_shard_of_the_gradients(tmp_path, policy):
         ratios = [h / rec["whole_grad_bytes"] for h in rec["held"]]
         assert len(ratios) == 4
         if policy is None:
-            assert rec["accumulation"] == "sharded"
             assert all(0.4 < r < 0.65 for r in ratios), ratios
+            assert rec["accumulation"] == "sharded"
         else:
-            assert rec["accumulation"] == "unsharded"
             assert all(r > 0.95 for r in ratios[:3]) and 0.4 < ratios[3] < 0.65, ratios
+            assert rec["accumulation"] == "unsharded"
+
+
+def test_each_rank_hashes_its_own_checkpoint_files(tmp_path):
+    """Saving, every rank hashes the files it wrote (its RNG state and DCP shard; rank 0 the shared ones) and rank 0
+    merges the manifest; resuming, the two ranks verify disjoint halves of the checkpoint that together cover it.
+    Before, rank 0 hashed every file at every save and every resume."""
+    from gated_attention.train.checkpoint import file_owner, latest_checkpoint
+
+    out, trace = tmp_path / "run", tmp_path / "hashes.txt"
+
+    def hashed() -> list[tuple[int, str, str]]:
+        rows = [line.split(" ", 2) for line in trace.read_text().splitlines()]
+        trace.unlink()
+        return [(int(r), caller, path) for r, caller, path in rows]
+
+    p = torchrun(out, FSDP_SETS, {"GATTN_TEST_HASH_TRACE": str(trace)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    saves = hashed()
+    assert {c for _, c, _ in saves} == {"_record"}
+    for rank, _, path in saves:
+        name = Path(path).relative_to(Path(path).parents[1] if "/state/" in path else Path(path).parent).as_posix()
+        assert file_owner(name) == rank, (rank, name)
+    assert {rank for rank, _, _ in saves} == {0, 1}
+    p = torchrun(out, FSDP_SETS, {"GATTN_TEST_HASH_TRACE": str(trace)}, resume=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    checked = [(rank, path) for rank, caller, path in hashed() if caller == "verify"]
+    mine = [{path for rank, path in checked if rank == r} for r in (0, 1)]
+    files = {f"{latest_checkpoint(out)}/{name}" for name in json.loads((latest_checkpoint(out) / "manifest.json")
+                                                                     .read_text())["files"]}
+    assert mine[0] and mine[1] and not mine[0] & mine[1] and mine[0] | mine[1] == files

@@ -583,3 +583,25 @@ def test_a_checkpoint_from_a_host_with_more_gpus_resumes(tmp_path, monkeypatch):
     assert torch.equal(fake.states[0], four[0])
     saved = torch.load(latest_checkpoint(out) / "rng_rank0.pt", weights_only=True)["cuda"]
     assert isinstance(saved, torch.Tensor) and torch.equal(saved, four[0])  # this device's state, not a list
+
+
+def test_a_filesystem_without_flock_is_one_clear_error(tmp_path, monkeypatch):
+    """Lustre without -o flock answers flock with ENOLCK: one UserError naming the problem and the fix (before: a
+    bare OSError traceback), and the lock file's descriptor is closed."""
+    import errno
+    import fcntl
+
+    from gated_attention.util.errors import UserError
+    from gated_attention.util.io import lock_dir
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(UserError) as err:
+        with lock_dir(tmp_path / "run", "gattn train"):
+            pass
+    msg = str(err.value)
+    assert "does not support flock" in msg and "-o flock" in msg and str(tmp_path / "run") in msg
+    assert len(os.listdir("/proc/self/fd")) == before

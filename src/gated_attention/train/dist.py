@@ -171,6 +171,15 @@ def broadcast_object(obj, info: DistInfo):
     return box[0]
 
 
+def gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def agree(info: DistInfo, exc: BaseException | None) -> None:
     """Collective error check: every rank passes the exception it hit (or None). If any rank failed, every rank
     raises — the failing one its own error, the others a UserError naming it — so no rank waits forever in a

@@ -163,39 +163,59 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
             print(f"gattn train: {line}", file=sys.stderr, flush=True)
         cfg.check_world(info.world_size, box["precision"])
         want = {**cfg.to_dict(), "resolved_precision": box["precision"]}
-        box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json", want)
+        box["resume"] = _prepare_out(cfg, out, resume, out / "train_config.json", want)
         atomic_write_text(out / "train_config.json", json_dumps(want, indent=1))
 
     _on_main(info, prepare)  # every rank stops if rank 0 refused the folder
-    latest = box.get("latest")
     # rank 0's measurement decides for every rank (two ranks timing a GEMM under load could disagree)
-    latest, precision = D.broadcast_object((str(latest) if latest is not None else None, box.get("precision")), info)
-    return (Path(latest) if latest is not None else None), precision
+    wanted, precision = D.broadcast_object((box.get("resume"), box.get("precision")), info)
+    latest = _newest_valid(out, info) if wanted else None
+    if wanted and latest is None:
+        if wanted != "auto":  # the same on every rank: every rank stops
+            raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
+                            "warnings above); start over with a new --out")
+        if info.is_main:
+            print(f"gattn train: --resume auto: no valid checkpoint in {out}; starting a new run", file=sys.stderr,
+                  flush=True)
+    elif wanted == "auto" and info.is_main:
+        print(f"gattn train: --resume auto: resuming from {latest}", file=sys.stderr, flush=True)
+    return latest, precision
 
 
-def _prepare_out(cfg: TrainConfig, out: Path, resume: bool | str, cfg_path: Path, want: dict) -> Path | None:
-    """Rank 0: check the run folder against the request and pick the checkpoint to resume from (None = start).
-    resume="auto": resume where a valid checkpoint is, else start (a checkpoint that fails verification is moved
-    aside as corrupt-step_N, with a warning, never deleted)."""
+def _newest_valid(out: Path, info: D.DistInfo) -> Path | None:
+    """The newest checkpoint that passes verification, checked by every rank together (each reads 1/world of its
+    files: checkpoint.verify); rank 0 sets each failing newer one aside (corrupt-step_N, with a warning)."""
+    box = {}
+    _on_main(info, lambda: box.update(paths=[str(p) for _, p in reversed(ckpt_mod.list_checkpoints(out))]))
+    for path in map(Path, D.broadcast_object(box.get("paths"), info)):
+        reasons = D.gather_objects(ckpt_mod.verify(path, info.rank, info.world_size), info)
+        reason = next((r for r in reasons if r is not None), None)
+        if reason is None:
+            return path
+        _on_main(info, lambda: ckpt_mod.set_aside(path, reason))
+    return None
+
+
+def _prepare_out(cfg: TrainConfig, out: Path, resume: bool | str, cfg_path: Path, want: dict) -> bool | str:
+    """Rank 0: check the run folder against the request; returns what to do: False (start), True (resume from the
+    newest valid checkpoint, an error if none is valid) or "auto" (resume from it, start if none is valid; a
+    checkpoint that fails verification is moved aside as corrupt-step_N, with a warning, never deleted). Every rank
+    then verifies the checkpoints together (_newest_valid)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; choose a folder for the run")
     out.mkdir(parents=True, exist_ok=True)
     ckpt_mod.clean_stale(out)
     any_ckpt = ckpt_mod.latest_checkpoint(out)
-    valid = None
-    if resume == "auto":
-        valid = ckpt_mod.latest_valid_checkpoint(out) if any_ckpt is not None else None
-        if valid is None:
-            print(f"gattn train: --resume auto: no valid checkpoint in {out}; starting a new run", file=sys.stderr,
-                  flush=True)
-            return None
-        print(f"gattn train: --resume auto: resuming from {valid}", file=sys.stderr, flush=True)
+    auto = resume == "auto"
+    if auto:
+        if any_ckpt is None:
+            return "auto"  # nothing to verify: _check_run_dir says it starts
         resume = True
     if any_ckpt is not None and not resume:
         raise UserError(f"{out} already holds checkpoints; pass --resume (or --resume auto) to continue or choose a "
                         "new --out")
     if not resume:
-        return None
+        return False
     if any_ckpt is None and not cfg_path.exists():
         raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
                         "a new run there")
@@ -206,12 +226,8 @@ def _prepare_out(cfg: TrainConfig, out: Path, resume: bool | str, cfg_path: Path
             raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
                             "settings or a new --out")
     if any_ckpt is None:
-        return None  # the run was stopped before its first checkpoint: it starts again from step 0
-    latest = valid or ckpt_mod.latest_valid_checkpoint(out)
-    if latest is None:
-        raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
-                        "warnings above); start over with a new --out")
-    return latest
+        return False  # the run was stopped before its first checkpoint: it starts again from step 0
+    return "auto" if auto else True
 
 
 def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str,
@@ -472,8 +488,12 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
         shared["config.json"] = json.loads(run.raw.config.to_json_string())
     _on_main(info, lambda: ckpt_mod.write_files(tmp, shared))
     D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()})))
-    _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
-                                                                          run.cfg.keep_checkpoints)))
+    # every rank hashes the files it wrote (in parallel); rank 0 merges them into the manifest, written last
+    mine = {}
+    D.agree(info, _error_of(lambda: mine.update(ckpt_mod.hash_own_files(tmp, info.rank))))
+    hashed = {k: v for part in D.gather_objects(mine, info) for k, v in part.items()}
+    _on_main(info, lambda: (ckpt_mod.write_manifest(tmp, hashed), ckpt_mod.commit(run.out, next_step,
+                                                                                  run.cfg.keep_checkpoints)))
     run.last_ckpt_step = next_step
 
 
