@@ -303,3 +303,28 @@ def test_each_rank_hashes_its_own_checkpoint_files(tmp_path):
     files = {f"{latest_checkpoint(out)}/{name}" for name in json.loads((latest_checkpoint(out) / "manifest.json")
                                                                      .read_text())["files"]}
     assert mine[0] and mine[1] and not mine[0] & mine[1] and mine[0] | mine[1] == files
+
+
+def test_compile_auto_is_decided_once_for_every_rank(tmp_path):
+    """compile=auto with rank-dependent step timings (tests/compile_agree.py: rank 0 times 100 s steps, rank 1
+    0.01 s): rank 0's decision (compile) holds on both ranks. Before, each rank decided from its own timings: rank 0
+    compiled and rank 1 stayed eager."""
+    cmd = torchrun_argv(tmp_path / "run", tmp_path / "res", script=Path(__file__).with_name("compile_agree.py"))
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [json.loads((tmp_path / f"res.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["compiled"] for g in got] == [True, True], got
+    assert got[0]["compile_decision"] == got[1]["compile_decision"]
+    assert "100.00 s" in got[1]["compile_decision"]  # rank 0's measurement, on rank 1
+
+
+def test_fsdp_over_one_rank_under_torchrun(tmp_path, reference_fsdp):
+    """dist=fsdp under torchrun --nproc_per_node=1 runs FSDP2 over a one-rank group (what bench/gpu_check.sh uses
+    to exercise FSDP2 with accumulation on one GPU) and trains like the one-process run, here with grad_accum 2."""
+    p = subprocess.run(torchrun_argv("train", "--preset", "tiny", "--out", tmp_path,
+                                     *sum((["--set", s] for s in SETS + ["dist=fsdp", "grad_accum=2"]), []), nproc=1),
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    par = json.loads((tmp_path / "summary.json").read_text())["parallel"]
+    assert par == {"world_size": 1, "wrapper": "fsdp", "grad_accum": 2, "accumulation": "sharded"}
+    assert losses(tmp_path) == pytest.approx(reference_fsdp, abs=1e-5)

@@ -271,13 +271,30 @@ def test_gpu_check_dry_run(tmp_path):
     """bench/gpu_check.sh --dry-run works without a GPU: every part's command and limit (within the script's total),
     and the plan of the paper part's exact settings."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "PYTHONPATH": str(root / "src")}
+    bin_dir = tmp_path / "bin"  # the GPU machine's own python3 is the default interpreter (no .venv)
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env |= {"OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "PYTHONPATH": str(root / "src"),
+            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     p = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     out = p.stdout
-    for name in ("kernel_tests", "paper_28l", "bench_kernel", "train_triton_gated", "train_sdpa", "train_compare"):
+    for name in ("kernel_tests", "paper_28l", "bench_kernel", "train_triton_gated", "train_sdpa", "train_compare",
+                 "fsdp_full", "fsdp_restart", "fsdp_compare"):
         assert f"== {name} (limit" in out and "would run" in out, name
+    assert "would run: env TRITON_INTERPRET=0 python3 -m pytest" in out
+    # every run folder (checkpoints) is under WORK, none under OUT (what comes back from the GPU machine)
+    assert "--out " + str(tmp_path / "out") not in out and out.count("--out " + str(tmp_path / "work")) >= 3
+    fsdp = next(line for line in out.splitlines() if line.startswith("== fsdp_restart"))
+    for s in ("--nproc_per_node=1", "--max-restarts=1", "dist=fsdp", "grad_accum=4", "compile=true",
+              "activation_checkpointing=full", "precision=bf16-params", "--resume auto", "GATTN_TEST_KILL_AT_STEP=5"):
+        assert s in fsdp, s
+    inside = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"],
+                            env={**env, "WORK": str(tmp_path / "out" / "w")}, capture_output=True, text=True)
+    assert inside.returncode == 2 and "inside OUT" in inside.stderr
     limits = [int(x) for x in __import__("re").findall(r"\(limit (\d+)s\) would run", out)]
     assert sum(limits) <= 470  # one command under 8 minutes
     assert "bench/bench_plan.py run --preset paper-dense-28l" in out

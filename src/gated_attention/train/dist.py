@@ -1,6 +1,7 @@
 """Distributed setup on PyTorch's own engine: torchrun env -> process group, DDP or FSDP2 wrapping.
 
-One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) runs unwrapped. Under
+One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) runs unwrapped, except dist=fsdp under
+`torchrun --nproc_per_node=1`: FSDP2 over a one-rank group, so one GPU runs the FSDP2 path itself. Under
 `torchrun --nproc_per_node=N` the backend is gloo on CPU and nccl on CUDA. Under DDP every rank builds the full model
 from the same seed, so DDP needs no initial broadcast to agree; under FSDP2 the model is built on the meta device,
 sharded, and each rank fills only its own shards (train/meta_init.py), with bf16-params as FSDP2's
@@ -31,6 +32,7 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     mode: str = "none"  # "none", "ddp" or "fsdp"
+    group: bool = False  # a process group is up at world size 1: dist=fsdp under torchrun --nproc_per_node=1
 
     @property
     def is_main(self) -> bool:
@@ -38,7 +40,9 @@ class DistInfo:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Collectives and wrapping apply: several ranks, or FSDP2 over one rank (one GPU checking the FSDP2 path:
+        sharding, the mixed-precision policy, DCP checkpoints, accumulation)."""
+        return self.world_size > 1 or self.group
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -55,13 +59,14 @@ def setup(device: str, mode: str) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
-    if world <= 1:
+    one_rank_fsdp = world == 1 and mode == "fsdp" and "TORCHELASTIC_RUN_ID" in os.environ  # launched by torchrun
+    if world <= 1 and not one_rank_fsdp:
         return DistInfo(device=dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         _init_group("nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mode=mode)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mode=mode, group=one_rank_fsdp)
 
 
 def _init_group(backend: str) -> None:

@@ -397,7 +397,8 @@ def _train_step(run: _Run, step: int) -> dict:
         if run.mixed is not None:
             run.mixed.sync()
         st["bad_in_a_row"] = 0
-    note = run.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1)
+    note = run.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1,
+                             agree=lambda choice: D.broadcast_object(choice, info))  # rank 0's decision for all
     if note and info.is_main:
         print(f"gattn train: {note}", file=sys.stderr, flush=True)  # stdout may carry JSON
     spike = run.spikes.update(step, loss_val)
@@ -553,6 +554,10 @@ def _finish(run: _Run, t_start: float) -> dict:
 
             summary["bf16_gemms"] = gemm_mode(info.device)
         summary["speed"] = run.speed.describe()
+        summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
+                               "grad_accum": run.cfg.grad_accum,
+                               "accumulation": "unsharded" if run.unsharded_accum else
+                               ("sharded" if info.distributed and info.mode == "fsdp" else "whole")}
         box["summary"] = summary
         atomic_write_json(run.out / "summary.json", summary)  # strict JSON
 
