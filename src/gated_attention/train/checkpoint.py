@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..util.errors import UserError
-from ..util.io import from_strict, json_dumps
+from ..util.io import from_strict, json_dumps, read_json_object
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -189,7 +189,7 @@ def verify(ckpt: Path, rank: int = 0, world: int = 1) -> str | None:
 def latest_valid_checkpoint(out_dir: str | Path, warn=None, check=None) -> Path | None:
     """The newest checkpoint that passes `check(path) -> reason or None` (default: verify). Each newer one is
     renamed to `corrupt-step_N` (so rotation and later resumes ignore it) by `set_aside`. None when there is no
-    valid checkpoint. In one process; a job's ranks verify together with trainer._newest_valid."""
+    valid checkpoint. In one process; a job's ranks verify together with newest_valid."""
     for _, path in reversed(list_checkpoints(out_dir)):
         reason = (check or verify)(path)
         if reason is None:
@@ -248,3 +248,62 @@ def load_files(ckpt: Path, rank: int) -> tuple[dict | None, dict, dict | None]:
         raise UserError(f"checkpoint {ckpt} could not be loaded ({type(exc).__name__}: {exc}); delete it to resume "
                         "from an older one") from None
     return state, meta, rng
+
+
+# ---------------------------------------------------------------- what a run resumes from
+
+def resume_decision(out: Path, resume: bool | str, cfg_path: Path, want: dict) -> bool | str:
+    """Rank 0: check the run folder against the request; returns what to do: False (start), True (resume from the
+    newest valid checkpoint, an error if none is valid) or "auto" (resume from it, start if none is valid; a
+    checkpoint that fails verification is moved aside as corrupt-step_N, with a warning, never deleted). Every rank
+    then verifies the checkpoints together (newest_valid)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; choose a folder for the run")
+    out.mkdir(parents=True, exist_ok=True)
+    clean_stale(out)
+    any_ckpt = latest_checkpoint(out)
+    auto = resume == "auto"
+    if auto:
+        if any_ckpt is None:
+            return "auto"  # nothing to verify: the trainer says it starts
+        resume = True
+    if any_ckpt is not None and not resume:
+        raise UserError(f"{out} already holds checkpoints; pass --resume (or --resume auto) to continue or choose a "
+                        "new --out")
+    if not resume:
+        return False
+    if any_ckpt is None and not cfg_path.exists():
+        raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
+                        "a new run there")
+    if cfg_path.exists():
+        from .config import describe_changes
+
+        saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
+        diff = describe_changes(saved, want)
+        if diff:
+            raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
+                            "settings or a new --out")
+    if any_ckpt is None:
+        return False  # the run was stopped before its first checkpoint: it starts again from step 0
+    return "auto" if auto else True
+
+
+def newest_valid(out: Path, info) -> Path | None:
+    """The newest checkpoint that passes verification, checked by every rank together (each reads 1/world of its
+    files: checkpoint.verify); rank 0 sets each failing newer one aside (corrupt-step_N, with a warning)."""
+    from . import dist as D
+
+    paths = [str(p) for _, p in reversed(list_checkpoints(out))] if info.is_main else None  # lists, renames nothing
+    for path in map(Path, D.broadcast_object(paths, info)):
+        reasons = D.gather_objects(verify(path, info.rank, info.world_size), info)
+        reason = next((r for r in reasons if r is not None), None)
+        if reason is None:
+            return path
+        error = None
+        if info.is_main:
+            try:
+                set_aside(path, reason)
+            except OSError as exc:
+                error = exc
+        D.agree(info, error)  # a failed rename on rank 0 stops every rank
+    return None

@@ -34,7 +34,7 @@ from torch import nn
 from . import checkpoint as ckpt_mod
 from . import dist as D
 from . import fastpath
-from .config import TrainConfig, describe_changes
+from .config import TrainConfig
 from .data_source import make_source
 from .evaluate import domain_losses
 from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
@@ -47,7 +47,7 @@ from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .monitors import SpikeDetector, decoder_layers, residual_stream_stats, snapshot_params, update_weight_ratio
 from ..util.errors import UserError
-from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir, read_json_object
+from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir
 from ..util.precision import numerics
 
 
@@ -163,13 +163,13 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
             print(f"gattn train: {line}", file=sys.stderr, flush=True)
         cfg.check_world(info.world_size, box["precision"])
         want = {**cfg.to_dict(), "resolved_precision": box["precision"]}
-        box["resume"] = _prepare_out(cfg, out, resume, out / "train_config.json", want)
+        box["resume"] = ckpt_mod.resume_decision(out, resume, out / "train_config.json", want)
         atomic_write_text(out / "train_config.json", json_dumps(want, indent=1))
 
     _on_main(info, prepare)  # every rank stops if rank 0 refused the folder
     # rank 0's measurement decides for every rank (two ranks timing a GEMM under load could disagree)
     wanted, precision = D.broadcast_object((box.get("resume"), box.get("precision")), info)
-    latest = _newest_valid(out, info) if wanted else None
+    latest = ckpt_mod.newest_valid(out, info) if wanted else None
     if wanted and latest is None:
         if wanted != "auto":  # the same on every rank: every rank stops
             raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
@@ -180,54 +180,6 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
     elif wanted == "auto" and info.is_main:
         print(f"gattn train: --resume auto: resuming from {latest}", file=sys.stderr, flush=True)
     return latest, precision
-
-
-def _newest_valid(out: Path, info: D.DistInfo) -> Path | None:
-    """The newest checkpoint that passes verification, checked by every rank together (each reads 1/world of its
-    files: checkpoint.verify); rank 0 sets each failing newer one aside (corrupt-step_N, with a warning)."""
-    box = {}
-    _on_main(info, lambda: box.update(paths=[str(p) for _, p in reversed(ckpt_mod.list_checkpoints(out))]))
-    for path in map(Path, D.broadcast_object(box.get("paths"), info)):
-        reasons = D.gather_objects(ckpt_mod.verify(path, info.rank, info.world_size), info)
-        reason = next((r for r in reasons if r is not None), None)
-        if reason is None:
-            return path
-        _on_main(info, lambda: ckpt_mod.set_aside(path, reason))
-    return None
-
-
-def _prepare_out(cfg: TrainConfig, out: Path, resume: bool | str, cfg_path: Path, want: dict) -> bool | str:
-    """Rank 0: check the run folder against the request; returns what to do: False (start), True (resume from the
-    newest valid checkpoint, an error if none is valid) or "auto" (resume from it, start if none is valid; a
-    checkpoint that fails verification is moved aside as corrupt-step_N, with a warning, never deleted). Every rank
-    then verifies the checkpoints together (_newest_valid)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; choose a folder for the run")
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_mod.clean_stale(out)
-    any_ckpt = ckpt_mod.latest_checkpoint(out)
-    auto = resume == "auto"
-    if auto:
-        if any_ckpt is None:
-            return "auto"  # nothing to verify: _check_run_dir says it starts
-        resume = True
-    if any_ckpt is not None and not resume:
-        raise UserError(f"{out} already holds checkpoints; pass --resume (or --resume auto) to continue or choose a "
-                        "new --out")
-    if not resume:
-        return False
-    if any_ckpt is None and not cfg_path.exists():
-        raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
-                        "a new run there")
-    if cfg_path.exists():
-        saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
-        diff = describe_changes(saved, want)
-        if diff:
-            raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
-                            "settings or a new --out")
-    if any_ckpt is None:
-        return False  # the run was stopped before its first checkpoint: it starts again from step 0
-    return "auto" if auto else True
 
 
 def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str,
