@@ -139,10 +139,11 @@ def validate_sets(args, mode: str, ac: str) -> list[str]:
     sets = {"data": "synthetic", "model.vocab_size": args.vocab, "model.num_hidden_layers": args.layers,
             "model.hidden_size": args.hidden, "model.intermediate_size": args.ffn, "model.num_attention_heads": heads,
             "model.num_key_value_heads": heads, "model.head_dim": 64, "model.max_position_embeddings": max(4096, args.seq),
-            "seq_len": args.seq, "batch_size": 2, "micro_batch": 1, "steps": args.steps, "warmup_steps": 1,
+            "seq_len": args.seq, "batch_size": args.batch, "micro_batch": 1, "steps": args.steps, "warmup_steps": 1,
             "ckpt_every": 0, "keep_checkpoints": 1, "stats_every": 0, "eval_batches": 1, "eval_batch_size": 1,
             "precision": args.precision, "compile": "false", "progress": "false", "tensorboard": "false",
             "activation_checkpointing": ac, "dist": "fsdp" if mode == "fsdp" else "ddp"}
+    sets.update(dict(kv.split("=", 1) for kv in args.sets))
     return sum((["--set", f"{k}={v}"] for k, v in sets.items()), [])
 
 
@@ -231,6 +232,9 @@ def main() -> int:
     v.add_argument("--vocab", type=int, default=1024)
     v.add_argument("--seq", type=int, default=1024)
     v.add_argument("--steps", type=int, default=3)
+    v.add_argument("--batch", type=int, default=2, help="global batch; micro-batch 1, so grad_accum = batch / ranks")
+    v.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="more training settings for every row (e.g. compile=true, stats_every=1)")
     from gated_attention.util.precision import add_argument as precision_argument
     precision_argument(v, default="fp32", what="numerics of the validated runs",
                        choices=("fp32", "bf16", "bf16-params"))

@@ -145,11 +145,14 @@ def gattn_argv(*args, kill_hooks: bool = False) -> list[str]:
     return [sys.executable, *runner, *map(str, args)]
 
 
-def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False, script: str | Path | None = None) -> list[str]:
+def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False, script: str | Path | None = None,
+                  max_restarts: int = 0) -> list[str]:
     """`gattn ARGS` under torchrun: nproc ranks on this machine (--standalone), each the command of gattn_argv; with
-    `script`, each rank runs that test script with ARGS instead."""
+    `script`, each rank runs that test script with ARGS instead; max_restarts: torchrun restarts every worker that
+    many times after one fails."""
     ranks = [str(script), *map(str, args)] if script is not None else gattn_argv(*args, kill_hooks=kill_hooks)[1:]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *ranks]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            f"--max-restarts={max_restarts}", *ranks]
 
 
 def run_gattn(*args, env: dict | None = None, timeout: float = 600, kill_hooks: bool = False

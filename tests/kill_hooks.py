@@ -9,6 +9,13 @@ GATTN_TEST_KILL_IN_RUN=PATH     ... only in the trainer run whose folder's path 
                                 trains; default: the first run to reach step N).
 GATTN_TEST_KILL_IN_CKPT_WRITE=N SIGKILL inside the N-th checkpoint write, after the state (state.pt or the DCP
                                 shards) and meta.json are written, before the manifest and the rename.
+GATTN_TEST_FAULT_RANK=R        ... only on rank R (torchrun's RANK; default: every rank).
+GATTN_TEST_RAISE_AT_STEP=N      raise RuntimeError("injected failure at step N on rank R") right after step N instead
+                                of a SIGKILL (a rank that fails while its peers go on into the next collectives).
+Faults fire only in a torchrun's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0): the workers torchrun
+--max-restarts restarts run clean.
+GATTN_TEST_HASH_TRACE=FILE      append "RANK CALLER PATH" to FILE for every checkpoint file this rank hashes (CALLER:
+                                "verify" on resume, "_record" when a manifest is written).
 GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE after every finished step of every run
                                 (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
 They wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code;
@@ -25,9 +32,15 @@ def install() -> None:
     from gated_attention.train import checkpoint, trainer
 
     kill_step = int(os.environ.get("GATTN_TEST_KILL_AT_STEP", "-1"))
+    raise_step = int(os.environ.get("GATTN_TEST_RAISE_AT_STEP", "-1"))
     kill_run = os.environ.get("GATTN_TEST_KILL_IN_RUN")
     trace = os.environ.get("GATTN_TEST_STEP_TRACE")
-    if kill_step >= 0 or trace:
+    rank = os.environ.get("RANK", "0")
+    faulty = (os.environ.get("GATTN_TEST_FAULT_RANK", rank) == rank
+              and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+    if not faulty:
+        kill_step = raise_step = -1
+    if kill_step >= 0 or raise_step >= 0 or trace:
         after_step = trainer._after_step
 
         def _after_step(run, rec, *args, **kwargs):
@@ -38,9 +51,23 @@ def install() -> None:
             here = run.out.resolve().as_posix()
             if rec["step"] == kill_step and (kill_run is None or here == kill_run or here.endswith("/" + kill_run)):
                 os.kill(os.getpid(), signal.SIGKILL)
+            if rec["step"] == raise_step:
+                raise RuntimeError(f"injected failure at step {raise_step} on rank {rank}")
 
         trainer._after_step = _after_step
-    kill_write = int(os.environ.get("GATTN_TEST_KILL_IN_CKPT_WRITE", "0"))
+    hash_trace = os.environ.get("GATTN_TEST_HASH_TRACE")
+    if hash_trace:
+        import inspect
+
+        sha256 = checkpoint._sha256
+
+        def _sha256(path):
+            with open(hash_trace, "a") as fh:
+                fh.write(f"{rank} {inspect.stack()[1].function} {path}\n")
+            return sha256(path)
+
+        checkpoint._sha256 = _sha256
+    kill_write = int(os.environ.get("GATTN_TEST_KILL_IN_CKPT_WRITE", "0")) if faulty else 0
     if kill_write > 0:
         write_files = checkpoint.write_files
         done = [0]

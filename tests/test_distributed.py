@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -29,11 +30,35 @@ def torchrun(out: Path, sets: list[str], env_extra: dict | None = None, resume: 
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
+def bounded(cmd: list[str], env: dict, limit: float) -> tuple[int | None, str]:
+    """Run `cmd` in its own process group; (its exit status, its output), or (None, output so far) when it is still
+    running after `limit` seconds — then torchrun gets SIGTERM (it stops its workers, which run in sessions of their
+    own), and the group SIGKILL if it is still there 60 s later."""
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as p:
+        try:
+            out, _ = p.communicate(timeout=limit)
+            return p.returncode, out
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGTERM)
+            try:
+                out, _ = p.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, _ = p.communicate()
+            return None, out
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> list[float]:
+def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
     train(apply_overrides(tiny(), SETS), out)
-    return losses(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(reference_dir) -> list[float]:
+    return losses(reference_dir)
 
 
 @pytest.fixture(scope="module")
@@ -188,3 +213,118 @@ def test_sigkill_during_a_sharded_save_falls_back_and_resumes(tmp_path, referenc
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     assert "state/__1_0.distcp checksum does not match" in verify(last)
+
+
+@pytest.mark.parametrize("mode,rank", [("fsdp", 1), ("ddp", 0)])
+def test_a_rank_that_raises_stops_every_rank_promptly(tmp_path, mode, rank):
+    """One rank raises after step 1 while its peer goes on into step 2's collectives: every rank exits (well
+    before gloo's 30-minute collective timeout; the limit here is 120 s) and the output names the error. Before the
+    fix the failing rank waited in a teardown barrier its peer never reached, and the job hung."""
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", tmp_path, *sum((["--set", s] for s in SETS + [f"dist={mode}"]), []),
+                        kill_hooks=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GATTN_TEST_RAISE_AT_STEP": "1", "GATTN_TEST_FAULT_RANK": str(rank)}
+    rc, out = bounded(cmd, env, 120)
+    assert rc is not None, "the job hung: still running after 120 s\n" + out[-3000:]
+    assert rc != 0
+    assert f"injected failure at step 1 on rank {rank}" in out, out[-3000:]
+
+
+def test_resume_auto_survives_a_torchrun_restart(tmp_path, reference_dir):
+    """One command line for the first launch and every restart: rank 1 is SIGKILLed after step 4 (checkpoint at 3),
+    torchrun --max-restarts=1 restarts both workers with the same `--resume auto`, which resumes from step 3; the
+    run ends with the losses and weights of an uninterrupted one."""
+    from safetensors.torch import load_file
+
+    trace = tmp_path / "trace.txt"
+    out = tmp_path / "run"
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in SETS), []),
+                        "--resume", "auto", kill_hooks=True, max_restarts=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GATTN_TEST_KILL_AT_STEP": "4", "GATTN_TEST_FAULT_RANK": "1",
+           "GATTN_TEST_STEP_TRACE": str(trace)}
+    rc, text = bounded(cmd, env, 600)
+    assert rc == 0, text[-3000:]
+    assert "--resume auto: no valid checkpoint" in text and "--resume auto: resuming from" in text
+    steps = [int(line.rsplit(" ", 1)[1]) for line in trace.read_text().splitlines()]
+    assert steps.count(0) == 2 and steps.count(3) == 4  # step 0 once per rank; steps 3-5 again after the restart
+    assert losses(out) == pytest.approx(losses(reference_dir), abs=1e-5)
+    got, want = load_file(out / "final" / "model.safetensors"), load_file(reference_dir / "final" / "model.safetensors")
+    assert set(got) == set(want)
+    assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
+
+
+@pytest.mark.parametrize("policy", [None, "auto"])
+def test_fsdp_accumulation_holds_a_shard_of_the_gradients(tmp_path, policy):
+    """2 ranks, dist=fsdp, grad_accum 4, measured (tests/fsdp_accum.py): the bytes of tensors a rank holds after each
+    micro-batch beyond what it held when the step began. By default (accum_grads=sharded: reduce-scatter every
+    micro-batch) ~1/2 of the whole fp32 gradients from the first micro-batch on; accum_grads=auto, where the plan says
+    whole gradients fit (this host: a tiny model), the whole gradients until the last micro-batch reduce-scatters
+    them. Before the fix every run held the whole gradients (ratio 1.02 where this asserts < 0.65)."""
+    sets = ["--set", "grad_accum=4"] + (["--set", f"accum_grads={policy}"] if policy else [])
+    cmd = torchrun_argv(tmp_path / "run", tmp_path / "res", *sets, script=Path(__file__).with_name("fsdp_accum.py"))
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for rank in (0, 1):
+        rec = json.loads((tmp_path / f"res.rank{rank}.json").read_text())
+        ratios = [h / rec["whole_grad_bytes"] for h in rec["held"]]
+        assert len(ratios) == 4
+        if policy is None:
+            assert all(0.4 < r < 0.65 for r in ratios), ratios
+            assert rec["accumulation"] == "sharded"
+        else:
+            assert all(r > 0.95 for r in ratios[:3]) and 0.4 < ratios[3] < 0.65, ratios
+            assert rec["accumulation"] == "unsharded"
+
+
+def test_each_rank_hashes_its_own_checkpoint_files(tmp_path):
+    """Saving, every rank hashes the files it wrote (its RNG state and DCP shard; rank 0 the shared ones) and rank 0
+    merges the manifest; resuming, the two ranks verify disjoint halves of the checkpoint that together cover it.
+    Before, rank 0 hashed every file at every save and every resume."""
+    from gated_attention.train.checkpoint import file_owner, latest_checkpoint
+
+    out, trace = tmp_path / "run", tmp_path / "hashes.txt"
+
+    def hashed() -> list[tuple[int, str, str]]:
+        rows = [line.split(" ", 2) for line in trace.read_text().splitlines()]
+        trace.unlink()
+        return [(int(r), caller, path) for r, caller, path in rows]
+
+    p = torchrun(out, FSDP_SETS, {"GATTN_TEST_HASH_TRACE": str(trace)})
+    assert p.returncode == 0, p.stderr[-3000:]
+    saves = hashed()
+    assert {c for _, c, _ in saves} == {"_record"}
+    for rank, _, path in saves:
+        name = Path(path).relative_to(Path(path).parents[1] if "/state/" in path else Path(path).parent).as_posix()
+        assert file_owner(name) == rank, (rank, name)
+    assert {rank for rank, _, _ in saves} == {0, 1}
+    p = torchrun(out, FSDP_SETS, {"GATTN_TEST_HASH_TRACE": str(trace)}, resume=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    checked = [(rank, path) for rank, caller, path in hashed() if caller == "verify"]
+    mine = [{path for rank, path in checked if rank == r} for r in (0, 1)]
+    files = {f"{latest_checkpoint(out)}/{name}" for name in json.loads((latest_checkpoint(out) / "manifest.json")
+                                                                     .read_text())["files"]}
+    assert mine[0] and mine[1] and not mine[0] & mine[1] and mine[0] | mine[1] == files
+
+
+def test_compile_auto_is_decided_once_for_every_rank(tmp_path):
+    """compile=auto with rank-dependent step timings (tests/compile_agree.py: rank 0 times 100 s steps, rank 1
+    0.01 s): rank 0's decision (compile) holds on both ranks. Before, each rank decided from its own timings: rank 0
+    compiled and rank 1 stayed eager."""
+    cmd = torchrun_argv(tmp_path / "run", tmp_path / "res", script=Path(__file__).with_name("compile_agree.py"))
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = [json.loads((tmp_path / f"res.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [g["compiled"] for g in got] == [True, True], got
+    assert got[0]["compile_decision"] == got[1]["compile_decision"]
+    assert "100.00 s" in got[1]["compile_decision"]  # rank 0's measurement, on rank 1
+
+
+def test_fsdp_over_one_rank_under_torchrun(tmp_path, reference_fsdp):
+    """dist=fsdp under torchrun --nproc_per_node=1 runs FSDP2 over a one-rank group (what bench/gpu_check.sh uses
+    to exercise FSDP2 with accumulation on one GPU) and trains like the one-process run, here with grad_accum 2."""
+    p = subprocess.run(torchrun_argv("train", "--preset", "tiny", "--out", tmp_path,
+                                     *sum((["--set", s] for s in SETS + ["dist=fsdp", "grad_accum=2"]), []), nproc=1),
+                       env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    par = json.loads((tmp_path / "summary.json").read_text())["parallel"]
+    assert par == {"world_size": 1, "wrapper": "fsdp", "grad_accum": 2, "accumulation": "sharded"}
+    assert losses(tmp_path) == pytest.approx(reference_fsdp, abs=1e-5)

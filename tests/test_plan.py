@@ -37,7 +37,8 @@ def test_json_contract():
     assert list(p)[:len(PL.JSON_KEYS)] == list(PL.JSON_KEYS)
     mem = p["memory_per_gpu_gb"]
     assert {"params", "grads", "optimizer", "activations", "total"} <= set(mem)
-    assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
+    step = sum(mem[k] for k in PL.STEP_KEYS)
+    assert mem["total"] == pytest.approx(max(step, sum(mem[k] for k in PL.EVAL_KEYS)))
     assert isinstance(p["fits"], bool) and p["tokens_per_s"] > 0 and p["days"] > 0
     assert p["params_total"] == param_report(PL.meta_model(train_preset("paper-dense-28l")).config)["total"]
     s = p["settings"]  # the preset's recipe as planned
@@ -103,6 +104,78 @@ def test_numbers_equal_a_hand_computation():
     # bf16-params in one process: the fp32 master and its bf16 compute twin
     bp = PL.plan(tiny_cfg("precision=bf16-params"), gpus=1, device="cpu")["memory_per_gpu_gb"]
     assert bp["params"] * 1e9 == pytest.approx(6 * total)
+
+
+def test_gradients_follow_the_accumulation_policy():
+    """Under FSDP2 with grad_accum > 1 the plan counts the gradients the trainer holds, by the trainer's own policy
+    function (train.dist.unsharded_accumulation): sharded (4 B / N) by default; accum_grads=auto plans whole ones plus
+    the sharded output (4 B + 4 B / N) only where those fit the GPU's memory, at the byte."""
+    Pt = PL.plan(tiny_cfg(), gpus=1, device="cpu")["params_trainable"]
+    cfg = tiny_cfg("dist=fsdp", "grad_accum=2")  # 4 sequences = 2 ranks x 2 micro-batches of 1
+    sh = PL.plan(cfg, gpus=2, gpu_memory_gb=1e3, device="cpu")
+    assert sh["settings"]["grad_accumulation"] == "sharded"
+    assert sh["memory_per_gpu_gb"]["grads"] * 1e9 == pytest.approx(4 * Pt / 2)
+    auto = replace(cfg, accum_grads="auto")
+    room = sh["memory_per_gpu_gb"]["total"]  # the sharded plan's total: what whole gradients must fit beside
+    fits = PL.plan(auto, gpus=2, gpu_memory_gb=room + 4 * Pt / 1e9, device="cpu")
+    assert fits["settings"]["grad_accumulation"] == "unsharded"
+    assert fits["memory_per_gpu_gb"]["grads"] * 1e9 == pytest.approx(4 * Pt + 4 * Pt / 2)
+    assert fits["memory_per_gpu_gb"]["total"] == pytest.approx(room + 4 * Pt / 1e9)
+    tight = PL.plan(auto, gpus=2, gpu_memory_gb=room + (4 * Pt - 8) / 1e9, device="cpu")
+    assert tight["settings"]["grad_accumulation"] == "sharded"
+    # one process and DDP hold whole gradients whatever the policy; one micro-batch needs no choice
+    assert PL.plan(replace(auto, dist="ddp"), gpus=2, device="cpu")["settings"]["grad_accumulation"] == "whole"
+    one = PL.plan(replace(auto, grad_accum=1), gpus=2, gpu_memory_gb=1e3, device="cpu")
+    assert one["settings"]["grad_accumulation"] == "sharded"
+    # the 15A2B MoE at 64 GPUs, micro-batch 1 (16 micro-batches): a 1/64 shard of the fp32 gradients, not all 62 GB
+    moe = PL.plan(train_preset("paper-moe-15a2b"), gpus=64)
+    assert moe["settings"]["grad_accumulation"] == "sharded" and moe["settings"]["grad_accum"] == 16
+    assert moe["memory_per_gpu_gb"]["grads"] == pytest.approx(4 * moe["params_trainable"] / 64 / 1e9)
+
+
+def test_loss_stats_eval_and_communication_equal_a_hand_computation():
+    """The parts a run holds beside its weights and activations, and the communication `days` includes, by hand on
+    the tiny model (vocab 128, d 32, fp32) and at the paper presets' 151,936-token vocabulary."""
+    d, V, T = 32, 128, 32
+    total = PL.plan(tiny_cfg(), gpus=1, device="cpu")["params_total"]
+    p = PL.plan(tiny_cfg("stats_every=10", "eval_batch_size=4"), gpus=1, gpu_memory_gb=1.0, mfu=0.5,
+                gpu_tflops=100.0, device="cpu")
+    m = p["memory_per_gpu_gb"]
+    tokens = 4 * T  # micro-batch 4 x 32
+    chunk = min(tokens, max(32, 2 ** 21 // V))  # the chunked loss's chunk: all 128 tokens here
+    assert m["loss"] * 1e9 == pytest.approx(2 * 4 * chunk * V + 4 * V * d)  # fp32 logits + grad, (V, d) product
+    assert m["stats"] * 1e9 == pytest.approx(4 * total)  # the stats step's fp32 parameter snapshot
+    assert m["eval"] * 1e9 == pytest.approx(4 * T * V * (4 + 4))  # fp32 logits + log-softmax of 4 x 32 tokens
+    step = sum(m[k] for k in ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead"))
+    assert m["total"] == pytest.approx(max(step, m["params"] + m["optimizer"] + m["buffers"] + m["overhead"]
+                                           + m["eval"]))
+    off = PL.plan(tiny_cfg("stats_every=0"), gpus=1, device="cpu")["memory_per_gpu_gb"]
+    assert off["stats"] == 0
+    plain = PL.plan(tiny_cfg("fast=false"), gpus=1, device="cpu")["memory_per_gpu_gb"]
+    assert plain["loss"] * 1e9 == pytest.approx(2 * 4 * tokens * V)
+    # the paper presets: evaluation's (4, 4096, 151,936) logits in bf16, their fp32 copy and the log-softmax
+    paper = PL.plan(train_preset("paper-dense-28l"), gpus=8)
+    assert paper["settings"]["vocab_size"] == 151936 and paper["settings"]["eval_batch_size"] == 4
+    assert paper["memory_per_gpu_gb"]["eval"] * 1e9 == pytest.approx(4 * 4096 * 151936 * (2 + 4 + 4))  # ~24.9 GB
+    chunk = max(32, 2 ** 21 // 151936)  # 32 tokens
+    assert paper["memory_per_gpu_gb"]["loss"] * 1e9 == pytest.approx(2 * 4 * chunk * 151936 + 4 * 151936 * 2048)
+    # communication at 2 ranks, grad_accum 2, fp32, 10 GB/s: FSDP2 all-gathers every parameter twice per
+    # micro-batch and reduce-scatters the gradients once per micro-batch, each moving half of the tensor; DDP
+    # all-reduces once per step
+    fs = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu", bandwidth_gbs=10.0, mfu=0.5,
+                 gpu_tflops=1e-6)
+    c = fs["comm_per_step"]
+    assert c["all_gather_gb"] * 1e9 == pytest.approx(2 * 2 * total * 4 / 2)
+    assert c["reduce_gb"] * 1e9 == pytest.approx(2 * 4 * total / 2)
+    assert c["seconds"] == pytest.approx((4 * total * 4 / 2 + 8 * total / 2) / 10e9)
+    assert c["compute_seconds"] == pytest.approx(4 * T * fs["flops_per_token"] / (0.5 * 1e-6 * 1e12 * 2))
+    assert fs["tokens_per_s"] == pytest.approx(4 * T / max(c["seconds"], c["compute_seconds"]))
+    slow = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu", bandwidth_gbs=1e-6)
+    assert slow["comm_per_step"]["step_seconds"] == slow["comm_per_step"]["seconds"]  # communication bounds it
+    assert slow["days"] == pytest.approx(slow["token_budget"] / (4 * T / slow["comm_per_step"]["seconds"]) / 86400)
+    dd = PL.plan(tiny_cfg("dist=ddp"), gpus=2, device="cpu", bandwidth_gbs=10.0)["comm_per_step"]
+    assert dd["all_gather_gb"] == 0 and dd["reduce_gb"] * 1e9 == pytest.approx(2 * 4 * total / 2)
+    assert PL.plan(tiny_cfg(), gpus=1, device="cpu")["comm_per_step"]["seconds"] == 0
 
 
 def test_flops_equal_the_bench_count():
@@ -244,13 +317,30 @@ def test_gpu_check_dry_run(tmp_path):
     """bench/gpu_check.sh --dry-run works without a GPU: every part's command and limit (within the script's total),
     and the plan of the paper part's exact settings."""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "PYTHONPATH": str(root / "src")}
+    bin_dir = tmp_path / "bin"  # the GPU machine's own python3 is the default interpreter (no .venv)
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env |= {"OUT": str(tmp_path / "out"), "WORK": str(tmp_path / "work"), "PYTHONPATH": str(root / "src"),
+            "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     p = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"], env=env, capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     out = p.stdout
-    for name in ("kernel_tests", "paper_28l", "bench_kernel", "train_triton_gated", "train_sdpa", "train_compare"):
+    for name in ("kernel_tests", "paper_28l", "bench_kernel", "train_triton_gated", "train_sdpa", "train_compare",
+                 "fsdp_full", "fsdp_restart", "fsdp_compare"):
         assert f"== {name} (limit" in out and "would run" in out, name
+    assert "would run: env TRITON_INTERPRET=0 python3 -m pytest" in out
+    # every run folder (checkpoints) is under WORK, none under OUT (what comes back from the GPU machine)
+    assert "--out " + str(tmp_path / "out") not in out and out.count("--out " + str(tmp_path / "work")) >= 3
+    fsdp = next(line for line in out.splitlines() if line.startswith("== fsdp_restart"))
+    for s in ("--nproc_per_node=1", "--max-restarts=1", "dist=fsdp", "grad_accum=4", "compile=true",
+              "activation_checkpointing=full", "precision=bf16-params", "--resume auto", "GATTN_TEST_KILL_AT_STEP=5"):
+        assert s in fsdp, s
+    inside = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"],
+                            env={**env, "WORK": str(tmp_path / "out" / "w")}, capture_output=True, text=True)
+    assert inside.returncode == 2 and "inside OUT" in inside.stderr
     limits = [int(x) for x in __import__("re").findall(r"\(limit (\d+)s\) would run", out)]
     assert sum(limits) <= 470  # one command under 8 minutes
     assert "bench/bench_plan.py run --preset paper-dense-28l" in out

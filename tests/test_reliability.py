@@ -531,3 +531,77 @@ def test_disk_full_under_ddp_stops_every_rank(tmp_path):
     assert "gattn train: error: disk full" in p.stderr and "rank 0 stopped with an error" in p.stderr, p.stderr[-3000:]
     assert ckpt_mod.list_checkpoints(run) == []
     assert not [x.name for x in (run / "checkpoints").iterdir()]  # the temp folder was removed
+
+
+class FakeCudaRng:
+    """torch.cuda's RNG functions as on a host with `n` GPUs, for a CPU test: each device's generator state is a
+    tensor here, and a device this host does not have fails as CUDA does (invalid device ordinal)."""
+
+    def __init__(self, n: int):
+        self.n, self.states = n, {i: torch.full((16,), 100 + i, dtype=torch.uint8) for i in range(n)}
+
+    def _index(self, device) -> int:
+        i = 0 if device in ("cuda", None) else (device if isinstance(device, int) else torch.device(device).index or 0)
+        if i >= self.n:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        return i
+
+    def get(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def set(self, state, device="cuda"):
+        self.states[self._index(device)] = state.clone()
+
+    def install(self, monkeypatch) -> "FakeCudaRng":
+        for name, fn in (("is_available", lambda: True), ("device_count", lambda: self.n),
+                         ("current_device", lambda: 0), ("get_rng_state", self.get), ("set_rng_state", self.set),
+                         ("get_rng_state_all", lambda: [self.get(i) for i in range(self.n)]),
+                         ("set_rng_state_all", lambda states: [self.set(s, i) for i, s in enumerate(states)])):
+            monkeypatch.setattr(torch.cuda, name, fn)
+        return self
+
+
+def test_a_checkpoint_from_a_host_with_more_gpus_resumes(tmp_path, monkeypatch):
+    """A rank's checkpoint holds its own device's CUDA RNG state only, and a checkpoint holding a state for every
+    device of a 4-GPU host (the old layout) resumes on a 1-GPU host with device 0's state (before: set_rng_state_all
+    failed on device 1). CUDA's RNG functions are faked on this CPU machine (FakeCudaRng)."""
+    from gated_attention.train.checkpoint import latest_checkpoint, verify, write_manifest
+    from gated_attention.train.config import apply_overrides, tiny
+    from gated_attention.train.trainer import train
+
+    cfg = apply_overrides(tiny(), ["steps=4", "ckpt_every=2", "precision=fp32", "compile=false", "device=cpu"])
+    out = tmp_path / "run"
+    train(cfg, out)
+    ck = latest_checkpoint(out)
+    rng = torch.load(ck / "rng_rank0.pt", weights_only=True)
+    four = [torch.full((16,), 7 + i, dtype=torch.uint8) for i in range(4)]  # written on a 4-GPU host
+    torch.save({**rng, "cuda": four}, ck / "rng_rank0.pt")
+    write_manifest(ck)
+    assert verify(ck) is None
+    fake = FakeCudaRng(1).install(monkeypatch)
+    train(cfg, out, resume=True)  # restores from step 4, writes its final checkpoint again
+    assert torch.equal(fake.states[0], four[0])
+    saved = torch.load(latest_checkpoint(out) / "rng_rank0.pt", weights_only=True)["cuda"]
+    assert isinstance(saved, torch.Tensor) and torch.equal(saved, four[0])  # this device's state, not a list
+
+
+def test_a_filesystem_without_flock_is_one_clear_error(tmp_path, monkeypatch):
+    """Lustre without -o flock answers flock with ENOLCK: one UserError naming the problem and the fix (before: a
+    bare OSError traceback), and the lock file's descriptor is closed."""
+    import errno
+    import fcntl
+
+    from gated_attention.util.errors import UserError
+    from gated_attention.util.io import lock_dir
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(UserError) as err:
+        with lock_dir(tmp_path / "run", "gattn train"):
+            pass
+    msg = str(err.value)
+    assert "does not support flock" in msg and "-o flock" in msg and str(tmp_path / "run") in msg
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -25,6 +25,11 @@ def configure_plan(parser: argparse.ArgumentParser) -> None:
                         help=f"peak dense bf16 TFLOP/s of one GPU (default {DEFAULTS['gpu_tflops']:g}: H100 SXM)")
     parser.add_argument("--mfu", type=E.positive_float, default=DEFAULTS["mfu"], metavar="F",
                         help=f"model FLOPs utilisation to assume, in (0, 1] (default {DEFAULTS['mfu']:g})")
+    parser.add_argument("--bandwidth-gbs", type=E.positive_float, default=DEFAULTS["bandwidth_gbs"], metavar="GB/S",
+                        help="interconnect bandwidth one GPU's collectives achieve, GB/s (bus bandwidth; default "
+                             f"{DEFAULTS['bandwidth_gbs']:g}: one 400 Gb/s NIC per GPU, across nodes; NVLink inside "
+                             "one node reaches several times more): the communication time per step that `days` "
+                             "includes")
     parser.add_argument("--dist", choices=("ddp", "fsdp"), default=None, help="default: the preset's")
     parser.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default=None,
                         help="default: the preset's")
@@ -46,6 +51,6 @@ def run_plan(args) -> int:
     cfg = config_from_args(args.preset, args.gate, args.sets, None)
     result = plan(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
                   dist=args.dist, activation_checkpointing=args.activation_checkpointing, seq_len=args.seq_len,
-                  micro_batch=args.micro_batch, precision=args.precision)
+                  micro_batch=args.micro_batch, precision=args.precision, bandwidth_gbs=args.bandwidth_gbs)
     print(json_dumps(result, indent=1) if args.json else format_plan(result, args.preset))
     return 0

@@ -24,7 +24,11 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
                         help="override a TrainConfig field (e.g. lr=1e-3) or a model field with a model. prefix "
                              "(e.g. model.num_hidden_layers=2); repeatable")
     parser.add_argument("--out", type=E.out_dir, required=True, help="run folder: log.jsonl, checkpoints/, final/, summary.json")
-    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"],
+                        help="continue from the latest valid checkpoint in --out (an error when there is none); "
+                             "`--resume auto`: resume when --out holds a valid checkpoint, else start a new run "
+                             "there: one command line for the first launch and every restart (torchrun "
+                             "--max-restarts=N)")
     parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder (gattn data prepare)")
 
 

@@ -8,7 +8,8 @@ parent fsync'ed. A crash (even SIGKILL mid-write) therefore leaves either the pr
 `.tmp-*` folder (removed on the next start) or the complete new one, never a half-written `step_*`.
 
 Each checkpoint carries `manifest.json` (every other file's size and SHA-256), written LAST: a folder without a
-matching manifest is not a checkpoint. `--resume` verifies the newest and falls back to the newest valid one,
+matching manifest is not a checkpoint. Every rank hashes the files it wrote and rank 0 merges the records; on resume
+every rank verifies 1/world of the files (the run folder is on a filesystem every rank sees: docs/scale.md). `--resume` verifies the newest and falls back to the newest valid one,
 warning which were skipped. Re-saving an existing step renames the old copy aside, puts the new one in place, and
 only then deletes the old one. A write that fails (a full disk) removes its temp folder and leaves every previous
 checkpoint intact. Files are read back with `torch.load(weights_only=True)` (tensors and plain containers only, no
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from ..util.errors import UserError
-from ..util.io import from_strict, json_dumps
+from ..util.io import from_strict, json_dumps, read_json_object
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
@@ -118,11 +119,37 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_manifest(tmp: Path) -> None:
-    """Record every file's size and SHA-256 in manifest.json — the last file written into a checkpoint."""
+_RANK_FILE = re.compile(r"^(?:rng_rank(\d+)\.pt|" + SHARDED + r"/__(\d+)_\d+\.distcp)$")
+
+
+def file_owner(name: str) -> int:
+    """The rank that wrote checkpoint file `name` (relative path): rng_rank<r>.pt and the DCP shard __<r>_*.distcp
+    are rank r's; everything else (meta.json, state.pt, .metadata, config.json) rank 0's."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def _files(folder: Path) -> list[str]:
+    return [p.relative_to(folder).as_posix() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST]
+
+
+def _record(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def hash_own_files(tmp: Path, rank: int) -> dict:
+    """Size and SHA-256 of the files rank `rank` wrote into `tmp` (file_owner): every rank hashes its own, in
+    parallel, and rank 0 merges them into the manifest (write_manifest) — no rank reads the whole checkpoint."""
+    return {name: _record(tmp / name) for name in _files(tmp) if file_owner(name) == rank}
+
+
+def write_manifest(tmp: Path, hashed: dict | None = None) -> None:
+    """Record every file's size and SHA-256 in manifest.json — the last file written into a checkpoint. `hashed`:
+    the records the ranks computed of their own files (hash_own_files, merged); any file without one is hashed
+    here."""
     try:
-        files = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file() and p.name != MANIFEST}
+        hashed = hashed or {}
+        files = {name: hashed.get(name) or _record(tmp / name) for name in _files(tmp)}
         path = tmp / MANIFEST
         path.write_text(json_dumps({"version": 1, "files": files}, indent=1, sort_keys=True))
         _fsync_file(path)
@@ -131,8 +158,10 @@ def write_manifest(tmp: Path) -> None:
         raise
 
 
-def verify(ckpt: Path) -> str | None:
-    """None if checkpoint folder `ckpt` is complete and intact, else the reason it is not."""
+def verify(ckpt: Path, rank: int = 0, world: int = 1) -> str | None:
+    """None if checkpoint folder `ckpt` is complete and intact, else the reason it is not. With world > 1 this
+    rank checks the manifest and every world-th file of it (from its `rank`-th): the ranks of a job verify a
+    checkpoint together, each reading 1/world of it (any world size, whatever wrote it)."""
     man = ckpt / MANIFEST
     if not man.is_file():
         return "no manifest.json (incomplete write or written by an older version)"
@@ -144,7 +173,9 @@ def verify(ckpt: Path) -> str | None:
         return "manifest lists no meta.json"
     if "state.pt" not in files and SHARDED + "/.metadata" not in files:
         return f"manifest lists no state.pt and no {SHARDED}/.metadata"
-    for name, rec in files.items():
+    for i, (name, rec) in enumerate(sorted(files.items())):
+        if i % world != rank:
+            continue
         p = ckpt / name
         if not p.is_file():
             return f"{name} is missing"
@@ -155,21 +186,27 @@ def verify(ckpt: Path) -> str | None:
     return None
 
 
-def latest_valid_checkpoint(out_dir: str | Path, warn=None) -> Path | None:
-    """The newest checkpoint that passes `verify` (rank 0 only: it renames). Each newer one is renamed to
-    `corrupt-step_N` (so rotation and later resumes ignore it) and reported via `warn(message)` (default: a line on
-    stderr). None when there is no valid checkpoint."""
-    warn = warn or (lambda m: print(m, file=sys.stderr, flush=True))
+def latest_valid_checkpoint(out_dir: str | Path, warn=None, check=None) -> Path | None:
+    """The newest checkpoint that passes `check(path) -> reason or None` (default: verify). Each newer one is
+    renamed to `corrupt-step_N` (so rotation and later resumes ignore it) by `set_aside`. None when there is no
+    valid checkpoint. In one process; a job's ranks verify together with newest_valid."""
     for _, path in reversed(list_checkpoints(out_dir)):
-        reason = verify(path)
+        reason = (check or verify)(path)
         if reason is None:
             return path
-        bad = path.with_name(f"corrupt-{path.name}")  # kept for inspection; no longer counts as a checkpoint
-        shutil.rmtree(bad, ignore_errors=True)
-        os.rename(path, bad)
-        warn(f"gattn: warning: skipping checkpoint {path.name}: {reason}; moved it to {bad} and falling back to an "
-             "older one")
+        set_aside(path, reason, warn)
     return None
+
+
+def set_aside(path: Path, reason: str, warn=None) -> None:
+    """Rename a checkpoint that failed verification to corrupt-step_N (kept for inspection; no longer counts as a
+    checkpoint) and report it via `warn(message)` (default: a line on stderr). Rank 0 only."""
+    warn = warn or (lambda m: print(m, file=sys.stderr, flush=True))
+    bad = path.with_name(f"corrupt-{path.name}")
+    shutil.rmtree(bad, ignore_errors=True)
+    os.rename(path, bad)
+    warn(f"gattn: warning: skipping checkpoint {path.name}: {reason}; moved it to {bad} and falling back to an "
+         "older one")
 
 
 def commit(out_dir: str | Path, step: int, keep: int) -> Path:
@@ -211,3 +248,62 @@ def load_files(ckpt: Path, rank: int) -> tuple[dict | None, dict, dict | None]:
         raise UserError(f"checkpoint {ckpt} could not be loaded ({type(exc).__name__}: {exc}); delete it to resume "
                         "from an older one") from None
     return state, meta, rng
+
+
+# ---------------------------------------------------------------- what a run resumes from
+
+def resume_decision(out: Path, resume: bool | str, cfg_path: Path, want: dict) -> bool | str:
+    """Rank 0: check the run folder against the request; returns what to do: False (start), True (resume from the
+    newest valid checkpoint, an error if none is valid) or "auto" (resume from it, start if none is valid; a
+    checkpoint that fails verification is moved aside as corrupt-step_N, with a warning, never deleted). Every rank
+    then verifies the checkpoints together (newest_valid)."""
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; choose a folder for the run")
+    out.mkdir(parents=True, exist_ok=True)
+    clean_stale(out)
+    any_ckpt = latest_checkpoint(out)
+    auto = resume == "auto"
+    if auto:
+        if any_ckpt is None:
+            return "auto"  # nothing to verify: the trainer says it starts
+        resume = True
+    if any_ckpt is not None and not resume:
+        raise UserError(f"{out} already holds checkpoints; pass --resume (or --resume auto) to continue or choose a "
+                        "new --out")
+    if not resume:
+        return False
+    if any_ckpt is None and not cfg_path.exists():
+        raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
+                        "a new run there")
+    if cfg_path.exists():
+        from .config import describe_changes
+
+        saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
+        diff = describe_changes(saved, want)
+        if diff:
+            raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
+                            "settings or a new --out")
+    if any_ckpt is None:
+        return False  # the run was stopped before its first checkpoint: it starts again from step 0
+    return "auto" if auto else True
+
+
+def newest_valid(out: Path, info) -> Path | None:
+    """The newest checkpoint that passes verification, checked by every rank together (each reads 1/world of its
+    files: checkpoint.verify); rank 0 sets each failing newer one aside (corrupt-step_N, with a warning)."""
+    from . import dist as D
+
+    paths = [str(p) for _, p in reversed(list_checkpoints(out))] if info.is_main else None  # lists, renames nothing
+    for path in map(Path, D.broadcast_object(paths, info)):
+        reasons = D.gather_objects(verify(path, info.rank, info.world_size), info)
+        reason = next((r for r in reasons if r is not None), None)
+        if reason is None:
+            return path
+        error = None
+        if info.is_main:
+            try:
+                set_aside(path, reason)
+            except OSError as exc:
+                error = exc
+        D.agree(info, error)  # a failed rename on rank 0 stops every rank
+    return None

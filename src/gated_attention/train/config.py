@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.apply_trainable)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
 ACTIVATION_CHECKPOINTING = ("none", "full")  # train.model_setup.apply_activation_checkpointing
+ACCUM_GRADS = ("sharded", "auto")  # train.dist.unsharded_accumulation
 RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 
 
@@ -61,6 +62,9 @@ class TrainConfig:
     # Triton: the G1 gate fused into a flash-attention kernel's epilogue); the same math, so a run may switch on resume
     device: str = "auto"  # "auto" (cuda if present), "cpu" or "cuda"
     dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
+    accum_grads: str = "sharded"  # dist=fsdp with grad_accum > 1: "sharded" reduce-scatters every micro-batch (a rank
+    # holds 1/N of the fp32 gradients); "auto" keeps whole gradients until the last micro-batch (one reduce-scatter
+    # per step) only where `gattn plan` says they fit this rank's memory (train.dist.unsharded_accumulation)
     activation_checkpointing: str = "none"  # "full": each decoder layer keeps only its input and recomputes itself in
     # backward (activations: one (B, T, d) tensor per layer + one layer's worth, for ~1/3 more compute; docs/scale.md)
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
@@ -110,6 +114,8 @@ class TrainConfig:
             bad(f"data={self.data!r}; use 'corpus' or 'synthetic' ('custom' is a lab's own source)")
         if self.dist not in ("ddp", "fsdp"):
             bad(f"dist={self.dist!r}; use 'ddp' or 'fsdp'")
+        if self.accum_grads not in ACCUM_GRADS:
+            bad(f"accum_grads={self.accum_grads!r}; use one of {', '.join(ACCUM_GRADS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             bad(f"device={self.device!r}; use 'auto', 'cpu' or 'cuda'")
         if self.activation_checkpointing not in ACTIVATION_CHECKPOINTING:
@@ -368,17 +374,20 @@ def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: s
 
 
 def run_config(out: str, preset: str | None = None, gate: str | None = None, sets: list[str] = (),
-               data_dir: str | None = None, resume: bool = False) -> TrainConfig:
-    """The settings of `gattn train --out OUT [--resume]`. With resume and no preset: the saved run's own settings
-    (OUT/train_config.json) plus `sets`, where a gate or corpus given again must be the saved one (never silently
-    ignored). Otherwise the preset's (default `small`) with `gate`, `data_dir` and `sets`. The trainer then checks a
-    resumed run's settings against its checkpoint (changed_settings)."""
+               data_dir: str | None = None, resume: bool | str = False) -> TrainConfig:
+    """The settings of `gattn train --out OUT [--resume [auto]]`. With resume and no preset: the saved run's own
+    settings (OUT/train_config.json) plus `sets`, where a gate or corpus given again must be the saved one (never
+    silently ignored). Otherwise the preset's (default `small`) with `gate`, `data_dir` and `sets`. resume="auto"
+    is resume where OUT holds a saved run and a new run elsewhere (no error). The trainer then checks a resumed run's
+    settings against its checkpoint (changed_settings)."""
     from pathlib import Path
 
     from ..util.errors import UserError
     from ..util.io import read_json_object
 
     saved = Path(out) / "train_config.json"
+    if resume == "auto":
+        resume = saved.exists()
     if resume and not saved.exists() and not (Path(out) / "checkpoints").is_dir():
         raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
                         "a new run there")
@@ -424,6 +433,7 @@ def check_model(cfg: TrainConfig) -> None:
 
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
+                               "accum_grads",
                                "device", "attn_implementation", "activation_checkpointing",
                                "grad_accum", "micro_batch", "inject_nan_steps"})
 

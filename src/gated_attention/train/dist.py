@@ -1,6 +1,7 @@
 """Distributed setup on PyTorch's own engine: torchrun env -> process group, DDP or FSDP2 wrapping.
 
-One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) runs unwrapped. Under
+One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) runs unwrapped, except dist=fsdp under
+`torchrun --nproc_per_node=1`: FSDP2 over a one-rank group, so one GPU runs the FSDP2 path itself. Under
 `torchrun --nproc_per_node=N` the backend is gloo on CPU and nccl on CUDA. Under DDP every rank builds the full model
 from the same seed, so DDP needs no initial broadcast to agree; under FSDP2 the model is built on the meta device,
 sharded, and each rank fills only its own shards (train/meta_init.py), with bf16-params as FSDP2's
@@ -31,6 +32,7 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     mode: str = "none"  # "none", "ddp" or "fsdp"
+    group: bool = False  # a process group is up at world size 1: dist=fsdp under torchrun --nproc_per_node=1
 
     @property
     def is_main(self) -> bool:
@@ -38,7 +40,9 @@ class DistInfo:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """Collectives and wrapping apply: several ranks, or FSDP2 over one rank (one GPU checking the FSDP2 path:
+        sharding, the mixed-precision policy, DCP checkpoints, accumulation)."""
+        return self.world_size > 1 or self.group
 
 
 def pick_device(name: str, local_rank: int = 0) -> torch.device:
@@ -55,19 +59,43 @@ def setup(device: str, mode: str) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
-    if world <= 1:
+    one_rank_fsdp = world == 1 and mode == "fsdp" and "TORCHELASTIC_RUN_ID" in os.environ  # launched by torchrun
+    if world <= 1 and not one_rank_fsdp:
         return DistInfo(device=dev)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mode=mode)
+        _init_group("nccl" if dev.type == "cuda" else "gloo")
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mode=mode, group=one_rank_fsdp)
 
 
-def teardown() -> None:
-    if dist.is_initialized():
+def _init_group(backend: str) -> None:
+    """init_process_group from torchrun's environment. In a worker that torchrun --max-restarts restarted, the
+    group's keys go under a prefix of their own (the restart count): torchrun shares its rendezvous store with the
+    workers and keeps it across restarts, so without one the new workers read the addresses the dead ones published
+    (gloo: `connectFullMesh ... Connection refused`; NCCL: a stale unique id; pytorch/pytorch#135712)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        dist.init_process_group(backend=backend)
+        return
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://"))
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gattn/attempt_{attempt}", store), rank=rank,
+                            world_size=world)
+
+
+def teardown(failed: bool = False) -> None:
+    """End the process group. A clean end waits for every rank (barrier) first; a rank that failed (`failed`) must
+    not: its peers may be inside a collective it will never join (the next step's all-gather), so it destroys the
+    group at once (NCCL aborts its communicators) and exits with its error — its peers then fail their collective
+    (gloo: the connection closes) or are stopped by torchrun, instead of every rank waiting out the collective
+    timeout."""
+    if not dist.is_initialized():
+        return
+    if not failed:
         dist.barrier()
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32") -> nn.Module:
@@ -91,6 +119,23 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
         fully_shard(model, **kw)  # the root: tied embedding/head stay together in this group
         return model
     raise ValueError(f"unknown dist mode {info.mode!r}; use 'ddp' or 'fsdp'")
+
+
+def unsharded_accumulation(policy: str, mode: str, world: int, grad_accum: int, extra_bytes: float,
+                           spare_bytes: float | None) -> bool:
+    """The gradient-accumulation policy under FSDP2 — the one place it is decided: the trainer follows it and
+    `gattn plan` counts the gradients by it. True: keep whole (unsharded) fp32 gradients across a step's
+    micro-batches and reduce-scatter once, at the last (FSDP2's set_requires_gradient_sync(False) before it: one
+    reduce-scatter per step, but every rank holds the whole model's gradients); False: reduce-scatter after every
+    micro-batch into the sharded gradients (a rank holds 1/N of them; grad_accum reduce-scatters per step, each
+    overlapped with the backward).
+
+    Unsharded only under dist=fsdp at world > 1 with grad_accum > 1, policy "auto", and `extra_bytes` (what whole
+    gradients add over sharded ones) within `spare_bytes` (what the plan leaves of a rank's memory; None: unknown,
+    so not). DDP and one process keep whole gradients anyway."""
+    if mode != "fsdp" or world <= 1 or grad_accum <= 1 or policy != "auto":
+        return False
+    return spare_bytes is not None and extra_bytes <= spare_bytes
 
 
 def barrier(info: DistInfo) -> None:
@@ -129,6 +174,15 @@ def broadcast_object(obj, info: DistInfo):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def gather_objects(obj, info: DistInfo) -> list:
+    """Every rank's `obj` (picklable), in rank order, on every rank."""
+    if not info.distributed:
+        return [obj]
+    out = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def agree(info: DistInfo, exc: BaseException | None) -> None:

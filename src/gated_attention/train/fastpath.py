@@ -142,8 +142,10 @@ class SpeedPlan:
             for layer in self.layers:
                 del layer.forward
 
-    def observe(self, step_s: float, steps_left: int) -> str | None:
-        """Time of one finished training step; returns the decision line when auto decides (once per process)."""
+    def observe(self, step_s: float, steps_left: int, agree=None) -> str | None:
+        """Time of one finished training step; returns the decision line when auto decides (once per process).
+        agree(decision) -> decision: the trainer's broadcast of rank 0's (compile or not, the line) to every rank,
+        called at the same step on every rank — ranks timing under different load could otherwise disagree."""
         self._seen += 1
         if self.setting != "auto" or self.decision is not None or self._seen == 1:
             return None  # the first step of a process pays one-off costs (allocator, caches): not timed
@@ -156,11 +158,16 @@ class SpeedPlan:
                f"vs ~{compile_cost_s(eager):.0f} s to compile")
         missing = compiler_missing(self.device) if self.layers else "no decoder layers to compile"
         if missing:
-            self.decision = f"compile=auto -> eager ({missing})"
+            choice = (False, f"compile=auto -> eager ({missing})")
         elif should_compile(steps_left, eager):
-            self._enable(f"compile=auto -> compiled from here ({est})")
+            choice = (True, f"compile=auto -> compiled from here ({est})")
         else:
-            self.decision = f"compile=auto -> eager ({est})"
+            choice = (False, f"compile=auto -> eager ({est})")
+        on, line = agree(choice) if agree is not None else choice
+        if on:
+            self._enable(line)
+        else:
+            self.decision = line
         return self.decision
 
     def describe(self) -> dict:

@@ -10,7 +10,11 @@
   - memory_per_gpu_gb by part, in GB (1e9 bytes), per rank:
       params      the stored weights: fp32 (4 B); bf16-params in one process adds the bf16 compute copy (2 B,
                   train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters);
-      grads       fp32 gradients of the trainable parameters (FSDP2: the sharded fp32 reduce-scatter output);
+      grads       fp32 gradients of the trainable parameters by the accumulation policy
+                  (train.dist.unsharded_accumulation, which the trainer follows): FSDP2 reduce-scattering every
+                  micro-batch holds the sharded fp32 output (4 B / N); keeping whole gradients until the last
+                  micro-batch (accum_grads=auto, only where that fits) holds them whole plus the sharded output
+                  (4 B + 4 B / N); DDP and one process hold them whole (4 B);
       optimizer   AdamW's two fp32 moments (8 B per trainable parameter, / N under FSDP2);
       activations what the forward saves for backward for one micro-batch of micro_batch x seq_len tokens, plus one
                   layer's worth of backward working memory (the formula: `activation_bytes`, calibrated against the
@@ -19,11 +23,30 @@
       buffers     communication buffers: FSDP2's unsharded parameters (the root group - embeddings, final norm, head
                   - for the whole step, plus the current and the prefetched layer) and one layer's unsharded
                   gradients; DDP's gradient buckets (a second fp32 copy of the gradients); none in one process;
+      loss        the chunked loss's temporaries at the model's vocabulary (fast path): per chunk of c tokens
+                  (fused._default_chunk: c = max(32, 2^21 / V)) its fp32 (c, V) logits and their gradient, the (V, d)
+                  fp32 product each chunk adds into the head gradient, and a compute-dtype copy of the head weight
+                  where the compute dtype differs from the stored one; the plain loss (fast=false): its fp32 (b, T, V)
+                  logits and their gradient;
+      stats       the stats step's snapshot of the trainable parameters (fp32, this rank's shards; stats_every > 0);
       overhead    the runtime itself: CUDA context, NCCL and allocator slack on a GPU (GPU_OVERHEAD_GB); the
                   imported libraries on a CPU (CPU_OVERHEAD_GB, measured: docs/scale.md);
-      total       their sum, compared with the GPU's memory for `fits`;
-  - tokens_per_s = mfu * gpu_tflops * 1e12 * gpus / flops_per_token, and days to the recipe's token budget
-    (steps x global batch x seq_len) at that speed.
+      eval        evaluation's transients: eval_batch_size x seq_len x V logits in the compute dtype, their fp32
+                  copy and cross-entropy's fp32 log-softmax (the (4, 4096, 151,936) batch of the paper presets:
+                  ~25 GB); evaluation runs between steps, with no gradients and no graph;
+      total       the larger of one training step (params + grads + optimizer + activations + loss + stats +
+                  buffers + overhead) and evaluation (params + optimizer + buffers + overhead + eval), compared
+                  with the GPU's memory for `fits`. MoE layers' dispatch buffers (each routed token's copy in and out
+                  of its expert, the experts' hidden activations) are in `activations` (saved per routed slot, and
+                  one layer's worth again as the backward's working memory), not a part of their own;
+  - communication per step (`comm`): bytes one GPU moves and their time at `bandwidth_gbs` (a collective's bus
+    bandwidth): FSDP2 all-gathers every parameter twice per micro-batch (forward, and again in backward: it
+    reshards after forward) in the compute dtype and reduce-scatters fp32 gradients once per micro-batch (or once
+    per step where whole gradients are kept), each moving (N-1)/N of the tensor; DDP all-reduces the fp32 gradients
+    once per step (2 (N-1)/N); none in one process;
+  - tokens_per_s: the global batch's tokens over the step time, the larger of the compute time (FLOPs at mfu *
+    gpu_tflops on every GPU) and the communication time (FSDP2 and DDP overlap the two; the larger one bounds the
+    step), and days to the recipe's token budget (steps x global batch x seq_len) at that speed.
 
 The formulas model this project's trainer (the fused fast path by default, sdpa's flash kernel that keeps no T x T
 matrix, FSDP2 with one group per decoder layer); docs/scale.md compares them with the peak memory measured on this
@@ -43,14 +66,19 @@ import torch
 from torch import nn
 
 from .config import TrainConfig, accum_for
+from .dist import unsharded_accumulation
 
 GB = 1e9
 GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB), NCCL buffers and caching-allocator slack per GPU
 CPU_OVERHEAD_GB = 0.6  # a rank's RSS after importing torch + transformers + this package (measured: docs/scale.md)
-DEFAULTS = {"gpus": 8, "gpu_memory_gb": 80.0, "gpu_tflops": 989.0, "mfu": 0.4}  # one 8 x H100-80GB node, dense bf16
+DEFAULTS = {"gpus": 8, "gpu_memory_gb": 80.0, "gpu_tflops": 989.0, "mfu": 0.4,  # one 8 x H100-80GB node, dense bf16
+            "bandwidth_gbs": 50.0}  # a collective's bus bandwidth per GPU: one 400 Gb/s NIC (across nodes)
 JSON_KEYS = ("params_total", "params_activated", "flops_per_token", "memory_per_gpu_gb", "fits", "tokens_per_s",
              "days")  # the contract (issue 30); more keys follow them
-MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "buffers", "overhead", "total")
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead", "eval",
+               "total")
+STEP_KEYS = ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead")  # in one step
+EVAL_KEYS = ("params", "optimizer", "buffers", "overhead", "eval")  # held while evaluating (no gradients, no graph)
 
 
 # ---------------------------------------------------------------- the model on the meta device
@@ -206,15 +234,17 @@ def _resolved(precision: str, dist: str) -> str:
 
 
 def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpointing: str, tokens: int,
-           fused_loss: bool = True, device: str = "cuda") -> dict:
-    """Bytes per rank by part (module docstring), in GB."""
+           fused_loss: bool = True, device: str = "cuda", unsharded_grads: bool = False, stats: bool = False,
+           eval_tokens: int = 0) -> dict:
+    """Bytes per rank by part (module docstring), in GB. unsharded_grads: FSDP2 keeps whole gradients across the
+    micro-batches (train.dist.unsharded_accumulation said so)."""
     P, Pt = sz["total"], sz["trainable"]
     sharded = dist == "fsdp" and world > 1
     one_process = world == 1
     n = world if sharded else 1
     pd = 2 if precision == "bf16-params" else 4  # the dtype forward/backward see the parameters in
     params = 4 * P / n + (2 * P if precision == "bf16-params" and one_process else 0)
-    grads = 4 * Pt / n
+    grads = 4 * Pt / n + (4 * Pt if sharded and unsharded_grads else 0)
     optimizer = 8 * Pt / n
     if sharded:  # root group unsharded (and its gradient) all step; the current + prefetched layer; a layer's grads
         buffers = 2 * sz["root"] * pd + sz["layer_max"] * (2 * pd + pd + 4)
@@ -224,16 +254,55 @@ def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpoin
         buffers = 0.0
     act = activation_bytes(config, tokens, precision, checkpointing, fused_loss)["total"]
     overhead = (GPU_OVERHEAD_GB if device == "cuda" else CPU_OVERHEAD_GB) * GB
-    parts = {"params": params, "grads": grads, "optimizer": optimizer, "activations": act, "buffers": buffers,
-             "overhead": overhead}
-    parts["total"] = sum(parts.values())
+    parts = {"params": params, "grads": grads, "optimizer": optimizer, "activations": act,
+             "loss": loss_temporaries(config, tokens, precision, fused_loss),
+             "stats": 4 * Pt / n if stats else 0.0, "buffers": buffers, "overhead": overhead,
+             "eval": eval_bytes(config, eval_tokens, precision)}
+    parts["total"] = max(sum(parts[k] for k in STEP_KEYS), sum(parts[k] for k in EVAL_KEYS))
     return {k: v / GB for k, v in parts.items()}
+
+
+def loss_temporaries(config, tokens: int, precision: str, fused_loss: bool = True) -> float:
+    """Bytes the loss allocates beyond what `activations` counts (module docstring: loss)."""
+    V, d = config.vocab_size, config.hidden_size
+    if not fused_loss:
+        return 2 * 4 * tokens * V  # fp32 logits' gradient and the softmax cross-entropy computes
+    from ..fused import _default_chunk
+
+    c = min(tokens, _default_chunk(V))
+    cast = 2 * V * d if precision == "bf16" else 0  # autocast: a bf16 copy of the fp32 head weight
+    return 2 * 4 * c * V + 4 * V * d + cast
+
+
+def eval_bytes(config, tokens: int, precision: str) -> float:
+    """Evaluation's logits of `tokens` tokens: compute-dtype logits, their fp32 copy, the fp32 log-softmax."""
+    lb = 4 if precision == "fp32" else 2
+    return tokens * config.vocab_size * (lb + (4 if lb != 4 else 0) + 4)
+
+
+def comm_per_step(sz: dict, *, world: int, dist: str, precision: str, grad_accum: int,
+                  unsharded_grads: bool, bandwidth_gbs: float) -> dict:
+    """Bytes one GPU moves per optimizer step and their time at `bandwidth_gbs` (module docstring: comm)."""
+    P, Pt = sz["total"], sz["trainable"]
+    f = (world - 1) / world
+    pd = 2 if precision == "bf16-params" else 4
+    if dist == "fsdp" and world > 1:
+        gather = 2 * grad_accum * P * pd * f
+        reduce = (1 if unsharded_grads else grad_accum) * 4 * Pt * f
+    elif dist == "ddp" and world > 1:
+        gather, reduce = 0.0, 2 * 4 * Pt * f
+    else:
+        gather = reduce = 0.0
+    total = gather + reduce
+    return {"all_gather_gb": gather / GB, "reduce_gb": reduce / GB, "total_gb": total / GB,
+            "bandwidth_gbs": bandwidth_gbs, "seconds": total / (bandwidth_gbs * GB)}
 
 
 def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | None = None,
          gpu_tflops: float | None = None, mfu: float | None = None, dist: str | None = None,
          activation_checkpointing: str | None = None, seq_len: int | None = None, micro_batch: int | None = None,
-         precision: str | None = None, vocab_size: int | None = None, device: str = "cuda") -> dict:
+         precision: str | None = None, vocab_size: int | None = None, device: str = "cuda",
+         bandwidth_gbs: float | None = None) -> dict:
     """The plan of training `cfg` on `gpus` GPUs (defaults: DEFAULTS and the config's own settings); the JSON
     object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed)."""
     from ..util.errors import UserError, check_number
@@ -242,6 +311,8 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     gpu_memory_gb = DEFAULTS["gpu_memory_gb"] if gpu_memory_gb is None else gpu_memory_gb
     gpu_tflops = DEFAULTS["gpu_tflops"] if gpu_tflops is None else gpu_tflops
     mfu = DEFAULTS["mfu"] if mfu is None else mfu
+    bandwidth_gbs = DEFAULTS["bandwidth_gbs"] if bandwidth_gbs is None else bandwidth_gbs
+    check_number("bandwidth_gbs", bandwidth_gbs, min=0.0, min_open=True)
     check_number("gpus", gpus, kind=int, min=1)
     check_number("gpu_memory_gb", gpu_memory_gb, min=0.0, min_open=True)
     check_number("gpu_tflops", gpu_tflops, min=0.0, min_open=True)
@@ -265,19 +336,37 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     config = model.config
     sz = sizes(model)
     fl = flops_per_token(config, sz["matmul_activated"], cfg.seq_len)
-    mem = memory(sz, config, world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
-                 tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device)
-    tokens_per_s = mfu * gpu_tflops * 1e12 * gpus / fl["model"]
+    common = dict(world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
+                  tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device,
+                  stats=cfg.stats_every > 0, eval_tokens=cfg.eval_batch_size * cfg.seq_len)
+    mem = memory(sz, config, **common)
+    # the trainer's own accumulation policy: whole gradients across micro-batches only where they fit
+    unsharded = unsharded_accumulation(cfg.accum_grads, mode, gpus, accum, 4 * sz["trainable"],
+                                       (gpu_memory_gb - mem["total"]) * GB)
+    if unsharded:
+        mem = memory(sz, config, **common, unsharded_grads=True)
+    accumulation = "unsharded" if unsharded else ("sharded" if mode == "fsdp" else "whole")
+    comm = comm_per_step(sz, world=gpus, dist=mode, precision=resolved, grad_accum=accum, unsharded_grads=unsharded,
+                         bandwidth_gbs=bandwidth_gbs)
+    step_tokens = cfg.batch_size * cfg.seq_len
+    compute_s = step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus)
+    comm["compute_seconds"] = compute_s
+    comm["step_seconds"] = max(compute_s, comm["seconds"])  # overlapped: the larger bounds the step
+    tokens_per_s = step_tokens / comm["step_seconds"]
     budget = cfg.steps * cfg.batch_size * cfg.seq_len
     hardware = fl["model"] + (fl["forward"] if cfg.activation_checkpointing == "full" else 0)
     return {"params_total": sz["total"], "params_activated": sz["activated"], "flops_per_token": fl["model"],
             "memory_per_gpu_gb": mem, "fits": mem["total"] <= gpu_memory_gb, "tokens_per_s": tokens_per_s,
             "days": budget / tokens_per_s / 86400,
             "hardware_flops_per_token": hardware, "params_trainable": sz["trainable"], "token_budget": budget,
+            "comm_per_step": comm,
             "settings": {"model": cfg.model, "gate": cfg.gate, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
-                         "gpu_tflops": gpu_tflops, "mfu": mfu, "dist": mode, "precision": resolved,
+                         "gpu_tflops": gpu_tflops, "mfu": mfu, "bandwidth_gbs": bandwidth_gbs, "dist": mode,
+                         "precision": resolved, "eval_batch_size": cfg.eval_batch_size,
+                         "stats_every": cfg.stats_every,
                          "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
                          "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
+                         "grad_accumulation": accumulation,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
 
 
@@ -288,17 +377,22 @@ def format_plan(p: dict, preset: str) -> str:
              f"{s['gpu_memory_gb']:g} GB, {s['gpu_tflops']:g} TFLOP/s at MFU {s['mfu']:g}",
              f"  {s['dist'] if s['dist'] != 'none' else 'one process'}, {s['precision']}, activation checkpointing {s['activation_checkpointing']}, seq "
              f"{s['seq_len']}, micro-batch {s['micro_batch']} x grad_accum {s['grad_accum']} (global batch "
-             f"{s['global_batch']}), {s['steps']:,} steps",
+             f"{s['global_batch']}; gradients {s['grad_accumulation']}), {s['steps']:,} steps",
              f"  parameters      {p['params_total'] / 1e9:8.3f} B total, {p['params_activated'] / 1e9:.3f} B activated",
              f"  FLOPs / token   {p['flops_per_token'] / 1e9:8.2f} G (model), "
              f"{p['hardware_flops_per_token'] / 1e9:.2f} G with recompute",
              "  memory / GPU (GB)"]
     for key in MEMORY_KEYS[:-1]:
-        lines.append(f"    {key:<12} {m[key]:8.2f}")
+        note = "  (between steps, with params + optimizer + buffers + overhead)" if key == "eval" else ""
+        lines.append(f"    {key:<12} {m[key]:8.2f}{note}")
     verdict = "fits" if p["fits"] else f"does NOT fit {s['gpu_memory_gb']:g} GB"
-    lines.append(f"    {'total':<12} {m['total']:8.2f}   {verdict}")
+    lines.append(f"    {'total':<12} {m['total']:8.2f}   {verdict} (the larger of a training step and evaluation)")
     budget = p["token_budget"]
     tokens = f"{budget / 1e9:,.1f} B" if budget >= 1e9 else f"{budget / 1e6:,.2f} M"
+    c = p["comm_per_step"]
+    lines.append(f"  step            {c['compute_seconds']:.3g} s compute at MFU {s['mfu']:g}, {c['seconds']:.3g} s "
+                 f"communication ({c['total_gb']:.3g} GB per GPU at {c['bandwidth_gbs']:g} GB/s): "
+                 f"{c['step_seconds']:.3g} s (the larger)")
     lines.append(f"  speed           {p['tokens_per_s']:,.0f} tokens/s; {tokens} tokens in {p['days']:.3g} days")
     return "\n".join(lines)
 
@@ -335,7 +429,8 @@ def check_fits(cfg: TrainConfig, device: torch.device, world: int, precision: st
         raise UserError(
             f"this run (model {cfg.model}, gate {cfg.gate}) needs ~{m['total']:.1f} GB per rank at world size {world} "
             f"({setting}: params {m['params']:.1f}, grads {m['grads']:.1f}, optimizer {m['optimizer']:.1f}, "
-            f"activations {m['activations']:.1f}, buffers {m['buffers']:.1f}) but {where} {have:.1f} GB; run "
+            f"activations {m['activations']:.1f}, loss {m['loss']:.1f}, stats {m['stats']:.1f}, buffers "
+            f"{m['buffers']:.1f}; evaluation {m['eval']:.1f}) but {where} {have:.1f} GB; run "
             "`gattn plan` with the same --preset and --set to find a setting that fits (--gpus N under dist=fsdp, "
             "--activation-checkpointing full, a smaller --micro-batch), or shrink the model with --set model.*=...")
     return p

@@ -12,17 +12,28 @@ import torch
 
 
 def rng_state() -> dict:
+    """This rank's RNG states: CPU torch, Python, and the CUDA generator of this rank's own device only (a rank
+    draws from no other GPU; saving every visible device's made a checkpoint unresumable on a host with fewer)."""
     st = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+        st["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return st
 
 
 def set_rng_state(st: dict) -> None:
+    """Restore rng_state()'s states; the CUDA one into this rank's current device. A checkpoint of an older version
+    holds a list with every visible device's state: this rank's is the one at its device's index (a rank's device
+    is its LOCAL_RANK, as it was when written); where the list has no such entry that generator starts afresh."""
     torch.set_rng_state(st["torch"])
     random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+    cuda = st.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    here = torch.cuda.current_device()
+    if isinstance(cuda, (list, tuple)):
+        cuda = cuda[here] if here < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, here)
 
 
 def full_state(model, optimizer) -> tuple[dict, dict]:

@@ -34,7 +34,7 @@ from torch import nn
 from . import checkpoint as ckpt_mod
 from . import dist as D
 from . import fastpath
-from .config import TrainConfig, describe_changes
+from .config import TrainConfig
 from .data_source import make_source
 from .evaluate import domain_losses
 from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
@@ -47,15 +47,19 @@ from .schedule import lr_for
 from ..moe import moe_stats, reset_moe_balance
 from .monitors import SpikeDetector, decoder_layers, residual_stream_stats, snapshot_params, update_weight_ratio
 from ..util.errors import UserError
-from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir, read_json_object
+from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir
 from ..util.precision import numerics
 
 
 # ---------------------------------------------------------------- the loop
 
-def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_factory=None, step_hook=None,
+def train(cfg: TrainConfig, out_dir: str | Path, resume: bool | str = False, model_factory=None, step_hook=None,
           plugins: Plugins | None = None, resolved_precision: str | None = None) -> dict:
     """Train per `cfg` into `out_dir`; returns the summary (also written to out_dir/summary.json on rank 0).
+
+    resume: False starts a new run (an error where out_dir holds checkpoints); True continues from the newest valid
+    checkpoint (an error where there is none); "auto" resumes where out_dir holds a valid checkpoint and starts
+    otherwise — the one command line of a job that torchrun --max-restarts restarts.
 
     model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests; a lab's
     own model: the sink lab's small shapes, the retrofit lab's retrofitted start). plugins: a lab's data source,
@@ -73,10 +77,13 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool = False, model_fac
     try:
         with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
             _on_main(info, lambda: stack.enter_context(lock_dir(out_dir, "gattn train")))
-            return _train(cfg, Path(out_dir), resume, model_factory, info, step_hook, plugins or Plugins(),
-                          resolved_precision)
-    finally:
-        D.teardown()
+            summary = _train(cfg, Path(out_dir), resume, model_factory, info, step_hook, plugins or Plugins(),
+                             resolved_precision)
+    except BaseException:
+        D.teardown(failed=True)  # no barrier: a peer may be waiting in a collective this rank will never join
+        raise
+    D.teardown()
+    return summary
 
 
 @dataclass
@@ -101,6 +108,7 @@ class _Run:
     st: dict  # counters saved in every checkpoint (step, tokens, skipped steps, ...)
     precision: str = "fp32"  # the resolved precision ("bf16" | "bf16-params" | "fp32"), decided by rank 0 in _check_run_dir
     mixed: object = None  # MasterWeights under bf16-params in one process (its sync() follows every update)
+    unsharded_accum: bool = False  # FSDP2 keeps whole gradients until the last micro-batch (dist.unsharded_accumulation)
     per_rank: int = 0
     micro: int = 0
     tokens_per_step: int = 0
@@ -116,12 +124,12 @@ class _Run:
         return self.out / "log.jsonl"
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.DistInfo, step_hook=None,
+def _train(cfg: TrainConfig, out: Path, resume: bool | str, model_factory, info: D.DistInfo, step_hook=None,
            plugins: Plugins = Plugins(), resolved_precision: str | None = None) -> dict:
     latest, precision = _check_run_dir(cfg, out, resume, info, resolved_precision)
     run = _setup(cfg, out, model_factory, info, precision, plugins)
     run.step_hook = step_hook
-    _restore(run, latest if resume else None)
+    _restore(run, latest)  # None: a new run
     if run.st["step"] == 0:
         begin_step_hook(step_hook, run.raw)  # a fresh run: the hook sees the model as built (a curve's step 0)
     open_logs(run)
@@ -136,7 +144,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool, model_factory, info: D.Dis
 
 # ---------------------------------------------------------------- setup and resume
 
-def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo,
+def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo,
                    resolved_precision: str | None = None) -> tuple[Path | None, str]:
     """Decide the precision (or take the caller's decision, `resolved_precision`), validate the run folder against
     `resume`, write train_config.json; returns (the checkpoint to resume from — the newest VALID one — or None, the
@@ -155,43 +163,23 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool, info: D.DistInfo,
             print(f"gattn train: {line}", file=sys.stderr, flush=True)
         cfg.check_world(info.world_size, box["precision"])
         want = {**cfg.to_dict(), "resolved_precision": box["precision"]}
-        box["latest"] = _prepare_out(cfg, out, resume, out / "train_config.json", want)
+        box["resume"] = ckpt_mod.resume_decision(out, resume, out / "train_config.json", want)
         atomic_write_text(out / "train_config.json", json_dumps(want, indent=1))
 
     _on_main(info, prepare)  # every rank stops if rank 0 refused the folder
-    latest = box.get("latest")
     # rank 0's measurement decides for every rank (two ranks timing a GEMM under load could disagree)
-    latest, precision = D.broadcast_object((str(latest) if latest is not None else None, box.get("precision")), info)
-    return (Path(latest) if latest is not None else None), precision
-
-
-def _prepare_out(cfg: TrainConfig, out: Path, resume: bool, cfg_path: Path, want: dict) -> Path | None:
-    """Rank 0: check the run folder against the request and pick the checkpoint to resume from (None = start)."""
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; choose a folder for the run")
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt_mod.clean_stale(out)
-    any_ckpt = ckpt_mod.latest_checkpoint(out)
-    if any_ckpt is not None and not resume:
-        raise UserError(f"{out} already holds checkpoints; pass --resume to continue or choose a new --out")
-    if not resume:
-        return None
-    if any_ckpt is None and not cfg_path.exists():
-        raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
-                        "a new run there")
-    if cfg_path.exists():
-        saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
-        diff = describe_changes(saved, want)
-        if diff:
-            raise UserError(f"--resume with settings that differ from the saved run ({diff}); use the original "
-                            "settings or a new --out")
-    if any_ckpt is None:
-        return None  # the run was stopped before its first checkpoint: it starts again from step 0
-    latest = ckpt_mod.latest_valid_checkpoint(out)
-    if latest is None:
-        raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
-                        "warnings above); start over with a new --out")
-    return latest
+    wanted, precision = D.broadcast_object((box.get("resume"), box.get("precision")), info)
+    latest = ckpt_mod.newest_valid(out, info) if wanted else None
+    if wanted and latest is None:
+        if wanted != "auto":  # the same on every rank: every rank stops
+            raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
+                            "warnings above); start over with a new --out")
+        if info.is_main:
+            print(f"gattn train: --resume auto: no valid checkpoint in {out}; starting a new run", file=sys.stderr,
+                  flush=True)
+    elif wanted == "auto" and info.is_main:
+        print(f"gattn train: --resume auto: resuming from {latest}", file=sys.stderr, flush=True)
+    return latest, precision
 
 
 def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str,
@@ -210,10 +198,12 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precisi
     elif cfg.data == "corpus":
         source = make_source(cfg)
         source_vocab = source.vocab_size
+    unsharded_accum = False  # FSDP2: reduce-scatter every micro-batch unless the plan says whole gradients fit
     if model_factory is None:  # before anything is built: a run the plan says cannot fit stops with one line
         from .plan import check_fits
 
-        check_fits(cfg, info.device, info.world_size, precision, source_vocab)
+        fit = check_fits(cfg, info.device, info.world_size, precision, source_vocab)
+        unsharded_accum = fit["settings"]["grad_accumulation"] == "unsharded"
     factory = model_factory or build_model
     # dist=fsdp: built on the meta device and filled shard by shard after sharding (train/meta_init.py), so no rank
     # holds the whole model; in one process it is filled at once, with the same init stream
@@ -255,7 +245,7 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precisi
           "stop_reason": None, "val": {}, "last_loss": None}
     per_rank = cfg.batch_size // info.world_size
     return _Run(cfg=cfg, out=out, info=info, source=source, model=model, raw=raw, master=master, fwd=fwd,
-                precision=precision, mixed=mixed, plugins=plugins,
+                precision=precision, mixed=mixed, plugins=plugins, unsharded_accum=unsharded_accum,
                 fused_loss=speed.fused_loss and not plugins.needs_logits, speed=speed,
                 fwd_kw={"use_cache": False} if isinstance(raw, GatedQwen3ForCausalLM) else {},
                 optimizer=optimizer, layers=layers,
@@ -313,8 +303,8 @@ def _train_step(run: _Run, step: int) -> dict:
         sync = nullcontext()
         if info.distributed and info.mode == "ddp" and not last:
             sync = run.model.no_sync()  # all-reduce only on the last micro-batch
-        elif info.distributed and info.mode == "fsdp":
-            run.model.set_requires_gradient_sync(last)
+        elif info.distributed and info.mode == "fsdp":  # sharded gradients unless the plan chose whole ones
+            run.model.set_requires_gradient_sync(last or not run.unsharded_accum)
         with sync:
             with numerics(run.precision, info.device), run.speed.training_forward(), plug.forward_context(step, raw):
                 out_ = (run.fwd(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
@@ -359,7 +349,8 @@ def _train_step(run: _Run, step: int) -> dict:
         if run.mixed is not None:
             run.mixed.sync()
         st["bad_in_a_row"] = 0
-    note = run.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1)
+    note = run.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1,
+                             agree=lambda choice: D.broadcast_object(choice, info))  # rank 0's decision for all
     if note and info.is_main:
         print(f"gattn train: {note}", file=sys.stderr, flush=True)  # stdout may carry JSON
     spike = run.spikes.update(step, loss_val)
@@ -450,8 +441,12 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
         shared["config.json"] = json.loads(run.raw.config.to_json_string())
     _on_main(info, lambda: ckpt_mod.write_files(tmp, shared))
     D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()})))
-    _on_main(info, lambda: (ckpt_mod.write_manifest(tmp), ckpt_mod.commit(run.out, next_step,
-                                                                          run.cfg.keep_checkpoints)))
+    # every rank hashes the files it wrote (in parallel); rank 0 merges them into the manifest, written last
+    mine = {}
+    D.agree(info, _error_of(lambda: mine.update(ckpt_mod.hash_own_files(tmp, info.rank))))
+    hashed = {k: v for part in D.gather_objects(mine, info) for k, v in part.items()}
+    _on_main(info, lambda: (ckpt_mod.write_manifest(tmp, hashed), ckpt_mod.commit(run.out, next_step,
+                                                                                  run.cfg.keep_checkpoints)))
     run.last_ckpt_step = next_step
 
 
@@ -511,6 +506,10 @@ def _finish(run: _Run, t_start: float) -> dict:
 
             summary["bf16_gemms"] = gemm_mode(info.device)
         summary["speed"] = run.speed.describe()
+        summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
+                               "grad_accum": run.cfg.grad_accum,
+                               "accumulation": "unsharded" if run.unsharded_accum else
+                               ("sharded" if info.distributed and info.mode == "fsdp" else "whole")}
         box["summary"] = summary
         atomic_write_json(run.out / "summary.json", summary)  # strict JSON
 

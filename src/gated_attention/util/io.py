@@ -315,6 +315,12 @@ def lock_dir(path: str | os.PathLike, cmd: str = "gattn") -> Iterator[Path]:
             os.close(fd)
             raise UserError(f"{Path(path)} is in use by another {cmd} process (PID {holder}, lock {lp}); wait for it "
                             f"to finish or choose another output folder") from None
+        except OSError as exc:  # ENOLCK/EOPNOTSUPP: a filesystem without flock (Lustre mounted without -o flock)
+            os.close(fd)
+            raise UserError(f"cannot lock output folder {Path(path)}: its filesystem does not support flock "
+                            f"({exc.strerror or exc}, lock {lp}); mount it with flock support (Lustre: -o flock; "
+                            "NFS: with its lock service) or choose an output folder on a filesystem that has it "
+                            "(docs/scale.md: filesystem assumptions)") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         with _held_guard:
