@@ -2,7 +2,9 @@
 --to gguf`). A function applied to the model; the model never sees the layout.
 
 What is mapped, and how (the architecture choice and llama.cpp's facts are in gguf_map.py):
-  - G1 sigmoid gates (sdpa_elementwise, sdpa_headwise) -> `qwen35` with every layer full attention. The gate rows go
+  - G1 sigmoid gates (sdpa_elementwise, sdpa_headwise) -> `qwen35`, every layer of ours full attention, plus one
+    appended recurrent layer that adds exactly zero (llama.cpp aborts on a qwen35 file without any recurrent
+    layer; the facts are in gguf_map.py). The gate rows go
     into `attn_q` per head [q_h | g_h]; a headwise gate's row g_h is repeated head_dim times, which is exact
     (sigmoid of the same logit on every element of the head). gate_init="identity" scales the gate by 1/sigmoid(0)=2:
     folded into `attn_output` (o_proj is linear in the gated output; x2 is exact in binary floating point).
@@ -25,7 +27,8 @@ from pathlib import Path
 import torch
 
 from ..util.io import _replace_atomically
-from .gguf_map import ARCHS, FILE_TYPES, OUTTYPES, QWEN35_UNUSED_SSM, GGUFArch, arch_for, gguf_tensor, mrope_sections
+from .gguf_map import (ARCHS, FILE_TYPES, OUTTYPES, QWEN35_NOOP_SSM, GGUFArch, arch_for, gguf_tensor, mrope_sections,
+                       noop_recurrent_tensors)
 from .gguf_vocab import add_vocab, read_vocab
 from .layouts import ConversionError
 from .states import fused_q_rows
@@ -141,6 +144,13 @@ def export_gguf(model, out: str | os.PathLike, tokenizer_json: str | os.PathLike
             summary["fallbacks"].append(f"{gname}: rows of {t.shape[-1]} are not a multiple of {Q8_BLOCK}; F16")
             want = "f16"
         planned.append((gname, t.numpy(), OUTTYPES[want]))
+    if arch.noop_recurrent_layer:
+        import numpy as np
+
+        for gname, (shape, fill) in noop_recurrent_tensors(cfg.num_hidden_layers, cfg.hidden_size,
+                                                           cfg.intermediate_size).items():
+            want = "f32" if len(shape) == 1 or (OUTTYPES[outtype] == "Q8_0" and shape[-1] % Q8_BLOCK) else outtype
+            planned.append((gname, np.full(shape, fill, dtype=np.float32), OUTTYPES[want]))
 
     def write(tmp):
         w = gguf.GGUFWriter(tmp, arch.name)
@@ -169,7 +179,8 @@ def _add_hparams(w, cfg, arch: GGUFArch) -> None:
     rot = int(cfg.head_dim * (1.0 if prf is None else prf))  # as rope._rotary_dim
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
+    n_layers = cfg.num_hidden_layers + (1 if arch.noop_recurrent_layer else 0)
+    w.add_block_count(n_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
@@ -186,13 +197,15 @@ def _add_hparams(w, cfg, arch: GGUFArch) -> None:
     if arch.mrope:
         w.add_rope_dimension_sections(mrope_sections(rot))
     if arch.ssm_keys:
-        s = QWEN35_UNUSED_SSM
+        s = QWEN35_NOOP_SSM
         w.add_ssm_conv_kernel(s["conv_kernel"])
         w.add_ssm_inner_size(s["inner_size"])
         w.add_ssm_state_size(s["state_size"])
         w.add_ssm_time_step_rank(s["time_step_rank"])
         w.add_ssm_group_count(s["group_count"])
-        w.add_full_attention_interval(1)  # every layer full attention: no layer is recurrent
+        # ours are full attention; the appended no-op layer (if any) is the one recurrent layer
+        recurrent = [0] * cfg.num_hidden_layers + [1] * (n_layers - cfg.num_hidden_layers)
+        w.add_array(f"{arch.name}.attention.recurrent_layers", recurrent)
 
 
 __all__ = ["ARCHS", "check_exportable", "native_tensors", "export_gguf"]

@@ -5,9 +5,16 @@ Facts from llama.cpp (the version llama-cpp-python 0.3.36 vendors; src/models/qw
 src/llama-model.cpp, ggml-cpu/ops.cpp) that the table relies on:
   - `qwen35`, a full-attention layer: one `attn_q` projection of width 2 * heads * head_dim read per head as
     [q_h | g_h] (Qwen3-Next's per-head interleave), QK-norm on q_h and k, RoPE, attention, `attn * sigmoid(g)`,
-    `attn_output` (no bias). Dense SwiGLU FFN after `post_attention_norm`. A layer is recurrent (gated delta net)
-    unless `full_attention_interval` divides its index + 1, so interval 1 makes every layer full attention; the SSM
-    keys are still read (required) but no tensor of a recurrent layer is.
+    `attn_output` (no bias). Dense SwiGLU FFN after `post_attention_norm`. Which layers are recurrent (gated delta
+    net) is `attention.recurrent_layers` (or `full_attention_interval`); the SSM keys are always read.
+  - llama.cpp cannot run a `qwen35` file with NO recurrent layer unpatched: the hybrid memory's input
+    (llm_graph_input_mem_hybrid::set_input, src/llama-graph.cpp) writes the recurrent state-copy tensor `s_copy`,
+    which no node of an all-attention graph uses, so the scheduler never allocates it and the first decode aborts
+    with `GGML_ASSERT(buffer) failed` (ggml-backend.cpp, ggml_backend_buffer_get_type). `qwen3next` builds the same
+    hybrid input (src/models/qwen3next.cpp). The export therefore appends ONE no-op recurrent layer after the model's
+    layers: every projection out of it (ssm_out, ffn_down) is zero, all its other tensors zero or one, so it adds
+    exactly 0.0 to the residual stream (x + 0 == x in floating point) and the logits are the model's. Its cost: one
+    FFN of zeros (llama.cpp sizes every layer's FFN alike) and a 16-wide delta-net state.
   - RMSNorm everywhere is `w * x / rms(x)` (plain, as ours; HF's Qwen3.5 checkpoints store zero-centred w - 1 and
     their converter adds the 1 back, so there is nothing to undo here).
   - `qwen35` rotates with interleaved M-RoPE (rope type IMROPE): pair k of the rotated dims takes the position of
@@ -51,17 +58,42 @@ class GGUFArch:
     fused_gate: bool  # the gate rows live in attn_q, per head [q_h | g_h] (Qwen3-Next's per_head layout)
     pre_ffn_norm: str  # MODEL_TENSOR of post_attention_layernorm: qwen35 ATTN_POST_NORM, qwen3 FFN_NORM
     mrope: bool  # rope type IMROPE: write rope.dimension_sections
-    ssm_keys: bool  # the hybrid loader reads the SSM keys and full_attention_interval even with no recurrent layer
+    ssm_keys: bool  # the hybrid loader reads the SSM keys and the recurrent-layer list
+    noop_recurrent_layer: bool  # append one recurrent layer that adds exactly zero (see the module docstring)
 
 
 ARCHS: dict[str, GGUFArch] = {
-    "qwen35": GGUFArch("qwen35", ("sdpa_elementwise", "sdpa_headwise"), True, "ATTN_POST_NORM", True, True),
-    "qwen3": GGUFArch("qwen3", ("none",), False, "FFN_NORM", False, False),
+    "qwen35": GGUFArch("qwen35", ("sdpa_elementwise", "sdpa_headwise"), True, "ATTN_POST_NORM", True, True, True),
+    "qwen3": GGUFArch("qwen3", ("none",), False, "FFN_NORM", False, False, False),
 }
 
-# The SSM hyper-parameters `qwen35` requires. With full_attention_interval = 1 no layer is recurrent, so no tensor or
-# state uses them; they are the smallest consistent values (one group, one head of state 16, kernel 4).
-QWEN35_UNUSED_SSM = dict(conv_kernel=4, inner_size=16, state_size=16, time_step_rank=1, group_count=1)
+# The SSM hyper-parameters `qwen35` requires; only the no-op recurrent layer uses them: the smallest consistent values
+# (one group, one value head, state 16, conv kernel 4).
+QWEN35_NOOP_SSM = dict(conv_kernel=4, inner_size=16, state_size=16, time_step_rank=1, group_count=1)
+
+
+def noop_recurrent_tensors(layer: int, hidden: int, ffn: int) -> dict[str, tuple[tuple[int, ...], float]]:
+    """GGUF name -> (shape in PyTorch (out, in) order, fill value) of the no-op delta-net layer `layer`, shapes as
+    qwen35's load_block_trunk creates them (llama.cpp's ne order is this reversed). Only the norms are one."""
+    s = QWEN35_NOOP_SSM
+    key_dim, value_dim = s["state_size"] * s["group_count"], s["state_size"] * s["time_step_rank"]
+    b = f"blk.{layer}."
+    return {
+        b + "attn_norm.weight": ((hidden,), 1.0),
+        b + "post_attention_norm.weight": ((hidden,), 1.0),
+        b + "attn_qkv.weight": ((2 * key_dim + value_dim, hidden), 0.0),
+        b + "attn_gate.weight": ((value_dim, hidden), 0.0),
+        b + "ssm_conv1d.weight": ((2 * key_dim + value_dim, s["conv_kernel"]), 0.0),
+        b + "ssm_dt.bias": ((s["time_step_rank"],), 0.0),
+        b + "ssm_a": ((s["time_step_rank"],), 0.0),
+        b + "ssm_beta.weight": ((s["time_step_rank"], hidden), 0.0),
+        b + "ssm_alpha.weight": ((s["time_step_rank"], hidden), 0.0),
+        b + "ssm_norm.weight": ((s["state_size"],), 1.0),
+        b + "ssm_out.weight": ((hidden, value_dim), 0.0),
+        b + "ffn_gate.weight": ((ffn, hidden), 0.0),
+        b + "ffn_up.weight": ((ffn, hidden), 0.0),
+        b + "ffn_down.weight": ((hidden, ffn), 0.0),
+    }
 
 # --outtype / --gate-type names -> gguf-py GGMLQuantizationType member; 1-D tensors (norms, biases) stay F32 always.
 OUTTYPES: dict[str, str] = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}
