@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..util.io import _replace_atomically
+from ..util.io import atomic_write_with
 from .gguf_map import (ARCHS, FILE_TYPES, OUTTYPES, QWEN35_NOOP_SSM, GGUFArch, arch_for, gguf_tensor, mrope_sections,
                        noop_recurrent_tensors)
 from .gguf_vocab import add_vocab, read_vocab
@@ -168,7 +168,7 @@ def export_gguf(model, out: str | os.PathLike, tokenizer_json: str | os.PathLike
         w.write_tensors_to_file()
         w.close()
 
-    _replace_atomically(out, write)
+    atomic_write_with(out, write)
     return summary
 
 
