@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -24,7 +25,27 @@ from gated_attention.interop.gguf_vocab import find_tokenizer_json
 
 FILES = [("f32", "f32", None), ("f16", "f16", None), ("bf16", "bf16", None), ("q8_0", "q8_0", None),
          ("q8_0 gate f32", "q8_0", "f32")]
-LLAMA_QUANT = [("llama.cpp Q8_0", 7), ("llama.cpp Q4_K_M", 15)]  # LlamaFileType MOSTLY_Q8_0, MOSTLY_Q4_K_M
+# llama.cpp's quantizer: (label, LlamaFileType, GGML type of the gate-holding attn_q or None). 7 = MOSTLY_Q8_0,
+# 15 = MOSTLY_Q4_K_M; ggml types 1 = F16, 8 = Q8_0 (the gate kept high through the quantizer's tensor-type overrides)
+LLAMA_QUANT = [("llama.cpp Q8_0", 7, None), ("llama.cpp Q4_K_M", 15, None), ("llama.cpp Q4_K_M gate f16", 15, 1),
+               ("llama.cpp Q4_K_M gate q8_0", 15, 8)]
+
+
+def llama_quantize(src, dst, ftype, gate_type=None):
+    """llama.cpp's own quantizer (llama_model_quantize) from the f32 file; gate_type: attn_q's ggml type override."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 1
+    if gate_type is not None:
+        over = (llama_cpp.llama_model_tensor_override * 2)()
+        over[0].pattern, over[0].type = rb"attn_q\.weight", gate_type
+        over[1].pattern = None  # the list ends at a null pattern
+        params.tt_overrides = ctypes.cast(over, type(params.tt_overrides))
+    return llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
 
 
 def _windows(data_dir, n, seq):
@@ -44,10 +65,29 @@ def _nll(logits, ids):
     return -lp[np.arange(len(ids) - 1), ids[1:]].mean()
 
 
-def measure(model, path, windows, n_gen=32):
+def open_llama(path, n_ctx=1024):
+    """llama-cpp-python's Llama with llama.cpp's extra CPU buffer types (AMX / repacked weights) off: on this Xeon
+    (AMX) the AMX matmul of Q8_0 weights segfaults in 0.3.36's llama.cpp for every model, stock qwen3 included."""
     import llama_cpp
+    import llama_cpp.llama_cpp as C
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=1024, n_batch=1024, logits_all=True, n_threads=1, verbose=False)
+    default = C.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    C.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=1,
+                               verbose=False)
+    finally:
+        C.llama_model_default_params = default
+
+
+def measure(model, path, windows, n_gen=32):
+    llm = open_llama(path)
     dmax, agree, n, nll_t, nll_o = 0.0, 0, 0, [], []
     for ids in windows:
         llm.reset()
@@ -86,7 +126,6 @@ def main():
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    import llama_cpp
 
     windows = _windows(args.data_dir, args.windows, args.seq_len)
     rows = []
@@ -100,13 +139,12 @@ def main():
                 path = Path(d) / f"{outtype}-{gate_type}.gguf"
                 export_gguf(model, path, tok, outtype, gate_type)
                 rows.append(dict(model=src, gate=model.config.gate, file=label, **measure(model, path, windows)))
-            for label, ftype in LLAMA_QUANT:
-                path = Path(d) / f"lq{ftype}.gguf"
-                params = llama_cpp.llama_model_quantize_default_params()
-                params.ftype = ftype
-                params.nthread = 1
-                rc = llama_cpp.llama_model_quantize(str(Path(d) / "f32-None.gguf").encode(), str(path).encode(),
-                                                    params)
+                print(f"measured {src} {label}", file=sys.stderr, flush=True)
+            for label, ftype, gate_type in LLAMA_QUANT:
+                if gate_type is not None and model.config.gate == "none":
+                    continue
+                path = Path(d) / f"lq{ftype}-{gate_type}.gguf"
+                rc = llama_quantize(Path(d) / "f32-None.gguf", path, ftype, gate_type)
                 if rc != 0:
                     rows.append(dict(model=src, gate=model.config.gate, file=label, error=f"quantize rc {rc}"))
                     continue

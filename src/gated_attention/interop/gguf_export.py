@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..util.io import atomic_write_with
-from .gguf_map import (ARCHS, FILE_TYPES, OUTTYPES, QWEN35_NOOP_SSM, GGUFArch, arch_for, gguf_tensor, mrope_sections,
+from .gguf_map import (ARCHS, FILE_TYPES, NOOP_F32, OUTTYPES, QWEN35_NOOP_SSM, GGUFArch, arch_for, gguf_tensor, mrope_sections,
                        noop_recurrent_tensors)
 from .gguf_vocab import add_vocab, read_vocab
 from .layouts import ConversionError
@@ -149,7 +149,8 @@ def export_gguf(model, out: str | os.PathLike, tokenizer_json: str | os.PathLike
 
         for gname, (shape, fill) in noop_recurrent_tensors(cfg.num_hidden_layers, cfg.hidden_size,
                                                            cfg.intermediate_size).items():
-            want = "f32" if len(shape) == 1 or (OUTTYPES[outtype] == "Q8_0" and shape[-1] % Q8_BLOCK) else outtype
+            keep_f32 = len(shape) == 1 or gname.endswith(NOOP_F32)
+            want = "f32" if keep_f32 else "f16" if OUTTYPES[outtype] == "Q8_0" and shape[-1] % Q8_BLOCK else outtype
             planned.append((gname, np.full(shape, fill, dtype=np.float32), OUTTYPES[want]))
 
     def write(tmp):

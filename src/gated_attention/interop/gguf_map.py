@@ -72,9 +72,17 @@ ARCHS: dict[str, GGUFArch] = {
 QWEN35_NOOP_SSM = dict(conv_kernel=4, inner_size=16, state_size=16, time_step_rank=1, group_count=1)
 
 
+# no-op layer tensors kept F32 whatever --outtype says: its delta-net tensors (tiny: 16-wide), as llama.cpp's own
+# converter keeps them out of quantization (ggml's CPU ssm_conv takes an F32 kernel only, and a Q8_0 ssm_beta of
+# one row crashed the CPU backend here). Its FFN (zeros) follows --outtype.
+NOOP_F32 = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_beta.weight", "ssm_alpha.weight",
+            "ssm_out.weight")
+
+
 def noop_recurrent_tensors(layer: int, hidden: int, ffn: int) -> dict[str, tuple[tuple[int, ...], float]]:
     """GGUF name -> (shape in PyTorch (out, in) order, fill value) of the no-op delta-net layer `layer`, shapes as
-    qwen35's load_block_trunk creates them (llama.cpp's ne order is this reversed). Only the norms are one."""
+    qwen35's load_block_trunk creates them (llama.cpp's ne order is this reversed). Only the norms are one; the
+    tensors named in NOOP_F32 stay F32."""
     s = QWEN35_NOOP_SSM
     key_dim, value_dim = s["state_size"] * s["group_count"], s["state_size"] * s["time_step_rank"]
     b = f"blk.{layer}."
