@@ -201,16 +201,16 @@ def test_llama_cpp_logits_generation_and_tokens_equal_ours(tmp_path, tok_json, t
     assert theirs_gen == greedy
 
 
-@pytest.mark.parametrize("gate_type", [None, "f32"])
-def test_llama_cpp_runs_q8_0_files_close_to_the_reference(tmp_path, tok_json, text_ids, gate_type):
+@pytest.mark.parametrize("outtype,gate_type", [("f16", None), ("bf16", None), ("q8_0", None), ("q8_0", "f32")])
+def test_llama_cpp_runs_low_precision_files_close_to_the_reference(tmp_path, tok_json, text_ids, outtype, gate_type):
     model = _model("sdpa_headwise", tok_json)
-    out = tmp_path / "q8.gguf"
-    export_gguf(model, out, tok_json, "q8_0", gate_type=gate_type)
+    out = tmp_path / "low.gguf"
+    export_gguf(model, out, tok_json, outtype, gate_type=gate_type)
     llm = _llama(out, extra_bufts=False)
     llm.eval(text_ids)
     theirs = np.asarray(llm.scores[: len(text_ids)])
     llm.close()
     ref = gguf_reference.forward(out, text_ids)  # the same dequantized weights in fp32
-    # llama.cpp also quantizes the activations to Q8 for its Q8_0 dot products: close to the reference, not equal
+    # llama.cpp also rounds the activations (Q8 / f16 / bf16) for its dot products: close to the reference, not equal
     assert np.abs(theirs - ref).max() < 0.05 * np.ptp(ref)
     assert (theirs.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
