@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Install the Debian packages that hold three of the default corpus sources (see gated_attention/data.py):
-#   r-cran-janeaustenr (Austen novels, R data file), bible-kjv (King James Bible), python3.11-doc (Python docs, reST).
+#   r-cran-janeaustenr (Austen novels, R data file), bible-kjv (King James Bible), python3.11-doc (Python docs, reST),
+# and the C++ build tools (cmake, g++) that the `serve` extra's llama-cpp-python compiles llama.cpp with.
 # GATTN_LARGE_SOURCES=1 adds the opt-in large sources (not in the default corpus; ~140 MB download, ~1.3 GB of text):
 #   linux-source-6.1 (kernel_c, kernel_doc: GPL-2) and dict-gcide (gcide: GPL-2-or-later); see data/large_sources.py.
 # Idempotent: exits at once when all are installed; runs `apt-get update` only when a package is not yet known to apt.
 # Needs root (or sudo). On a non-Debian system it says so and exits 1; `gattn data prepare` then skips those sources.
 set -euo pipefail
 
-PACKAGES=(r-cran-janeaustenr bible-kjv python3.11-doc)
+PACKAGES=(r-cran-janeaustenr bible-kjv python3.11-doc cmake g++)
 if [ "${GATTN_LARGE_SOURCES:-0}" = 1 ]; then
     PACKAGES+=(linux-source-6.1 dict-gcide)
 fi

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-step set-up on a fresh machine: a virtual environment in .venv with the package, its test tools and the
 # integrations the tests exercise (lm-evaluation-harness + accelerate, TensorBoard, the offline MiniLM BERT), and the
-# Debian packages that hold the default corpus sources. Idempotent and quick when everything is already there.
+# Debian packages (corpus sources, the C++ build tools). Idempotent and quick when everything is already there.
 # GATTN_SETUP_MINIMAL=1 installs only the package and the test tools (the integration tests then skip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 extras=ci
 [ "${GATTN_SETUP_MINIMAL:-0}" = 1 ] && extras=dev
+# Debian packages first: the corpus sources (Austen, KJV Bible, Python docs) and cmake/g++, which the ci extra's
+# llama-cpp-python (the serve extra) needs to build llama.cpp. Not fatal: `gattn data prepare` skips missing sources.
+bash scripts/install_debian_deps.sh || echo "setup: Debian packages unavailable; corpus domains will be skipped" >&2
+# llama.cpp's build on every core (~8.5 min on one core of this machine; pip caches the wheel afterwards)
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 stamp=.venv/.gated-attention-installed-$extras
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     .venv/bin/python -m pip install -q --upgrade pip
@@ -24,5 +29,4 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     fi
     touch "$stamp"
 fi
-# Corpus sources from Debian (Austen, KJV Bible, Python docs). Not fatal: `gattn data prepare` skips what is missing.
-bash scripts/install_debian_deps.sh || echo "setup: Debian corpus packages unavailable; those domains will be skipped" >&2
+

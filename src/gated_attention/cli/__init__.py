@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("gated_attention.cli.plan", "Before renting GPUs: a preset's parameters, FLOPs/token, memory per GPU, fit, days."),
     "eval": ("gated_attention.cli.train", "Per-domain and average perplexity and loss-by-position of a trained model."),
     "convert": ("gated_attention.cli.interop", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
+    "export": ("gated_attention.cli.interop", "Export a checkpoint to a llama.cpp GGUF file (qwen35 for gated models, qwen3 ungated)."),
     "retrofit": ("gated_attention.cli.interop", "Add a gate to a trained ungated checkpoint (identity or random init)."),
     "lm-eval": ("gated_attention.cli.lm_eval", "Run lm-evaluation-harness (`lm-eval run --model hf ...`) on our checkpoints."),
     "analyze": ("gated_attention.cli.analyze", "Measure attention sinks, massive activations and gate statistics of a model."),

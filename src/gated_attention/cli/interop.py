@@ -1,4 +1,5 @@
-"""Interop commands: `gattn convert` (checkpoint layouts) and `gattn retrofit` (add a gate to an ungated checkpoint)."""
+"""Interop commands: `gattn convert` (checkpoint layouts), `gattn export` (a GGUF file for llama.cpp) and `gattn retrofit`
+(add a gate to an ungated checkpoint)."""
 from __future__ import annotations
 
 from ..util import errors as E  # argparse types: numbers and paths checked where they enter
@@ -6,6 +7,7 @@ from ..util import errors as E  # argparse types: numbers and paths checked wher
 import argparse
 
 from ..interop import FORMATS, convert_checkpoint
+from ..interop.gguf_map import OUTTYPES
 from ..interop.retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
 
 
@@ -25,6 +27,41 @@ def configure_convert(parser) -> None:
 def run_convert(args) -> int:
     out = convert_checkpoint(args.src, args.dst, args.src_format, args.dst_format, overwrite=args.overwrite)
     print(f"wrote {args.dst_format} checkpoint to {out}")
+    return 0
+
+
+def configure_export(parser) -> None:
+    parser.add_argument("--to", dest="target", required=True, choices=("gguf",),
+                        help="file format to write: gguf (llama.cpp; G1 elementwise/headwise gates as the qwen35 "
+                             "architecture with every layer full attention, ungated models as qwen3)")
+    parser.add_argument("src", type=E.existing_dir, help="checkpoint directory (config.json + *.safetensors)")
+    parser.add_argument("out", type=E.out_file, help="the .gguf file to write (atomically; must not exist unless --overwrite)")
+    parser.add_argument("--outtype", default="f32", choices=OUTTYPES,
+                        help="type of the weight matrices (default f32; 1-D norms and biases are always f32). q8_0 "
+                             "is gguf-py's Q8_0 (blocks of 32, one f16 scale); matrices whose rows are not a "
+                             "multiple of 32 fall back to f16. For K-quants quantize the f32 file with llama.cpp")
+    parser.add_argument("--gate-type", default=None, choices=OUTTYPES,
+                        help="type of the tensors holding the gate rows (qwen35's fused attn_q), default: "
+                             "--outtype; e.g. --outtype q8_0 --gate-type f32 keeps the gate in full precision")
+    parser.add_argument("--from", dest="src_format", default="native", choices=FORMATS,
+                        help="layout of SRC (default native; any layout `gattn convert` reads)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="folder with the model's tokenizer.json (default: SRC; a prepared data dir works too)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it already exists")
+
+
+def run_export(args) -> int:
+    from ..interop.checkpoints import load_model
+    from ..interop.gguf_export import export_gguf
+    from ..interop.gguf_vocab import find_tokenizer_json
+
+    tokenizer = find_tokenizer_json(args.tokenizer or args.src)
+    model = load_model(args.src, args.src_format)
+    summary = export_gguf(model, args.out, tokenizer, args.outtype, args.gate_type, overwrite=args.overwrite)
+    for line in summary["fallbacks"]:
+        print(f"note: {line}")
+    print(f"wrote {summary['file']} ({summary['architecture']}, {args.outtype}, gate tensors "
+          f"{summary['gate_type'] if model.config.gate != 'none' else '-'}, {len(summary['tensors'])} tensors)")
     return 0
 
 

@@ -108,3 +108,23 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, src_forma
     out_config, out_state = convert_state_dict(config, state, src_format, dst_format)
     return save_dir(dst, out_config, out_state, src=src, overwrite=overwrite)
 
+
+
+def load_model(src: str | os.PathLike, src_format: str = "native"):
+    """A built fp32 GatedQwen3ForCausalLM (eval mode) from checkpoint directory SRC in `src_format`, through the
+    native hub: what functions applied to a model (GGUF export) start from."""
+    import torch
+
+    from ..configuration import GatedQwen3Config
+    from ..modeling import GatedQwen3ForCausalLM
+
+    config, state = load_dir(src)
+    ncfg, nstate = convert_state_dict(config, state, src_format, "native")
+    model = GatedQwen3ForCausalLM(GatedQwen3Config(**{k: v for k, v in ncfg.items() if k != "model_type"}))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in nstate.items()}, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:  # convert_state_dict validated the shapes; this guards the model's own names
+        raise ConversionError(f"{src}: missing {missing[:5]}, unexpected {unexpected[:5]} after conversion")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(torch.float32).eval()

@@ -63,6 +63,11 @@ def _replace_atomically(path: str | os.PathLike, write, suffix: str = ".tmp") ->
         raise
 
 
+def atomic_write_with(path: str | os.PathLike, write) -> None:
+    """`write(temp_path)` writes the whole file (e.g. a library's own writer); it lands at `path` atomically."""
+    _replace_atomically(path, write)
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     def write(tmp):
         with open(tmp, "wb") as f:
@@ -475,7 +480,7 @@ def check_hf_dir(folder: str | os.PathLike, what: str = "checkpoint folder") -> 
     return config
 
 
-__all__ = ["chmod_like_umask", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_save_figure",
+__all__ = ["chmod_like_umask", "atomic_write_with", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "atomic_save_figure",
            "save_png", "atomic_dir", "to_strict", "from_strict", "nonfinite_paths", "json_dumps", "jsonl_line",
            "append_jsonl", "read_jsonl", "strict_loads", "read_json", "read_json_object", "lock_path_for", "lock_dir",
            "locks_output", "SAFE_WEIGHTS", "SAFE_INDEX", "PICKLE_SUFFIXES", "hf_weight_files", "verify_safetensors",
