@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
+from _extras import need  # noqa: E402
+
+hypothesis = need("hypothesis", "pip install -e '.[dev]' (property-based tests)")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
