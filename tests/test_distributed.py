@@ -50,7 +50,8 @@ def test_two_ranks_equal_one(tmp_path, reference, reference_fsdp, mode):
     assert p.returncode == 0, p.stderr[-3000:]
     assert losses(tmp_path) == pytest.approx(reference if mode == "ddp" else reference_fsdp, abs=1e-5)
     assert (tmp_path / "final" / "model.safetensors").exists()
-    # under FSDP final/ is written from the shards (no gather): a plain HF folder all the same
+    # under FSDP final/ is written from the shards (its memory: test_no_rank_ever_holds_the_whole_model): a plain HF
+    # folder all the same
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     assert sorted(p.name for p in (tmp_path / "final").iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
