@@ -369,3 +369,15 @@ def test_observe_plugin_watches_without_changing_the_run(tmp_path):
         else:
             assert all(lg is not None and lg[:2] == (b, cfg.seq_len) for _, _, lg, _, _ in watch.seen)
 
+
+
+def test_a_data_dir_means_training_on_that_corpus():
+    """`gattn train --preset tiny --data-dir DIR` trains on DIR (the tiny preset's synthetic data used to ignore it
+    silently unless --set data=corpus was added too); data=synthetic with a corpus folder is one clear error."""
+    from gated_attention.train.config import config_from_args
+
+    assert config_from_args("tiny", None, [], "data").data == "corpus"
+    assert config_from_args("tiny", None, [], None).data == "synthetic"
+    assert config_from_args("tiny", None, ["data=corpus"], "data").data == "corpus"
+    with pytest.raises(ValueError, match="synthetic data reads no corpus"):
+        config_from_args("tiny", None, ["data=synthetic"], "data")

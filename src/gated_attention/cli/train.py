@@ -25,7 +25,9 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
                              "(e.g. model.num_hidden_layers=2); repeatable")
     parser.add_argument("--out", type=E.out_dir, required=True, help="run folder: log.jsonl, checkpoints/, final/, summary.json")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
-    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder (gattn data prepare)")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
+                        help="prepared corpus folder (gattn data prepare); giving one trains on it (data=corpus, also "
+                             "for the tiny preset, whose default is synthetic data)")
 
 
 def run_train(args) -> int:
