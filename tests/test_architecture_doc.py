@@ -79,7 +79,8 @@ def _check(token: str, row_dirs: list[Path] | None, defined: set[str]) -> str | 
         f = REPO / path
         ok = f.exists() and re.search(rf"^def {name}\(", f.read_text(encoding="utf-8"), re.M)
         return None if ok else f"`{token}`: no such test"
-    if "<" in token or re.search(r"\.(json|jsonl|html|png|pt|safetensors)$", token) or re.search(r"\b[A-Z]{3,}\b", token):
+    output = re.search(r"\.(json|jsonl|html|png|pt|safetensors)$", token)
+    if "<" in token or output or re.search(r"\b[A-Z]{3,}\b", token):
         return None  # a template, a run's output, a placeholder
     if re.search(r"\.(py|md|sh|toml)$", token) or token.endswith("/"):
         return None if _path_exists(token, row_dirs) else f"`{token}`: no such file or folder"
@@ -146,7 +147,8 @@ def test_the_checker_tells_names_from_values():
     assert _check("presets.model_config", None, defined) is None
     assert _check("presets.no_such_function", None, defined)
     assert _check("cli/__init__.main", None, defined) is None and _check("cli/__init__.nope", None, defined)
-    assert _check("gattn compare --budget long", None, defined) is None and _check("(B, T, H, D)", None, defined) is None
+    assert _check("gattn compare --budget long", None, defined) is None
+    assert _check("(B, T, H, D)", None, defined) is None
     assert _check("UserError", None, defined) is None and _check("NoSuch" + "ClassHere", None, defined)
     assert _check("tests/test_docs.py::test_every_link_from_the_readme_reaches_its_target", None, defined) is None
     assert _check("tests/test_docs.py::test_no_such_" + "test", None, defined)
@@ -157,3 +159,34 @@ def test_every_name_architecture_md_cites_exists():
     cited = _cited()
     bad = sorted({why for token, rows in cited if (why := _check(token, rows, defined))})
     assert len(cited) > 100 and not bad, "\n".join(bad)
+
+
+def _names(token: str, name: str, rel: str) -> bool:
+    """Whether a cited `token` names the file `name` at `rel` (`<name>_lab.py`: the labs' template)."""
+    if "<name>" in token:
+        return re.fullmatch(re.escape(token).replace("<name>", r"\w+"), name) is not None
+    return token in (name, rel) or token.endswith("/" + name)
+
+
+def test_every_source_file_is_named_in_its_layer_row():
+    """Each module of the package is named (its file name in backticks) in the layer-table row that owns it (the
+    longest `where` path containing it; the labs' `<name>_lab.py` template counts), or is a package's `__init__` /
+    `__main__`."""
+    rows = []
+    for line in DOC.read_text(encoding="utf-8").splitlines():
+        cells = line.split("|")
+        if line.startswith("| **") and len(cells) > 3:
+            rows.append((re.findall(r"`([^`]+)`", cells[2]), set(re.findall(r"`([^`]+)`", line))))
+    missing = []
+    for p in sorted(PKG.rglob("*.py")):
+        rel = p.relative_to(PKG).as_posix()
+        if p.name in ("__init__.py", "__main__.py"):
+            continue
+        owner = max(((w, names) for wheres, names in rows for w in wheres
+                     if rel == w or (w.endswith("/") and rel.startswith(w))), key=lambda t: len(t[0]), default=None)
+        if owner is None:
+            missing.append(f"{rel}: no row")
+        elif rel != owner[0] and not any(_names(n, p.name, rel) for n in owner[1]):
+            missing.append(f"{rel}: not named in the {owner[0]} row")
+    assert not missing, "\n".join(missing)
+
