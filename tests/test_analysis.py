@@ -215,7 +215,6 @@ def test_offline_bert_encoder_with_padding():
 # --- our models through the capture API -------------------------------------------------------------------------
 
 def test_our_gated_model_has_gate_stats_and_baseline_has_none():
-    pytest.importorskip("gated_attention.modeling")
     from gated_attention.capture import Recorder, capture
 
     results = {}

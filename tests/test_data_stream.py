@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _extras import need
 
 from gated_attention import data as D
 from gated_attention.data import formats, stream
@@ -140,9 +141,9 @@ def _rows(n: int) -> list[str]:
 
 
 def test_parquet_and_saved_dataset_inputs(tmp_path):
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    datasets = pytest.importorskip("datasets")
+    pa = need("pyarrow", "pip install -e '.[data]'")
+    pq = need("pyarrow.parquet", "pip install -e '.[data]'")
+    datasets = need("datasets", "pip install -e '.[data]'")
     texts = _rows(12)
     pq.write_table(pa.table({"content": texts, "n": list(range(12))}), tmp_path / "pq.parquet", row_group_size=5)
     datasets.Dataset.from_dict({"content": texts[:5]}).save_to_disk(str(tmp_path / "hf"))

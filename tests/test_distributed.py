@@ -75,7 +75,8 @@ def test_two_ranks_equal_one(tmp_path, reference, reference_fsdp, mode):
     assert p.returncode == 0, p.stderr[-3000:]
     assert losses(tmp_path) == pytest.approx(reference if mode == "ddp" else reference_fsdp, abs=1e-5)
     assert (tmp_path / "final" / "model.safetensors").exists()
-    # under FSDP final/ is written from the shards (no gather): a plain HF folder all the same
+    # under FSDP final/ is written from the shards (its memory: test_no_rank_ever_holds_the_whole_model): a plain HF
+    # folder all the same
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     assert sorted(p.name for p in (tmp_path / "final").iterdir() if p.suffix == ".safetensors") == ["model.safetensors"]
@@ -96,8 +97,9 @@ def test_resume_after_distributed_kill(tmp_path, reference):
                                   ["gate=sdpa_elementwise", "model.mechanism=sink_logits"]],
                          ids=["elementwise-odd-vocab", "moe-headwise", "sink-logits"])
 def test_fsdp_sharded_from_birth_equals_the_one_process_build(tmp_path, sets):
-    """Each rank holds about half of the parameters (never the whole model), and the gathered weights equal the
-    one-process build of the same seed exactly; that init has the structure of the constructed model's."""
+    """Each rank holds about half of the parameters, and the gathered weights equal the one-process build of the same
+    seed exactly; that init has the structure of the constructed model's. (That no rank ever holds the whole model
+    is measured in test_no_rank_ever_holds_the_whole_model.)"""
     from gated_attention.train.meta_init import build_on_meta, fill_model
     from gated_attention.train.model_setup import build_model
 
@@ -143,8 +145,9 @@ def test_bf16_params_under_fsdp_trains_like_one_process(tmp_path):
 
 
 def test_fsdp_init_from_is_read_shard_by_shard(tmp_path):
-    """Continued training under dist=fsdp: each rank reads only its rows of the checkpoint's safetensors; gathered,
-    the model equals the checkpoint (RoPE frequencies, in no checkpoint, computed anew)."""
+    """Continued training under dist=fsdp: gathered, the model equals the checkpoint (RoPE frequencies, in no
+    checkpoint, computed anew). That each rank reads only its rows is measured in
+    test_no_rank_ever_holds_the_whole_model."""
     from gated_attention.train.model_setup import build_model
 
     cfg = apply_overrides(tiny(), ["gate=sdpa_elementwise", "model.vocab_size=301"])
@@ -161,6 +164,47 @@ def test_fsdp_init_from_is_read_shard_by_shard(tmp_path):
     assert set(got["state"]) == set(ref) and all(0.3 < s < 0.7 for s in got["shares"])
     assert [k for k in ref if not torch.equal(got["state"][k], ref[k])] == []
     assert torch.equal(got["inv_freq"], saved.model.rotary_emb.inv_freq)  # in no checkpoint: computed anew
+
+
+PEAK_MODEL = ["gate=sdpa_elementwise", "model.hidden_size=512", "model.intermediate_size=1536",
+              "model.num_hidden_layers=12", "model.num_attention_heads=8", "model.num_key_value_heads=8",
+              "model.head_dim=64", "model.vocab_size=1024"]  # 166 MB of fp32 weights; its largest module 3 MB
+
+
+@pytest.mark.parametrize("source", ["init", "init_from"])
+def test_no_rank_ever_holds_the_whole_model(tmp_path, source):
+    """dist=fsdp at 4 ranks, measured per rank: the peak RSS growth (the mark reset first, tests/memprobe.py) while
+    the model is built and filled from the init stream, and while final/ is written from the shards, stays well
+    below the whole model's bytes; from an init_from checkpoint, the bytes each rank reads from the safetensors file
+    (counted at safe_open) are about its quarter. A rank that materialised, read or gathered the whole model fails.
+
+    The init_from build's RSS is not asserted: the file is memory-mapped, and the kernel's readahead maps pages
+    around each rank's rows (measured: 0.9-1.0x the file per rank on this model, pages shared by all ranks)."""
+    import memprobe
+
+    memprobe.need_probe()
+    sets = list(PEAK_MODEL)
+    if source == "init_from":
+        from gated_attention.train.model_setup import build_model
+
+        torch.manual_seed(5)
+        build_model(apply_overrides(tiny(), PEAK_MODEL), None).save_pretrained(tmp_path / "ckpt")
+        sets = ["gate=sdpa_elementwise", f"init_from={tmp_path / 'ckpt'}"]  # the checkpoint's own shape
+    out = tmp_path / "peaks.pt"
+    cmd = torchrun_argv(out, "--peak", *sum((["--set", s] for s in sets), []), nproc=4,
+                        script=Path(__file__).with_name("fsdp_birth.py"))
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = torch.load(out, weights_only=True)["ranks"]
+    whole = ranks[0]["whole"]
+    for r in ranks:  # a quarter of the model each, plus one module's temporaries and the process's own slack
+        assert r["local"] < 0.3 * whole
+        if source == "init_from":
+            assert 0.2 * whole < r["read"] < 0.3 * whole, (r, whole)  # its rows, and nothing else
+        else:
+            assert r["read"] == 0 and r["build"] < 0.6 * whole, (r, whole)
+        assert r["save"] < 0.9 * whole, (r, whole)  # the shard and its serialised copies, never the gathered model
+    assert any((tmp_path / "final").glob("*.safetensors"))
 
 
 FSDP_SETS = [s if not s.startswith("ckpt_every") else "ckpt_every=2" for s in SETS] + ["dist=fsdp"]

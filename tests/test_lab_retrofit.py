@@ -11,6 +11,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 import torch.nn.functional as F
+from _extras import need
 
 from gated_attention.labs.retrofit import retrofit_lab
 from gated_attention.labs.retrofit import recipes as R
@@ -293,7 +294,7 @@ def test_interval_uses_student_t():
     assert i["mean"] == 2.0 and i["std"] == pytest.approx(1.0) and i["ci95"] == pytest.approx(4.303 / 3 ** 0.5,
                                                                                                 rel=1e-4)
     assert retrofit_lab.interval([0.5])["ci95"] is None and retrofit_lab.interval([])["mean"] is None
-    scipy_stats = pytest.importorskip("scipy.stats")
+    scipy_stats = need("scipy.stats", "pip install -e '.[dev]' (the Student-t table is checked against SciPy)")
     for n in (2, 5, 21):
         assert retrofit_lab.T95[n - 2] == pytest.approx(scipy_stats.t.ppf(0.975, n - 1), abs=2e-3)
 

@@ -195,10 +195,42 @@ def test_measurement_runs_once_per_process_and_env_is_checked(cpu_kind, monkeypa
         P.resolve("auto", "cpu")
 
 
-def test_the_real_measurement_is_a_positive_ratio(cpu_kind):
+def test_the_measurement_is_best_fp32_over_best_bf16_on_one_thread(cpu_kind, monkeypatch):
+    """What _measure_cpu_speedup computes, with the GEMM timer replaced by a scripted one (a test never asserts on a
+    timing): fp32 and bf16 calls interleaved, the best of each compared, on one thread, the thread count restored;
+    and the timer's bf16 call really runs the GEMM in bf16 (autocast), its fp32 call in fp32."""
     cpu_kind(None)
-    ratio = P._measure_cpu_speedup()
-    assert ratio > 0 and torch.get_num_threads() >= 1  # the thread count is restored after the one-thread timing
+    real_timer, threads_before = P._time_gemm, torch.get_num_threads()
+    times = {False: iter([9.0, 4.0, 6.0, 5.0] + [7.0] * 30), True: iter([3.0, 2.5, 1.0, 4.0] + [2.0] * 30)}
+    calls = []
+
+    def fake(a, b, bf16):
+        calls.append((bf16, torch.get_num_threads()))
+        return next(times[bf16])
+
+    monkeypatch.setattr(P, "_time_gemm", fake)
+    torch.set_num_threads(2)
+    try:
+        ratio = P._measure_cpu_speedup()
+        assert torch.get_num_threads() == 2  # restored after the one-thread timing
+    finally:
+        torch.set_num_threads(threads_before)
+    kinds = [bf16 for bf16, _ in calls]
+    assert kinds[:2] == [False, True] and all(kinds[i] != kinds[i + 1] for i in range(len(kinds) - 1))  # interleaved
+    assert {threads for _, threads in calls} == {1}
+    assert ratio == pytest.approx(4.0 / 1.0)  # min(fp32) / min(bf16): > 1 when bf16 is faster
+    a = torch.ones(8, 8)
+    seen = []
+    real_matmul = torch.Tensor.__matmul__
+
+    def spy(x, y):
+        out = real_matmul(x, y)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", spy)
+    real_timer(a, a, True), real_timer(a, a, False)
+    assert seen == [torch.bfloat16, torch.float32]
 
 
 def test_autocast_of_each_precision(cpu_kind):

@@ -3,7 +3,9 @@
 1. Gate specs: every point of the six-axis GateSpec space either builds a model that runs, decodes with the KV cache
    exactly as without it, and round-trips through save_pretrained/from_pretrained — or is refused with a clean
    ValueError (never another exception). Model shapes (heads, KV heads, head_dim, widths) are drawn the same way.
-2. Training settings: random `--set key=value` strings are applied or refused with ValueError.
+2. Training settings: random `--set key=value` strings (bad values mixed with valid ones) are refused with one
+   ValueError line naming the key, or applied exactly: every value given (the last per key) and the preset's
+   everywhere else — not merely "valid", which apply_overrides checks itself.
 3. Command lines: random mutations of a valid command line per subcommand (bad numbers, NaN/inf, negatives, empty
    strings, missing/swapped paths, files where folders go and the reverse, dropped/duplicated/unknown flags) end in
    exit status 0, 1 (a diverged run) or 2 with one error line — never a traceback. Run in-process via
@@ -23,8 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from _extras import need  # noqa: E402
+
+hypothesis = need("hypothesis", "pip install -e '.[dev]' (property-based tests)")
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from gated_attention import gates as G  # noqa: E402
@@ -107,18 +111,49 @@ BAD_VALUES = ["nan", "inf", "-inf", "-1", "0", "-0.5", "1e999", "abc", "", "[1,"
               "3", "1e-3", "0.999", "[1, -2]", "null", "\x00", "１"]
 
 
+GOOD = [("lr", "1e-3"), ("lr", "0.02"), ("min_lr", "1e-5"), ("steps", "12"), ("seq_len", "64"), ("batch_size", "4"),
+        ("warmup_steps", "2"), ("beta2", "0.99"), ("eps", "1e-6"), ("grad_clip", "0.5"), ("weight_decay", "0.05"),
+        ("schedule", "cosine"), ("schedule", "wsd"), ("precision", "fp32"), ("wsd_decay_frac", "0.3"),
+        ("keep_checkpoints", "2"), ("seed", "7"), ("model.rms_norm_eps", "1e-5"), ("model.hidden_size", "64"),
+        ("model.num_key_value_heads", "4")]  # valid alone: accepted lines get drawn too, not only refusals
+
+
 @settings(max_examples=n(150), deadline=None, derandomize=True)
-@given(sets=st.lists(st.tuples(st.sampled_from(SET_KEYS), st.sampled_from(BAD_VALUES)), min_size=1, max_size=3),
+@given(sets=st.lists(st.one_of(st.tuples(st.sampled_from(SET_KEYS), st.sampled_from(BAD_VALUES)),
+                               st.sampled_from(GOOD)), min_size=1, max_size=3),
        eq=st.booleans())
+@example(sets=[("model.rms_norm_eps", "1e-5"), ("lr", "1e-3")], eq=True)  # accepted lines, always tried
+@example(sets=[("schedule", "cosine"), ("seed", "7"), ("seed", "8")], eq=True)
 def test_set_overrides_space(sets, eq):
-    from gated_attention.train.config import config_from_args
+    """A refused line names what it refuses; an accepted one holds exactly the values given (the last one per key,
+    parsed as written: finite numbers), in model_overrides for model.* keys, and the preset's value everywhere else."""
+    import dataclasses
+    import math
+
+    from gated_attention.train.config import config_from_args, train_preset
 
     items = [f"{k}={v}" if eq else f"{k}{v}" for k, v in sets]
     try:
         cfg = config_from_args("tiny", None, items, None)
-    except ValueError:
+    except ValueError as exc:
+        msg = str(exc)
+        assert any(k in msg for k, _ in sets) and len(msg.strip().splitlines()) == 1, msg
         return
-    cfg.validate()  # accepted means valid
+    assert eq, items  # an item without '=' is never accepted
+    given = dict(sets)  # the last value per key wins
+    base = train_preset("tiny")
+    for f in dataclasses.fields(cfg):
+        if f.name not in given and f.name != "model_overrides":
+            assert getattr(cfg, f.name) == getattr(base, f.name), f.name
+    assert set(cfg.model_overrides) == {k[len("model."):] for k in given if k.startswith("model.")}
+    for key, text in given.items():
+        value = cfg.model_overrides[key[len("model."):]] if key.startswith("model.") else getattr(cfg, key)
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            assert math.isfinite(value) and value == pytest.approx(float(text)), (key, text, value)
+        elif isinstance(value, str):
+            assert value == text.strip(), (key, text, value)
 
 
 # ------------------------------------------------------------------------------------------------ 3. command lines

@@ -323,3 +323,61 @@ def test_eval_cli(tmp_path, capsys):
     assert res["ppl"]["synthetic"] == pytest.approx(math.exp(res["losses"]["synthetic"]))
     assert main(["eval", str(tmp_path), "--batches", "1", "--batch-size", "2"]) == 0
     assert "Avg PPL" in capsys.readouterr().out
+
+
+class _Watch:
+    """An observe plug-in: records what it sees of every micro-batch's forward and logs one float."""
+
+    def __init__(self, needs_logits: bool):
+        self.needs_logits, self.seen = needs_logits, []
+
+    def __call__(self, step, fwd):
+        logits = fwd.output.logits
+        self.seen.append((step, tuple(fwd.inputs.shape), None if logits is None else tuple(logits.shape),
+                          float(fwd.ce), fwd.ce.requires_grad))
+        return {"watched": float(fwd.inputs.float().mean())}
+
+
+def test_observe_plugin_watches_without_changing_the_run(tmp_path):
+    """observe(step, fwd) sees each micro-batch (inputs, output, detached CE) and logs under "extra"; the run's losses
+    and weights are those of the run without it, bit for bit. Without needs_logits the chunked fused loss stays on
+    (no logits); with it the forward returns the full logits."""
+    from safetensors.torch import load_file
+
+    from gated_attention.train.plugins import Plugins
+
+    cfg = apply_overrides(tiny(), ["steps=3", "grad_accum=2", "stats_every=0", "fast=true", "compile=false",
+                                   "precision=fp32"])
+    train(cfg, tmp_path / "plain")
+    b = cfg.batch_size // cfg.grad_accum
+    for needs in (False, True):
+        watch = _Watch(needs)
+        run = tmp_path / f"watched{needs}"
+        train(cfg, run, plugins=Plugins(observe=watch))
+        assert [s for s, *_ in watch.seen] == [0, 0, 1, 1, 2, 2]
+        assert all(shape == (b, cfg.seq_len) and not grad for _, shape, _, _, grad in watch.seen)
+        recs = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        assert [r["loss"] for r in recs] == pytest.approx([(a[3] + c[3]) / 2 for a, c in
+                                                          zip(watch.seen[::2], watch.seen[1::2])], abs=1e-6)
+        assert all("watched" in r["extra"] for r in recs)
+        if not needs:  # the chunked loss kept, and the observer changes nothing
+            assert all(lg is None for _, _, lg, _, _ in watch.seen)
+            plain = [json.loads(line)["loss"] for line in (tmp_path / "plain" / "log.jsonl").read_text().splitlines()]
+            assert [r["loss"] for r in recs] == plain
+            a, c = (load_file(d / "final" / "model.safetensors") for d in (tmp_path / "plain", run))
+            assert all(torch.equal(a[k], c[k]) for k in a)
+        else:
+            assert all(lg is not None and lg[:2] == (b, cfg.seq_len) for _, _, lg, _, _ in watch.seen)
+
+
+
+def test_a_data_dir_means_training_on_that_corpus():
+    """`gattn train --preset tiny --data-dir DIR` trains on DIR (the tiny preset's synthetic data used to ignore it
+    silently unless --set data=corpus was added too); data=synthetic with a corpus folder is one clear error."""
+    from gated_attention.train.config import config_from_args
+
+    assert config_from_args("tiny", None, [], "data").data == "corpus"
+    assert config_from_args("tiny", None, [], None).data == "synthetic"
+    assert config_from_args("tiny", None, ["data=corpus"], "data").data == "corpus"
+    with pytest.raises(ValueError, match="synthetic data reads no corpus"):
+        config_from_args("tiny", None, ["data=synthetic"], "data")

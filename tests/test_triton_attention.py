@@ -21,7 +21,9 @@ import sys  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-pytest.importorskip("triton", reason="Triton not installed (pip install triton; it is in the dev extra)")
+from _extras import need  # noqa: E402
+
+need("triton", "pip install -e '.[dev]' (Triton's CPU interpreter runs these tests; Linux only)")
 
 from gated_attention.attention import eager_attention  # noqa: E402
 from gated_attention.fused import fuse_qkv  # noqa: E402

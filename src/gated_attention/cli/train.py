@@ -29,7 +29,9 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
                              "`--resume auto`: resume when --out holds a valid checkpoint, else start a new run "
                              "there: one command line for the first launch and every restart (torchrun "
                              "--max-restarts=N)")
-    parser.add_argument("--data-dir", type=E.existing_dir, default=None, help="prepared corpus folder (gattn data prepare)")
+    parser.add_argument("--data-dir", type=E.existing_dir, default=None,
+                        help="prepared corpus folder (gattn data prepare); giving one trains on it (data=corpus, also "
+                             "for the tiny preset, whose default is synthetic data)")
 
 
 def run_train(args) -> int:

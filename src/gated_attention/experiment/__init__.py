@@ -7,7 +7,7 @@ it measures, its tables); the plumbing lives here once:
   cache.py   THE reuse rule: a result is stored with its key (every setting that changes it, the resolved precision
              included); the same key is reused, a missing result is computed, and a different key stops the job
              with the differing settings named (a new --out, or delete that result). load / save / cached / check.
-  report.py  the one renderer: report.md + a self-contained report.html from blocks (tables, paragraphs, figures,
+  pages.py   the one renderer: report.md + a self-contained report.html from blocks (tables, paragraphs, figures,
              one CSS), number formats, aligned text tables
   stats.py   aggregation over seeds (mean, sample std; one seed has std None), Wilson intervals
 

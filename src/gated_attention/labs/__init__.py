@@ -1,8 +1,8 @@
 """Science labs: small controlled experiments that make one signature effect of gated attention visible in minutes,
-measured over seeds. Each lab is a folder: `lab.py` (its config and budgets, and `run_lab` / `run_streaming`, the entry
-point that writes OUT/lab.json, OUT/report.md, a self-contained OUT/report.html and OUT/plots/*.png), `report.py`
-(its tables and plots as experiment.pages blocks) and its own parts; its `__init__` re-exports the API. The command
-line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
+measured over seeds. Each lab is a folder: `<name>_lab.py` (its config and budgets, and `run_lab` / `run_streaming`,
+the entry point that writes OUT/lab.json, OUT/report.md, a self-contained OUT/report.html and OUT/plots/*.png),
+`<name>_report.py` (its tables and plots as experiment.pages blocks) and its own parts; its `__init__` re-exports the
+API. The command line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
 
   sinks/      the Bigram-Backcopy task of Guo et al. 2024: where an idle head parks its attention (a BOS sink in
               softmax attention) and whether the G1 gate lets it switch off instead (backcopy.py the task,
@@ -13,6 +13,6 @@ line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
               each against a control trained the same steps on the same batches (recipes.py the recipes and their
               loss terms, starts.py the starting models, their data and measurements)
 
-Runs, cached units, seed statistics and report pages are the experiment toolkit's (gated_attention.experiment), the
-same for every job. Labs use the model, training and analysis, never the reverse.
+Runs, cached units, seed statistics and report pages are the experiment toolkit's (gated_attention.experiment), the same
+for every job. Labs use the model, training and analysis, never the reverse.
 """

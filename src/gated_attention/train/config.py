@@ -365,10 +365,13 @@ def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: s
     if gate is not None:
         cfg.gate = gate
     if data_dir is not None:
-        cfg.data_dir = data_dir
+        # a corpus folder given means training on it: the `tiny` preset's synthetic data would otherwise ignore it
+        cfg.data_dir, cfg.data = data_dir, "corpus" if cfg.data == "synthetic" else cfg.data
     from gated_attention.presets import model_config
 
     cfg = apply_overrides(cfg, sets, model_config(cfg.model, gate=cfg.gate).to_dict())
+    if data_dir is not None and cfg.data == "synthetic":
+        raise ValueError(f"--data-dir {data_dir} with --set data=synthetic: synthetic data reads no corpus; drop one")
     check_model(cfg)
     return cfg
 

@@ -15,13 +15,19 @@ plug-ins is the plain trainer.
                 train). A parameter without a gradient is skipped by AdamW (no update, no weight decay, no state) and
                 by the gradient clip. One process only (DDP/FSDP and the bf16-params master copy fix the trainable
                 set when they wrap the model); compile stays off or recompiles at each phase change.
-  extra_loss    an object called after each training forward:
+  extra_loss    a term added to the training loss, called after each training forward:
                     extra_loss(step, inputs, targets, output, ce) -> (Tensor | None, {name: float})
                 the tensor is added to the loss that is backpropagated (the logged "loss" stays the next-token CE,
                 `ce`), the floats are logged under the step record's "extra" (their mean over micro-batches). Optional
-                attributes: `needs_logits = True` (the forward returns full logits in output.logits: the chunked
-                fused loss is not used) and forward_context(step, model) -> a context entered around the forward (a
-                capture.py tap that keeps q/k/gate tensors with their graph).
+                attributes: `needs_logits` (below) and forward_context(step, model) -> a context entered around the
+                forward (a capture.py tap that keeps q/k/gate tensors with their graph).
+  observe       what a lab watches of each training forward, changing nothing: observe(step, fwd) -> {name: float}
+                or None, with fwd a `Forward` (the micro-batch's inputs and targets, the model's output, the
+                detached CE); the floats are logged under the step record's "extra" like extra_loss's (the sink lab:
+                the batch's backcopy CE, its time-to-skill rule).
+
+`needs_logits = True` on extra_loss or observe: the forward returns the full (b, T, V) logits in output.logits, so the
+chunked fused loss (which never builds them; output.logits is then None) is not used for that run.
 
 The step hook (train()'s `step_hook`) may define begin(model): called once, before the first step of a fresh run (not
 on resume), with the model as built: a learning curve's step-0 point.
@@ -36,11 +42,22 @@ CUSTOM_DATA = "custom"  # TrainConfig.data for a run fed by Plugins.source
 
 
 @dataclass(frozen=True)
+class Forward:
+    """One micro-batch's training forward, as an observer sees it."""
+
+    inputs: object  # (b, T) token ids
+    targets: object  # (b, T) next tokens
+    output: object  # the model's output (logits None under the chunked loss: see needs_logits)
+    ce: object  # the next-token CE of the micro-batch, detached (the logged loss)
+
+
+@dataclass(frozen=True)
 class Plugins:
     source: object = None
     param_groups: Callable | None = None
     trainable_at: Callable | None = None
     extra_loss: object = None
+    observe: Callable | None = None
 
     def check(self, cfg, info, mixed: bool) -> None:
         """One clear error for a plug-in the run cannot take (before any step)."""
@@ -56,7 +73,14 @@ class Plugins:
 
     @property
     def needs_logits(self) -> bool:
-        return bool(getattr(self.extra_loss, "needs_logits", False))
+        return any(getattr(p, "needs_logits", False) for p in (self.extra_loss, self.observe))
+
+    def after_forward(self, step: int, inputs, targets, output, ce):
+        """The extra loss term (or None) and the floats to log, from extra_loss and observe."""
+        extra, logs = self.extra_loss(step, inputs, targets, output, ce) if self.extra_loss is not None else (None, {})
+        if self.observe is not None:
+            logs = {**logs, **(self.observe(step, Forward(inputs, targets, output, ce.detach())) or {})}
+        return extra, logs
 
     def forward_context(self, step: int, model):
         fn = getattr(self.extra_loss, "forward_context", None)

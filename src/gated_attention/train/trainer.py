@@ -317,8 +317,8 @@ def _train_step(run: _Run, step: int) -> dict:
                 logits = out_.logits  # (b, T, V)
                 loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
                 total = loss + (aux.float() if aux is not None else 0.0)
-            if plug.extra_loss is not None:  # a lab's extra term (retrofit's penalties); the logged loss stays the CE
-                extra, logs = plug.extra_loss(step, x, y, out_, loss)
+            if plug.extra_loss is not None or plug.observe is not None:  # a lab's extra term (retrofit's penalties)
+                extra, logs = plug.after_forward(step, x, y, out_, loss)  # or observer; the logged loss stays the CE
                 if extra is not None:
                     total = total + extra
                 for k, v in logs.items():

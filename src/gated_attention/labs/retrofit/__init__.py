@@ -1,10 +1,11 @@
 """`gattn lab retrofit`: can gates added to a trained ungated model remove its attention sink? Named recipes, each
 measured against a control trained the same steps on the same batches, over seeds (issue 21).
 
-lab.py (the lab: config, one unit = a start x recipe x seed trained and measured, the aggregate lab.json and the
-target check), recipes.py (the named recipes, their parameter groups and extra loss terms), starts.py (the starting
-models, their data and every measurement), report.py (learning curves and the report). The lab's API is re-exported
-here: `from gated_attention.labs import retrofit; retrofit.run_lab(retrofit.RetrofitLabConfig(starts=[...]), out)`.
+retrofit_lab.py (the lab: config, one unit = a start x recipe x seed trained and measured, the aggregate lab.json and
+the target check), recipes.py (the named recipes, their parameter groups and extra loss terms), starts.py (the starting
+models, their data and every measurement), retrofit_report.py (learning curves and the report). The lab's API is
+re-exported here: `from gated_attention.labs import retrofit; retrofit.run_lab(retrofit.RetrofitLabConfig(starts=[...]),
+out)`.
 """
 from .retrofit_lab import KEYS, RetrofitLabConfig, aggregate, measure_start, plan_for, run_lab, target_check, train_unit
 from .recipes import CONTROL, DEFAULT_RECIPES, RECIPES, REST_LR, Recipe, get_recipe

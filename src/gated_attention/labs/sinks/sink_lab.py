@@ -325,26 +325,28 @@ class _BackcopySource:
         return iter(())
 
 
-class _TaskLoss:
-    """The trainer's extra-loss plug-in, adding nothing to the loss: it reads each step's logits to log the
-    training batch's backcopy CE (the time-to-skill rule) and its next-token CE into the recorder."""
+class _BatchCE:
+    """The trainer's observe plug-in (train/plugins.py): each training batch's backcopy CE (the time-to-skill rule)
+    and next-token CE, into the recorder. It reads the logits at the backcopy positions, so the run keeps full logits
+    (needs_logits: the chunked fused loss is off, as it always was for the lab's units)."""
 
-    needs_logits = True  # the per-position CE needs the logits (no chunked fused loss)
+    needs_logits = True
 
     def __init__(self, rec: "_UnitRecorder"):
         self.rec = rec
 
-    def __call__(self, step, inputs, targets, output, ce):
+    def __call__(self, step, fwd) -> dict:
         import torch.nn.functional as F
 
         import torch
 
-        active = self.rec.task.masks(inputs)["active"]  # (B, T)
+        active = self.rec.task.masks(fwd.inputs)["active"]  # (B, T)
         with torch.no_grad():
-            tok = F.cross_entropy(output.logits.detach().float().transpose(1, 2), targets, reduction="none")  # (B, T)
+            tok = F.cross_entropy(fwd.output.logits.detach().float().transpose(1, 2), fwd.targets,
+                                  reduction="none")  # (B, T)
         bc = float(tok[active].mean()) if bool(active.any()) else math.nan
-        self.rec.observe(float(ce.detach()), bc)
-        return None, {"backcopy_ce": bc}
+        self.rec.observe(float(fwd.ce), bc)
+        return {"backcopy_ce": bc}
 
 
 class _UnitRecorder:
@@ -354,7 +356,7 @@ class _UnitRecorder:
     def __init__(self, cfg: SinkLabConfig, variant: str, seed: int, task: BackcopyTask):
         self.cfg, self.variant, self.seed, self.task = cfg, variant, seed, task
         self.eval_seqs = task.eval_set(cfg.eval_size)
-        self.extra_loss = _TaskLoss(self)
+        self.batch_ce = _BatchCE(self)
         self.state = {"curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0, "cpu": 0.0}
         self._t0, self._c0 = time.perf_counter(), time.process_time()
 
@@ -443,7 +445,7 @@ def train_unit(job: tuple) -> dict:
     rec = _UnitRecorder(cfg, variant, seed, task)
     summary = train_or_reuse(tcfg, unit_dir, _log, f"seed {seed} gate", step_hook=rec,
                              model_factory=lambda c, v: GatedQwen3ForCausalLM(model_config_for(cfg, variant)),
-                             plugins=Plugins(source=_BackcopySource(task), extra_loss=rec.extra_loss),
+                             plugins=Plugins(source=_BackcopySource(task), observe=rec.batch_ce),
                              key=key, key_defaults=_unit_defaults(key), resolved_precision=key["precision"])
     if summary.get("diverged") or summary.get("stop_reason"):
         raise ValueError(f"{variant} seed {seed}: {summary.get('stop_reason') or 'diverged'}; lower --lr "

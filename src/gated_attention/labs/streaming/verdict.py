@@ -2,7 +2,7 @@
 (StreamingLLM's pattern, Xiao et al. 2023, arXiv 2309.17453)? The rule `gattn lab streaming` prints for the models it
 measured and `gattn compare`'s "Streams with a plain window" row shows (compare/claims.py imports it from here).
 
-Figures, per model, on the positions past the window (lab.py), both settings scoring the same sequences:
+Figures, per model, on the positions past the window (streaming_lab.py), both settings scoring the same sequences:
   plain cost  Δ0 = loss with a plain sliding window (K = 0: the first token evicted) - loss with full attention
   sink cost   ΔK = the same with the first K tokens kept, K = the largest sink-token count measured (K >= 1)
 The rule, with THRESHOLDS fixed before anything was measured (experiment/verdicts.py; none fitted to this project's
