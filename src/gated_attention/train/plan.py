@@ -24,8 +24,9 @@
                   - for the whole step, plus the current and the prefetched layer) and one layer's unsharded
                   gradients; DDP's gradient buckets (a second fp32 copy of the gradients); none in one process;
       loss        the chunked loss's temporaries at the model's vocabulary (fast path): per chunk of c tokens
-                  (fused._default_chunk: c = max(32, 2^21 / V)) its fp32 (c, V) logits and their gradient, the (V, d)
-                  fp32 product each chunk adds into the head gradient, and a compute-dtype copy of the head weight
+                  (fused.loss_chunk_tokens: as many as fit fused.LOSS_CHUNK_BYTES) its fp32 (c, V) logits, their
+                  compute-dtype copy and their gradient, the (V, d) fp32 product a bf16 chunk adds into the head
+                  gradient (fp32 accumulates in place), and a compute-dtype copy of the head weight
                   where the compute dtype differs from the stored one; the plain loss (fast=false): its fp32 (b, T, V)
                   logits and their gradient;
       stats       the stats step's snapshot of the trainable parameters (fp32, this rank's shards; stats_every > 0);
@@ -267,11 +268,17 @@ def loss_temporaries(config, tokens: int, precision: str, fused_loss: bool = Tru
     V, d = config.vocab_size, config.hidden_size
     if not fused_loss:
         return 2 * 4 * tokens * V  # fp32 logits' gradient and the softmax cross-entropy computes
-    from ..fused import _default_chunk
+    import torch
 
-    c = min(tokens, _default_chunk(V))
+    from ..fused import loss_chunk_tokens
+
+    compute = torch.float32 if precision == "fp32" else torch.bfloat16
+    c = min(tokens, loss_chunk_tokens(V, compute))
+    copy = 0 if precision == "fp32" else 2
     cast = 2 * V * d if precision == "bf16" else 0  # autocast: a bf16 copy of the fp32 head weight
-    return 2 * 4 * c * V + 4 * V * d + cast
+    # one chunk's (c, V) fp32 logits, their compute-dtype copy and their gradient; the (V, d) fp32 product a bf16
+    # GEMM that cannot write fp32 adds per chunk (fp32 accumulates in place: none)
+    return (4 + copy + 4) * c * V + (4 * V * d if precision != "fp32" else 0) + cast
 
 
 def eval_bytes(config, tokens: int, precision: str) -> float:
