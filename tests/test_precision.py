@@ -3,6 +3,8 @@ warning, the per-process cache, the cache-key separation of every job (trainer r
 stability labs), and `resolved_precision` in what each job writes."""
 from __future__ import annotations
 
+import argparse
+
 import json
 
 import pytest
@@ -109,7 +111,8 @@ def test_every_parser_offers_the_one_set_of_choices():
                 found.append(tuple(action.choices))
             if isinstance(action.choices, dict):  # subcommands (gattn lab sinks / stability / ...)
                 for sub in action.choices.values():
-                    walk(sub)
+                    if isinstance(sub, argparse.ArgumentParser):  # (a choices dict of plain values is no subcommand)
+                        walk(sub)
 
     for name in COMMANDS:
         walk(command_parser(name)[1])
