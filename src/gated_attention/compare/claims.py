@@ -194,7 +194,7 @@ def ppl_claim(rows: dict, measure: dict | None = None, scaling_dir=None) -> dict
     if base is None or not g or not deltas:
         return {"paper": PPL_PAPER, "this_run": "needs baseline and a G1 variant", "verdict": NOT_RUN,
                 "command": "gattn compare"}
-    m = measure
+    m = dict(measure)  # the row's copy: verdict_source is the row's, not the run's measurement
     tuned = "each variant at its own tuned LR" if all(m["lr_tuned"].values()) else "LRs not tuned per variant"
     tpp = f"{m['tokens_per_param']:.1f}" if m.get("tokens_per_param") else "?"
     this = (f"Δ val loss (nats, {m['seeds']} seed(s), {tpp} tokens per non-embedding parameter, {tuned}): "
