@@ -61,8 +61,8 @@ def main() -> None:
         state["step"] = step
         if step == 1:
             state["base"] = live_tensor_bytes()
-            rec["whole_grad_bytes"] = 4 * sum(p.numel() for p in run.master.parameters() if p.requires_grad)
-            rec["accumulation"] = "unsharded" if getattr(run, "unsharded_accum", True) else "sharded"
+            rec["whole_grad_bytes"] = 4 * sum(p.numel() for p in run.par.master.parameters() if p.requires_grad)
+            rec["accumulation"] = "unsharded" if run.par.unsharded_accum else "sharded"
         return train_step(run, step)
 
     def _backward(self, *args, **kwargs):

@@ -12,7 +12,8 @@ holds the same records, as one that never stopped. On resume, log.jsonl is cut b
 describes exactly one run. This is the one resume policy of every model a command trains (compare, longctx, the labs:
 experiment.train_or_reuse resumes an interrupted run folder).
 
-`_train` reads as the run's outline: check the folder, set up (model, optimizer, data), restore, then per step
+`_train` reads as the run's outline: check the folder, set up (data, build, `parallelize`: train/parallelize.py,
+optimizer), restore, then per step
 `_train_step` (forward/backward/update) and `_after_step` (eval, log line, divergence stop, step hook, checkpoint),
 then `_finish`. What a lab needs of the loop (its own task as the data source, its optimizer groups and trainable phases, an extra
 loss term, a step-0 measurement) comes in as plug-ins (train/plugins.py), so the labs train through this loop too.
@@ -23,7 +24,7 @@ import math
 import random
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,19 +34,21 @@ from torch import nn
 
 from . import checkpoint as ckpt_mod
 from . import dist as D
-from . import fastpath
 from .config import TrainConfig
 from .data_source import make_source
 from .evaluate import domain_losses
 from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
 from .state import (full_state, load_full_state, load_sharded_state, rng_state, save_hf_sharded, save_sharded_state,
                     set_rng_state)
-from .model_setup import (apply_activation_checkpointing, apply_trainable, build_model, check_attn_implementation,
-                          param_groups)
+from .model_setup import apply_trainable, build_model, check_attn_implementation, param_groups
+from .meta_init import build_on_meta, fill_model
+from .parallelize import Parallel, parallelize
+from .plan import check_fits
 from .plugins import Plugins, begin as begin_step_hook
 from .schedule import lr_for
+from ..modeling import GatedQwen3ForCausalLM
 from ..moe import moe_stats, reset_moe_balance
-from .monitors import SpikeDetector, decoder_layers, residual_stream_stats, snapshot_params, update_weight_ratio
+from .monitors import SpikeDetector, residual_stream_stats, snapshot_params, update_weight_ratio
 from ..util.errors import UserError
 from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir
 from ..util.precision import numerics
@@ -94,21 +97,14 @@ class _Run:
     out: Path
     info: D.DistInfo
     source: object
-    model: nn.Module  # as wrapped for DDP/FSDP (what the forward/backward runs on)
-    raw: nn.Module  # the plain module (no DDP wrapper) the forward runs on: eval, probes, step hooks
-    master: nn.Module  # what the optimizer steps, checkpoints save and final/ exports: raw itself, or under
-    # bf16-params in one process the fp32 master of raw's bf16 parameters (train/mixed_precision.py)
-    fwd: object  # the (wrapped) model; compiled decoder layers come from speed.training_forward()
-    fused_loss: bool  # our LM computes CE chunk by chunk through lm_head: no fp32 (b, T, V) logits
-    speed: fastpath.SpeedPlan  # fast path and compile decision (train/fastpath.py)
-    fwd_kw: dict  # extra forward kwargs (use_cache=False for our LM: no KV cache while training)
+    model: nn.Module  # THE model: the plain module every forward runs on (parallelize.Parallel.model)
+    par: Parallel  # the model as parallelized: master weights, speed plan, layers, the data-parallel controls
     optimizer: torch.optim.Optimizer
-    layers: list
     spikes: SpikeDetector
     st: dict  # counters saved in every checkpoint (step, tokens, skipped steps, ...)
+    fused_loss: bool  # our LM computes CE chunk by chunk through lm_head: no fp32 (b, T, V) logits
+    fwd_kw: dict  # extra forward kwargs (use_cache=False for our LM: no KV cache while training)
     precision: str = "fp32"  # the resolved precision ("bf16" | "bf16-params" | "fp32"), decided by rank 0 in _check_run_dir
-    mixed: object = None  # MasterWeights under bf16-params in one process (its sync() follows every update)
-    unsharded_accum: bool = False  # FSDP2 keeps whole gradients until the last micro-batch (dist.unsharded_accumulation)
     per_rank: int = 0
     micro: int = 0
     tokens_per_step: int = 0
@@ -131,7 +127,7 @@ def _train(cfg: TrainConfig, out: Path, resume: bool | str, model_factory, info:
     run.step_hook = step_hook
     _restore(run, latest)  # None: a new run
     if run.st["step"] == 0:
-        begin_step_hook(step_hook, run.raw)  # a fresh run: the hook sees the model as built (a curve's step 0)
+        begin_step_hook(step_hook, run.model)  # a fresh run: the hook sees the model as built (a curve's step 0)
     open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
     # a run restored from its final checkpoint (killed while exporting) that had stopped early stays stopped
@@ -184,73 +180,44 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
 
 def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str,
            plugins: Plugins = Plugins()) -> _Run:
-    """Data source, model (wrapped for DDP/FSDP, optionally compiled, bf16 under bf16-params), optimizer and fresh
-    counters."""
+    """One path for every mode: data source -> the plan's fit check -> build (on meta where it is filled later) ->
+    parallelize (materialise, bf16 twin, fast path, checkpointing, DDP/FSDP: train/parallelize.py) -> optimizer and
+    fresh counters."""
     plugins.check(cfg, info, mixed=precision == "bf16-params" and not info.distributed)
     check_attn_implementation(cfg.attn_implementation, info.device)  # triton_gated: a GPU, or one clear line
-    # model: same seed on every rank, so replicas start identical
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)  # the same seed on every rank, so replicas start identical
     random.seed(cfg.seed)
-    source_vocab = None
-    if plugins.source is not None:
-        source = plugins.source
-        source_vocab = getattr(source, "vocab_size", None)
-    elif cfg.data == "corpus":
-        source = make_source(cfg)
-        source_vocab = source.vocab_size
-    unsharded_accum = False  # FSDP2: reduce-scatter every micro-batch unless the plan says whole gradients fit
-    if model_factory is None:  # before anything is built: a run the plan says cannot fit stops with one line
-        from .plan import check_fits
-
-        fit = check_fits(cfg, info.device, info.world_size, precision, source_vocab)
-        unsharded_accum = fit["settings"]["grad_accumulation"] == "unsharded"
-    factory = model_factory or build_model
-    # dist=fsdp: built on the meta device and filled shard by shard after sharding (train/meta_init.py), so no rank
-    # holds the whole model; in one process it is filled at once, with the same init stream
-    birth = cfg.dist == "fsdp" and model_factory is None
-    if birth:
-        from .meta_init import build_on_meta, fill_model
-
-        model = build_on_meta(factory, cfg, source_vocab)
-        if not info.distributed:
-            fill_model(model, cfg, source_vocab, info.device)
-    else:
-        model = factory(cfg, source_vocab).to(info.device)
-    apply_trainable(model, cfg.trainable)  # before wrapping: DDP/FSDP and the optimizer see only what trains
-    if cfg.data == "synthetic":
+    source = plugins.source if plugins.source is not None else make_source(cfg) if cfg.data == "corpus" else None
+    vocab = getattr(source, "vocab_size", None)
+    # before anything is built: a run the plan says cannot fit stops with one line (the default model only)
+    unsharded_accum = model_factory is None and check_fits(cfg, info.device, info.world_size, precision, vocab)[
+        "settings"]["grad_accumulation"] == "unsharded"
+    model, materialize = _build(cfg, model_factory, vocab, info)
+    apply_trainable(model, cfg.trainable)  # before parallelize: DDP/FSDP and the optimizer see only what trains
+    if source is None:  # synthetic tokens over the model's own vocabulary
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
-    mixed = None
-    if precision == "bf16-params" and not info.distributed:  # several ranks: FSDP2's policy (train/dist.py)
-        from .mixed_precision import MasterWeights
-
-        mixed = MasterWeights(model)
-        master, model = model, mixed.compute
-    layers = decoder_layers(model)
-    # fast path (fused projections/gate, chunked loss) and when to compile: fastpath.py
-    speed = fastpath.prepare(cfg, model, layers, info.device, precision)
-    apply_activation_checkpointing(layers, cfg.activation_checkpointing)  # before wrapping: FSDP2 hooks stay outside
-    model = D.wrap(model, info, layers, precision)
-    if birth and info.distributed:
-        fill_model(model, cfg, source_vocab, info.device)  # each rank allocates and fills its own shards
-    raw = model.module if info.mode == "ddp" and info.distributed else model  # plain module (no DDP wrapper)
-    if mixed is None:
-        master = raw
-    fwd = model
-    from ..modeling import GatedQwen3ForCausalLM
-
-    groups = plugins.param_groups(master) if plugins.param_groups is not None else param_groups(master, cfg)
+    par = parallelize(model, cfg, info, precision, materialize, unsharded_accum)
+    groups = plugins.param_groups(par.master) if plugins.param_groups is not None else param_groups(par.master, cfg)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
           "stop_reason": None, "val": {}, "last_loss": None}
     per_rank = cfg.batch_size // info.world_size
-    return _Run(cfg=cfg, out=out, info=info, source=source, model=model, raw=raw, master=master, fwd=fwd,
-                precision=precision, mixed=mixed, plugins=plugins, unsharded_accum=unsharded_accum,
-                fused_loss=speed.fused_loss and not plugins.needs_logits, speed=speed,
-                fwd_kw={"use_cache": False} if isinstance(raw, GatedQwen3ForCausalLM) else {},
-                optimizer=optimizer, layers=layers,
-                spikes=SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k), st=st,
-                per_rank=per_rank, micro=per_rank // cfg.grad_accum, tokens_per_step=cfg.batch_size * cfg.seq_len)
+    return _Run(cfg=cfg, out=out, info=info, source=source, model=par.model, par=par, precision=precision,
+                plugins=plugins, fused_loss=par.speed.fused_loss and not plugins.needs_logits,
+                fwd_kw={"use_cache": False} if isinstance(par.model, GatedQwen3ForCausalLM) else {},
+                optimizer=optimizer, spikes=SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k),
+                st=st, per_rank=per_rank, micro=per_rank // cfg.grad_accum,
+                tokens_per_step=cfg.batch_size * cfg.seq_len)
+
+
+def _build(cfg: TrainConfig, model_factory, vocab: int | None, info: D.DistInfo):
+    """(the model, how to fill it or None). dist=fsdp with the default builder: on the meta device, filled by
+    parallelize shard by shard after sharding (train/meta_init.py), so no rank holds the whole model; in one process
+    at once, with the same init stream. Otherwise the builder's own model (a lab's factory: its own weights)."""
+    if cfg.dist == "fsdp" and model_factory is None:
+        return build_on_meta(build_model, cfg, vocab), lambda m: fill_model(m, cfg, vocab, info.device)
+    return (model_factory or build_model)(cfg, vocab).to(info.device), None
 
 
 def _restore(run: _Run, latest: Path | None) -> None:
@@ -260,11 +227,10 @@ def _restore(run: _Run, latest: Path | None) -> None:
     if latest is not None:
         shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
         if shared is None:  # DCP: each rank reads its shards, whatever the world size that wrote it
-            D.agree(info, _error_of(lambda: load_sharded_state(run.master, run.optimizer, latest / ckpt_mod.SHARDED)))
+            D.agree(info, _error_of(lambda: load_sharded_state(run.par.master, run.optimizer, latest / ckpt_mod.SHARDED)))
         else:
-            load_full_state(run.master, run.optimizer, shared["model"], shared["optimizer"])
-        if run.mixed is not None:
-            run.mixed.sync()
+            load_full_state(run.par.master, run.optimizer, shared["model"], shared["optimizer"])
+        run.par.after_update()  # the bf16 twin takes the restored master weights
         run.st.update(meta["state"])
         run.spikes.load_state_dict(meta["spikes"])
         if rng is not None:
@@ -281,7 +247,7 @@ def _restore(run: _Run, latest: Path | None) -> None:
 
 def _train_step(run: _Run, step: int) -> dict:
     """Forward/backward over the micro-batches, clip, skip non-finite steps, optional stats; returns the log record."""
-    cfg, info, raw = run.cfg, run.info, run.raw
+    cfg, info, raw = run.cfg, run.info, run.model
     t0 = time.perf_counter()
     lr = lr_for(cfg, step)
     for g in run.optimizer.param_groups:
@@ -292,7 +258,7 @@ def _train_step(run: _Run, step: int) -> dict:
     rows = slice(info.rank * run.per_rank, (info.rank + 1) * run.per_rank)  # this rank's rows of the global batch
     mine = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step, rows=rows).to(info.device)  # (B/N, T+1)
     stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
-    before = snapshot_params(run.master) if stats_step else None
+    before = snapshot_params(run.par.master) if stats_step else None
     loss_sum = torch.zeros((), device=info.device)
     aux_sum = torch.zeros((), device=info.device)
     extra_logs: dict[str, float] = {}
@@ -300,15 +266,10 @@ def _train_step(run: _Run, step: int) -> dict:
         chunk = mine[i * run.micro:(i + 1) * run.micro]  # (b, T+1)
         x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T) each
         last = i == cfg.grad_accum - 1
-        sync = nullcontext()
-        if info.distributed and info.mode == "ddp" and not last:
-            sync = run.model.no_sync()  # all-reduce only on the last micro-batch
-        elif info.distributed and info.mode == "fsdp":  # sharded gradients unless the plan chose whole ones
-            run.model.set_requires_gradient_sync(last or not run.unsharded_accum)
-        with sync:
-            with numerics(run.precision, info.device), run.speed.training_forward(), plug.forward_context(step, raw):
-                out_ = (run.fwd(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
-                        else run.fwd(input_ids=x, **run.fwd_kw))
+        with run.par.grad_sync(last):
+            with numerics(run.precision, info.device), run.par.speed.training_forward(), plug.forward_context(step, raw):
+                out_ = (run.par.forward(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
+                        else run.par.forward(input_ids=x, **run.fwd_kw))
             aux = getattr(out_, "aux_loss", None)
             if run.fused_loss:  # out_.loss = CE + aux already; the CE alone is what gets logged
                 total = out_.loss
@@ -332,7 +293,7 @@ def _train_step(run: _Run, step: int) -> dict:
         if step in cfg.inject_nan_steps:
             loss_sum = loss_sum * float("nan")
     max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.master.parameters(), max_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.par.master.parameters(), max_norm)
     if hasattr(grad_norm, "full_tensor"):
         grad_norm = grad_norm.full_tensor()
     grad_norm = float(grad_norm)
@@ -346,10 +307,9 @@ def _train_step(run: _Run, step: int) -> dict:
     else:
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
-        if run.mixed is not None:
-            run.mixed.sync()
+        run.par.after_update()
         st["bad_in_a_row"] = 0
-    note = run.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1,
+    note = run.par.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1,
                              agree=lambda choice: D.broadcast_object(choice, info))  # rank 0's decision for all
     if note and info.is_main:
         print(f"gattn train: {note}", file=sys.stderr, flush=True)  # stdout may carry JSON
@@ -362,12 +322,12 @@ def _train_step(run: _Run, step: int) -> dict:
     if stats_step and aux is not None:
         rec["moe"] = _moe_record(raw)  # read before the probe forward below adds to the counts
     if stats_step:
-        rec["update_ratio"] = update_weight_ratio(run.master, before,
+        rec["update_ratio"] = update_weight_ratio(run.par.master, before,
                                                   sharded=info.mode == "fsdp" and info.distributed)
-        if run.layers:
+        if run.par.layers:
             x0 = mine[:run.micro, :-1]
             with numerics(run.precision, info.device):
-                res = residual_stream_stats(run.layers, lambda: raw(input_ids=x0))
+                res = residual_stream_stats(run.par.layers, lambda: raw(input_ids=x0))
             rec["max_act"] = D.reduce_max(res["max_act"], info)
             if all(v is not None for v in res["lost_update_share"]):  # our decoder layers (not a stand-in model)
                 rec["lost_update_share"] = D.mean_over_ranks(res["lost_update_share"], info)
@@ -401,8 +361,8 @@ def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
             print(f"gattn train: {st['stop_reason']}", flush=True)
         return
     if run.step_hook is not None:
-        reason = run.step_hook(st["step"], run.raw)
-        run.raw.train()  # the hook may have switched to eval mode
+        reason = run.step_hook(st["step"], run.model)
+        run.model.train()  # the hook may have switched to eval mode
         if reason:
             st["stop_reason"] = str(reason)
             return  # _finish writes the final checkpoint
@@ -412,7 +372,7 @@ def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
 
 def _evaluate(run: _Run) -> dict:
     cfg = run.cfg
-    res = domain_losses(run.raw, run.source, seq_len=cfg.seq_len, max_batches=cfg.eval_batches,
+    res = domain_losses(run.model, run.source, seq_len=cfg.seq_len, max_batches=cfg.eval_batches,
                         batch_size=cfg.eval_batch_size, device=run.info.device, precision=run.precision)
     return res["losses"]
 
@@ -426,19 +386,19 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
     sharded = run.cfg.dist == "fsdp"
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
     if sharded:
-        D.agree(info, _error_of(lambda: save_sharded_state(run.master, run.optimizer, tmp / ckpt_mod.SHARDED)))
+        D.agree(info, _error_of(lambda: save_sharded_state(run.par.master, run.optimizer, tmp / ckpt_mod.SHARDED)))
     else:
-        msd, osd = full_state(run.master, run.optimizer)  # collective
+        msd, osd = full_state(run.par.master, run.optimizer)  # collective
     meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
             "config": run.cfg.to_dict(), "resolved_precision": run.precision}
     if hasattr(run.step_hook, "state_dict"):
         meta["step_hook"] = run.step_hook.state_dict()
     # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
     shared = {"meta.json": meta} if sharded else {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta}
-    if sharded and hasattr(run.raw, "config"):  # `gattn convert` reads a sharded checkpoint as a model folder
+    if sharded and hasattr(run.model, "config"):  # `gattn convert` reads a sharded checkpoint as a model folder
         import json
 
-        shared["config.json"] = json.loads(run.raw.config.to_json_string())
+        shared["config.json"] = json.loads(run.model.config.to_json_string())
     _on_main(info, lambda: ckpt_mod.write_files(tmp, shared))
     D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()})))
     # every rank hashes the files it wrote (in parallel); rank 0 merges them into the manifest, written last
@@ -491,24 +451,24 @@ def _finish(run: _Run, t_start: float) -> dict:
     if run.last_ckpt_step != st["step"]:
         _save_checkpoint(run, st["step"])
     sharded = info.distributed and info.mode == "fsdp"
-    if sharded and hasattr(run.raw, "save_pretrained"):  # final/ written from the shards: no rank gathers the model
+    if sharded and hasattr(run.model, "save_pretrained"):  # final/ written from the shards: no rank gathers the model
         _export_final_sharded(run, run.out / "final")
-    msd, _ = full_state(run.master, run.optimizer) if info.distributed and not sharded else (None, None)
+    msd, _ = full_state(run.par.master, run.optimizer) if info.distributed and not sharded else (None, None)
     box = {}
 
     def export():
         if not sharded:
-            _export_final(run.master, msd, run.source, run.out / "final")
+            _export_final(run.par.master, msd, run.source, run.out / "final")
         summary = run_summary(run.cfg, st, run.spikes, run.log_path)
         summary["resolved_precision"] = run.precision
         if run.precision != "fp32":  # how its bf16 GEMMs ran: "native", or "emulated" (util/bf16_emulation.py)
             from ..util.precision import gemm_mode
 
             summary["bf16_gemms"] = gemm_mode(info.device)
-        summary["speed"] = run.speed.describe()
+        summary["speed"] = run.par.speed.describe()
         summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
                                "grad_accum": run.cfg.grad_accum,
-                               "accumulation": "unsharded" if run.unsharded_accum else
+                               "accumulation": "unsharded" if run.par.unsharded_accum else
                                ("sharded" if info.distributed and info.mode == "fsdp" else "whole")}
         box["summary"] = summary
         atomic_write_json(run.out / "summary.json", summary)  # strict JSON
@@ -547,13 +507,13 @@ def _export_final_sharded(run: _Run, dest: Path) -> None:
         if len(files) == 1:  # one file: the plain layout every loader reads first
             files[0].rename(tmp / "model.safetensors")
             (tmp / "model.safetensors.index.json").unlink(missing_ok=True)
-        run.raw.config.save_pretrained(tmp)
-        if getattr(run.raw, "generation_config", None) is not None:
-            run.raw.generation_config.save_pretrained(tmp)
+        run.model.config.save_pretrained(tmp)
+        if getattr(run.model, "generation_config", None) is not None:
+            run.model.generation_config.save_pretrained(tmp)
         _save_tokenizer(run.source, tmp)
 
     try:
-        D.agree(info, _error_of(lambda: save_hf_sharded(run.master, tmp)))
+        D.agree(info, _error_of(lambda: save_hf_sharded(run.par.master, tmp)))
         _on_main(info, finish)
     except BaseException as exc:
         stack.__exit__(type(exc), exc, exc.__traceback__)  # rank 0: the temp folder goes, final/ stays as it was

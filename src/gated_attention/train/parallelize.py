@@ -1,0 +1,95 @@
+"""The one place where a built model becomes what the training step runs: `parallelize(model, cfg, info, precision)`.
+
+The trainer's setup is one path for every mode (torchtitan's shape): build the model (on the meta device where it is
+filled later: train/meta_init.py) -> `parallelize` -> the optimizer. `parallelize` applies, in this order:
+
+  1. materialise + init, when nothing will be sharded (one process, DDP): the whole model is allocated and filled
+     before the data-parallel step (DDP broadcasts rank 0's real weights when it wraps);
+  2. mixed precision in one process (bf16-params): a bf16 compute twin of the fp32 model (train/mixed_precision.py);
+     the fp32 model stays the master the optimizer steps, every later step transforms the twin;
+  3. the fast path and the compile plan (train/fastpath.py): the fused q/k/v/gate GEMM per layer; compile=true
+     compiles the decoder layer's outermost forward now, compile=auto after timed eager steps;
+  4. activation checkpointing per decoder layer (before sharding: FSDP2's hooks stay outside the recomputed region;
+     the compiled forward is the outermost one, so it traces the checkpoint);
+  5. expert parallelism goes HERE, when it lands: an EP dimension of the device mesh shards the MoE experts before
+     data parallelism, so FSDP then shards only what is left (torchtitan's order: TP, EP, then FSDP);
+  6. data parallelism (train/dist.py: wrap): DDP, or FSDP2 with one group per decoder layer plus the root
+     (MixedPrecisionPolicy under bf16-params). Hybrid sharding (HSDP) goes HERE: a 2-D DeviceMesh
+     (replicate, shard) handed to fully_shard in place of the flat process group;
+  7. materialise + init after sharding (dist=fsdp): each rank allocates and fills only its own shards.
+
+What comes back is a `Parallel`: the model (the plain module every forward runs on), the master weights, the speed
+plan, and the data-parallel controls the step needs (the training forward through the DDP wrapper, when gradients
+sync, the bf16 twin's refresh after an update). Nothing else in train/ knows which wrapper a mode uses.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import nn
+
+from . import dist as D
+from . import fastpath
+from .model_setup import apply_activation_checkpointing
+from .monitors import decoder_layers
+
+
+@dataclass
+class Parallel:
+    """The model as parallelize left it."""
+
+    model: nn.Module  # the plain module every forward runs on (the step, eval, probes, step hooks, plug-ins): under
+    # bf16-params in one process the bf16 compute twin, under FSDP2 the sharded module itself, never a DDP wrapper
+    master: nn.Module  # the weights the optimizer steps, checkpoints save and final/ exports: `model` itself, or
+    # under bf16-params in one process the fp32 master of the twin
+    speed: fastpath.SpeedPlan  # fast path and compile decision
+    layers: list  # the model's decoder layers (compiled, checkpointed and sharded one by one)
+    info: D.DistInfo
+    unsharded_accum: bool = False  # FSDP2 keeps whole gradients until the last micro-batch (dist.unsharded_accumulation)
+    mixed: object = None  # MasterWeights under bf16-params in one process
+    ddp: nn.Module | None = None  # the DDP wrapper (its forward syncs gradients); None in every other mode
+
+    def forward(self, **kwargs):
+        """The training forward: through DDP's wrapper where there is one (its hooks all-reduce the gradients)."""
+        return (self.ddp or self.model)(**kwargs)
+
+    def grad_sync(self, last: bool):
+        """A context for one micro-batch's backward: DDP all-reduces only on the last micro-batch; FSDP2
+        reduce-scatters every micro-batch unless the plan chose whole gradients until the last."""
+        if self.ddp is not None and not last:
+            return self.ddp.no_sync()
+        if self.info.distributed and self.info.mode == "fsdp":
+            self.model.set_requires_gradient_sync(last or not self.unsharded_accum)
+        return nullcontext()
+
+    def after_update(self) -> None:
+        """After an optimizer step: the bf16 twin takes the new master weights (bf16-params in one process)."""
+        if self.mixed is not None:
+            self.mixed.sync()
+
+
+def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materialize: Callable | None = None,
+                unsharded_accum: bool = False) -> Parallel:
+    """Apply the steps above to `model` (built, or on the meta device with `materialize(model)` to fill it) for
+    this run's `cfg`, ranks `info` and resolved `precision`; returns the Parallel the trainer runs."""
+    sharded = info.distributed and info.mode == "fsdp"
+    if materialize is not None and not sharded:  # 1.
+        materialize(model)
+    master, mixed = model, None
+    if precision == "bf16-params" and not info.distributed:  # 2. (several ranks: FSDP2's policy, step 6)
+        from .mixed_precision import MasterWeights
+
+        mixed = MasterWeights(model)
+        model = mixed.compute
+    layers = decoder_layers(model)
+    speed = fastpath.prepare(cfg, model, layers, info.device, precision)  # 3.
+    apply_activation_checkpointing(layers, cfg.activation_checkpointing)  # 4.
+    # 5. expert parallelism: not yet
+    wrapped = D.wrap(model, info, layers, precision)  # 6.
+    if materialize is not None and sharded:  # 7.
+        materialize(model)
+    return Parallel(model=model, master=master if mixed is not None else model, speed=speed, layers=layers,
+                    info=info, unsharded_accum=unsharded_accum, mixed=mixed,
+                    ddp=wrapped if wrapped is not model else None)
