@@ -20,12 +20,16 @@ GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE
                                 (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
 They wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code;
 they act in the process that runs them (`--jobs 1`: a job's units train in-process).
+
+In-process, for the NaN-skipping tests: `with nan_at_steps({3, 4}): train(cfg, out)` makes those steps non-finite
+(wrapping trainer.forward_backward: the step's CE and every gradient become NaN, as a NaN loss's backward makes them).
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+from contextlib import contextmanager
 
 
 def install() -> None:
@@ -80,6 +84,29 @@ def install() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
         checkpoint.write_files = _write_files
+
+
+@contextmanager
+def nan_at_steps(steps):
+    """While open, the trainer's steps in `steps` (0-based) compute a NaN loss and NaN gradients."""
+    from gated_attention.train import trainer
+
+    real = trainer.forward_backward
+
+    def forward_backward(run, step, batch):
+        losses = real(run, step, batch)
+        if step in steps:
+            for p in run.par.master.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            losses.ce = losses.ce * float("nan")
+        return losses
+
+    trainer.forward_backward = forward_backward
+    try:
+        yield
+    finally:
+        trainer.forward_backward = real
 
 
 if __name__ == "__main__":

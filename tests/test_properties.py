@@ -104,7 +104,7 @@ def test_gate_and_config_space(axes, shape, seed):
 # ------------------------------------------------------------------------------------------------ 2. --set space
 
 SET_KEYS = ["lr", "min_lr", "steps", "seq_len", "batch_size", "grad_accum", "warmup_steps", "beta1", "beta2", "eps",
-            "grad_clip", "weight_decay", "schedule", "precision", "inject_nan_steps", "domains", "retrieval_mix",
+            "grad_clip", "weight_decay", "schedule", "precision", "retrieval_tasks", "domains", "retrieval_mix",
             "model.num_key_value_heads", "model.head_dim", "model.rope_theta", "model.hidden_size", "bogus",
             "model.bogus", "wsd_decay_frac", "keep_checkpoints", "seed", "model_overrides"]
 BAD_VALUES = ["nan", "inf", "-inf", "-1", "0", "-0.5", "1e999", "abc", "", "[1,", "{}", "[]", "true", "none", "1.5",

@@ -25,6 +25,7 @@ from gated_attention.train import checkpoint as ckpt_mod
 from gated_attention.train.config import apply_overrides, tiny
 from gated_attention.train.trainer import train
 from harness import gattn_argv, run_gattn, torchrun_argv
+from kill_hooks import nan_at_steps
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gated_attention"
 TINY = ["--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2", "--set", "eval_batches=1"]
@@ -451,7 +452,8 @@ def test_strict_json_helper():
 
 def test_nan_mid_run_logs_strict_json(tmp_path):
     out = tmp_path / "r"
-    s = train(apply_overrides(tiny(), ["steps=6", "inject_nan_steps=2,3", "eval_batches=1", "ckpt_every=0"]), out)
+    with nan_at_steps({2, 3}):
+        s = train(apply_overrides(tiny(), ["steps=6", "eval_batches=1", "ckpt_every=0"]), out)
     lines = [strict_loads(l) for l in (out / "log.jsonl").read_text().splitlines()]
     bad = [r for r in lines if r["step"] in (2, 3)]
     assert all(r["loss"] is None and r["nonfinite"]["loss"] == "nan" and r["skipped"] for r in bad)
@@ -459,8 +461,9 @@ def test_nan_mid_run_logs_strict_json(tmp_path):
     assert s["skipped_steps"] == 2 and not s["diverged"]
     strict_loads((out / "summary.json").read_text())
     # a run that diverges: its final loss is NaN -> null with the reason, in a strictly parseable summary
-    d = train(apply_overrides(tiny(), ["steps=8", "inject_nan_steps=1,2,3", "max_bad_steps=3", "eval_batches=1",
-                                       "ckpt_every=0"]), tmp_path / "d")
+    with nan_at_steps({1, 2, 3}):
+        d = train(apply_overrides(tiny(), ["steps=8", "max_bad_steps=3", "eval_batches=1", "ckpt_every=0"]),
+                  tmp_path / "d")
     summ = strict_loads((tmp_path / "d" / "summary.json").read_text())
     assert d["diverged"] and summ["final_loss"] is None and summ["nonfinite"]["final_loss"] == "nan"
 

@@ -15,6 +15,7 @@ from gated_attention.train.monitors import SpikeDetector
 from gated_attention.train.model_setup import param_groups
 from gated_attention.train.trainer import train
 from harness import build_lm, run_gattn
+from kill_hooks import nan_at_steps
 
 
 def losses(run: Path) -> list[float]:
@@ -45,10 +46,20 @@ def test_wsd_schedule_known_steps():
 
 # ---------------------------------------------------------------- config
 
+def test_settings_stored_under_retired_names_are_read():
+    """A train_config.json / lab.json written before a setting was renamed or retired reads as today's settings."""
+    from gated_attention.train.config import RENAMED_KEYS, TrainConfig
+
+    old = {**tiny().to_dict(), "inject_nan_steps": []}  # retired: fault injection is the tests' hook now
+    assert RENAMED_KEYS["inject_nan_steps"] is None and TrainConfig.from_dict(old) == tiny()
+    with pytest.raises(ValueError, match="unknown TrainConfig keys"):
+        TrainConfig.from_dict({**tiny().to_dict(), "bogus": 1})
+
+
 def test_set_overrides_typed_and_checked():
-    cfg = apply_overrides(tiny(), ["lr=1e-2", "steps=7", "compile=false", "inject_nan_steps=1,3", "domains=none",
+    cfg = apply_overrides(tiny(), ["lr=1e-2", "steps=7", "compile=false", "retrieval_tasks=a,b", "domains=none",
                                    "model.num_hidden_layers=3"], model_fields={"num_hidden_layers": 2})
-    assert cfg.lr == 1e-2 and cfg.steps == 7 and cfg.compile == "false" and cfg.inject_nan_steps == [1, 3]
+    assert cfg.lr == 1e-2 and cfg.steps == 7 and cfg.compile == "false" and cfg.retrieval_tasks == ["a", "b"]
     assert cfg.domains is None and cfg.model_overrides == {"num_hidden_layers": 3}
     with pytest.raises(ValueError, match="unknown training setting.*valid:.*warmup_steps"):
         apply_overrides(tiny(), ["lrr=1"])
@@ -95,8 +106,9 @@ def test_loss_falls_and_outputs(tmp_path):
 
 
 def test_nan_steps_skipped_and_counted(tmp_path):
-    cfg = apply_overrides(tiny(), ["steps=10", "inject_nan_steps=3,4", "stats_every=1"])
-    s = train(cfg, tmp_path)
+    cfg = apply_overrides(tiny(), ["steps=10", "stats_every=1"])
+    with nan_at_steps({3, 4}):
+        s = train(cfg, tmp_path)
     recs = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert s["skipped_steps"] == 2 and not s["diverged"]
     assert [r["skipped"] for r in recs] == [i in (3, 4) for i in range(10)]
@@ -105,8 +117,9 @@ def test_nan_steps_skipped_and_counted(tmp_path):
 
 
 def test_nan_run_stops_after_k_in_a_row(tmp_path):
-    cfg = apply_overrides(tiny(), ["steps=20", "inject_nan_steps=2,3,4,5,6,7", "max_bad_steps=3"])
-    s = train(cfg, tmp_path)
+    cfg = apply_overrides(tiny(), ["steps=20", "max_bad_steps=3"])
+    with nan_at_steps({2, 3, 4, 5, 6, 7}):
+        s = train(cfg, tmp_path)
     assert s["diverged"] and s["skipped_steps"] == 3 and s["steps"] == 5
     assert "3 non-finite steps in a row" in s["stop_reason"]
 

@@ -133,7 +133,7 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
     new_cfg = extend_checkpoint(src, extended, method, factor, rope_theta, original_max_position_embeddings,
                                 overwrite=True)
     base = _base_train_config(src)
-    cfg = replace(base, data="corpus", steps=int(steps), seq_len=int(seq_len), eval_every=0, inject_nan_steps=[],
+    cfg = replace(base, data="corpus", steps=int(steps), seq_len=int(seq_len), eval_every=0,
                   warmup_steps=min(base.warmup_steps, steps // 10),
                   ckpt_every=base.ckpt_every if base.ckpt_every < steps else 0)
     if data_dir is not None:

@@ -18,6 +18,8 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: w
 ACTIVATION_CHECKPOINTING = ("none", "full")  # train.model_setup.apply_activation_checkpointing
 ACCUM_GRADS = ("sharded", "auto")  # train.dist.unsharded_accumulation
 RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
+# settings stored under an older name (train_config.json, a lab's lab.json): old -> new, or None for a retired one
+RENAMED_KEYS = {"inject_nan_steps": None}  # fault injection moved to the tests' hooks (tests/kill_hooks.py)
 
 
 @dataclass
@@ -81,7 +83,6 @@ class TrainConfig:
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
     progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
-    inject_nan_steps: list[int] = field(default_factory=list)  # fault injection for tests: make these steps' loss NaN
 
     def validate(self) -> "TrainConfig":
         def bad(msg: str):
@@ -137,8 +138,6 @@ class TrainConfig:
             check_number("eps", self.eps, min=0.0, min_open=True)
             check_number("wsd_decay_frac", self.wsd_decay_frac, min=0.0, max=1.0)
             check_number("retrieval_mix", self.retrieval_mix, min=0.0, max=1.0)
-            for s in self.inject_nan_steps:
-                check_number("inject_nan_steps item", s, kind=int, min=0)
         except UserError as exc:
             bad(str(exc))
         if not isinstance(self.model_overrides, dict):
@@ -187,10 +186,23 @@ class TrainConfig:
     def from_dict(cls, d: dict) -> "TrainConfig":
         names = {f.name for f in dataclasses.fields(cls)}
         d = {k: v for k, v in d.items() if k not in RUN_RECORD_KEYS}  # train_config.json's records, not settings
+        d = renamed(d, RENAMED_KEYS)
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown TrainConfig keys {unknown}; valid: {sorted(names)}")
         return cls(**d)
+
+
+def renamed(d: dict, renames: dict) -> dict:
+    """`d` with its keys stored under an older name read under today's (`renames`: old -> new; None drops a retired
+    setting); a key stored under both names is an error."""
+    out = {k: v for k, v in d.items() if k not in renames}
+    for old, new in renames.items():
+        if old in d and new is not None:
+            if new in d:
+                raise ValueError(f"settings hold both {old!r} and its new name {new!r}; keep {new!r}")
+            out[new] = d[old]
+    return out
 
 
 def accum_for(batch_size: int, world_size: int, micro_batch: int) -> int:
@@ -438,7 +450,7 @@ def check_model(cfg: TrainConfig) -> None:
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
                                "accum_grads",
                                "device", "attn_implementation", "activation_checkpointing",
-                               "grad_accum", "micro_batch", "inject_nan_steps"})
+                               "grad_accum", "micro_batch"})
 
 
 def run_precision(d: dict) -> str:

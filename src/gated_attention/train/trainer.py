@@ -246,98 +246,162 @@ def _restore(run: _Run, latest: Path | None) -> None:
 # ---------------------------------------------------------------- one optimizer step
 
 def _train_step(run: _Run, step: int) -> dict:
-    """Forward/backward over the micro-batches, clip, skip non-finite steps, optional stats; returns the log record."""
-    cfg, info, raw = run.cfg, run.info, run.model
+    """One optimizer step: forward_backward over the micro-batches, update, and every `stats_every` steps monitoring;
+    returns the step's log record."""
+    cfg, info = run.cfg, run.info
     t0 = time.perf_counter()
-    lr = lr_for(cfg, step)
+    lr = _set_lr(run, step)
+    if run.plugins.trainable_at is not None:
+        run.plugins.trainable_at(step, run.model)  # this step's trainable set (a phase)
+    rows = slice(info.rank * run.per_rank, (info.rank + 1) * run.per_rank)  # this rank's rows of the global batch
+    batch = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step, rows=rows).to(info.device)  # (B/N, T+1)
+    stats_due = cfg.stats_every > 0 and step % cfg.stats_every == 0
+    before = snapshot_params(run.par.master) if stats_due else None
+    losses = forward_backward(run, step, batch)
+    rec = update(run, step, losses, lr)
+    note = run.par.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1,
+                                 agree=lambda choice: D.broadcast_object(choice, info))  # rank 0's decision for all
+    if note and info.is_main:
+        print(f"gattn train: {note}", file=sys.stderr, flush=True)  # stdout may carry JSON
+    if stats_due:
+        rec.update(monitoring(run, batch, before, moe="aux_loss" in rec))
+    # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after monitoring's
+    # train-mode probe forward, so it does not leak into the next step's load-balancing loss)
+    reset_moe_balance(run.model)
+    return rec
+
+
+def _set_lr(run: _Run, step: int) -> float:
+    lr = lr_for(run.cfg, step)
     for g in run.optimizer.param_groups:
         g["lr"] = lr * g.get("lr_mult", 1.0)  # a plug-in's groups may scale the schedule (retrofit: gates vs rest)
-    plug = run.plugins
-    if plug.trainable_at is not None:
-        plug.trainable_at(step, raw)  # this step's trainable set (a phase)
-    rows = slice(info.rank * run.per_rank, (info.rank + 1) * run.per_rank)  # this rank's rows of the global batch
-    mine = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step, rows=rows).to(info.device)  # (B/N, T+1)
-    stats_step = cfg.stats_every > 0 and step % cfg.stats_every == 0
-    before = snapshot_params(run.par.master) if stats_step else None
-    loss_sum = torch.zeros((), device=info.device)
-    aux_sum = torch.zeros((), device=info.device)
-    extra_logs: dict[str, float] = {}
-    for i in range(cfg.grad_accum):
-        chunk = mine[i * run.micro:(i + 1) * run.micro]  # (b, T+1)
+    return lr
+
+
+@dataclass
+class StepLosses:
+    """A step's losses on this rank: means over its micro-batches (tensors; reduced over ranks by update)."""
+
+    ce: torch.Tensor  # the next-token CE (the logged loss)
+    aux: torch.Tensor | None  # the model's auxiliary loss (MoE load balancing, z-loss), None for a model without
+    extra: dict  # a plug-in's logged floats (extra_loss / observe)
+
+
+def forward_backward(run: _Run, step: int, batch: torch.Tensor) -> StepLosses:
+    """Forward and backward over the step's micro-batches of `batch` (B/N, T+1); gradients accumulate (synced over
+    ranks as parallelize's grad_sync says) into the parameters."""
+    n = run.cfg.grad_accum
+    losses = StepLosses(ce=torch.zeros((), device=run.info.device), aux=None, extra={})
+    for i in range(n):
+        chunk = batch[i * run.micro:(i + 1) * run.micro]  # (b, T+1)
         x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T) each
-        last = i == cfg.grad_accum - 1
-        with run.par.grad_sync(last):
-            with numerics(run.precision, info.device), run.par.speed.training_forward(), plug.forward_context(step, raw):
-                out_ = (run.par.forward(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
-                        else run.par.forward(input_ids=x, **run.fwd_kw))
-            aux = getattr(out_, "aux_loss", None)
-            if run.fused_loss:  # out_.loss = CE + aux already; the CE alone is what gets logged
-                total = out_.loss
-                loss = total - aux.float() if aux is not None else total
-            else:
-                logits = out_.logits  # (b, T, V)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-                total = loss + (aux.float() if aux is not None else 0.0)
-            if plug.extra_loss is not None or plug.observe is not None:  # a lab's extra term (retrofit's penalties)
-                extra, logs = plug.after_forward(step, x, y, out_, loss)  # or observer; the logged loss stays the CE
-                if extra is not None:
-                    total = total + extra
-                for k, v in logs.items():
-                    extra_logs[k] = extra_logs.get(k, 0.0) + float(v) / cfg.grad_accum
-            if step in cfg.inject_nan_steps:
-                total = total * float("nan")
-            (total / cfg.grad_accum).backward()
-        loss_sum += loss.detach() / cfg.grad_accum
+        with run.par.grad_sync(last=i == n - 1):
+            ce, total, aux, logs = _forward(run, step, x, y)
+            (total / n).backward()
+        losses.ce += ce.detach() / n
         if aux is not None:
-            aux_sum += aux.detach().float() / cfg.grad_accum
-        if step in cfg.inject_nan_steps:
-            loss_sum = loss_sum * float("nan")
-    max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.par.master.parameters(), max_norm)
-    if hasattr(grad_norm, "full_tensor"):
-        grad_norm = grad_norm.full_tensor()
-    grad_norm = float(grad_norm)
-    loss_val = float(D.reduce_mean(loss_sum, info))
-    bad = not (math.isfinite(loss_val) and math.isfinite(grad_norm))
-    st = run.st
-    if bad:
-        run.optimizer.zero_grad(set_to_none=True)  # skip: no update from a non-finite step
+            losses.aux = (0.0 if losses.aux is None else losses.aux) + aux.detach().float() / n
+        for k, v in logs.items():
+            losses.extra[k] = losses.extra.get(k, 0.0) + float(v) / n
+    return losses
+
+
+def _forward(run: _Run, step: int, x: torch.Tensor, y: torch.Tensor):
+    """One micro-batch's training forward: (the CE, the loss to backpropagate: CE + aux + a plug-in's term, the aux
+    loss or None, a plug-in's floats to log)."""
+    plug = run.plugins
+    with numerics(run.precision, run.info.device), run.par.speed.training_forward(), \
+            plug.forward_context(step, run.model):
+        out = (run.par.forward(input_ids=x, shift_labels=y, fused_loss=True, **run.fwd_kw) if run.fused_loss
+               else run.par.forward(input_ids=x, **run.fwd_kw))
+    aux = getattr(out, "aux_loss", None)
+    if run.fused_loss:  # out.loss = CE + aux already; the CE alone is what gets logged
+        total = out.loss
+        ce = total - aux.float() if aux is not None else total
+    else:
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten())  # logits (b, T, V)
+        total = ce + (aux.float() if aux is not None else 0.0)
+    logs = {}
+    if plug.extra_loss is not None or plug.observe is not None:  # a lab's extra term (retrofit's penalties)
+        extra, logs = plug.after_forward(step, x, y, out, ce)  # or observer; the logged loss stays the CE
+        if extra is not None:
+            total = total + extra
+    return ce, total, aux, logs
+
+
+def update(run: _Run, step: int, losses: StepLosses, lr: float) -> dict:
+    """Clip, skip a non-finite step (no update, counted), else the optimizer step; the step's record."""
+    cfg, info, st = run.cfg, run.info, run.st
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.par.master.parameters(),
+                                               cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # FSDP2: DTensor
+    loss = float(D.reduce_mean(losses.ce, info))
+    bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if bad:  # skip: no update from a non-finite step
         st["skipped_steps"] += 1
         st["bad_in_a_row"] += 1
     else:
         run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.par.after_update()
         st["bad_in_a_row"] = 0
-    note = run.par.speed.observe(time.perf_counter() - t0, cfg.steps - step - 1,
-                             agree=lambda choice: D.broadcast_object(choice, info))  # rank 0's decision for all
-    if note and info.is_main:
-        print(f"gattn train: {note}", file=sys.stderr, flush=True)  # stdout may carry JSON
-    spike = run.spikes.update(step, loss_val)
-    rec = {"step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm, "skipped": bad, "spike": spike}
-    if aux is not None:
-        rec["aux_loss"] = float(D.reduce_mean(aux_sum, info))
-    if extra_logs:
-        rec["extra"] = extra_logs
-    if stats_step and aux is not None:
-        rec["moe"] = _moe_record(raw)  # read before the probe forward below adds to the counts
-    if stats_step:
-        rec["update_ratio"] = update_weight_ratio(run.par.master, before,
-                                                  sharded=info.mode == "fsdp" and info.distributed)
-        if run.par.layers:
-            x0 = mine[:run.micro, :-1]
-            with numerics(run.precision, info.device):
-                res = residual_stream_stats(run.par.layers, lambda: raw(input_ids=x0))
-            rec["max_act"] = D.reduce_max(res["max_act"], info)
-            if all(v is not None for v in res["lost_update_share"]):  # our decoder layers (not a stand-in model)
-                rec["lost_update_share"] = D.mean_over_ranks(res["lost_update_share"], info)
-    # MoE global-batch expert counts span exactly one optimizer step: start the next one afresh (after the
-    # train-mode probe forward above, so it does not leak into the next step's load-balancing loss)
-    reset_moe_balance(raw)
+    run.optimizer.zero_grad(set_to_none=True)
+    if not bad:
+        run.par.after_update()
     st["step"] = step + 1
     st["tokens"] += run.tokens_per_step
-    st["last_loss"] = loss_val
+    st["last_loss"] = loss
+    rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": bad,
+           "spike": run.spikes.update(step, loss)}
+    if losses.aux is not None:
+        rec["aux_loss"] = float(D.reduce_mean(losses.aux, info))
+    if losses.extra:
+        rec["extra"] = losses.extra
     return rec
+
+
+def monitoring(run: _Run, batch: torch.Tensor, before: dict, moe: bool) -> dict:
+    """What a stats step adds to its record: each of STATS_MONITORS' fields (a new metric is one more function)."""
+    probe = _Probe(run=run, batch=batch, before=before, moe=moe)
+    out = {}
+    for fn in STATS_MONITORS:
+        out.update(fn(probe))
+    return out
+
+
+@dataclass(frozen=True)
+class _Probe:
+    """What a stats monitor reads: the run, this rank's batch (B/N, T+1), the parameters before the update."""
+
+    run: _Run
+    batch: torch.Tensor
+    before: dict
+    moe: bool  # the model returned an aux loss (MoE): its per-layer expert load is recorded
+
+
+def _moe_monitor(p: _Probe) -> dict:
+    return {"moe": _moe_record(p.run.model)} if p.moe else {}  # before the probe forward below adds to the counts
+
+
+def _update_ratio_monitor(p: _Probe) -> dict:
+    info = p.run.info
+    return {"update_ratio": update_weight_ratio(p.run.par.master, p.before,
+                                                sharded=info.mode == "fsdp" and info.distributed)}
+
+
+def _activation_monitor(p: _Probe) -> dict:
+    """Max |activation| and the lost-update share per layer, from a probe forward on the first micro-batch."""
+    run, info = p.run, p.run.info
+    if not run.par.layers:
+        return {}
+    x0 = p.batch[:run.micro, :-1]  # (b, T)
+    with numerics(run.precision, info.device):
+        res = residual_stream_stats(run.par.layers, lambda: run.model(input_ids=x0))
+    out = {"max_act": D.reduce_max(res["max_act"], info)}
+    if all(v is not None for v in res["lost_update_share"]):  # our decoder layers (not a stand-in model)
+        out["lost_update_share"] = D.mean_over_ranks(res["lost_update_share"], info)
+    return out
+
+
+STATS_MONITORS = (_moe_monitor, _update_ratio_monitor, _activation_monitor)  # in this order: the MoE counts first
 
 
 def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
