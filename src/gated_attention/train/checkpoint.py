@@ -299,11 +299,5 @@ def newest_valid(out: Path, info) -> Path | None:
         reason = next((r for r in reasons if r is not None), None)
         if reason is None:
             return path
-        error = None
-        if info.is_main:
-            try:
-                set_aside(path, reason)
-            except OSError as exc:
-                error = exc
-        D.agree(info, error)  # a failed rename on rank 0 stops every rank
+        D.on_rank0(info, lambda: set_aside(path, reason))  # a failed rename on rank 0 stops every rank
     return None

@@ -202,3 +202,29 @@ def agree(info: DistInfo, exc: BaseException | None) -> None:
         from ..util.errors import UserError
 
         raise UserError(f"rank {failed - 1} stopped with an error (see its message above); this rank stops too")
+
+
+def on_rank0(info: DistInfo, fn):
+    """The one protocol of a rank-0 decision or write: `fn()` runs on rank 0 only and its value (picklable) comes
+    back on every rank (broadcast). If it raised, every rank raises (agree), so no rank waits in a later collective
+    for a rank 0 that stopped."""
+    value, exc = None, None
+    if info.is_main:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - handed to agree, which re-raises it on rank 0
+            exc = e
+    agree(info, exc)
+    return broadcast_object(value, info)
+
+
+def on_every_rank(info: DistInfo, fn):
+    """`fn()` on every rank (a rank's own write, its share of a collective save); returns this rank's value. If it
+    raised on any rank, every rank raises (agree): a full disk on one rank stops them all."""
+    value, exc = None, None
+    try:
+        value = fn()
+    except Exception as e:  # noqa: BLE001 - handed to agree, which re-raises it on this rank
+        exc = e
+    agree(info, exc)
+    return value

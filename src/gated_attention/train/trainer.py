@@ -51,7 +51,7 @@ from ..moe import moe_stats, reset_moe_balance
 from .monitors import SpikeDetector, residual_stream_stats, snapshot_params, update_weight_ratio
 from ..util.errors import UserError
 from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir
-from ..util.precision import numerics
+from ..util.precision import check_resolved, decide, gemm_mode, numerics
 
 
 # ---------------------------------------------------------------- the loop
@@ -79,7 +79,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool | str = False, mod
     info = D.setup(cfg.device, cfg.dist)
     try:
         with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
-            _on_main(info, lambda: stack.enter_context(lock_dir(out_dir, "gattn train")))
+            D.on_rank0(info, lambda: bool(stack.enter_context(lock_dir(out_dir, "gattn train"))))
             summary = _train(cfg, Path(out_dir), resume, model_factory, info, step_hook, plugins or Plugins(),
                              resolved_precision)
     except BaseException:
@@ -142,29 +142,16 @@ def _train(cfg: TrainConfig, out: Path, resume: bool | str, model_factory, info:
 
 def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo,
                    resolved_precision: str | None = None) -> tuple[Path | None, str]:
-    """Decide the precision (or take the caller's decision, `resolved_precision`), validate the run folder against
-    `resume`, write train_config.json; returns (the checkpoint to resume from — the newest VALID one — or None, the
-    resolved precision). Rank 0 decides; an error there stops every rank (D.agree)."""
+    """The run's precision, its folder checked against `resume`, its settings written; returns (the checkpoint to
+    resume from — the newest VALID one — or None, the resolved precision). Each decision is rank 0's, broadcast: an
+    error there stops every rank."""
     cfg.check_world(info.world_size)
-    box = {}
-    dist_mode = cfg.dist if info.distributed else "none"
-
-    def prepare():
-        from ..util.precision import check_resolved, decide
-
-        if resolved_precision is not None:  # the command decided (and logged) it where the run was configured
-            box["precision"] = check_resolved(resolved_precision, "resolved_precision")
-        else:
-            box["precision"], line = decide(cfg.precision, info.device, dist_mode)
-            print(f"gattn train: {line}", file=sys.stderr, flush=True)
-        cfg.check_world(info.world_size, box["precision"])
-        want = {**cfg.to_dict(), "resolved_precision": box["precision"]}
-        box["resume"] = ckpt_mod.resume_decision(out, resume, out / "train_config.json", want)
-        atomic_write_text(out / "train_config.json", json_dumps(want, indent=1))
-
-    _on_main(info, prepare)  # every rank stops if rank 0 refused the folder
     # rank 0's measurement decides for every rank (two ranks timing a GEMM under load could disagree)
-    wanted, precision = D.broadcast_object((box.get("resume"), box.get("precision")), info)
+    precision = D.on_rank0(info, lambda: _decide_precision(cfg, info, resolved_precision))
+    cfg.check_world(info.world_size, precision)
+    want = {**cfg.to_dict(), "resolved_precision": precision}
+    wanted = D.on_rank0(info, lambda: ckpt_mod.resume_decision(out, resume, out / "train_config.json", want))
+    D.on_rank0(info, lambda: atomic_write_text(out / "train_config.json", json_dumps(want, indent=1)))
     latest = ckpt_mod.newest_valid(out, info) if wanted else None
     if wanted and latest is None:
         if wanted != "auto":  # the same on every rank: every rank stops
@@ -176,6 +163,15 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
     elif wanted == "auto" and info.is_main:
         print(f"gattn train: --resume auto: resuming from {latest}", file=sys.stderr, flush=True)
     return latest, precision
+
+
+def _decide_precision(cfg: TrainConfig, info: D.DistInfo, resolved_precision: str | None) -> str:
+    """The caller's decision (`resolved_precision`, checked), or this command's, logged (util.precision.decide)."""
+    if resolved_precision is not None:  # the command decided (and logged) it where the run was configured
+        return check_resolved(resolved_precision, "resolved_precision")
+    precision, line = decide(cfg.precision, info.device, cfg.dist if info.distributed else "none")
+    print(f"gattn train: {line}", file=sys.stderr, flush=True)
+    return precision
 
 
 def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str,
@@ -227,7 +223,7 @@ def _restore(run: _Run, latest: Path | None) -> None:
     if latest is not None:
         shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
         if shared is None:  # DCP: each rank reads its shards, whatever the world size that wrote it
-            D.agree(info, _error_of(lambda: load_sharded_state(run.par.master, run.optimizer, latest / ckpt_mod.SHARDED)))
+            D.on_every_rank(info, lambda: load_sharded_state(run.par.master, run.optimizer, latest / ckpt_mod.SHARDED))
         else:
             load_full_state(run.par.master, run.optimizer, shared["model"], shared["optimizer"])
         run.par.after_update()  # the bf16 twin takes the restored master weights
@@ -450,27 +446,26 @@ def _save_checkpoint(run: _Run, next_step: int) -> None:
     sharded = run.cfg.dist == "fsdp"
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
     if sharded:
-        D.agree(info, _error_of(lambda: save_sharded_state(run.par.master, run.optimizer, tmp / ckpt_mod.SHARDED)))
+        D.on_every_rank(info, lambda: save_sharded_state(run.par.master, run.optimizer, tmp / ckpt_mod.SHARDED))
     else:
         msd, osd = full_state(run.par.master, run.optimizer)  # collective
     meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
             "config": run.cfg.to_dict(), "resolved_precision": run.precision}
     if hasattr(run.step_hook, "state_dict"):
         meta["step_hook"] = run.step_hook.state_dict()
-    # a failure on any rank (a full disk) stops every rank: D.agree replaces the barriers between the phases
+    # a failure on any rank (a full disk) stops every rank: on_rank0 / on_every_rank replace barriers between phases
     shared = {"meta.json": meta} if sharded else {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta}
     if sharded and hasattr(run.model, "config"):  # `gattn convert` reads a sharded checkpoint as a model folder
         import json
 
         shared["config.json"] = json.loads(run.model.config.to_json_string())
-    _on_main(info, lambda: ckpt_mod.write_files(tmp, shared))
-    D.agree(info, _error_of(lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()})))
+    D.on_rank0(info, lambda: ckpt_mod.write_files(tmp, shared))
+    D.on_every_rank(info, lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()}))
     # every rank hashes the files it wrote (in parallel); rank 0 merges them into the manifest, written last
-    mine = {}
-    D.agree(info, _error_of(lambda: mine.update(ckpt_mod.hash_own_files(tmp, info.rank))))
+    mine = D.on_every_rank(info, lambda: ckpt_mod.hash_own_files(tmp, info.rank))
     hashed = {k: v for part in D.gather_objects(mine, info) for k, v in part.items()}
-    _on_main(info, lambda: (ckpt_mod.write_manifest(tmp, hashed), ckpt_mod.commit(run.out, next_step,
-                                                                                  run.cfg.keep_checkpoints)))
+    D.on_rank0(info, lambda: (ckpt_mod.write_manifest(tmp, hashed),
+                              str(ckpt_mod.commit(run.out, next_step, run.cfg.keep_checkpoints)))[1])
     run.last_ckpt_step = next_step
 
 
@@ -493,19 +488,6 @@ def restore_step_hook(out_dir: str | Path, hook) -> None:
     _load_hook_state(hook, ckpt_mod.load_files(latest, 0)[1], latest)
 
 
-def _on_main(info: D.DistInfo, fn) -> None:
-    """Run `fn` on rank 0; every rank raises if it failed (no rank left waiting in a barrier)."""
-    D.agree(info, _error_of(fn) if info.is_main else None)
-
-
-def _error_of(fn) -> Exception | None:
-    try:
-        fn()
-    except Exception as exc:
-        return exc
-    return None
-
-
 def _finish(run: _Run, t_start: float) -> dict:
     """Final eval, a last checkpoint if the final step has none, the exported model and summary.json."""
     close_logs(run)
@@ -518,27 +500,30 @@ def _finish(run: _Run, t_start: float) -> dict:
     if sharded and hasattr(run.model, "save_pretrained"):  # final/ written from the shards: no rank gathers the model
         _export_final_sharded(run, run.out / "final")
     msd, _ = full_state(run.par.master, run.optimizer) if info.distributed and not sharded else (None, None)
-    box = {}
 
-    def export():
+    def export() -> dict:
         if not sharded:
             _export_final(run.par.master, msd, run.source, run.out / "final")
-        summary = run_summary(run.cfg, st, run.spikes, run.log_path)
-        summary["resolved_precision"] = run.precision
-        if run.precision != "fp32":  # how its bf16 GEMMs ran: "native", or "emulated" (util/bf16_emulation.py)
-            from ..util.precision import gemm_mode
-
-            summary["bf16_gemms"] = gemm_mode(info.device)
-        summary["speed"] = run.par.speed.describe()
-        summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
-                               "grad_accum": run.cfg.grad_accum,
-                               "accumulation": "unsharded" if run.par.unsharded_accum else
-                               ("sharded" if info.distributed and info.mode == "fsdp" else "whole")}
-        box["summary"] = summary
+        summary = _summary(run)
         atomic_write_json(run.out / "summary.json", summary)  # strict JSON
+        return summary
 
-    _on_main(info, export)
-    return box.get("summary") or {}
+    return D.on_rank0(info, export) or {}
+
+
+def _summary(run: _Run) -> dict:
+    """summary.json: the log's figures (logs.summary) and how the run ran (precision, speed, parallelism)."""
+    info = run.info
+    summary = run_summary(run.cfg, run.st, run.spikes, run.log_path)
+    summary["resolved_precision"] = run.precision
+    if run.precision != "fp32":  # how its bf16 GEMMs ran: "native", or "emulated" (util/bf16_emulation.py)
+        summary["bf16_gemms"] = gemm_mode(info.device)
+    summary["speed"] = run.par.speed.describe()
+    summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
+                           "grad_accum": run.cfg.grad_accum,
+                           "accumulation": "unsharded" if run.par.unsharded_accum else
+                           ("sharded" if info.distributed and info.mode == "fsdp" else "whole")}
+    return summary
 
 
 def _moe_record(model: nn.Module) -> dict | None:
@@ -561,9 +546,8 @@ def _export_final_sharded(run: _Run, dest: Path) -> None:
     config and tokenizer and swaps the folder into place; a failure on any rank leaves the old final/ untouched."""
     import shutil
 
-    info, stack, box = run.info, ExitStack(), {}
-    _on_main(info, lambda: box.update(tmp=str(stack.enter_context(atomic_dir(dest, overwrite=True)))))
-    tmp = Path(D.broadcast_object(box.get("tmp"), info))
+    info, stack = run.info, ExitStack()
+    tmp = Path(D.on_rank0(info, lambda: str(stack.enter_context(atomic_dir(dest, overwrite=True)))))
 
     def finish():
         shutil.rmtree(tmp / "sharded", ignore_errors=True)  # the per-rank pieces, consolidated by now
@@ -577,12 +561,12 @@ def _export_final_sharded(run: _Run, dest: Path) -> None:
         _save_tokenizer(run.source, tmp)
 
     try:
-        D.agree(info, _error_of(lambda: save_hf_sharded(run.par.master, tmp)))
-        _on_main(info, finish)
+        D.on_every_rank(info, lambda: save_hf_sharded(run.par.master, tmp))
+        D.on_rank0(info, finish)
     except BaseException as exc:
         stack.__exit__(type(exc), exc, exc.__traceback__)  # rank 0: the temp folder goes, final/ stays as it was
         raise
-    _on_main(info, stack.close)  # rank 0: the new final/ in place
+    D.on_rank0(info, stack.close)  # rank 0: the new final/ in place
 
 
 def _export_final(raw: nn.Module, full_sd: dict | None, source, dest: Path) -> None:
