@@ -1,14 +1,136 @@
-"""A run's restorable state: the gathered model/optimizer state dicts and the RNG states a checkpoint holds.
+"""A run's restorable state: what a checkpoint holds, defined once (`run_state`) as a few objects with
+`state_dict()` / `load_state_dict()` that the trainer's save and restore both walk, plus the helpers that gather,
+shard and load the model/optimizer state dicts and the RNG states.
 
-Pure helpers of train/trainer.py's exact resume (the files themselves are written by train/checkpoint.py).
+    Weights      the model's (master) weights and AdamW's moments: state.pt (gathered by rank 0), or under
+                 dist=fsdp a sharded DCP folder state/ written by every rank
+    Counters     step, tokens, skipped steps, ... (meta.json "state")
+    SpikeDetector the loss-spike window (meta.json "spikes"; train/monitors.py)
+    HookState    the step hook's own state, when it has one (meta.json "step_hook")
+    RNG          this rank's RNG states (rng_rank<r>.pt, one file per rank)
+
+The files themselves are written by train/checkpoint.py (atomic, verified, rotated).
 """
 from __future__ import annotations
 
 import random
-
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
 
 import torch
+
+from ..util.errors import UserError
+
+
+class Weights:
+    """The model's weights and the optimizer's state; `after_load()` runs after every load (the bf16 twin's
+    refresh under bf16-params)."""
+
+    what = "model and optimizer state"
+
+    def __init__(self, model, optimizer, sharded: bool, after_load: Callable[[], None] = lambda: None):
+        self.model, self.optimizer, self.sharded, self.after_load = model, optimizer, sharded, after_load
+
+    def state_dict(self) -> dict:
+        """The gathered full state, on CPU (a collective under DDP/FSDP): state.pt's contents."""
+        msd, osd = full_state(self.model, self.optimizer)
+        return {"model": msd, "optimizer": osd}
+
+    def load_state_dict(self, sd: dict) -> None:
+        load_full_state(self.model, self.optimizer, sd["model"], sd["optimizer"])
+        self.after_load()
+
+    def save_sharded(self, folder: Path) -> None:
+        """Every rank writes its own shards into the DCP folder (a collective)."""
+        save_sharded_state(self.model, self.optimizer, folder)
+
+    def load_sharded(self, folder: Path) -> None:
+        """Every rank reads its shards from a DCP folder written at any world size (a collective)."""
+        load_sharded_state(self.model, self.optimizer, folder)
+        self.after_load()
+
+
+class Counters:
+    """The run's counters (a dict the trainer updates in place)."""
+
+    what = "counters"
+
+    def __init__(self, st: dict):
+        self.st = st
+
+    def state_dict(self) -> dict:
+        return dict(self.st)
+
+    def load_state_dict(self, d: dict) -> None:
+        self.st.update(d)
+
+
+class HookState:
+    """The state of train()'s step hook (curves, probe records), for a hook with state_dict / load_state_dict."""
+
+    what = "state of this run's step hook"
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def state_dict(self) -> dict:
+        return self.hook.state_dict()
+
+    def load_state_dict(self, d: dict) -> None:
+        self.hook.load_state_dict(d)
+
+
+def has_state(hook) -> bool:
+    return hasattr(hook, "state_dict") and hasattr(hook, "load_state_dict")
+
+
+class RNG:
+    """This rank's RNG states."""
+
+    what = "RNG state"
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, d: dict) -> None:
+        set_rng_state(d)
+
+
+@dataclass
+class RunState:
+    """What a checkpoint holds: `weights` (state.pt or state/), `meta` (name -> part, JSON in meta.json), `rng`
+    (each rank's own file)."""
+
+    weights: Weights
+    meta: dict
+    rng: RNG
+
+    def meta_dict(self) -> dict:
+        return {name: part.state_dict() for name, part in self.meta.items()}
+
+    def load_meta(self, meta: dict, ckpt: Path) -> None:
+        load_meta(self.meta, meta, ckpt)
+
+
+def load_meta(parts: dict, meta: dict, ckpt: Path) -> None:
+    """Each part (name -> part) from meta.json's `meta`; a part the checkpoint lacks (written by a run without it)
+    is an error."""
+    for name, part in parts.items():
+        if name not in meta:
+            raise UserError(f"checkpoint {ckpt} holds no {part.what} (written without it); delete "
+                            f"{ckpt.parent.parent} to train that run again")
+        part.load_state_dict(meta[name])
+
+
+def run_state(model, optimizer, sharded: bool, counters: dict, spikes, step_hook,
+              after_load: Callable[[], None] = lambda: None) -> RunState:
+    """The one definition of a checkpoint's contents (the trainer's save and restore both use it)."""
+    meta = {"state": Counters(counters), "spikes": spikes}
+    if has_state(step_hook):
+        meta["step_hook"] = HookState(step_hook)
+    return RunState(weights=Weights(model, optimizer, sharded, after_load), meta=meta, rng=RNG())
 
 
 def rng_state() -> dict:

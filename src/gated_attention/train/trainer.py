@@ -6,7 +6,8 @@ train_config.json, in every checkpoint's meta.json and in summary.json; a run is
 resolved precision (train.config.changed_settings).
 
 Exact resume: everything that affects the numbers is either a pure function of the step (LR, the batch) or saved in
-the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters, the step hook's state), so a run
+the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters, the step hook's state: defined
+once in train/state.py's `run_state`), so a run
 killed at any point (SIGKILL, also during a checkpoint write) and resumed logs the same losses, and its step hook
 holds the same records, as one that never stopped. On resume, log.jsonl is cut back to the checkpoint's step so it
 describes exactly one run. This is the one resume policy of every model a command trains (compare, longctx, the labs:
@@ -20,6 +21,7 @@ loss term, a step-0 measurement) comes in as plug-ins (train/plugins.py), so the
 """
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -38,8 +40,7 @@ from .config import TrainConfig
 from .data_source import make_source
 from .evaluate import domain_losses
 from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
-from .state import (full_state, load_full_state, load_sharded_state, rng_state, save_hf_sharded, save_sharded_state,
-                    set_rng_state)
+from .state import HookState, RunState, full_state, has_state, load_meta, run_state, save_hf_sharded
 from .model_setup import apply_trainable, build_model, check_attn_implementation, param_groups
 from .meta_init import build_on_meta, fill_model
 from .parallelize import Parallel, parallelize
@@ -217,26 +218,30 @@ def _build(cfg: TrainConfig, model_factory, vocab: int | None, info: D.DistInfo)
 
 
 def _restore(run: _Run, latest: Path | None) -> None:
-    """Exact resume from checkpoint `latest` (weights, AdamW moments, counters, spike window, RNG), cutting log.jsonl
-    back to its step; with no checkpoint a fresh run starts a fresh log."""
+    """Exact resume from checkpoint `latest` (every part of _state: weights, AdamW moments, counters, spike window,
+    step-hook state, RNG), cutting log.jsonl back to its step; with no checkpoint a fresh run starts a fresh log."""
     info = run.info
     if latest is not None:
         shared, meta, rng = ckpt_mod.load_files(latest, info.rank)
+        parts = _state(run)
         if shared is None:  # DCP: each rank reads its shards, whatever the world size that wrote it
-            D.on_every_rank(info, lambda: load_sharded_state(run.par.master, run.optimizer, latest / ckpt_mod.SHARDED))
+            D.on_every_rank(info, lambda: parts.weights.load_sharded(latest / ckpt_mod.SHARDED))
         else:
-            load_full_state(run.par.master, run.optimizer, shared["model"], shared["optimizer"])
-        run.par.after_update()  # the bf16 twin takes the restored master weights
-        run.st.update(meta["state"])
-        run.spikes.load_state_dict(meta["spikes"])
-        if rng is not None:
-            set_rng_state(rng)
-        _load_hook_state(run.step_hook, meta, latest)
+            parts.weights.load_state_dict(shared)
+        parts.load_meta(meta, latest)
+        if rng is not None:  # None: this rank did not exist in the run that wrote it
+            parts.rng.load_state_dict(rng)
         if info.is_main:
             truncate_log(run.log_path, run.st["step"])
     elif info.is_main and run.log_path.exists():
         run.log_path.unlink()  # a fresh run (no checkpoint yet) starts a fresh log
     D.barrier(info)
+
+
+def _state(run: _Run) -> RunState:
+    """What this run's checkpoints hold (state.run_state, the one definition; under dist=fsdp sharded DCP)."""
+    return run_state(run.par.master, run.optimizer, run.cfg.dist == "fsdp", run.st, run.spikes, run.step_hook,
+                     after_load=run.par.after_update)
 
 
 # ---------------------------------------------------------------- one optimizer step
@@ -440,42 +445,28 @@ def _evaluate(run: _Run) -> dict:
 # ---------------------------------------------------------------- checkpointing and the end of the run
 
 def _save_checkpoint(run: _Run, next_step: int) -> None:
-    """An exact-resume checkpoint (collective): the state (gathered by rank 0, or under dist=fsdp sharded DCP written
-    by every rank), meta.json, each rank's RNG, then an atomic commit."""
-    info = run.info
-    sharded = run.cfg.dist == "fsdp"
+    """An exact-resume checkpoint of every part of _state (collective): the weights (gathered by rank 0, or under
+    dist=fsdp sharded DCP written by every rank), meta.json, each rank's RNG, then an atomic commit. A failure on
+    any rank (a full disk) stops every rank: on_rank0 / on_every_rank stand between the phases."""
+    info, parts = run.info, _state(run)
     tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
-    if sharded:
-        D.on_every_rank(info, lambda: save_sharded_state(run.par.master, run.optimizer, tmp / ckpt_mod.SHARDED))
+    shared = {}
+    if parts.weights.sharded:
+        D.on_every_rank(info, lambda: parts.weights.save_sharded(tmp / ckpt_mod.SHARDED))
     else:
-        msd, osd = full_state(run.par.master, run.optimizer)  # collective
-    meta = {"state": dict(run.st), "spikes": run.spikes.state_dict(), "world_size": info.world_size,
-            "config": run.cfg.to_dict(), "resolved_precision": run.precision}
-    if hasattr(run.step_hook, "state_dict"):
-        meta["step_hook"] = run.step_hook.state_dict()
-    # a failure on any rank (a full disk) stops every rank: on_rank0 / on_every_rank replace barriers between phases
-    shared = {"meta.json": meta} if sharded else {"state.pt": {"model": msd, "optimizer": osd}, "meta.json": meta}
-    if sharded and hasattr(run.model, "config"):  # `gattn convert` reads a sharded checkpoint as a model folder
-        import json
-
+        shared["state.pt"] = parts.weights.state_dict()  # collective
+    shared["meta.json"] = {**parts.meta_dict(), "world_size": info.world_size, "config": run.cfg.to_dict(),
+                           "resolved_precision": run.precision}
+    if parts.weights.sharded and hasattr(run.model, "config"):  # `gattn convert` reads it as a model folder
         shared["config.json"] = json.loads(run.model.config.to_json_string())
     D.on_rank0(info, lambda: ckpt_mod.write_files(tmp, shared))
-    D.on_every_rank(info, lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": rng_state()}))
+    D.on_every_rank(info, lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": parts.rng.state_dict()}))
     # every rank hashes the files it wrote (in parallel); rank 0 merges them into the manifest, written last
     mine = D.on_every_rank(info, lambda: ckpt_mod.hash_own_files(tmp, info.rank))
     hashed = {k: v for part in D.gather_objects(mine, info) for k, v in part.items()}
     D.on_rank0(info, lambda: (ckpt_mod.write_manifest(tmp, hashed),
                               str(ckpt_mod.commit(run.out, next_step, run.cfg.keep_checkpoints)))[1])
     run.last_ckpt_step = next_step
-
-
-def _load_hook_state(hook, meta: dict, ckpt: Path) -> None:
-    if not hasattr(hook, "load_state_dict"):
-        return
-    if "step_hook" not in meta:
-        raise UserError(f"checkpoint {ckpt} holds no state of this run's step hook (written without it); delete "
-                        f"{ckpt.parent.parent} to train that run again")
-    hook.load_state_dict(meta["step_hook"])
 
 
 def restore_step_hook(out_dir: str | Path, hook) -> None:
@@ -485,7 +476,8 @@ def restore_step_hook(out_dir: str | Path, hook) -> None:
     if latest is None:
         raise UserError(f"{out_dir} holds no checkpoint to restore the step hook's state from; delete it to train "
                         "that run again")
-    _load_hook_state(hook, ckpt_mod.load_files(latest, 0)[1], latest)
+    if has_state(hook):
+        load_meta({"step_hook": HookState(hook)}, ckpt_mod.load_files(latest, 0)[1], latest)
 
 
 def _finish(run: _Run, t_start: float) -> dict:
