@@ -57,7 +57,7 @@ def run_rank(args) -> int:
     import torch
 
     from gated_attention.train import dist as D
-    from gated_attention.train.config import config_from_args
+    from gated_attention.train.overrides import config_from_args
     from gated_attention.train.plan import plan
     from gated_attention.train.trainer import train
     from gated_attention.util.precision import resolve
@@ -148,7 +148,7 @@ def validate_sets(args, mode: str, ac: str) -> list[str]:
 
 
 def validate(args) -> int:
-    from gated_attention.train.config import config_from_args
+    from gated_attention.train.overrides import config_from_args
     from gated_attention.train.plan import plan
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))

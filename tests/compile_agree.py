@@ -16,7 +16,8 @@ import sys
 
 def main() -> None:
     from gated_attention.train import fastpath, trainer
-    from gated_attention.train.config import apply_overrides, tiny
+    from gated_attention.train.train_presets import tiny
+    from gated_attention.train.overrides import apply_overrides
 
     out, prefix = sys.argv[1], sys.argv[2]
     rank = int(os.environ.get("RANK", "0"))

@@ -47,7 +47,8 @@ def live_tensor_bytes() -> int:
 
 def main() -> None:
     from gated_attention.train import trainer
-    from gated_attention.train.config import apply_overrides, tiny
+    from gated_attention.train.train_presets import tiny
+    from gated_attention.train.overrides import apply_overrides
     from gated_attention.train.plan import check_fits
 
     out, prefix, sets = sys.argv[1], sys.argv[2], [a for a in sys.argv[3:] if a != "--set"]

@@ -21,7 +21,8 @@ def main() -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from gated_attention.train import dist as D
-    from gated_attention.train.config import apply_overrides, tiny
+    from gated_attention.train.train_presets import tiny
+    from gated_attention.train.overrides import apply_overrides
     from gated_attention.train.meta_init import build_on_meta, fill_model
     from gated_attention.train.model_setup import build_model
     from gated_attention.train.monitors import decoder_layers

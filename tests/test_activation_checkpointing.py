@@ -15,7 +15,8 @@ import torch
 
 import ac_probe
 from gated_attention.train import fastpath
-from gated_attention.train.config import apply_overrides, tiny
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.model_setup import apply_activation_checkpointing
 from gated_attention.train.monitors import decoder_layers
 from gated_attention.train.trainer import train

@@ -3,7 +3,7 @@
 - a path (`train/config.py`, `tests/kill_hooks.py`, `labs/`): a file or folder of the repository or of
   src/gated_attention/; in the layer table a bare file name (`config.py` in the train row) must be in that row's
   folders;
-- a dotted name (`presets.model_config`, `train.config.changed_settings`, `cli/__init__.main`): a module of the
+- a dotted name (`presets.model_config`, `train.resume_rule.changed_settings`, `cli/__init__.main`): a module of the
   package (by its path from gated_attention/, or a unique tail of it) and the attributes after it;
 - a bare identifier (`UserError`, `save_png`, `o_proj`): a word of the source (src/ or tests/);
 - a dotted name that no module starts (`Plugins.source`): each part a word of the source.

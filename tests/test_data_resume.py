@@ -18,7 +18,8 @@ import torch
 
 from gated_attention import data as D
 from gated_attention.data import stream
-from gated_attention.train.config import apply_overrides, tiny
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.data_source import CorpusSource
 from gated_attention.train.trainer import train
 from harness import run_gattn, torchrun_argv

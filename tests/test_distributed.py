@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gated_attention.train.config import apply_overrides, tiny
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.trainer import train
 from harness import run_gattn, torchrun_argv
 

@@ -101,7 +101,7 @@ def fake_trainer(monkeypatch):
 
 
 def test_train_or_reuse_trains_then_reuses(tmp_path, fake_trainer):
-    from gated_attention.train.config import tiny
+    from gated_attention.train.train_presets import tiny
 
     cfg = tiny()
     lines = []
@@ -113,7 +113,7 @@ def test_train_or_reuse_trains_then_reuses(tmp_path, fake_trainer):
 
 def test_train_or_reuse_resumes_an_interrupted_run(tmp_path, fake_trainer, monkeypatch):
     from gated_attention.train import checkpoint
-    from gated_attention.train.config import tiny
+    from gated_attention.train.train_presets import tiny
 
     cfg = tiny()
     run = tmp_path / "run"
@@ -127,7 +127,7 @@ def test_train_or_reuse_resumes_an_interrupted_run(tmp_path, fake_trainer, monke
 def test_train_or_reuse_refuses_other_settings(tmp_path, fake_trainer):
     from dataclasses import replace
 
-    from gated_attention.train.config import tiny
+    from gated_attention.train.train_presets import tiny
 
     cfg = tiny()
     _finish(tmp_path / "run", cfg, {"steps": cfg.steps})
@@ -141,7 +141,7 @@ def test_train_or_reuse_refuses_other_settings(tmp_path, fake_trainer):
 def test_train_or_reuse_keys_the_run_on_the_callers_settings(tmp_path, fake_trainer):
     """A lab unit's run depends on more than its TrainConfig: `key` is stored beside it under the same rule (another
     setting stops the job before anything runs; an earlier input makes the run obsolete: it starts over)."""
-    from gated_attention.train.config import tiny
+    from gated_attention.train.train_presets import tiny
 
     cfg, run = tiny(), tmp_path / "run"
     key = {"task": {"vocab": 16}, "start": "mtime 1"}

@@ -13,7 +13,8 @@ import torch
 from gated_attention.fused import FusedGatedAttention, fuse_qkv
 from gated_attention.train import fastpath
 from gated_attention.train.checkpoint import list_checkpoints
-from gated_attention.train.config import apply_overrides, tiny
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.monitors import decoder_layers
 from gated_attention.train.model_setup import build_model_config
 from gated_attention.train.trainer import train
@@ -137,7 +138,7 @@ def test_attn_implementation_selects_the_kernel(tmp_path, monkeypatch):
     """`--set attn_implementation=eager` trains through the eager kernel (counted) to sdpa's fp32 loss curve; the
     setting is recorded in train_config.json and may change on resume (same math)."""
     from gated_attention import attention
-    from gated_attention.train.config import changed_settings
+    from gated_attention.train.resume_rule import changed_settings
 
     calls = []
     real = attention.KERNELS["eager"]

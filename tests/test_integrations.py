@@ -11,7 +11,7 @@ from _extras import need
 
 import gated_attention  # noqa: F401 - registers the Auto classes
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention.train.config import tiny
+from gated_attention.train.train_presets import tiny
 from gated_attention.train.trainer import train
 from harness import tiny_lm
 

@@ -22,7 +22,7 @@ need("accelerate", "lm-eval's HF model needs accelerate: pip install -e '.[eval]
 from transformers import AutoTokenizer  # noqa: E402
 
 from gated_attention import GatedQwen3ForCausalLM  # noqa: E402
-from gated_attention.train.config import tiny  # noqa: E402
+from gated_attention.train.train_presets import tiny  # noqa: E402
 from gated_attention.train.trainer import train  # noqa: E402
 from harness import prepare_text_corpus, run_gattn  # noqa: E402
 

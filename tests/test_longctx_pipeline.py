@@ -17,7 +17,8 @@ from harness import prepare_text_corpus
 from gated_attention.longctx import pipeline as P
 from gated_attention.longctx import ruler
 from gated_attention.train import retrieval_mix as M
-from gated_attention.train.config import TrainConfig, tiny
+from gated_attention.train.config import TrainConfig
+from gated_attention.train.train_presets import tiny
 from gated_attention.train.data_source import CorpusSource, make_source
 
 # words of the prompts and of ruler's noise haystack, so the small BPE vocabulary holds them as few tokens

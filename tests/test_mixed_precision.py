@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import harness
-from gated_attention.train.config import apply_overrides, tiny
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.mixed_precision import MasterWeights
 from gated_attention.train.trainer import train
 

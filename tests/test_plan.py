@@ -18,7 +18,9 @@ import torch
 from gated_attention import cli
 from gated_attention.presets import param_report
 from gated_attention.train import plan as PL
-from gated_attention.train.config import accum_for, apply_overrides, train_preset
+from gated_attention.train.config import accum_for
+from gated_attention.train.train_presets import train_preset
+from gated_attention.train.overrides import apply_overrides
 from harness import torchrun_argv
 
 PAPER = ("paper-dense-28l", "paper-dense-48l", "paper-moe-15a2b")
@@ -67,7 +69,7 @@ def test_meta_build_holds_no_memory():
     import memprobe
 
     got = memprobe.run_peak(
-        "from gated_attention.train import plan as PL\nfrom gated_attention.train.config import train_preset\n"
+        "from gated_attention.train import plan as PL\nfrom gated_attention.train.train_presets import train_preset\n"
         "cfg = train_preset('paper-moe-15a2b')",
         "model = PL.meta_model(cfg)\nsz = PL.sizes(model)\n"
         "out.update(meta=all(p.is_meta for p in model.parameters()), total=sz['total'], activated=sz['activated'])")

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from gated_attention.util import precision as P
-from gated_attention.train.config import TrainConfig, changed_settings, describe_changes, run_precision, tiny
+from gated_attention.train.config import TrainConfig
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.resume_rule import changed_settings, describe_changes, run_precision
 
 FAST, SLOW = "2.0", "0.02"  # fp32 time / bf16 time: an AMX/AVX512-BF16 CPU, and an AVX2-only one (emulated bf16)
 

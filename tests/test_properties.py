@@ -130,7 +130,8 @@ def test_set_overrides_space(sets, eq):
     import dataclasses
     import math
 
-    from gated_attention.train.config import config_from_args, train_preset
+    from gated_attention.train.train_presets import train_preset
+    from gated_attention.train.overrides import config_from_args
 
     items = [f"{k}={v}" if eq else f"{k}{v}" for k, v in sets]
     try:

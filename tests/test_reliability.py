@@ -22,7 +22,8 @@ import torch
 from gated_attention.cli import main
 from gated_attention.util.io import json_dumps, lock_dir, lock_path_for, strict_loads, to_strict
 from gated_attention.train import checkpoint as ckpt_mod
-from gated_attention.train.config import apply_overrides, tiny
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.trainer import train
 from harness import gattn_argv, run_gattn, torchrun_argv
 from kill_hooks import nan_at_steps
@@ -569,7 +570,8 @@ def test_a_checkpoint_from_a_host_with_more_gpus_resumes(tmp_path, monkeypatch):
     device of a 4-GPU host (the old layout) resumes on a 1-GPU host with device 0's state (before: set_rng_state_all
     failed on device 1). CUDA's RNG functions are faked on this CPU machine (FakeCudaRng)."""
     from gated_attention.train.checkpoint import latest_checkpoint, verify, write_manifest
-    from gated_attention.train.config import apply_overrides, tiny
+    from gated_attention.train.train_presets import tiny
+    from gated_attention.train.overrides import apply_overrides
     from gated_attention.train.trainer import train
 
     cfg = apply_overrides(tiny(), ["steps=4", "ckpt_every=2", "precision=fp32", "compile=false", "device=cpu"])

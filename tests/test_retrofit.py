@@ -14,7 +14,7 @@ from transformers import Qwen3Config
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main
 from gated_attention.interop.retrofit import retrofit_checkpoint
-from gated_attention.train.config import tiny
+from gated_attention.train.train_presets import tiny
 from gated_attention.train.data_source import SyntheticSource
 from gated_attention.train.trainer import train
 from harness import stock_lm, tiny_lm

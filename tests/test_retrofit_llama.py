@@ -12,7 +12,8 @@ from safetensors.torch import load_file
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main
 from gated_attention.interop.retrofit import detect_format
-from gated_attention.train.config import TrainConfig, tiny
+from gated_attention.train.config import TrainConfig
+from gated_attention.train.train_presets import tiny
 from gated_attention.train.trainer import train
 from harness import stock_lm
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from gated_attention.train.checkpoint import list_checkpoints
-from gated_attention.train.config import apply_overrides, tiny
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.schedule import lr_at
 from gated_attention.train.monitors import SpikeDetector
 from gated_attention.train.model_setup import param_groups
@@ -387,7 +388,7 @@ def test_observe_plugin_watches_without_changing_the_run(tmp_path):
 def test_a_data_dir_means_training_on_that_corpus():
     """`gattn train --preset tiny --data-dir DIR` trains on DIR (the tiny preset's synthetic data used to ignore it
     silently unless --set data=corpus was added too); data=synthetic with a corpus folder is one clear error."""
-    from gated_attention.train.config import config_from_args
+    from gated_attention.train.overrides import config_from_args
 
     assert config_from_args("tiny", None, [], "data").data == "corpus"
     assert config_from_args("tiny", None, [], None).data == "synthetic"

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 from gated_attention.moe import moe_blocks
-from gated_attention.train.config import tiny
+from gated_attention.train.train_presets import tiny
 from gated_attention.train.model_setup import build_model
 from gated_attention.train.trainer import train
 

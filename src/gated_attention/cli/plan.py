@@ -9,7 +9,8 @@ from ..util import precision as P
 
 
 def configure_plan(parser: argparse.ArgumentParser) -> None:
-    from ..train.config import ACTIVATION_CHECKPOINTING, TRAIN_PRESETS
+    from ..train.config import ACTIVATION_CHECKPOINTING
+    from ..train.train_presets import TRAIN_PRESETS
     from ..train.plan import DEFAULTS
 
     parser.add_argument("--preset", required=True, choices=list(TRAIN_PRESETS),
@@ -44,7 +45,7 @@ def configure_plan(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args) -> int:
-    from ..train.config import config_from_args
+    from ..train.overrides import config_from_args
     from ..train.plan import format_plan, plan
     from ..util.io import json_dumps
 

@@ -11,7 +11,8 @@ from ..util import precision as P
 import argparse
 import json
 
-from ..train.config import TRAIN_PRESETS, run_config
+from ..train.train_presets import TRAIN_PRESETS
+from ..train.overrides import run_config
 from ..util.io import json_dumps
 
 

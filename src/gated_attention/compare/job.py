@@ -176,7 +176,8 @@ def get_budget(name: str) -> Budget:
 def budget_config(budget: Budget, data_dir: str, sets: list[str] | None = None):
     """The TrainConfig shared by every variant (gate = baseline) for a budget, with `--set` overrides applied."""
     from gated_attention.presets import model_config
-    from gated_attention.train.config import apply_overrides, train_preset
+    from gated_attention.train.train_presets import train_preset
+    from gated_attention.train.overrides import apply_overrides
 
     # each run reports progress (a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL s otherwise); TensorBoard
     # files are noise here. A deep copy: the budgets share their model_overrides (replace of _DEFAULT)

@@ -69,7 +69,7 @@ def stale_message(where: str | Path, diffs: list[str]) -> str:
 def check(where: str | Path, stored: dict, wanted: dict, defaults: dict | None = None,
           diffs: list[str] | None = None) -> None:
     """Raise StaleResult when the `stored` and `wanted` keys differ. diffs: the differences when the caller compares
-    keys its own way (a training run's settings: train.config.describe_changes)."""
+    keys its own way (a training run's settings: train.resume_rule.describe_changes)."""
     diffs = differences(stored, wanted, defaults) if diffs is None else diffs
     if diffs:
         raise StaleResult(stale_message(where, diffs))
@@ -79,7 +79,7 @@ def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | N
          inputs: tuple[str, ...] = (), diff: Callable[[dict, dict], list[str]] | None = None) -> dict | None:
     """The stored result at `path` if it was made with `key`; None when there is none, it is unreadable, or only its
     `inputs` fields differ (obsolete: recompute it); StaleResult when a setting differs. diff(stored, requested): the
-    caller's own comparison of the settings, when a key has one (a TrainConfig: train.config.setting_differences)."""
+    caller's own comparison of the settings, when a key has one (a TrainConfig: train.resume_rule.setting_differences)."""
     path = Path(path)
     if not path.is_file():
         return None

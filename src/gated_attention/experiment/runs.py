@@ -6,7 +6,7 @@
       One trainer run per folder, under the reuse rule of cache.py: a finished run (summary.json + final/config.json)
       is reused, an interrupted one resumes from its last checkpoint (the trainer's exact resume), a fresh folder
       trains, and a folder holding a run with other settings stops the job. "Other settings" is the trainer's own
-      comparison (`train.config.changed_settings`, also its --resume check): every TrainConfig field except those that
+      comparison (`train.resume_rule.changed_settings`, also its --resume check): every TrainConfig field except those that
       do not change the numbers, precision by what it resolves to, a field added after the run counting as its
       default, gate aliases being the same gate. A caller whose run depends on more than its TrainConfig (a lab unit:
       its task, recipe, measurement settings) passes that as `key`, stored in run_dir/unit_key.json under the same
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..util.io import read_json_object
-from ..train.config import setting_differences
+from ..train.resume_rule import setting_differences
 from . import cache
 
 Log = Callable[[str], Any]

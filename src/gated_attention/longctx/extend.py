@@ -97,7 +97,8 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
 def _base_train_config(src: Path):
     """The training settings to continue with: the source run's (DIR/../train_config.json, as `gattn train` writes
     beside final/), else the `small` preset."""
-    from gated_attention.train.config import TrainConfig, train_preset
+    from gated_attention.train.config import TrainConfig
+    from gated_attention.train.train_presets import train_preset
 
     for cand in (src / "train_config.json", src.parent / "train_config.json"):
         if cand.is_file():
@@ -120,7 +121,7 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
     import torch
 
     from gated_attention.train.checkpoint import latest_checkpoint
-    from gated_attention.train.config import apply_overrides
+    from gated_attention.train.overrides import apply_overrides
     from gated_attention.train.trainer import train
 
     src, dst = Path(src_dir), Path(dst_dir)

@@ -4,7 +4,9 @@ the data sources (corpus, synthetic, retrieval mixing), evaluation.
 Entry points: `train(cfg, out_dir, resume=False)` (trainer.py), `domain_losses(...)` (evaluate.py); the commands
 `gattn train|eval` are in gated_attention/cli/train.py.
 """
-from .config import TRAIN_PRESETS, TrainConfig, apply_overrides, train_preset
+from .config import TrainConfig
+from .overrides import apply_overrides
+from .train_presets import TRAIN_PRESETS, train_preset
 
 __all__ = ["TrainConfig", "TRAIN_PRESETS", "train_preset", "apply_overrides", "train"]
 

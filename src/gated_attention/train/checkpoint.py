@@ -276,7 +276,7 @@ def resume_decision(out: Path, resume: bool | str, cfg_path: Path, want: dict) -
         raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
                         "a new run there")
     if cfg_path.exists():
-        from .config import describe_changes
+        from .resume_rule import describe_changes
 
         saved = read_json_object(cfg_path, "saved run settings", "restore it or start a new --out")
         diff = describe_changes(saved, want)

@@ -312,33 +312,16 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
          bandwidth_gbs: float | None = None) -> dict:
     """The plan of training `cfg` on `gpus` GPUs (defaults: DEFAULTS and the config's own settings); the JSON
     object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed)."""
-    from ..util.errors import UserError, check_number
-
-    gpus = DEFAULTS["gpus"] if gpus is None else gpus
-    gpu_memory_gb = DEFAULTS["gpu_memory_gb"] if gpu_memory_gb is None else gpu_memory_gb
-    gpu_tflops = DEFAULTS["gpu_tflops"] if gpu_tflops is None else gpu_tflops
-    mfu = DEFAULTS["mfu"] if mfu is None else mfu
-    bandwidth_gbs = DEFAULTS["bandwidth_gbs"] if bandwidth_gbs is None else bandwidth_gbs
-    check_number("bandwidth_gbs", bandwidth_gbs, min=0.0, min_open=True)
-    check_number("gpus", gpus, kind=int, min=1)
-    check_number("gpu_memory_gb", gpu_memory_gb, min=0.0, min_open=True)
-    check_number("gpu_tflops", gpu_tflops, min=0.0, min_open=True)
-    check_number("mfu", mfu, min=0.0, max=1.0, min_open=True)
+    hw = _hardware(gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_tflops=gpu_tflops, mfu=mfu,
+                   bandwidth_gbs=bandwidth_gbs)
+    gpus, gpu_memory_gb, gpu_tflops, mfu, bandwidth_gbs = (hw[k] for k in ("gpus", "gpu_memory_gb", "gpu_tflops",
+                                                                            "mfu", "bandwidth_gbs"))
     changes = {k: v for k, v in (("dist", dist), ("activation_checkpointing", activation_checkpointing),
                                  ("seq_len", seq_len), ("precision", precision)) if v is not None}
     cfg = replace(cfg, **changes).validate()
     mode = cfg.dist if gpus > 1 else "none"
     resolved = _resolved(cfg.precision, mode)
-    try:
-        cfg.check_world(gpus, resolved)
-        if micro_batch is not None:
-            check_number("micro_batch", micro_batch, kind=int, min=1)
-            accum = accum_for(cfg.batch_size, gpus, micro_batch)
-        else:
-            accum = cfg.grad_accum
-            micro_batch = cfg.batch_size // (gpus * accum)
-    except ValueError as exc:
-        raise UserError(f"{exc} (gattn plan: --gpus / --micro-batch / --dist)") from None
+    accum, micro_batch = _split_batch(cfg, gpus, micro_batch, resolved)
     model = meta_model(cfg, vocab_size)
     config = model.config
     sz = sizes(model)
@@ -375,6 +358,34 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
                          "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
                          "grad_accumulation": accumulation,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
+
+
+def _hardware(**given) -> dict:
+    """The hardware figures a plan assumes: each one given, else DEFAULTS', checked."""
+    from ..util.errors import check_number
+
+    hw = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
+    check_number("bandwidth_gbs", hw["bandwidth_gbs"], min=0.0, min_open=True)
+    check_number("gpus", hw["gpus"], kind=int, min=1)
+    check_number("gpu_memory_gb", hw["gpu_memory_gb"], min=0.0, min_open=True)
+    check_number("gpu_tflops", hw["gpu_tflops"], min=0.0, min_open=True)
+    check_number("mfu", hw["mfu"], min=0.0, max=1.0, min_open=True)
+    return hw
+
+
+def _split_batch(cfg: TrainConfig, gpus: int, micro_batch: int | None, resolved: str) -> tuple[int, int]:
+    """(grad_accum, micro_batch) of the global batch over `gpus` ranks: from `micro_batch` when given, else the
+    config's grad_accum."""
+    from ..util.errors import UserError, check_number
+
+    try:
+        cfg.check_world(gpus, resolved)
+        if micro_batch is not None:
+            check_number("micro_batch", micro_batch, kind=int, min=1)
+            return accum_for(cfg.batch_size, gpus, micro_batch), micro_batch
+        return cfg.grad_accum, cfg.batch_size // (gpus * cfg.grad_accum)
+    except ValueError as exc:
+        raise UserError(f"{exc} (gattn plan: --gpus / --micro-batch / --dist)") from None
 
 
 def format_plan(p: dict, preset: str) -> str:

@@ -3,7 +3,7 @@
 Numerics: `precision` ("auto" by default) is resolved once per run on rank 0 (gated_attention.util.precision: bf16 autocast
 only where this machine runs it fast), logged, broadcast, written as `resolved_precision` beside the settings in
 train_config.json, in every checkpoint's meta.json and in summary.json; a run is never resumed or reused in another
-resolved precision (train.config.changed_settings).
+resolved precision (train.resume_rule.changed_settings).
 
 Exact resume: everything that affects the numbers is either a pure function of the step (LR, the batch) or saved in
 the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters, the step hook's state: defined

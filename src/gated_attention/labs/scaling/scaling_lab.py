@@ -227,7 +227,8 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, size: Size, info: 
     """The TrainConfig of one unit: the `small` preset with the ladder's shape and recipe, eager (compile=auto decides
     from a timing: a unit's numbers would depend on the machine's load)."""
     from gated_attention.presets import model_config
-    from gated_attention.train.config import apply_overrides, train_preset
+    from gated_attention.train.train_presets import train_preset
+    from gated_attention.train.overrides import apply_overrides
 
     b = lab.spec
     cfg = replace(

@@ -191,7 +191,8 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
     the resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one).
     precision: the lab's decision for lab.precision (run_lab decides once); None: decided here."""
     from gated_attention.presets import model_config
-    from gated_attention.train.config import apply_overrides, train_preset
+    from gated_attention.train.train_presets import train_preset
+    from gated_attention.train.overrides import apply_overrides
     from gated_attention.util.precision import check_resolved, resolve
 
     precision = resolve(lab.precision, "cpu") if precision is None else check_resolved(precision)
@@ -313,7 +314,7 @@ def _curve(log: list[dict], probes: list[dict], every: int) -> dict:
 def stored_run(run_dir: str | Path, cfg_dict: dict) -> dict | None:
     """The finished run's result.json when it was made with these trainer settings (the trainer's own comparison:
     a setting added since counts as its default), None when the run is not finished; StaleResult otherwise."""
-    from gated_attention.train.config import setting_differences
+    from gated_attention.train.resume_rule import setting_differences
 
     return cache.load(Path(run_dir) / "result.json", cfg_dict, diff=setting_differences)
 
