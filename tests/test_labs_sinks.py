@@ -334,7 +334,7 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     args = p.parse_args(["--budget", "small", "--qk-norm", "off", "--beta2", "0.99", "--adam-eps", "1e-6",
                          "--weight-decay", "0.5", "--decay-frac", "0", "--alpha", "0.2", "--variants", "baseline"])
     cfg = sinks_config(args)
-    assert (cfg.qk_norm, cfg.beta2, cfg.adam_eps, cfg.weight_decay, cfg.decay_frac) == (False, 0.99, 1e-6, 0.5, 0.0)
+    assert (cfg.qk_norm, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.wsd_decay_frac) == (False, 0.99, 1e-6, 0.5, 0.0)
     assert cfg.task["alpha"] == 0.2 and cfg.task["vocab"] == 16  # the budget's task, one field changed
     assert sink_lab.model_config_for(cfg, "baseline").use_qk_norm is False
     seen = {}
@@ -347,9 +347,27 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.optim, "AdamW", spy)
     r = sink_lab.train_unit((asdict(replace(cfg, steps=3, eval_every=3)), "baseline", 0, str(tmp_path / "u")))
     assert seen["betas"] == (0.9, 0.99) and seen["eps"] == 1e-6 and 0.5 in seen["wd"] and 0.0 in seen["wd"]
-    assert r["key"]["qk_norm"] is False and r["key"]["decay_frac"] == 0.0
+    assert r["key"]["qk_norm"] is False and r["key"]["wsd_decay_frac"] == 0.0
     with pytest.raises(ValueError, match="--decay-frac"):
-        replace(cfg, decay_frac=1.5).validate()
+        replace(cfg, wsd_decay_frac=1.5).validate()
+
+
+def test_units_stored_under_the_old_knob_names_are_still_read(tmp_path):
+    """A unit trained when the lab's knobs had their own names (decay_frac, adam_eps; now TrainConfig's
+    wsd_decay_frac, eps) is reused under today's names, and one made with another value is still refused."""
+    from gated_attention.experiment import cache
+    from gated_attention.labs.sinks import sink_lab
+
+    cfg = replace(sink_lab.SinkLabConfig(), wsd_decay_frac=0.3, eps=1e-6)
+    key = sink_lab._unit_key(cfg, "baseline", 0)
+    old = {{"wsd_decay_frac": "decay_frac", "eps": "adam_eps"}.get(k, k): v for k, v in key.items()}
+    assert sink_lab.RENAMED_KEYS == {"decay_frac": "wsd_decay_frac", "adam_eps": "eps"}
+    cache.save(tmp_path / "result.json", old, {"ce": 1.0})
+    got = sink_lab._stored_unit(tmp_path, cfg, "baseline", 0)
+    assert got["ce"] == 1.0 and got["key"]["wsd_decay_frac"] == 0.3 and got["key"]["eps"] == 1e-6
+    cache.save(tmp_path / "result.json", {**old, "decay_frac": 0.2}, {"ce": 1.0})
+    with pytest.raises(cache.StaleResult, match="wsd_decay_frac"):
+        sink_lab._stored_unit(tmp_path, cfg, "baseline", 0)
 
 
 def test_help_states_the_budgets_true_defaults():

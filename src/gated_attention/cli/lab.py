@@ -45,13 +45,13 @@ def configure_sinks(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps")
     parser.add_argument("--schedule", choices=("cosine", "wsd"), default=None,
                         help="cosine decay, or WSD (hold the peak, decay over the last --decay-frac of the steps)")
-    parser.add_argument("--decay-frac", type=float, default=None,
+    parser.add_argument("--decay-frac", dest="wsd_decay_frac", type=float, default=None,
                         help="WSD: share of the steps spent decaying to --min-lr at the end; 0 = constant LR after "
                              "the warm-up")
     parser.add_argument("--weight-decay", type=float, default=None,
                         help="AdamW decoupled weight decay on matrices (embeddings, norms and biases excluded)")
     parser.add_argument("--beta2", type=float, default=None, help="Adam second-moment decay")
-    parser.add_argument("--adam-eps", type=float, default=None, help="Adam epsilon")
+    parser.add_argument("--adam-eps", dest="eps", type=float, default=None, help="Adam epsilon")
     parser.add_argument("--qk-norm", choices=("on", "off"), default=None,
                         help="RMSNorm on q and k per head (Qwen3's QK-norm); Guo et al.'s model has none")
     parser.add_argument("--grad-clip", type=float, default=None, help="global gradient-norm clip (0 = off)")
@@ -92,7 +92,7 @@ def _state_budget_defaults(parser: argparse.ArgumentParser) -> None:
 
 _SINK_OPTIONS = ("variants", "layers", "heads", "steps", "seeds", "lr", "gate_init", "precision", "compile",
                 "batch_size", "min_lr", "warmup_steps", "schedule", "hidden_size", "intermediate_size", "eval_every",
-                "decay_frac", "weight_decay", "beta2", "adam_eps", "grad_clip")
+                "wsd_decay_frac", "weight_decay", "beta2", "eps", "grad_clip")
 # option dest -> (BackcopyTask field, type, help)
 _SINK_TASK_OPTIONS = {"vocab": ("vocab", int, "normal tokens V"), "triggers": ("triggers", int, "trigger tokens k"),
                       "seq_len": ("seq_len", int, "tokens per sequence incl. BOS"),

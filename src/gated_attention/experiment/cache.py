@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..util.errors import UserError
-from ..util.io import atomic_write_text, json_dumps, to_strict
+from ..util.io import atomic_write_text, json_dumps, renamed, to_strict
 
 Log = Callable[[str], Any]
 
@@ -76,10 +76,12 @@ def check(where: str | Path, stored: dict, wanted: dict, defaults: dict | None =
 
 
 def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | None = None,
-         inputs: tuple[str, ...] = (), diff: Callable[[dict, dict], list[str]] | None = None) -> dict | None:
+         inputs: tuple[str, ...] = (), diff: Callable[[dict, dict], list[str]] | None = None,
+         renames: dict | None = None) -> dict | None:
     """The stored result at `path` if it was made with `key`; None when there is none, it is unreadable, or only its
     `inputs` fields differ (obsolete: recompute it); StaleResult when a setting differs. diff(stored, requested): the
-    caller's own comparison of the settings, when a key has one (a TrainConfig: train.resume_rule.setting_differences)."""
+    caller's own comparison of the settings, when a key has one (a TrainConfig: train.resume_rule.setting_differences).
+    renames: the caller's settings stored under an older name (old -> new, util.io.renamed), read under today's."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -90,6 +92,8 @@ def load(path: str | Path, key: dict, key_field: str = "key", defaults: dict | N
     if not isinstance(old, dict) or key_field not in old:
         return None  # not one of our results (or written before it carried a key): recompute it
     stored = old[key_field] if isinstance(old[key_field], dict) else {}
+    if renames:  # read (and returned) under today's names
+        stored = old[key_field] = renamed(stored, renames)
     settings = [k for k in set(stored) | set(key) if k not in inputs]
     old_settings = {k: stored[k] for k in settings if k in stored}
     new_settings = {k: key[k] for k in settings if k in key}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..util.io import renamed
+
 
 TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.apply_trainable)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
@@ -180,18 +182,6 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig keys {unknown}; valid: {sorted(names)}")
         return cls(**d)
-
-
-def renamed(d: dict, renames: dict) -> dict:
-    """`d` with its keys stored under an older name read under today's (`renames`: old -> new; None drops a retired
-    setting); a key stored under both names is an error."""
-    out = {k: v for k, v in d.items() if k not in renames}
-    for old, new in renames.items():
-        if old in d and new is not None:
-            if new in d:
-                raise ValueError(f"settings hold both {old!r} and its new name {new!r}; keep {new!r}")
-            out[new] = d[old]
-    return out
 
 
 def accum_for(batch_size: int, world_size: int, micro_batch: int) -> int:

@@ -26,11 +26,22 @@ plug-ins is the plain trainer.
                 detached CE); the floats are logged under the step record's "extra" like extra_loss's (the sink lab:
                 the batch's backcopy CE, its time-to-skill rule).
 
+  step_hook     step_hook(steps_done, model) -> str | None, after every optimizer step (after its log line, before
+                its checkpoint) on every rank with the plain model; a non-empty string stops training there with it as
+                the summary's stop_reason (a stopping rule such as longctx's --until-skill); it must give the same
+                answer on every rank. A hook with state (curves, probe records) defines state_dict() -> JSON-able dict
+                and load_state_dict(d): its state rides in every checkpoint (train/state.py), so a killed and resumed
+                run ends with the hook holding what an uninterrupted one holds. It may define begin(model): called
+                once, before the first step of a fresh run (not on resume), with the model as built (a curve's step-0
+                point).
+  model_factory model_factory(cfg, vocab_size) -> nn.Module in place of the default GatedQwen3ForCausalLM builder (a
+                lab's own model: the sink lab's small shapes, the retrofit lab's retrofitted start; tests' stand-ins).
+                Its model is built as it is (not on the meta device) with its own weights.
+
 `needs_logits = True` on extra_loss or observe: the forward returns the full (b, T, V) logits in output.logits, so the
 chunked fused loss (which never builds them; output.logits is then None) is not used for that run.
 
-The step hook (train()'s `step_hook`) may define begin(model): called once, before the first step of a fresh run (not
-on resume), with the model as built: a learning curve's step-0 point.
+train()'s `step_hook=` and `model_factory=` keywords are the same two plug-ins (`with_aliases`).
 """
 from __future__ import annotations
 
@@ -58,6 +69,8 @@ class Plugins:
     trainable_at: Callable | None = None
     extra_loss: object = None
     observe: Callable | None = None
+    step_hook: Callable | None = None
+    model_factory: Callable | None = None
 
     def check(self, cfg, info, mixed: bool) -> None:
         """One clear error for a plug-in the run cannot take (before any step)."""
@@ -70,6 +83,17 @@ class Plugins:
         if self.trainable_at is not None and (info.distributed or mixed):
             raise UserError("a plug-in trainable set (trainable_at) needs one process without bf16-params (DDP/FSDP "
                             "and the bf16 master copy fix what trains when they wrap the model)")
+
+    def with_aliases(self, step_hook=None, model_factory=None) -> "Plugins":
+        """These plug-ins with train()'s `step_hook=` / `model_factory=` keywords filled in (one place to give each)."""
+        from dataclasses import replace
+
+        from ..util.errors import UserError
+
+        for name, given in (("step_hook", step_hook), ("model_factory", model_factory)):
+            if given is not None and getattr(self, name) is not None:
+                raise UserError(f"train(..., {name}=...) and Plugins({name}=...) both given; pass it once")
+        return replace(self, step_hook=step_hook or self.step_hook, model_factory=model_factory or self.model_factory)
 
     @property
     def needs_logits(self) -> bool:

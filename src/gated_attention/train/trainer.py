@@ -65,24 +65,19 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool | str = False, mod
     checkpoint (an error where there is none); "auto" resumes where out_dir holds a valid checkpoint and starts
     otherwise — the one command line of a job that torchrun --max-restarts restarts.
 
-    model_factory(cfg, vocab_size) -> nn.Module replaces the default GatedQwen3ForCausalLM builder (tests; a lab's
-    own model: the sink lab's small shapes, the retrofit lab's retrofitted start). plugins: a lab's data source,
-    optimizer groups, trainable phases and extra loss (train/plugins.py). resolved_precision: the calling command's
-    decision for cfg.precision (util.precision.decide, one of RESOLVED), taken as it is; None: this call is the
-    command (`gattn train`), which decides here and logs it.
-    step_hook(steps_done, model) -> str | None runs after every optimizer step (after its log line, before its
-    checkpoint) on every rank with the plain model; a non-empty string stops training there with it as the summary's
-    stop_reason (a stopping rule such as longctx's --until-skill). It must give the same answer on every rank. A hook
-    with state (curves, probe records) defines state_dict() -> JSON-able dict and load_state_dict(d): its state is
-    saved in every checkpoint and restored on resume, so a killed and resumed run ends with the hook holding what an
-    uninterrupted one holds (restore_step_hook reloads it from a finished run)."""
+    plugins: what a lab plugs into the loop (train/plugins.py): its data source, optimizer groups, trainable phases,
+    extra loss, observer, step hook and model factory. `model_factory=` and `step_hook=` are the same two plug-ins
+    given as keywords (Plugins.step_hook / Plugins.model_factory; giving one both ways is an error).
+    resolved_precision: the calling command's decision for cfg.precision (util.precision.decide, one of RESOLVED),
+    taken as it is; None: this call is the command (`gattn train`), which decides here and logs it.
+    restore_step_hook reloads a step hook's state from a finished run."""
+    plugins = (plugins or Plugins()).with_aliases(step_hook=step_hook, model_factory=model_factory)
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist)
     try:
         with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
             D.on_rank0(info, lambda: bool(stack.enter_context(lock_dir(out_dir, "gattn train"))))
-            summary = _train(cfg, Path(out_dir), resume, model_factory, info, step_hook, plugins or Plugins(),
-                             resolved_precision)
+            summary = _train(cfg, Path(out_dir), resume, info, plugins, resolved_precision)
     except BaseException:
         D.teardown(failed=True)  # no barrier: a peer may be waiting in a collective this rank will never join
         raise
@@ -113,22 +108,20 @@ class _Run:
     bar: object = None
     log_fh: object = None
     last_ckpt_step: int = -1
-    plugins: Plugins = Plugins()  # a lab's source / groups / trainable phases / extra loss (train/plugins.py)
-    step_hook: object = None  # train()'s step_hook (its state rides in the checkpoints)
+    plugins: Plugins = Plugins()  # a lab's source, groups, phases, extra loss, observer, step hook (train/plugins.py)
 
     @property
     def log_path(self) -> Path:
         return self.out / "log.jsonl"
 
 
-def _train(cfg: TrainConfig, out: Path, resume: bool | str, model_factory, info: D.DistInfo, step_hook=None,
-           plugins: Plugins = Plugins(), resolved_precision: str | None = None) -> dict:
+def _train(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo, plugins: Plugins,
+           resolved_precision: str | None = None) -> dict:
     latest, precision = _check_run_dir(cfg, out, resume, info, resolved_precision)
-    run = _setup(cfg, out, model_factory, info, precision, plugins)
-    run.step_hook = step_hook
+    run = _setup(cfg, out, info, precision, plugins)
     _restore(run, latest)  # None: a new run
     if run.st["step"] == 0:
-        begin_step_hook(step_hook, run.model)  # a fresh run: the hook sees the model as built (a curve's step 0)
+        begin_step_hook(plugins.step_hook, run.model)  # a fresh run: the hook sees the model as built (a curve's step 0)
     open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
     # a run restored from its final checkpoint (killed while exporting) that had stopped early stays stopped
@@ -175,8 +168,7 @@ def _decide_precision(cfg: TrainConfig, info: D.DistInfo, resolved_precision: st
     return precision
 
 
-def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precision: str,
-           plugins: Plugins = Plugins()) -> _Run:
+def _setup(cfg: TrainConfig, out: Path, info: D.DistInfo, precision: str, plugins: Plugins = Plugins()) -> _Run:
     """One path for every mode: data source -> the plan's fit check -> build (on meta where it is filled later) ->
     parallelize (materialise, bf16 twin, fast path, checkpointing, DDP/FSDP: train/parallelize.py) -> optimizer and
     fresh counters."""
@@ -187,9 +179,9 @@ def _setup(cfg: TrainConfig, out: Path, model_factory, info: D.DistInfo, precisi
     source = plugins.source if plugins.source is not None else make_source(cfg) if cfg.data == "corpus" else None
     vocab = getattr(source, "vocab_size", None)
     # before anything is built: a run the plan says cannot fit stops with one line (the default model only)
-    unsharded_accum = model_factory is None and check_fits(cfg, info.device, info.world_size, precision, vocab)[
+    unsharded_accum = plugins.model_factory is None and check_fits(cfg, info.device, info.world_size, precision, vocab)[
         "settings"]["grad_accumulation"] == "unsharded"
-    model, materialize = _build(cfg, model_factory, vocab, info)
+    model, materialize = _build(cfg, plugins.model_factory, vocab, info)
     apply_trainable(model, cfg.trainable)  # before parallelize: DDP/FSDP and the optimizer see only what trains
     if source is None:  # synthetic tokens over the model's own vocabulary
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
@@ -240,7 +232,7 @@ def _restore(run: _Run, latest: Path | None) -> None:
 
 def _state(run: _Run) -> RunState:
     """What this run's checkpoints hold (state.run_state, the one definition; under dist=fsdp sharded DCP)."""
-    return run_state(run.par.master, run.optimizer, run.cfg.dist == "fsdp", run.st, run.spikes, run.step_hook,
+    return run_state(run.par.master, run.optimizer, run.cfg.dist == "fsdp", run.st, run.spikes, run.plugins.step_hook,
                      after_load=run.par.after_update)
 
 
@@ -425,8 +417,8 @@ def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
         if run.info.is_main:
             print(f"gattn train: {st['stop_reason']}", flush=True)
         return
-    if run.step_hook is not None:
-        reason = run.step_hook(st["step"], run.model)
+    if run.plugins.step_hook is not None:
+        reason = run.plugins.step_hook(st["step"], run.model)
         run.model.train()  # the hook may have switched to eval mode
         if reason:
             st["stop_reason"] = str(reason)

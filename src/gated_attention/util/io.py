@@ -277,6 +277,18 @@ def read_json_object(path: str | os.PathLike, what: str = "JSON file", fix: str 
     return obj
 
 
+def renamed(d: dict, renames: dict) -> dict:
+    """`d` with its keys stored under an older name read under today's (`renames`: old -> new; None drops a retired
+    setting); a key stored under both names is an error."""
+    out = {k: v for k, v in d.items() if k not in renames}
+    for old, new in renames.items():
+        if old in d and new is not None:
+            if new in d:
+                raise ValueError(f"settings hold both {old!r} and its new name {new!r}; keep {new!r}")
+            out[new] = d[old]
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ folder locks
 
 _held: dict[str, list] = {}  # lock file -> [fd, depth]: re-entrant within one process (compare -> train)

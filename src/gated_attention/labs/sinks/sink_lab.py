@@ -49,6 +49,10 @@ MAP_LEN = 40  # tokens of the attention map kept per model (sequence 0 of the he
 SKILL_WINDOW = 50  # steps in the trailing mean of the training batches' backcopy CE (one batch holds ~300 triggers)
 
 
+# knobs stored under an older name (units' result.json keys, lab.json) -> today's: the TrainConfig field's own name
+RENAMED_KEYS = {"decay_frac": "wsd_decay_frac", "adam_eps": "eps"}
+
+
 @dataclass
 class SinkLabConfig:
     """Every knob of a sink-lab run (one per CLI option); budgets are sets of changes to these defaults."""
@@ -73,12 +77,12 @@ class SinkLabConfig:
     warmup_steps: int = 50
     schedule: str = "wsd"  # wsd | cosine (train.schedule): the sink grows while the LR is high; a cosine decay
     # over 800 steps stalls it (baseline 0.13 at step 600 vs 0.40-0.62 with the LR held near the peak)
-    decay_frac: float = 0.2  # WSD: share of the steps spent decaying to min_lr at the end (0 = constant LR after
+    wsd_decay_frac: float = 0.2  # WSD: share of the steps spent decaying to min_lr at the end (0 = constant LR after
     # warm-up); cosine ignores it
     weight_decay: float = 0.0  # AdamW decoupled weight decay on matrices (the trainer's param_groups); decay shrinks
     # the QK scale (the BOS logit gap) and the copy circuit (the cost of not sinking): 1.0 -> BOS 0.05, 0 -> 0.91
     beta2: float = 0.95  # Adam second-moment decay
-    adam_eps: float = 1e-8  # Adam epsilon
+    eps: float = 1e-8  # Adam epsilon
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none. Off: with it the logit
     # gap is bounded by the norm gains and the backcopy is learned worse at lr 1e-2 (CE 0.19 vs 0.002 at T=64)
     grad_clip: float = 1.0  # global-norm clipping (0 = off)
@@ -100,10 +104,10 @@ class SinkLabConfig:
         from gated_attention.util.precision import check
 
         check(self.precision, "--precision")
-        if not 0.0 <= self.decay_frac <= 1.0:
-            raise ValueError(f"--decay-frac must be in [0, 1]; got {self.decay_frac}")
-        if not 0.0 <= self.beta2 < 1.0 or not self.adam_eps > 0:
-            raise ValueError(f"--beta2 must be in [0, 1) and --adam-eps > 0; got {self.beta2}, {self.adam_eps}")
+        if not 0.0 <= self.wsd_decay_frac <= 1.0:
+            raise ValueError(f"--decay-frac must be in [0, 1]; got {self.wsd_decay_frac}")
+        if not 0.0 <= self.beta2 < 1.0 or not self.eps > 0:
+            raise ValueError(f"--beta2 must be in [0, 1) and --adam-eps > 0; got {self.beta2}, {self.eps}")
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError(f"--weight-decay and --grad-clip must be >= 0; got {self.weight_decay}, {self.grad_clip}")
         if self.schedule not in ("cosine", "wsd"):
@@ -299,7 +303,7 @@ def _stored_unit(unit_dir: str | Path, cfg: SinkLabConfig, variant: str, seed: i
     """The unit's result.json when it was made with these settings (cache.load: None if absent, StaleResult if made
     with others). A knob added to the lab after a unit was trained counts as its default for that unit."""
     key = _unit_key(cfg, variant, seed)
-    return cache.load(Path(unit_dir) / "result.json", key, defaults=_unit_defaults(key))
+    return cache.load(Path(unit_dir) / "result.json", key, defaults=_unit_defaults(key), renames=RENAMED_KEYS)
 
 
 def _unit_defaults(key: dict) -> dict:
@@ -414,8 +418,8 @@ def unit_train_config(cfg: SinkLabConfig, variant: str, seed: int, precision: st
     gate, _ = resolve_variant(variant)
     return TrainConfig(
         gate=gate, data="custom", seq_len=task.seq_len, batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr,
-        min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, wsd_decay_frac=cfg.decay_frac,
-        weight_decay=cfg.weight_decay, wd_on_embeddings=False, beta1=0.9, beta2=cfg.beta2, eps=cfg.adam_eps,
+        min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, wsd_decay_frac=cfg.wsd_decay_frac,
+        weight_decay=cfg.weight_decay, wd_on_embeddings=False, beta1=0.9, beta2=cfg.beta2, eps=cfg.eps,
         grad_clip=cfg.grad_clip, precision=precision, compile="true" if cfg.compile else "false", device="cpu",
         seed=seed, eval_every=0, stats_every=0, max_bad_steps=1, ckpt_every=cfg.ckpt_every, keep_checkpoints=1,
         progress=False, tensorboard=False).validate()

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .backcopy import BackcopyTask
-from .sink_lab import SinkLabConfig
+from ...util.io import renamed
+from .sink_lab import RENAMED_KEYS, SinkLabConfig
 
 
 @dataclass
@@ -66,6 +67,7 @@ def load_run(path: str | Path) -> SinkRun:
     variant, seed = key.pop("variant"), key.pop("seed")
     key.pop("format", None)
     known = set(SinkLabConfig.__dataclass_fields__)
+    key = renamed(key, RENAMED_KEYS)  # a unit trained before a knob took the TrainConfig field's name
     cfg = SinkLabConfig(**{k: v for k, v in key.items() if k in known}, variants=[variant], seeds=seed + 1)
     model = GatedQwen3ForCausalLM.from_pretrained(path)
     model.eval()
