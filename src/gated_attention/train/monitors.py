@@ -1,5 +1,6 @@
 """Stability tooling: loss-spike detector, gradient norm, update/weight ratio, and the per-layer probe of the
-residual stream (max |activation| and the share of updates lost to bf16 rounding; `residual_stream_stats`).
+residual stream (max |activation| and the share of updates lost to bf16 rounding; `residual_stream_stats`), and the
+trainer's stats step (`monitoring`: the STATS_MONITORS, each a function adding fields to the step's log record).
 
 Loss-spike default (W=50, delta=0.1 nats) follows paper map §1.8, which counted 125 points of the official 1.7B baseline
 curve above a 50-point rolling median by more than 0.1 nats and 0 for the gated run. The median here is TRAILING
@@ -11,9 +12,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from . import dist as D
+from ..moe import moe_stats
+from ..util.precision import numerics
 
 
 class SpikeDetector:
@@ -184,3 +190,66 @@ def residual_stream_stats(layers: list[nn.Module], run_forward) -> dict:
     share = [(c[0] / c[1] if c[1] else math.nan) if m else None for c, m in zip(counts, measured)]
     return {"max_act": found, "lost_update_share": share}
 
+
+# ---------------------------------------------------------------- the trainer's stats step
+
+def monitoring(run, batch: torch.Tensor, before: dict, moe: bool) -> dict:
+    """What a stats step (every `stats_every` steps, after the update) adds to its log record: the fields of each of
+    STATS_MONITORS, in order. A new metric is one more function `fn(probe: Probe) -> dict` in that tuple; `run` is
+    the trainer's run (its model, parallelized model `par`, ranks `info`, precision, micro-batch size)."""
+    probe = Probe(run=run, batch=batch, before=before, moe=moe)
+    out = {}
+    for fn in STATS_MONITORS:
+        out.update(fn(probe))
+    return out
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a stats monitor reads: the run, this rank's batch (B/N, T+1), the parameters before the update."""
+
+    run: object  # trainer._Run
+    batch: torch.Tensor
+    before: dict
+    moe: bool  # the model returned an aux loss (MoE): its per-layer expert load is recorded
+
+
+def _moe_monitor(p: Probe) -> dict:
+    return {"moe": moe_record(p.run.model)} if p.moe else {}  # before the probe forward below adds to the counts
+
+
+def _update_ratio_monitor(p: Probe) -> dict:
+    info = p.run.info
+    return {"update_ratio": update_weight_ratio(p.run.par.master, p.before,
+                                                sharded=info.mode == "fsdp" and info.distributed)}
+
+
+def _activation_monitor(p: Probe) -> dict:
+    """Max |activation| and the lost-update share per layer, from a probe forward on the first micro-batch."""
+    run, info = p.run, p.run.info
+    if not run.par.layers:
+        return {}
+    x0 = p.batch[:run.micro, :-1]  # (b, T)
+    with numerics(run.precision, info.device):
+        res = residual_stream_stats(run.par.layers, lambda: run.model(input_ids=x0))
+    out = {"max_act": D.reduce_max(res["max_act"], info)}
+    if all(v is not None for v in res["lost_update_share"]):  # our decoder layers (not a stand-in model)
+        out["lost_update_share"] = D.mean_over_ranks(res["lost_update_share"], info)
+    return out
+
+
+STATS_MONITORS = (_moe_monitor, _update_ratio_monitor, _activation_monitor)  # in this order: the MoE counts first
+
+
+def moe_record(model: nn.Module) -> dict | None:
+    """Compact per-layer expert load of this step's global batch: layer names, max/mean load, LB loss, z-loss
+    (counts and LB loss are global over ranks and micro-batches; z-loss is this rank's last micro-batch)."""
+    stats = moe_stats(model)
+    layers = [k[: -len("/expert_load")] for k in stats if k.endswith("/expert_load")]
+    if not layers:
+        return None
+    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
+    return {"layers": layers, "max_over_mean": [stats[f"{n}/max_load_over_mean"] for n in layers],
+            "lb_loss": [stats[f"{n}/lb_loss"] for n in layers], "z_loss": [stats[f"{n}/z_loss"] for n in layers],
+            # tokens the counts describe: the step's global batch, or more if the per-step reset were missing
+            "tokens": sum(stats[f"{layers[0]}/expert_load"]) // top_k if top_k else None}

@@ -48,8 +48,8 @@ from .plan import check_fits
 from .plugins import Plugins, begin as begin_step_hook
 from .schedule import lr_for
 from ..modeling import GatedQwen3ForCausalLM
-from ..moe import moe_stats, reset_moe_balance
-from .monitors import SpikeDetector, residual_stream_stats, snapshot_params, update_weight_ratio
+from ..moe import reset_moe_balance
+from .monitors import SpikeDetector, monitoring, snapshot_params
 from ..util.errors import UserError
 from ..util.io import atomic_dir, atomic_write_json, atomic_write_text, json_dumps, lock_dir
 from ..util.precision import check_resolved, decide, gemm_mode, numerics
@@ -351,52 +351,6 @@ def update(run: _Run, step: int, losses: StepLosses, lr: float) -> dict:
     return rec
 
 
-def monitoring(run: _Run, batch: torch.Tensor, before: dict, moe: bool) -> dict:
-    """What a stats step adds to its record: each of STATS_MONITORS' fields (a new metric is one more function)."""
-    probe = _Probe(run=run, batch=batch, before=before, moe=moe)
-    out = {}
-    for fn in STATS_MONITORS:
-        out.update(fn(probe))
-    return out
-
-
-@dataclass(frozen=True)
-class _Probe:
-    """What a stats monitor reads: the run, this rank's batch (B/N, T+1), the parameters before the update."""
-
-    run: _Run
-    batch: torch.Tensor
-    before: dict
-    moe: bool  # the model returned an aux loss (MoE): its per-layer expert load is recorded
-
-
-def _moe_monitor(p: _Probe) -> dict:
-    return {"moe": _moe_record(p.run.model)} if p.moe else {}  # before the probe forward below adds to the counts
-
-
-def _update_ratio_monitor(p: _Probe) -> dict:
-    info = p.run.info
-    return {"update_ratio": update_weight_ratio(p.run.par.master, p.before,
-                                                sharded=info.mode == "fsdp" and info.distributed)}
-
-
-def _activation_monitor(p: _Probe) -> dict:
-    """Max |activation| and the lost-update share per layer, from a probe forward on the first micro-batch."""
-    run, info = p.run, p.run.info
-    if not run.par.layers:
-        return {}
-    x0 = p.batch[:run.micro, :-1]  # (b, T)
-    with numerics(run.precision, info.device):
-        res = residual_stream_stats(run.par.layers, lambda: run.model(input_ids=x0))
-    out = {"max_act": D.reduce_max(res["max_act"], info)}
-    if all(v is not None for v in res["lost_update_share"]):  # our decoder layers (not a stand-in model)
-        out["lost_update_share"] = D.mean_over_ranks(res["lost_update_share"], info)
-    return out
-
-
-STATS_MONITORS = (_moe_monitor, _update_ratio_monitor, _activation_monitor)  # in this order: the MoE counts first
-
-
 def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
     """Periodic eval, the log line, the divergence stop, the step hook (a stopping rule sets st["stop_reason"]) and
     periodic checkpoints, after step rec["step"]. The checkpoint comes last, so it holds the hook's state (and the RNG
@@ -508,20 +462,6 @@ def _summary(run: _Run) -> dict:
                            "accumulation": "unsharded" if run.par.unsharded_accum else
                            ("sharded" if info.distributed and info.mode == "fsdp" else "whole")}
     return summary
-
-
-def _moe_record(model: nn.Module) -> dict | None:
-    """Compact per-layer expert load of this step's global batch: layer names, max/mean load, LB loss, z-loss
-    (counts and LB loss are global over ranks and micro-batches; z-loss is this rank's last micro-batch)."""
-    stats = moe_stats(model)
-    layers = [k[: -len("/expert_load")] for k in stats if k.endswith("/expert_load")]
-    if not layers:
-        return None
-    top_k = getattr(getattr(model, "config", None), "num_experts_per_tok", None)
-    return {"layers": layers, "max_over_mean": [stats[f"{n}/max_load_over_mean"] for n in layers],
-            "lb_loss": [stats[f"{n}/lb_loss"] for n in layers], "z_loss": [stats[f"{n}/z_loss"] for n in layers],
-            # tokens the counts describe: the step's global batch, or more if the per-step reset were missing
-            "tokens": sum(stats[f"{layers[0]}/expert_load"]) // top_k if top_k else None}
 
 
 def _export_final_sharded(run: _Run, dest: Path) -> None:
