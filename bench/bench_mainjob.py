@@ -30,15 +30,15 @@ import torch
 from gated_attention.compare import BUDGETS, DEFAULT_VARIANTS, budget_config
 from gated_attention.train import fastpath
 from gated_attention.train.monitors import decoder_layers
-from gated_attention.train.model_setup import build_model, param_groups
+from gated_attention.train.meta_init import init_model
+from gated_attention.train.model_setup import param_groups
 
 MODES = {"plain": (False, "false"), "fast": (True, "false"), "fast_compiled": (True, "true")}
 
 
 def make_step(cfg, vocab: int, x, y, precision: str = "bf16"):
     """The trainer's step for cfg (fast / compile as set) in `precision`, on a fresh model with the same seed."""
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg, vocab).train()
+    model = init_model(cfg, vocab, torch.device("cpu")).train()  # the trainer's own init stream at cfg.seed
     layers = decoder_layers(model)
     plan = fastpath.prepare(cfg, model, layers, torch.device("cpu"))
     opt = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)

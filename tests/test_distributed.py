@@ -129,6 +129,36 @@ def test_fsdp_sharded_from_birth_equals_the_one_process_build(tmp_path, sets):
             assert not torch.all(w == w.flatten()[0]), k
 
 
+def test_one_init_stream_in_every_mode(tmp_path):
+    """The same seed gives the same initial weights in one process, under DDP and under FSDP2 (2 ranks each): the
+    trainer builds on the meta device in every mode and fills from one init stream (train/meta_init.py). Gathered
+    from each run's own model before its first step (tests/init_probe.py) and compared exactly."""
+    import sys
+
+    script = Path(__file__).with_name("init_probe.py")
+    sets = ["--set", "seed=3", "--set", "gate=sdpa_elementwise"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    got = {}
+    for mode in ("ddp", "fsdp"):
+        out = tmp_path / f"{mode}.pt"
+        cmd = torchrun_argv(out, tmp_path / f"run_{mode}", *sets, "--set", f"dist={mode}", script=script)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        got[mode] = torch.load(out, weights_only=True)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "one.pt"), str(tmp_path / "run_one"), *sets],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    one = torch.load(tmp_path / "one.pt", weights_only=True)
+    assert set(got["ddp"]) == set(got["fsdp"]) == set(one) and any(".self_attn.gate." in k for k in one)
+    for mode in ("ddp", "fsdp"):
+        assert [k for k in one if not torch.equal(got[mode][k], one[k])] == [], mode
+    torch.manual_seed(3)  # and not the stream of a model constructed on CPU (which the trainer no longer uses)
+    from gated_attention.train.model_setup import build_model
+
+    built = build_model(apply_overrides(tiny(), ["seed=3", "gate=sdpa_elementwise"]), None).state_dict()
+    assert not torch.equal(built["model.embed_tokens.weight"], one["model.embed_tokens.weight"])
+
+
 def test_bf16_params_under_fsdp_trains_like_one_process(tmp_path):
     """FSDP2's MixedPrecisionPolicy (bf16 all-gathered parameters and compute, fp32 reduction into fp32 shards) at
     2 ranks vs the one-process fp32-master numerics of bf16-params, same batches: equal within bf16 rounding."""

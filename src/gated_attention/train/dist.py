@@ -2,10 +2,10 @@
 
 One process (no WORLD_SIZE in the environment, or WORLD_SIZE=1) runs unwrapped, except dist=fsdp under
 `torchrun --nproc_per_node=1`: FSDP2 over a one-rank group, so one GPU runs the FSDP2 path itself. Under
-`torchrun --nproc_per_node=N` the backend is gloo on CPU and nccl on CUDA. Under DDP every rank builds the full model
-from the same seed, so DDP needs no initial broadcast to agree; under FSDP2 the model is built on the meta device,
-sharded, and each rank fills only its own shards (train/meta_init.py), with bf16-params as FSDP2's
-MixedPrecisionPolicy (wrap).
+`torchrun --nproc_per_node=N` the backend is gloo on CPU and nccl on CUDA. The model is built on the meta device and
+filled from one init stream in every mode (train/meta_init.py): under DDP every rank fills the whole model from the
+same seed before it is wrapped, so the replicas agree before DDP's own broadcast; under FSDP2 it is sharded first and
+each rank fills only its own shards, with bf16-params as FSDP2's MixedPrecisionPolicy (wrap).
 
 Data: every rank draws the same GLOBAL batch (a function of (seed, step)) and keeps rows
 [rank*B/N, (rank+1)*B/N); DDP/FSDP average gradients over ranks, which for equal slices equals the mean over the

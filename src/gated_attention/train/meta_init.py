@@ -1,19 +1,22 @@
-"""Sharded from birth (`dist=fsdp`): the model is built on the meta device (no memory, no RNG draws), sharded by
-FSDP2 while it holds no data, then every rank allocates only its own shards and fills them — from the init stream
-below, or from an `init_from` checkpoint read slice by slice — so no rank ever holds the whole model.
+"""The trainer's one init stream, in every mode: the model is built on the meta device (no memory, no RNG draws),
+parallelized (under dist=fsdp sharded by FSDP2 while it holds no data), then allocated and filled — from the init
+stream below, or from an `init_from` checkpoint read slice by slice — each rank only its own shards under FSDP2, so
+no rank ever holds the whole model there.
 
 The init stream is Hugging Face's own: `_init_weights` module by module in `PreTrainedModel.initialize_weights`'
 post-order, from `torch.manual_seed(cfg.seed)`. It is replayed on a *twin*, a second meta build of the unsharded
 model: one module at a time, the twin's own parameters and buffers get full-size temporaries, `_init_weights` fills
-them (the same draws, in the same order, as in one process), each rank copies its rows (FSDP2 shards dim 0 in
-`torch.chunk` pieces) into its local shard, and the temporaries go. The largest temporary is one module's own
-parameters (the embedding, a layer's experts), never the model; RNG draws are identical on every rank and at every
-world size, so N ranks hold exactly the rows of the model `materialize` gives one process at the same seed (tested
-at 2 ranks: gathered and compared).
+them (the same draws, in the same order, whatever the mode), each rank copies its rows (FSDP2 shards dim 0 in
+`torch.chunk` pieces) into its local shard — in one process and under DDP, the whole tensor — and the temporaries
+go.
+The largest temporary is one module's own parameters (the embedding, a layer's experts), never the model; RNG draws
+are identical on every rank, in every mode and at every world size, so a seed gives the same weights in one process,
+under DDP and under FSDP2 (tested: one process, DDP and FSDP2 at 2 ranks, gathered and compared exactly).
 
 This stream is not the one of a model constructed on CPU (`GatedQwen3ForCausalLM(config)`: its layers draw a default
-init at construction before HF's init overwrites it, which shifts the generator): under `dist=fsdp` the same seed gives
-the same weights at any world size, one process included; `dist=ddp` and one-process runs keep the constructed init.
+init at construction before HF's init overwrites it, which shifts the generator); `init_model` is the one-process
+build with the trainer's stream, for code that needs the trainer's model outside a run (the stability lab's loss at
+init). A lab's own model factory keeps its own weights.
 """
 from __future__ import annotations
 
@@ -127,6 +130,16 @@ def fill_model(model: nn.Module, cfg, vocab_size: int | None, device: torch.devi
         materialize(model, build_on_meta(build_model, cfg, vocab_size), cfg.seed, device)
 
 
+def init_model(cfg, vocab_size: int | None, device: torch.device) -> nn.Module:
+    """The trainer's model at `cfg.seed` in one process: the meta build filled from the one init stream (or
+    `cfg.init_from`), on `device`."""
+    from .model_setup import build_model
+
+    model = build_on_meta(build_model, cfg, vocab_size)
+    fill_model(model, cfg, vocab_size, device)
+    return model
+
+
 def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
     """Allocate `model` (meta, sharded) on `device` and fill every parameter and persistent buffer from the HF
     safetensors folder `folder`, each rank reading only its rows (safetensors' lazy slices)."""
@@ -140,13 +153,15 @@ def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
-    filled = set()
+    filled, unexpected, names = set(), [], set(model.state_dict())
     with torch.no_grad():
         for f in hf_weight_files(folder):  # each file opened once; each tensor read as this rank's rows only
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
                     dst = state.get(k)
                     if dst is None:
+                        if k not in names:  # (a tied head stored twice is the embedding's)
+                            unexpected.append(k)
                         continue
                     sl = fh.get_slice(k)
                     shape = sl.get_shape()
@@ -159,6 +174,8 @@ def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
                     else:
                         dst.copy_(sl[:].to(dst.dtype))
                     filled.add(k)
+    if unexpected:  # a weight the model has no place for: not this model's checkpoint (a silently dropped weight)
+        raise ValueError(f"init_from={folder} does not match its model config: unexpected keys {sorted(unexpected)[:5]}")
     missing = [k for k in state if k not in filled and k in model.state_dict()]
     tied = {k for k in missing if k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)}
     if set(missing) - tied:

@@ -7,17 +7,17 @@ resolved precision (train.resume_rule.changed_settings).
 
 Exact resume: everything that affects the numbers is either a pure function of the step (LR, the batch) or saved in
 the checkpoint (weights, AdamW moments, RNG states, spike-detector window, counters, the step hook's state: defined
-once in train/state.py's `run_state`), so a run
-killed at any point (SIGKILL, also during a checkpoint write) and resumed logs the same losses, and its step hook
-holds the same records, as one that never stopped. On resume, log.jsonl is cut back to the checkpoint's step so it
-describes exactly one run. This is the one resume policy of every model a command trains (compare, longctx, the labs:
+once in train/state.py's `run_state`), so a run killed at any point (SIGKILL, also during a checkpoint write) and
+resumed logs the same losses, and its step hook holds the same records, as one that never stopped. On resume,
+log.jsonl is cut back to the checkpoint's step so it describes exactly one run. This is the one resume policy of every model a command trains (compare, longctx, the labs:
 experiment.train_or_reuse resumes an interrupted run folder).
 
-`_train` reads as the run's outline: check the folder, set up (data, build, `parallelize`: train/parallelize.py,
-optimizer), restore, then per step
-`_train_step` (forward/backward/update) and `_after_step` (eval, log line, divergence stop, step hook, checkpoint),
-then `_finish`. What a lab needs of the loop (its own task as the data source, its optimizer groups and trainable phases, an extra
-loss term, a step-0 measurement) comes in as plug-ins (train/plugins.py), so the labs train through this loop too.
+`_train` reads as the run's outline: check the folder (rank 0 decides, dist.on_rank0), set up (data, build on the
+meta device, `parallelize`: train/parallelize.py, optimizer), restore, then per step `_train_step`
+(`forward_backward`, `update`, and every `stats_every` steps `monitoring`) and `_after_step` (eval, log line,
+divergence stop, step hook, checkpoint), then `_finish`. What a lab needs of the loop (its own task as the data
+source, its optimizer groups and trainable phases, an extra loss term, an observer, a step hook, its own model) comes
+in as plug-ins (train/plugins.py), so the labs train through this loop too.
 """
 from __future__ import annotations
 
@@ -201,12 +201,13 @@ def _setup(cfg: TrainConfig, out: Path, info: D.DistInfo, precision: str, plugin
 
 
 def _build(cfg: TrainConfig, model_factory, vocab: int | None, info: D.DistInfo):
-    """(the model, how to fill it or None). dist=fsdp with the default builder: on the meta device, filled by
-    parallelize shard by shard after sharding (train/meta_init.py), so no rank holds the whole model; in one process
-    at once, with the same init stream. Otherwise the builder's own model (a lab's factory: its own weights)."""
-    if cfg.dist == "fsdp" and model_factory is None:
+    """(the model, how to fill it or None). The default builder: on the meta device in every mode, filled by
+    parallelize from one init stream (train/meta_init.py) — after sharding under dist=fsdp, so no rank holds the
+    whole model — so a seed gives the same weights in one process, under DDP and under FSDP at any world size. A
+    lab's factory: its own model with its own weights, built as it is."""
+    if model_factory is None:
         return build_on_meta(build_model, cfg, vocab), lambda m: fill_model(m, cfg, vocab, info.device)
-    return (model_factory or build_model)(cfg, vocab).to(info.device), None
+    return model_factory(cfg, vocab).to(info.device), None
 
 
 def _restore(run: _Run, latest: Path | None) -> None:

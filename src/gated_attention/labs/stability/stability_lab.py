@@ -337,11 +337,11 @@ class RunRecorder:
 
         from gated_attention.train.data_source import make_source
         from gated_attention.train.evaluate import domain_losses
-        from gated_attention.train.model_setup import build_model
+        from gated_attention.train.meta_init import init_model
 
         from .probe import StabilityProbe
 
-        model = build_model(c, vocab)
+        model = init_model(c, vocab, torch.device("cpu"))  # the trainer's one init stream at c.seed
         res = domain_losses(model, make_source(c), seq_len=c.seq_len, max_batches=c.eval_batches,
                             batch_size=c.eval_batch_size, device=torch.device("cpu"), precision=c.precision)
         self.init_loss = _mean_val(res["losses"])
