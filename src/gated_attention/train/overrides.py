@@ -172,4 +172,12 @@ def check_model(cfg: TrainConfig) -> None:
         return  # the checkpoint's config.json decides; checked when it is loaded
     from gated_attention.presets import model_config
 
-    model_config(cfg.model, gate=cfg.gate, **cfg.model_overrides)
+    from ..util.errors import UserError
+
+    try:
+        model_config(cfg.model, gate=cfg.gate, **cfg.model_overrides)
+    except ValueError as exc:  # the model config names its field; the line names what the user typed
+        named = [k for k in cfg.model_overrides if k in str(exc)]
+        if not named:
+            raise
+        raise UserError(f"--set model.{named[0]}: {exc}") from None
