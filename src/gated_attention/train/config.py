@@ -102,6 +102,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
     progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
+    peak_tflops: float = 0.0  # one device's peak for the logged MFU; 0 = the nominal GPU figure (train/metrics.py's
+    # table) or, on a CPU, a GEMM measured once at startup
+    profile_steps: str = ""  # "A-B": torch.profiler trace of log steps A..B on every rank into OUT/profile/ ("" = none)
 
     def validate(self) -> "TrainConfig":
         """One clear error (UserError) for the first bad setting; returns self (compile normalised)."""
@@ -144,6 +147,7 @@ class TrainConfig:
         check_number("eps", self.eps, min=0.0, min_open=True)
         check_number("wsd_decay_frac", self.wsd_decay_frac, min=0.0, max=1.0)
         check_number("retrieval_mix", self.retrieval_mix, min=0.0, max=1.0)
+        check_number("peak_tflops", self.peak_tflops, min=0.0)
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} exceeds lr={self.lr}")
 
@@ -160,6 +164,9 @@ class TrainConfig:
             from .retrieval_mix import check_mix_tasks
 
             check_mix_tasks(self.retrieval_tasks)
+        from .metrics import parse_profile_steps
+
+        parse_profile_steps(self.profile_steps)
         if self.sampler == "epoch" and self.data != "corpus":
             raise ValueError(f"sampler='epoch' needs data='corpus' (data={self.data!r} brings its own batches)")
         if not isinstance(self.pack_documents, bool):
