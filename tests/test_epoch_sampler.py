@@ -220,3 +220,29 @@ def test_training_resumed_mid_epoch_equals_uninterrupted(tiny_corpus, tmp_path, 
         train(apply_overrides(tiny(), sets), tmp_path / "resumed", step_hook=crash)
     train(apply_overrides(tiny(), sets), tmp_path / "resumed", resume=True)
     assert _losses(tmp_path / "resumed") == pytest.approx(_losses(tmp_path / "straight"), abs=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_killed_and_resumed_in_one_process_see_the_same_batches(tiny_corpus, tmp_path):
+    """Exact on resume at another world size: 2 ranks (torchrun, gloo, DDP) SIGKILLed after the step-3 checkpoint,
+    resumed in one process, log the losses of an uninterrupted one-process run (packed epoch sampler)."""
+    import os
+    import subprocess
+
+    from gated_attention.train.overrides import apply_overrides
+    from gated_attention.train.train_presets import tiny
+    from gated_attention.train.trainer import train
+    from harness import run_gattn, torchrun_argv
+
+    sets = ["data=corpus", f"data_dir={tiny_corpus}", 'domains=["code"]', "sampler=epoch", "pack_documents=true",
+            "steps=6", "ckpt_every=3", "seq_len=160", "batch_size=8", "precision=fp32", "compile=false",
+            "eval_batches=1", "stats_every=0", "seed=1"]
+    train(apply_overrides(tiny(), sets), tmp_path / "straight")
+    args = ["train", "--preset", "tiny", "--out", str(tmp_path / "resumed"), *sum((["--set", s] for s in sets), [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(torchrun_argv(*args, nproc=2, kill_hooks=True), capture_output=True, text=True, timeout=600,
+                       env={**env, "GATTN_TEST_KILL_AT_STEP": "4"})
+    assert p.returncode != 0 and (tmp_path / "resumed" / "checkpoints").exists(), p.stderr[-2000:]
+    p = run_gattn(*args, "--resume", env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert _losses(tmp_path / "resumed") == pytest.approx(_losses(tmp_path / "straight"), abs=1e-5)
