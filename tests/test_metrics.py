@@ -67,6 +67,18 @@ def test_gpu_peak_comes_from_the_table_by_device_name(monkeypatch):
     assert M.device_peak_tflops(cuda, "fp32")[0] == 156.0  # fp32 matmuls that may run as TF32
 
 
+def test_cpu_peak_is_measured_in_the_gemm_the_run_uses(monkeypatch):
+    """Not a timing assertion: which GEMM is measured (a bf16 run whose GEMMs are emulated runs fp32 ones)."""
+    calls = []
+    monkeypatch.setattr(M, "measured_cpu_tflops", lambda kind, threads: calls.append(kind) or 1.0)
+    monkeypatch.setenv("GATTN_BF16_GEMM", "emulated")
+    assert "bf16 emulated" in M.device_peak_tflops(torch.device("cpu"), "bf16")[1]
+    monkeypatch.setenv("GATTN_BF16_GEMM", "native")
+    M.device_peak_tflops(torch.device("cpu"), "bf16-params")
+    M.device_peak_tflops(torch.device("cpu"), "fp32")
+    assert calls == ["fp32", "bf16", "fp32"]
+
+
 def test_profile_steps_parse():
     assert M.parse_profile_steps("") is None and M.parse_profile_steps("3") == (3, 3)
     assert M.parse_profile_steps("2-5") == (2, 5)

@@ -130,6 +130,12 @@ def device_peak_tflops(device: torch.device, precision: str, override: float = 0
                 return peaks[kind], f"nominal {key} {kind} dense"
         return None, f"unknown GPU {name!r}: --set peak_tflops=X to report MFU"
     threads = torch.get_num_threads()
+    if kind == "bf16":
+        from ..util.precision import gemm_mode
+
+        if gemm_mode(device) == "emulated":  # bf16 GEMMs run as fp32 GEMMs here (util/bf16_emulation.py)
+            return (measured_cpu_tflops("fp32", threads),
+                    f"measured fp32 512x512 GEMM (bf16 emulated), {threads} thread(s)")
     return measured_cpu_tflops(kind, threads), f"measured {kind} 512x512 GEMM, {threads} thread(s)"
 
 
