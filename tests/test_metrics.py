@@ -87,6 +87,17 @@ def test_profile_steps_parse():
             M.parse_profile_steps(bad)
 
 
+def test_a_run_ending_inside_the_profile_window_keeps_its_trace(tmp_path):
+    prof = M.StepProfiler((0, 10), tmp_path, rank=0, device=torch.device("cpu"))
+    for step in range(2):
+        prof.before(step)
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        assert prof.after(step) is None  # inside the window: nothing written yet
+    prof.close()
+    summary = json.loads((tmp_path / "profile" / "rank0" / "summary.json").read_text())
+    assert summary["steps"] == [0, 1] and (tmp_path / "profile" / "rank0" / "trace.json").stat().st_size > 0
+
+
 def test_log_lines_carry_memory_tflops_mfu_and_the_profiler_writes_a_trace(tmp_path, monkeypatch):
     from gated_attention.train import logs
     from gated_attention.train.overrides import apply_overrides

@@ -174,6 +174,7 @@ class StepProfiler:
     def __init__(self, steps: tuple[int, int], out: Path, rank: int, device: torch.device):
         self.first, self.last = steps
         self.dir, self.device, self.prof = out / "profile" / f"rank{rank}", device, None
+        self.started = self.seen = None  # the first and the latest step recorded
 
     def before(self, step: int) -> None:
         """Called before step `step` runs: start when it is in the window and nothing is recording."""
@@ -187,6 +188,8 @@ class StepProfiler:
 
     def after(self, step: int) -> float | None:
         """Called after step `step` was logged: at the window's end, write the trace; returns comm_s per step."""
+        if self.prof is not None:
+            self.seen = step  # the last step recorded so far
         if self.prof is None or step < self.last:
             return None
         self.prof.__exit__(None, None, None)
@@ -202,9 +205,9 @@ class StepProfiler:
         return comm
 
     def close(self) -> None:
-        if self.prof is not None:  # the run ended inside the window: keep what was recorded
+        if self.prof is not None:  # the run ended inside the window (a stop, a divergence): keep what was recorded
             self.last = -1
-            self.after(self.started)
+            self.after(self.seen if self.seen is not None else self.started)
 
 
 # ---------------------------------------------------------------- the per-run meter
