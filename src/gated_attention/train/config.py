@@ -17,6 +17,7 @@ TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.ap
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
 ACTIVATION_CHECKPOINTING = ("none", "full")  # train.model_setup.apply_activation_checkpointing
 ACCUM_GRADS = ("sharded", "auto")  # train.dist.unsharded_accumulation
+SAMPLERS = ("random", "epoch")  # corpus batch samplers (train.data_source.CorpusSource)
 CHOICES = {  # setting -> (its allowed values, the hint of its error)
     "schedule": (("cosine", "wsd"), "use 'cosine' or 'wsd'"),
     "wsd_decay_shape": (("linear", "sqrt"), "use 'linear' or 'sqrt'"),
@@ -24,6 +25,7 @@ CHOICES = {  # setting -> (its allowed values, the hint of its error)
     "attn_implementation": (ATTN_IMPLEMENTATIONS,
                             f"use one of {', '.join(ATTN_IMPLEMENTATIONS)} (triton_gated needs a CUDA GPU)"),
     "data": (("corpus", "synthetic", "custom"), "use 'corpus' or 'synthetic' ('custom' is a lab's own source)"),
+    "sampler": (SAMPLERS, f"use one of {', '.join(SAMPLERS)}"),
     "dist": (("ddp", "fsdp"), "use 'ddp' or 'fsdp'"),
     "accum_grads": (ACCUM_GRADS, f"use one of {', '.join(ACCUM_GRADS)}"),
     "device": (("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
@@ -48,6 +50,11 @@ class TrainConfig:
     data_dir: str | None = None  # corpus directory; None = the data module's default
     domains: list[str] | None = None  # train on these domains only; None = all
     seq_len: int = 256  # tokens per sequence (inputs); each sample holds seq_len+1 tokens
+    sampler: str = "random"  # corpus windows: "random" (drawn with replacement: the default every recorded result
+    # used) or "epoch" (every window once per epoch in a new seeded order; data/epoch.py). Both are pure functions of
+    # (seed, step), so resume is exact at any world size
+    pack_documents: bool = False  # sampler=epoch: read documents packed with a <|bos|> before each (rows start
+    # anywhere, not always at <|bos|>); false = windows of the stored stream, each row <|bos|> + seq_len tokens
     retrieval_mix: float = 0.0  # share of train rows replaced by RULER retrieval samples (longctx: teaches the format)
     retrieval_tasks: list[str] | None = None  # RULER tasks for those rows; None = retrieval_mix.DEFAULT_MIX_TASKS
     batch_size: int = 16  # GLOBAL sequences per optimizer step, split over ranks then micro-batches
@@ -95,6 +102,9 @@ class TrainConfig:
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
     progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
+    peak_tflops: float = 0.0  # one device's peak for the logged MFU; 0 = the nominal GPU figure (train/metrics.py's
+    # table) or, on a CPU, a GEMM measured once at startup
+    profile_steps: str = ""  # "A-B": torch.profiler trace of log steps A..B on every rank into OUT/profile/ ("" = none)
 
     def validate(self) -> "TrainConfig":
         """One clear error (UserError) for the first bad setting; returns self (compile normalised)."""
@@ -137,6 +147,7 @@ class TrainConfig:
         check_number("eps", self.eps, min=0.0, min_open=True)
         check_number("wsd_decay_frac", self.wsd_decay_frac, min=0.0, max=1.0)
         check_number("retrieval_mix", self.retrieval_mix, min=0.0, max=1.0)
+        check_number("peak_tflops", self.peak_tflops, min=0.0)
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} exceeds lr={self.lr}")
 
@@ -153,6 +164,15 @@ class TrainConfig:
             from .retrieval_mix import check_mix_tasks
 
             check_mix_tasks(self.retrieval_tasks)
+        from .metrics import parse_profile_steps
+
+        parse_profile_steps(self.profile_steps)
+        if self.sampler == "epoch" and self.data != "corpus":
+            raise ValueError(f"sampler='epoch' needs data='corpus' (data={self.data!r} brings its own batches)")
+        if not isinstance(self.pack_documents, bool):
+            raise ValueError(f"pack_documents={self.pack_documents!r} must be true or false")
+        if self.pack_documents and self.sampler != "epoch":
+            raise ValueError("pack_documents=true needs sampler='epoch' (the random sampler reads the stored stream)")
 
     def check_world(self, world_size: int, resolved_precision: str | None = None) -> None:
         """The global batch must split evenly over ranks and micro-batches (same math for any world size); bf16-params

@@ -2,7 +2,9 @@
 
 Both give the batch at a step as a pure function of (seed, step), so data order needs no state beyond the step and
 resuming, or changing the number of ranks, sees exactly the same global batches: the data position in a checkpoint
-is its step. `train_batch(..., rows=slice)` returns only those rows of the global batch (a rank's share); the corpus
+is its step. The corpus has two samplers (TrainConfig.sampler): "random" windows drawn with replacement
+(data.sample_batch, the default every recorded result used) and "epoch", every window once per epoch in a seeded
+order, optionally over documents packed with BOS separators (data/epoch.py). `train_batch(..., rows=slice)` returns only those rows of the global batch (a rank's share); the corpus
 reads only their tokens from the memory-mapped shards.
 
 Synthetic data is a fixed random first-order Markov chain (each token has 4 successors, one of them likely), so a
@@ -44,9 +46,10 @@ class SyntheticSource:
 
 
 class CorpusSource:
-    """Adapter over gated_attention.data (Corpus, sample_batch, eval_batches, get_tokenizer)."""
+    """Adapter over gated_attention.data (Corpus, sample_batch or EpochSampler, eval_batches, get_tokenizer)."""
 
-    def __init__(self, data_dir: str | None, domains: list[str] | None):
+    def __init__(self, data_dir: str | None, domains: list[str] | None, sampler: str = "random",
+                 pack_documents: bool = False):
         from gated_attention import data
 
         self._data = data
@@ -60,9 +63,24 @@ class CorpusSource:
                 raise ValueError(f"domains {missing} are not in the corpus; available: {', '.join(available)}")
         self.train_domains = domains
         self.domains = list(domains) if domains else available
+        if sampler not in ("random", "epoch") or (pack_documents and sampler != "epoch"):
+            raise ValueError(f"sampler={sampler!r}, pack_documents={pack_documents}: use sampler 'random' or "
+                             "'epoch'; pack_documents needs 'epoch'")
+        self.sampler, self.pack_documents = sampler, pack_documents
+        self._epoch: dict[int, object] = {}  # seq_len -> EpochSampler (its window counts and document index)
+
+    def epoch_sampler(self, seq_len: int):
+        if seq_len not in self._epoch:
+            from gated_attention.data.epoch import EpochSampler
+
+            self._epoch[seq_len] = EpochSampler(self.corpus, "train", seq_len, self.train_domains,
+                                                self.pack_documents)
+        return self._epoch[seq_len]
 
     def train_batch(self, batch_size: int, seq_len: int, seed: int, step: int, rows: slice | None = None
                     ) -> torch.Tensor:
+        if self.sampler == "epoch":
+            return self.epoch_sampler(seq_len).batch(batch_size, seed, step, rows=rows)
         return self._data.sample_batch(self.corpus, "train", batch_size, seq_len, seed, step,
                                        domains=self.train_domains, rows=rows)
 
@@ -73,7 +91,7 @@ class CorpusSource:
 def make_source(cfg, model_vocab_size: int | None = None):
     if cfg.data == "synthetic":
         return SyntheticSource(model_vocab_size or 256)
-    source = CorpusSource(cfg.data_dir, cfg.domains)
+    source = CorpusSource(cfg.data_dir, cfg.domains, cfg.sampler, cfg.pack_documents)
     if getattr(cfg, "retrieval_mix", 0.0) > 0:  # longctx: some rows become synthetic retrieval samples
         from .retrieval_mix import RetrievalMixSource
 

@@ -1,5 +1,6 @@
 """A run's logs: log.jsonl (cut back on resume), TensorBoard when installed, the progress bar, and summary.json's
-figures read back from the log. Used by train/trainer.py (rank 0 writes; other ranks hold nothing open)."""
+figures read back from the log. Used by train/trainer.py (rank 0 writes; other ranks hold nothing open). Each line
+gets its memory / TFLOP/s / MFU figures and the profiler its step boundaries from train/metrics.py's StepMeter."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import math
 from pathlib import Path
 
 from .config import TrainConfig
+from .metrics import StepMeter
 from .monitors import SpikeDetector
 from ..util.io import atomic_write_text, jsonl_line
 from ..util.progress import Progress
@@ -59,9 +61,12 @@ def open_logs(run) -> None:
     run.bar = Progress(run.cfg.steps, f"train {run.out.name}", "step", initial=run.st["step"],
                        enabled=run.cfg.progress and main)
     run.log_fh = open(run.log_path, "a") if main else None
+    run.meter = StepMeter.for_run(run)  # every rank: memory is a max over ranks, each rank profiles itself
+    run.meter.start(run.st["step"])
 
 
 def log_step(run, rec: dict) -> None:
+    rec.update(run.meter.record(rec))  # every rank (a collective), before rank 0 writes the line
     if not run.info.is_main:
         return
     run.log_fh.write(jsonl_line(rec))  # strict JSON: a NaN loss is null + "nonfinite"
@@ -72,6 +77,7 @@ def log_step(run, rec: dict) -> None:
 
 
 def close_logs(run) -> None:
+    run.meter.close()
     if run.bar is not None:
         run.bar.close()
     if run.log_fh is not None:

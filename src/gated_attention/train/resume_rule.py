@@ -11,7 +11,7 @@ from .config import TrainConfig
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
                                "accum_grads",
                                "device", "attn_implementation", "activation_checkpointing",
-                               "grad_accum", "micro_batch"})
+                               "grad_accum", "micro_batch", "peak_tflops", "profile_steps"})
 
 
 def run_precision(d: dict) -> str:

@@ -107,6 +107,7 @@ class _Run:
     tb: object = None
     bar: object = None
     log_fh: object = None
+    meter: object = None  # per-line memory / TFLOP/s / MFU and the profiler (train/metrics.py, made in open_logs)
     last_ckpt_step: int = -1
     plugins: Plugins = Plugins()  # a lab's source, groups, phases, extra loss, observer, step hook (train/plugins.py)
 
@@ -458,6 +459,7 @@ def _summary(run: _Run) -> dict:
     if run.precision != "fp32":  # how its bf16 GEMMs ran: "native", or "emulated" (util/bf16_emulation.py)
         summary["bf16_gemms"] = gemm_mode(info.device)
     summary["speed"] = run.par.speed.describe()
+    summary["throughput"] = run.meter.describe()  # flops_per_token and the peak MFU is measured against
     summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
                            "grad_accum": run.cfg.grad_accum,
                            "accumulation": "unsharded" if run.par.unsharded_accum else
