@@ -159,7 +159,7 @@ def test_set_overrides_space(sets, eq):
 
 # ------------------------------------------------------------------------------------------------ 3. command lines
 
-STATS = {"tried": set(), "tracebacks": []}
+STATS = {"tried": set(), "tracebacks": [], "stub_calls": 0}
 
 
 def _tiny_corpus(root: Path) -> Path:
@@ -244,7 +244,7 @@ def mutated(draw, base: list[str], bad: list[str]):
 
 # commands whose valid runs take minutes: the library entry is replaced by a stub AFTER argument parsing and the
 # CLI's own checks, so the fuzz covers their argument handling (their jobs are tested in their own files)
-STUBS = {"compare": ("gated_attention.compare", "run_compare"),
+STUBS = {"compare": ("gated_attention.compare.job", "run_compare"),  # the module the CLI calls it from
          "longctx": ("gated_attention.longctx.pipeline", "run_pipeline"),
          "lm-eval": ("gated_attention.cli.lm_eval", "lm_eval_main")}
 
@@ -259,11 +259,16 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
     if cmd in STUBS:
         mod, fn = STUBS[cmd]
         m = importlib.import_module(mod)
-        stub = {"run_compare": lambda *a, **k: {"rows": {}, "wall_time_s": 0.0},
-                "run_pipeline": lambda *a, **k: None, "lm_eval_main": lambda argv: 0}[fn]
+        result = {"run_compare": {"rows": {}, "wall_time_s": 0.0}, "run_pipeline": None, "lm_eval_main": 0}[fn]
+
+        def stub(*a, **k):
+            STATS["stub_calls"] += 1
+            return result
+
         monkeypatch.setattr(m, fn, stub)
         if cmd == "compare":
             monkeypatch.setattr("gated_attention.compare.compare_report.render_table", lambda res: "")
+    calls_before = STATS["stub_calls"]
     STATS["tried"].add((cmd, tuple(a.replace(str(w["root"]), "ROOT") for a in argv if not a.startswith(str(out)))))
     cwd = w["root"] / "cwd"  # a mutation can turn any token into a relative output path: keep it out of the repo
     cwd.mkdir(exist_ok=True)
@@ -280,6 +285,8 @@ def _run_one(cmd: str, argv: list[str], w, monkeypatch) -> None:
     finally:
         monkeypatch.undo()
     assert code in (0, 1, 2, None), (argv, code, err.getvalue())
+    if cmd in STUBS and code in (0, None):  # an accepted line reached the stub, never the real (minutes-long) job
+        assert STATS["stub_calls"] > calls_before, (argv, "the stub was not called: is STUBS's module the CLI's?")
     assert "Traceback" not in err.getvalue(), (argv, err.getvalue())
     if code == 2:
         lines = [l for l in err.getvalue().splitlines() if "error:" in l]
