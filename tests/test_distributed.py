@@ -202,7 +202,9 @@ PEAK_MODEL = ["gate=sdpa_elementwise", "model.hidden_size=512", "model.intermedi
               "model.head_dim=64", "model.vocab_size=1024"]  # 166 MB of fp32 weights; its largest module 3 MB
 
 
-@pytest.mark.parametrize("source", ["init", "init_from"])
+# init_from's read-your-rows property is in the default run (test_fsdp_init_from_is_read_shard_by_shard); its
+# 4-rank peak-memory row (49 s on a 2-core AVX2 CPU) runs with `pytest -m slow`
+@pytest.mark.parametrize("source", ["init", pytest.param("init_from", marks=pytest.mark.slow)])
 def test_no_rank_ever_holds_the_whole_model(tmp_path, source):
     """dist=fsdp at 4 ranks, measured per rank: the peak RSS growth (the mark reset first, tests/memprobe.py) while
     the model is built and filled from the init stream, and while final/ is written from the shards, stays well
@@ -290,7 +292,7 @@ def test_sigkill_during_a_sharded_save_falls_back_and_resumes(tmp_path, referenc
     assert "state/__1_0.distcp checksum does not match" in verify(last)
 
 
-@pytest.mark.parametrize("mode,rank", [("fsdp", 1), ("ddp", 0)])
+@pytest.mark.parametrize("mode,rank", [("fsdp", 1), pytest.param("ddp", 0, marks=pytest.mark.slow)])  # ddp: -m slow
 def test_a_rank_that_raises_stops_every_rank_promptly(tmp_path, mode, rank):
     """One rank raises after step 1 while its peer goes on into step 2's collectives: every rank exits (well
     before gloo's 30-minute collective timeout; the limit here is 120 s) and the output names the error. Before the
@@ -327,7 +329,7 @@ def test_resume_auto_survives_a_torchrun_restart(tmp_path, reference_dir):
     assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
 
 
-@pytest.mark.parametrize("policy", [None, "auto"])
+@pytest.mark.parametrize("policy", [None, pytest.param("auto", marks=pytest.mark.slow)])  # the opt-in policy: -m slow
 def test_fsdp_accumulation_holds_a_shard_of_the_gradients(tmp_path, policy):
     """2 ranks, dist=fsdp, grad_accum 4, measured (tests/fsdp_accum.py): the bytes of tensors a rank holds after each
     micro-batch beyond what it held when the step began. By default (accum_grads=sharded: reduce-scatter every
