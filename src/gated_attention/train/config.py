@@ -7,6 +7,8 @@ command's settings from its arguments) in train/overrides.py, the rule of which 
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -164,8 +166,6 @@ class TrainConfig:
             from .retrieval_mix import check_mix_tasks
 
             check_mix_tasks(self.retrieval_tasks)
-        from .metrics import parse_profile_steps
-
         parse_profile_steps(self.profile_steps)
         if self.sampler == "epoch" and self.data != "corpus":
             raise ValueError(f"sampler='epoch' needs data='corpus' (data={self.data!r} brings its own batches)")
@@ -210,3 +210,14 @@ def accum_for(batch_size: int, world_size: int, micro_batch: int) -> int:
         raise ValueError(f"batch_size={batch_size} is not divisible by world_size*micro_batch={world_size}*"
                          f"{micro_batch}; pick a micro_batch (or a world size) that divides it")
     return batch_size // (world_size * micro_batch)
+
+
+def parse_profile_steps(text: str) -> tuple[int, int] | None:
+    """'' -> None; 'A' -> (A, A); 'A-B' -> (A, B) with 0 <= A <= B; anything else: ValueError naming the form."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+        raise ValueError(f"profile_steps={text!r}; use A-B (log.jsonl step numbers, A <= B) or a single step A")
+    return int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .config import parse_profile_steps  # the setting's parser lives with its checks
+
 GB = 1e9
 # Nominal dense peaks in TFLOP/s (vendor datasheets, no sparsity), matched as substrings of
 # torch.cuda.get_device_name in this order (more specific names first)
@@ -145,17 +147,6 @@ def achieved_tflops(tokens_per_s: float, flops_per_token: float, world_size: int
 
 
 # ---------------------------------------------------------------- the profiler
-
-def parse_profile_steps(text: str) -> tuple[int, int] | None:
-    """'' -> None; 'A' -> (A, A); 'A-B' -> (A, B) with 0 <= A <= B; anything else: ValueError naming the form."""
-    text = (text or "").strip()
-    if not text:
-        return None
-    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
-    if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
-        raise ValueError(f"profile_steps={text!r}; use A-B (log.jsonl step numbers, A <= B) or a single step A")
-    return int(m.group(1)), int(m.group(2) if m.group(2) is not None else m.group(1))
-
 
 def comm_seconds(prof, device: torch.device) -> float:
     """Seconds in collectives over the profiled window: the self time (no double counting of nested ops) of events
