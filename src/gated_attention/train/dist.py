@@ -126,13 +126,13 @@ def device_meshes(info: DistInfo, dp_replicate: int = 1, expert_parallel: int = 
     return Meshes(dp=world, ep=split["ep"], expert_dp=split[replicate + ("efsdp",)])
 
 
-def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32", dp_replicate: int = 1,
-         expert_parallel: int = 1) -> nn.Module:
+def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32",
+         meshes: Meshes | None = None) -> nn.Module:
     """DDP, or FSDP2 with one shard group per decoder layer plus the root (embeddings, final norm, head); under
     precision bf16-params FSDP2's MixedPrecisionPolicy: parameters all-gathered and computed in bf16, gradients
-    reduced in fp32 into the fp32 sharded master parameters the optimizer steps. dp_replicate > 1: HSDP on the
-    (replicate, shard) mesh; expert_parallel > 1: the routed experts sharded over E ranks first
-    (train/expert_parallel.py), with their own FSDP2 group over the rest of the shard group."""
+    reduced in fp32 into the fp32 sharded master parameters the optimizer steps. `meshes` (device_meshes): HSDP on
+    the (replicate, shard) mesh; under expert parallelism (experts already sharded over `meshes.ep`) the experts get
+    their own FSDP2 group over `meshes.expert_dp` first, which the decoder layers' groups then leave out."""
     if not info.distributed:
         return model
     if info.mode == "ddp":
@@ -145,11 +145,9 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
         kw = {}
         if precision == "bf16-params":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        meshes = device_meshes(info, dp_replicate, expert_parallel)
-        if meshes is not None and meshes.ep is not None:  # before the layers: their FSDP2 groups skip the experts
-            from .expert_parallel import apply_expert_parallel, shard_experts
+        if meshes is not None and meshes.ep is not None:
+            from .expert_parallel import shard_experts
 
-            apply_expert_parallel(model, meshes.ep)
             shard_experts(model, meshes.expert_dp, **kw)
         if meshes is not None:
             kw["mesh"] = meshes.dp
