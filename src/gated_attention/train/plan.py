@@ -366,13 +366,7 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     accum, micro_batch = _split_batch(cfg, gpus, micro_batch, resolved)
     model = meta_model(cfg, vocab_size)
     config = model.config
-    from .expert_parallel import check_experts
-
-    ep, replicate = (cfg.expert_parallel, cfg.dp_replicate) if mode == "fsdp" else (1, 1)
-    try:
-        check_experts(config.num_experts or 0, ep)
-    except ValueError as exc:
-        raise UserError(f"{exc} (gattn plan: --set expert_parallel)") from None
+    ep, replicate = _layout(cfg, mode, config)
     sz = sizes(model)
     fl = flops_per_token(config, sz["matmul_activated"], cfg.seq_len)
     common = dict(world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
@@ -390,12 +384,7 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     comm = comm_per_step(sz, world=gpus, dist=mode, precision=resolved, grad_accum=accum, unsharded_grads=unsharded,
                          bandwidth_gbs=bandwidth_gbs, replicate=replicate, ep=ep, all_to_all=a2a)
     step_tokens = cfg.batch_size * cfg.seq_len
-    compute_s = step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus)
-    comm["compute_seconds"] = compute_s
-    # FSDP2's collectives overlap the compute (the larger bounds the step); the all-to-all sits on the critical path
-    # (the experts wait for their rows), so it adds
-    a2a_s = comm["all_to_all_seconds"]
-    comm["step_seconds"] = max(compute_s, comm["seconds"] - a2a_s) + a2a_s
+    _step_time(comm, step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus))
     tokens_per_s = step_tokens / comm["step_seconds"]
     budget = cfg.steps * cfg.batch_size * cfg.seq_len
     hardware = fl["model"] + (fl["forward"] if cfg.activation_checkpointing == "full" else 0)
@@ -413,6 +402,30 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
                          "grad_accumulation": accumulation, "dp_replicate": replicate, "expert_parallel": ep,
                          "experts_per_rank": (config.num_experts or 0) // ep,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
+
+
+def _layout(cfg: TrainConfig, mode: str, config) -> tuple[int, int]:
+    """(expert_parallel, dp_replicate) the plan assumes: the config's under FSDP2 (E checked against the model's
+    experts), 1 and 1 otherwise."""
+    from ..util.errors import UserError
+
+    from .expert_parallel import check_experts
+
+    if mode != "fsdp":
+        return 1, 1
+    try:
+        check_experts(config.num_experts or 0, cfg.expert_parallel)
+    except ValueError as exc:
+        raise UserError(f"{exc} (gattn plan: --set expert_parallel)") from None
+    return cfg.expert_parallel, cfg.dp_replicate
+
+
+def _step_time(comm: dict, compute_s: float) -> None:
+    """The step's time into `comm`: FSDP2's collectives overlap the compute (the larger bounds the step); EP's
+    all-to-all sits on the critical path (the experts wait for their rows), so it adds."""
+    a2a_s = comm["all_to_all_seconds"]
+    comm["compute_seconds"] = compute_s
+    comm["step_seconds"] = max(compute_s, comm["seconds"] - a2a_s) + a2a_s
 
 
 def _hardware(**given) -> dict:
