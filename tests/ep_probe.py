@@ -24,7 +24,7 @@ def main() -> None:
     from gated_attention.train.overrides import apply_overrides
     from gated_attention.train.train_presets import tiny
     from gated_attention.train.expert_parallel import apply_expert_parallel, local_expert_numel
-    from gated_attention.train.model_setup import build_model
+    from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
     from gated_attention.train.monitors import decoder_layers
 
     out, sets = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
@@ -34,6 +34,7 @@ def main() -> None:
     torch.manual_seed(cfg.seed)
     ref = build_model(cfg, None).train()
     model = copy.deepcopy(ref)
+    apply_activation_checkpointing(decoder_layers(model), cfg.activation_checkpointing)  # the recompute replays EP
     meshes = D.device_meshes(info, cfg.dp_replicate, cfg.expert_parallel)  # as train/parallelize.py steps 5-6
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
