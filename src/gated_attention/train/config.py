@@ -86,10 +86,10 @@ class TrainConfig:
     accum_grads: str = "sharded"  # dist=fsdp with grad_accum > 1: "sharded" reduce-scatters every micro-batch (a rank
     # holds 1/N of the fp32 gradients); "auto" keeps whole gradients until the last micro-batch (one reduce-scatter
     # per step) only where `gattn plan` says they fit this rank's memory (train.dist.unsharded_accumulation)
-    expert_parallel: int = 1  # dist=fsdp: the routed experts of every MoE layer sharded over this many ranks (E), tokens
-    # sent to their experts' ranks by all-to-all (train/expert_parallel.py); E divides the experts and world/dp_replicate
-    dp_replicate: int = 1  # dist=fsdp: replicas of the model (HSDP): shard within groups of world/R ranks, replicate
-    # across the R groups (gradients all-reduced between them); 1 = plain FSDP over every rank
+    expert_parallel: int = 1  # dist=fsdp: each MoE layer's routed experts sharded over E ranks, tokens sent to
+    # their experts' ranks by all-to-all (train/expert_parallel.py); E divides the experts and world / dp_replicate
+    dp_replicate: int = 1  # dist=fsdp: R replicas of the model (HSDP): sharded within groups of world / R ranks,
+    # replicated across the R groups (gradient shards all-reduced between them); 1 = plain FSDP over every rank
     activation_checkpointing: str = "none"  # "full": each decoder layer keeps only its input and recomputes itself in
     # backward (activations: one (B, T, d) tensor per layer + one layer's worth, for ~1/3 more compute; docs/scale.md)
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)

@@ -55,8 +55,8 @@ def check_experts(num_experts: int, expert_parallel: int) -> None:
                          "drop expert_parallel or train an MoE model")
     if num_experts % expert_parallel:
         valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
-        raise ValueError(f"expert_parallel={expert_parallel} does not divide the {num_experts} routed experts (each rank "
-                         f"holds num_experts / E whole experts); use one of {valid}")
+        raise ValueError(f"expert_parallel={expert_parallel} does not divide the {num_experts} routed experts (each "
+                         f"rank holds num_experts / E whole experts); use one of {valid}")
 
 
 class _AllToAll(torch.autograd.Function):

@@ -25,7 +25,8 @@
                   every layer keeps only its input and one layer is recomputed at a time;
       buffers     communication buffers: FSDP2's unsharded parameters (the root group - embeddings, final norm, head
                   - for the whole step, plus the current and the prefetched layer; under EP a layer gathers only its
-                  rank's 1 / E of the routed experts) and one layer's unsharded gradients; DDP's gradient buckets (a second fp32 copy of the gradients); none in one process;
+                  rank's 1 / E of the routed experts) and one layer's unsharded gradients; DDP's gradient buckets
+                  (a second fp32 copy of the gradients); none in one process;
       loss        the chunked loss's temporaries at the model's vocabulary (fast path): per chunk of c tokens
                   (fused.loss_chunk_tokens: as many as fit fused.LOSS_CHUNK_BYTES) its fp32 (c, V) logits, their
                   compute-dtype copy and their gradient, the (V, d) fp32 product a bf16 chunk adds into the head
@@ -55,7 +56,8 @@
     EP's groups are meant to live inside a node, where NVLink is several times faster: the time is an upper bound);
   - tokens_per_s: the global batch's tokens over the step time, the larger of the compute time (FLOPs at mfu *
     gpu_tflops on every GPU) and the communication time (FSDP2 and DDP overlap the two; the larger one bounds the
-    step) plus EP's all-to-all time, and days to the recipe's token budget (steps x global batch x seq_len) at that speed.
+    step) plus EP's all-to-all time, and days to the recipe's token budget (steps x global batch x seq_len) at that
+    speed.
 
 The formulas model this project's trainer (the fused fast path by default, sdpa's flash kernel that keeps no T x T
 matrix, FSDP2 with one group per decoder layer); docs/scale.md compares them with the peak memory measured on this
