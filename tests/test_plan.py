@@ -184,6 +184,46 @@ def test_loss_stats_eval_and_communication_equal_a_hand_computation():
     assert PL.plan(tiny_cfg(), gpus=1, device="cpu")["comm_per_step"]["seconds"] == 0
 
 
+def test_expert_parallel_and_hsdp_equal_a_hand_computation():
+    """EP and HSDP by hand on the tiny MoE (8 experts of width 32, top-2, d 32, 2 MoE layers, fp32), 4 ranks,
+    grad_accum 2, 10 GB/s: at rest the same 1/shard-group share as FSDP2; a layer gathers 1/E of its experts; the
+    experts' collectives run over their own world / (R E) ranks; every MoE layer all-to-alls k rows of d per token
+    out and back in forward and backward (and the recompute), (E-1)/E of them leaving the rank; HSDP all-reduces
+    each rank's gradient shard across the replicas; the all-to-all adds to the step, the rest overlaps compute."""
+    d, I, E, k, L, T = 32, 32, 8, 2, 2, 32
+    moe = lambda *sets: tiny_cfg("model=tiny-moe", "dist=fsdp", "batch_size=8", "grad_accum=2", *sets)  # noqa: E731
+    base = PL.plan(moe(), gpus=4, device="cpu", bandwidth_gbs=10.0)
+    total, experts = base["params_total"], L * E * 3 * d * I  # gate_up (E, 2I, d) + down (E, d, I) per layer
+    tokens = 1 * T  # 8 sequences / 4 ranks / 2 micro-batches
+    for sets, R, ep in (([], 1, 1), (["expert_parallel=2"], 1, 2), (["expert_parallel=4"], 1, 4),
+                        (["dp_replicate=2"], 2, 1), (["dp_replicate=2", "expert_parallel=2"], 2, 2)):
+        p = PL.plan(moe(*sets), gpus=4, device="cpu", bandwidth_gbs=10.0, mfu=0.5, gpu_tflops=1e-3)
+        S = 4 // R
+        m, c, s = p["memory_per_gpu_gb"], p["comm_per_step"], p["settings"]
+        assert (s["dp_replicate"], s["expert_parallel"], s["experts_per_rank"]) == (R, ep, E // ep)
+        assert m["params"] * 1e9 == pytest.approx(4 * total / S) and m["optimizer"] * 1e9 == pytest.approx(8 * total / S)
+        dense, f, fe = total - experts, (S - 1) / S, (S // ep - 1) / (S // ep)
+        assert c["all_gather_gb"] * 1e9 == pytest.approx(2 * 2 * 4 * (dense * f + experts / ep * fe))
+        assert c["reduce_gb"] * 1e9 == pytest.approx(2 * 4 * (dense * f + experts / ep * fe))
+        assert c["all_reduce_gb"] * 1e9 == pytest.approx(2 * 2 * 4 * total / S * (R - 1) / R)
+        a2a = 2 * L * tokens * k * d * 4 * 4 * (ep - 1) / ep  # 2 micro-batches, 4 passes, fp32
+        assert c["all_to_all_gb"] * 1e9 == pytest.approx(a2a)
+        assert c["step_seconds"] == pytest.approx(max(c["compute_seconds"], c["seconds"] - a2a / 10e9) + a2a / 10e9)
+    # the gathered layer: 1/E of its experts under EP (the buffers hold the current and the prefetched layer)
+    b1 = PL.plan(moe(), gpus=4, device="cpu")["memory_per_gpu_gb"]["buffers"]
+    b4 = PL.plan(moe("expert_parallel=4"), gpus=4, device="cpu")["memory_per_gpu_gb"]["buffers"]
+    assert (b1 - b4) * 1e9 == pytest.approx(experts / L * (1 - 1 / 4) * (2 * 4 + 4 + 4))
+    # activation checkpointing replays the forward's all-to-alls: 6 passes instead of 4
+    ac = PL.plan(moe("expert_parallel=2", "activation_checkpointing=full"), gpus=4, device="cpu")
+    assert ac["comm_per_step"]["all_to_all_gb"] * 1e9 == pytest.approx(2 * L * tokens * k * d * 4 * 6 / 2)
+    # the 15A2B MoE at 64 GPUs with EP=8: 16 experts per rank, the all-to-all in the table
+    big = PL.plan(apply_overrides(train_preset("paper-moe-15a2b"), ["expert_parallel=8"]), gpus=64)
+    assert big["settings"]["experts_per_rank"] == 16 and big["comm_per_step"]["all_to_all_gb"] > 0
+    assert big["comm_per_step"]["total_gb"] < PL.plan(train_preset("paper-moe-15a2b"), gpus=64)["comm_per_step"]["total_gb"]
+    with pytest.raises(Exception, match="expert_parallel=3 does not divide the 8 routed experts"):
+        PL.plan(replace(moe(), expert_parallel=3, batch_size=12), gpus=3, device="cpu")
+
+
 def test_flops_equal_the_bench_count():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from bench_train import train_flops

@@ -88,6 +88,10 @@ class TrainConfig:
     accum_grads: str = "sharded"  # dist=fsdp with grad_accum > 1: "sharded" reduce-scatters every micro-batch (a rank
     # holds 1/N of the fp32 gradients); "auto" keeps whole gradients until the last micro-batch (one reduce-scatter
     # per step) only where `gattn plan` says they fit this rank's memory (train.dist.unsharded_accumulation)
+    expert_parallel: int = 1  # dist=fsdp: each MoE layer's routed experts sharded over E ranks, tokens sent to
+    # their experts' ranks by all-to-all (train/expert_parallel.py); E divides the experts and world / dp_replicate
+    dp_replicate: int = 1  # dist=fsdp: R replicas of the model (HSDP): sharded within groups of world / R ranks,
+    # replicated across the R groups (gradient shards all-reduced between them); 1 = plain FSDP over every rank
     activation_checkpointing: str = "none"  # "full": each decoder layer keeps only its input and recomputes itself in
     # backward (activations: one (B, T, d) tensor per layer + one layer's worth, for ~1/3 more compute; docs/scale.md)
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
@@ -137,7 +141,7 @@ class TrainConfig:
         from gated_attention.util.errors import check_number
 
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
-                     "keep_checkpoints", "eval_batches", "eval_batch_size"):
+                     "keep_checkpoints", "eval_batches", "eval_batch_size", "expert_parallel", "dp_replicate"):
             check_number(name, getattr(self, name), kind=int, min=1)
         for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch"):
             check_number(name, getattr(self, name), kind=int, min=0)
@@ -185,6 +189,7 @@ class TrainConfig:
             raise ValueError(f"precision bf16-params under torchrun needs dist=fsdp (FSDP2's MixedPrecisionPolicy keeps "
                              f"fp32 master weights and reduces gradients in fp32; dist={self.dist} would all-reduce "
                              "bf16 gradients); add --set dist=fsdp")
+        check_mesh(world_size, self.dp_replicate, self.expert_parallel, self.dist)
         if self.batch_size % (world_size * self.grad_accum):
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by world_size*grad_accum={world_size}*{self.grad_accum}; "
@@ -202,6 +207,27 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig keys {unknown}; valid: {sorted(names)}")
         return cls(**d)
+
+
+def check_mesh(world_size: int, dp_replicate: int, expert_parallel: int, dist: str) -> None:
+    """The device mesh `dp_replicate` x (world / dp_replicate) must tile the ranks, and expert parallelism borrows its
+    E ranks from each shard group (torchtitan's rule: E divides the shard group, the experts' own FSDP runs over the
+    rest); both need FSDP2. The experts' count is checked where the model is known (expert_parallel.check_experts)."""
+    if dp_replicate == 1 and expert_parallel == 1:
+        return
+    asked = ", ".join(f"{k}={v}" for k, v in (("dp_replicate", dp_replicate), ("expert_parallel", expert_parallel))
+                      if v != 1)
+    if dist != "fsdp":
+        raise ValueError(f"{asked} needs dist=fsdp (FSDP2 shards the rest of the model over the device mesh); "
+                         "add --set dist=fsdp")
+    if world_size % dp_replicate:
+        raise ValueError(f"dp_replicate={dp_replicate} does not divide the world size {world_size}: the replicas must "
+                         "be equal groups of ranks; pick a divisor of the number of ranks")
+    shard = world_size // dp_replicate
+    if shard % expert_parallel:
+        raise ValueError(f"expert_parallel={expert_parallel} must divide the ranks of one shard group "
+                         f"(world {world_size} / dp_replicate {dp_replicate} = {shard}); use one of "
+                         f"{[e for e in range(1, shard + 1) if shard % e == 0]}")
 
 
 def accum_for(batch_size: int, world_size: int, micro_batch: int) -> int:

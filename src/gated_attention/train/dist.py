@@ -98,10 +98,41 @@ def teardown(failed: bool = False) -> None:
     dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32") -> nn.Module:
+@dataclass
+class Meshes:
+    """The device meshes of dist=fsdp with HSDP or expert parallelism (`device_meshes`)."""
+
+    dp: object  # the dense parameters' FSDP2 mesh: ("dp_shard",) or, with replicas, ("dp_replicate", "dp_shard")
+    ep: object = None  # the routed experts' expert-parallel mesh ("ep",), or None
+    expert_dp: object = None  # the experts' own FSDP2 mesh: ("efsdp",) or ("dp_replicate", "efsdp"), or None
+
+
+def device_meshes(info: DistInfo, dp_replicate: int = 1, expert_parallel: int = 1) -> Meshes | None:
+    """The world as a (dp_replicate, dp_shard) mesh (a dim of size 1 left out), replicas the slowest dim (across
+    nodes); under expert parallelism dp_shard unflattened into (efsdp, ep) as torchtitan lays it out: an
+    expert-parallel group is E consecutive ranks (one node's GPUs first). None for plain FSDP (FSDP2's default: one
+    shard group of every rank). Sizes are checked by TrainConfig.check_world first."""
+    if dp_replicate == 1 and expert_parallel == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard = info.world_size // dp_replicate
+    dims = ((("dp_replicate", dp_replicate),) if dp_replicate > 1 else ()) + (("dp_shard", shard),)
+    world = init_device_mesh(info.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+    if expert_parallel == 1:
+        return Meshes(dp=world)
+    split = world._unflatten("dp_shard", (shard // expert_parallel, expert_parallel), ("efsdp", "ep"))
+    replicate = ("dp_replicate",) if dp_replicate > 1 else ()
+    return Meshes(dp=world, ep=split["ep"], expert_dp=split[replicate + ("efsdp",)])
+
+
+def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32",
+         meshes: Meshes | None = None) -> nn.Module:
     """DDP, or FSDP2 with one shard group per decoder layer plus the root (embeddings, final norm, head); under
     precision bf16-params FSDP2's MixedPrecisionPolicy: parameters all-gathered and computed in bf16, gradients
-    reduced in fp32 into the fp32 sharded master parameters the optimizer steps."""
+    reduced in fp32 into the fp32 sharded master parameters the optimizer steps. `meshes` (device_meshes): HSDP on
+    the (replicate, shard) mesh; under expert parallelism (experts already sharded over `meshes.ep`) the experts get
+    their own FSDP2 group over `meshes.expert_dp` first, which the decoder layers' groups then leave out."""
     if not info.distributed:
         return model
     if info.mode == "ddp":
@@ -114,11 +145,37 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
         kw = {}
         if precision == "bf16-params":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if meshes is not None and meshes.ep is not None:
+            from .expert_parallel import shard_experts
+
+            shard_experts(model, meshes.expert_dp, **kw)
+        if meshes is not None:
+            kw["mesh"] = meshes.dp
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)  # the root: tied embedding/head stay together in this group
         return model
     raise ValueError(f"unknown dist mode {info.mode!r}; use 'ddp' or 'fsdp'")
+
+
+def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, also where parameters live on different device meshes (the routed experts under
+    expert parallelism): the norm of each mesh's gradients is completed over its mesh first (a DTensor op cannot
+    mix meshes), then they are combined into the one global norm every gradient is scaled by."""
+    params = [p for p in params if p.grad is not None]
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(id(getattr(p, "device_mesh", None)), []).append(p)
+    if len(groups) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.stack(norms).square().sum().sqrt()
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def unsharded_accumulation(policy: str, mode: str, world: int, grad_accum: int, extra_bytes: float,

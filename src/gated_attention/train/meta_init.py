@@ -44,28 +44,29 @@ def _post_order(module: nn.Module, path: str = ""):
     yield path, module
 
 
-def local_rows(full_rows: int, world: int, rank: int) -> slice:
-    """The dim-0 rows rank `rank` holds of a tensor with `full_rows` rows sharded over `world` ranks (FSDP2's
-    Shard(0): torch.chunk pieces of ceil(rows / world); the last ranks may hold fewer or none)."""
-    chunk = -(-full_rows // world)
-    start = min(full_rows, rank * chunk)
-    return slice(start, min(full_rows, start + chunk))
+def local_index(dst, shape) -> tuple[slice, ...]:
+    """The slices of a global tensor of `shape` that the DTensor `dst` holds on this rank, from its own mesh and
+    placements: FSDP2's dim-0 Shard over every rank (torch.chunk pieces of ceil(rows / N) rows: the last ranks may
+    hold fewer or none), HSDP's (Replicate, Shard(0)) over the (replicate, shard) mesh, or the routed experts'
+    expert-parallel Shard(0) under FSDP2's strided dim-0 shard (train/expert_parallel.py): each a block of rows."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(tuple(shape), dst.device_mesh, dst.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local))
 
 
 def fill(dst: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of the full tensor `full` into `dst` (a plain tensor, or an FSDP2-sharded DTensor)."""
+    """Copy this rank's part of the full tensor `full` into `dst` (a plain tensor, or a sharded DTensor)."""
     to_local = getattr(dst, "to_local", None)
     if to_local is None:
         dst.data.copy_(full.to(dst.device, dst.dtype))
         return
-    import torch.distributed as dist
-
     local = to_local()
-    rows = local_rows(full.shape[0], dist.get_world_size(), dist.get_rank()) if full.dim() else slice(None)
-    part = full[rows] if full.dim() else full
+    index = local_index(dst, full.shape) if full.dim() else ()
+    part = full[index] if full.dim() else full
     if tuple(local.shape) != tuple(part.shape):
-        raise RuntimeError(f"shard of shape {tuple(local.shape)} vs rows {rows} of {tuple(full.shape)}: not FSDP2's "
-                           "dim-0 sharding")
+        raise RuntimeError(f"shard of shape {tuple(local.shape)} vs {index} of {tuple(full.shape)}: not a block of "
+                           "the global tensor")
     local.copy_(part.to(local.device, local.dtype))
 
 
@@ -147,10 +148,7 @@ def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
 
     from ..util.io import hf_weight_files
 
-    import torch.distributed as dist
-
     _to_empty(model, device)
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     state = dict(model.named_parameters())
     state.update(model.named_buffers())
     filled, unexpected, names = set(), [], set(model.state_dict())
@@ -169,8 +167,10 @@ def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
                         raise ValueError(f"init_from={folder}: {k} has shape {tuple(shape)}, the model "
                                          f"{tuple(dst.shape)}; model.* overrides must not change a weight's shape")
                     if hasattr(dst, "to_local") and shape:
-                        rows = local_rows(shape[0], world, rank)
-                        dst.to_local().copy_(sl[rows.start:rows.stop].to(dst.dtype))
+                        index = local_index(dst, shape)
+                        if any(ix != slice(0, n) for ix, n in zip(index[1:], shape[1:])):
+                            raise RuntimeError(f"{k}: a shard {index} that is not a block of rows")
+                        dst.to_local().copy_(sl[index[0].start:index[0].stop].to(dst.dtype))
                     else:
                         dst.copy_(sl[:].to(dst.dtype))
                     filled.add(k)

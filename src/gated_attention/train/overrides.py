@@ -174,10 +174,13 @@ def check_model(cfg: TrainConfig) -> None:
 
     from ..util.errors import UserError
 
+    from .expert_parallel import check_experts
+
     try:
-        model_config(cfg.model, gate=cfg.gate, **cfg.model_overrides)
+        config = model_config(cfg.model, gate=cfg.gate, **cfg.model_overrides)
     except ValueError as exc:  # the model config names its field; the line names what the user typed
         named = [k for k in cfg.model_overrides if k in str(exc)]
         if not named:
             raise
         raise UserError(f"--set model.{named[0]}: {exc}") from None
+    check_experts(config.num_experts or 0, cfg.expert_parallel)  # E must give each rank whole experts

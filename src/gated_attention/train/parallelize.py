@@ -11,11 +11,14 @@ filled later: train/meta_init.py) -> `parallelize` -> the optimizer. `paralleliz
      compiles the decoder layer's outermost forward now, compile=auto after timed eager steps;
   4. activation checkpointing per decoder layer (before sharding: FSDP2's hooks stay outside the recomputed region;
      the compiled forward is the outermost one, so it traces the checkpoint);
-  5. expert parallelism goes HERE, when it lands: an EP dimension of the device mesh shards the MoE experts before
-     data parallelism, so FSDP then shards only what is left (torchtitan's order: TP, EP, then FSDP);
+  5. expert parallelism (`expert_parallel=E`, train/expert_parallel.py): the device mesh (dist.device_meshes:
+     (dp_replicate, dp_shard), dp_shard unflattened into (efsdp, ep)) is built, and the MoE blocks' routed experts
+     are sharded over the ep dim with all-to-all dispatch before data parallelism, so FSDP then shards only what is
+     left (torchtitan's order: TP, EP, then FSDP);
   6. data parallelism (train/dist.py: wrap): DDP, or FSDP2 with one group per decoder layer plus the root
-     (MixedPrecisionPolicy under bf16-params). Hybrid sharding (HSDP) goes HERE: a 2-D DeviceMesh
-     (replicate, shard) handed to fully_shard in place of the flat process group;
+     (MixedPrecisionPolicy under bf16-params); under EP the experts first get their own FSDP2 group over efsdp;
+     hybrid sharding (`dp_replicate=R`, HSDP): the 2-D (replicate, shard) mesh handed to fully_shard in place of the
+     flat process group;
   7. materialise + init after sharding (dist=fsdp): each rank allocates and fills only its own shards.
 
 What comes back is a `Parallel`: the model (the plain module every forward runs on), the master weights, the speed
@@ -86,8 +89,12 @@ def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materia
     layers = decoder_layers(model)
     speed = fastpath.prepare(cfg, model, layers, info.device, precision)  # 3.
     apply_activation_checkpointing(layers, cfg.activation_checkpointing)  # 4.
-    # 5. expert parallelism: not yet
-    wrapped = D.wrap(model, info, layers, precision)  # 6.
+    meshes = D.device_meshes(info, cfg.dp_replicate, cfg.expert_parallel) if sharded else None
+    if meshes is not None and meshes.ep is not None:  # 5.
+        from .expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, meshes.ep)
+    wrapped = D.wrap(model, info, layers, precision, meshes)  # 6.
     if materialize is not None and sharded:  # 7.
         materialize(model)
     return Parallel(model=model, master=master if mixed is not None else model, speed=speed, layers=layers,

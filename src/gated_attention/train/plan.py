@@ -9,7 +9,10 @@
     checkpointing recomputes the layers' forward once more: `hardware_flops_per_token` counts that too, MFU does not;
   - memory_per_gpu_gb by part, in GB (1e9 bytes), per rank:
       params      the stored weights: fp32 (4 B); bf16-params in one process adds the bf16 compute copy (2 B,
-                  train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters);
+                  train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters); with
+                  replicas (HSDP, dp_replicate=R) over the N / R ranks of a shard group, and so grads and optimizer;
+                  expert parallelism (expert_parallel=E) stores the same share (E ranks x the experts' own FSDP2
+                  over the other N / (R E) of the shard group);
       grads       fp32 gradients of the trainable parameters by the accumulation policy
                   (train.dist.unsharded_accumulation, which the trainer follows): FSDP2 reduce-scattering every
                   micro-batch holds the sharded fp32 output (4 B / N); keeping whole gradients until the last
@@ -21,8 +24,9 @@
                   tensors autograd actually saves - tests/test_plan.py counts them); with activation checkpointing
                   every layer keeps only its input and one layer is recomputed at a time;
       buffers     communication buffers: FSDP2's unsharded parameters (the root group - embeddings, final norm, head
-                  - for the whole step, plus the current and the prefetched layer) and one layer's unsharded
-                  gradients; DDP's gradient buckets (a second fp32 copy of the gradients); none in one process;
+                  - for the whole step, plus the current and the prefetched layer; under EP a layer gathers only its
+                  rank's 1 / E of the routed experts) and one layer's unsharded gradients; DDP's gradient buckets
+                  (a second fp32 copy of the gradients); none in one process;
       loss        the chunked loss's temporaries at the model's vocabulary (fast path): per chunk of c tokens
                   (fused.loss_chunk_tokens: as many as fit fused.LOSS_CHUNK_BYTES) its fp32 (c, V) logits, their
                   compute-dtype copy and their gradient, the (V, d) fp32 product a bf16 chunk adds into the head
@@ -43,11 +47,17 @@
   - communication per step (`comm`): bytes one GPU moves and their time at `bandwidth_gbs` (a collective's bus
     bandwidth): FSDP2 all-gathers every parameter twice per micro-batch (forward, and again in backward: it
     reshards after forward) in the compute dtype and reduce-scatters fp32 gradients once per micro-batch (or once
-    per step where whole gradients are kept), each moving (N-1)/N of the tensor; DDP all-reduces the fp32 gradients
-    once per step (2 (N-1)/N); none in one process;
+    per step where whole gradients are kept), each moving (S-1)/S of the tensor over a shard group of S = N / R
+    ranks; HSDP then all-reduces each rank's gradient shard across the R replicas (2 (R-1)/R); under EP the routed
+    experts' gathers and reductions run over their own N / (R E) ranks, and every MoE layer all-to-alls each token's
+    k rows of d activations out to their experts and back, in forward, backward and the recompute (`all_to_all`:
+    (E-1)/E of them leave the rank under balanced routing; not overlapped: it adds to the step); DDP all-reduces the
+    fp32 gradients once per step (2 (N-1)/N); none in one process. One bandwidth for all (HSDP's shard groups and
+    EP's groups are meant to live inside a node, where NVLink is several times faster: the time is an upper bound);
   - tokens_per_s: the global batch's tokens over the step time, the larger of the compute time (FLOPs at mfu *
     gpu_tflops on every GPU) and the communication time (FSDP2 and DDP overlap the two; the larger one bounds the
-    step), and days to the recipe's token budget (steps x global batch x seq_len) at that speed.
+    step) plus EP's all-to-all time, and days to the recipe's token budget (steps x global batch x seq_len) at that
+    speed.
 
 The formulas model this project's trainer (the fused fast path by default, sdpa's flash kernel that keeps no T x T
 matrix, FSDP2 with one group per decoder layer); docs/scale.md compares them with the peak memory measured on this
@@ -136,8 +146,14 @@ def sizes(model: nn.Module) -> dict:
     per_layer = [sum(p.numel() for p in _unique(layer.parameters())) for layer in layers]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = sum(p.numel() for p in params if id(p) not in in_layers)
+    experts = [m for m in model.modules() if isinstance(m, MoeExperts)]
+    expert_ps = _unique(p for m in experts for p in m.parameters())
     return {"total": total, "activated": activated, "trainable": trainable, "matmul_activated": matmul,
-            "layer_max": max(per_layer, default=0), "root": root}
+            "layer_max": max(per_layer, default=0), "root": root,
+            "experts": sum(p.numel() for p in expert_ps),  # the routed experts' weights (expert parallelism's part)
+            "experts_trainable": sum(p.numel() for p in expert_ps if p.requires_grad),
+            "layer_experts_max": max((sum(p.numel() for p in m.parameters()) for m in experts), default=0),
+            "moe_layers": len(experts)}
 
 
 def flops_per_token(config, matmul_activated: int, seq_len: int) -> dict:
@@ -236,19 +252,23 @@ def _resolved(precision: str, dist: str) -> str:
 
 def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpointing: str, tokens: int,
            fused_loss: bool = True, device: str = "cuda", unsharded_grads: bool = False, stats: bool = False,
-           eval_tokens: int = 0) -> dict:
+           eval_tokens: int = 0, replicate: int = 1, ep: int = 1) -> dict:
     """Bytes per rank by part (module docstring), in GB. unsharded_grads: FSDP2 keeps whole gradients across the
-    micro-batches (train.dist.unsharded_accumulation said so)."""
+    micro-batches (train.dist.unsharded_accumulation said so). replicate (HSDP): the state is sharded over a shard
+    group of world / replicate ranks; ep: the routed experts are sharded over ep ranks x the experts' own FSDP2 over
+    the rest of the shard group (the same 1 / shard group at rest), and a layer's gathered experts are 1 / ep of
+    them."""
     P, Pt = sz["total"], sz["trainable"]
     sharded = dist == "fsdp" and world > 1
     one_process = world == 1
-    n = world if sharded else 1
+    n = world // replicate if sharded else 1
     pd = 2 if precision == "bf16-params" else 4  # the dtype forward/backward see the parameters in
     params = 4 * P / n + (2 * P if precision == "bf16-params" and one_process else 0)
     grads = 4 * Pt / n + (4 * Pt if sharded and unsharded_grads else 0)
     optimizer = 8 * Pt / n
     if sharded:  # root group unsharded (and its gradient) all step; the current + prefetched layer; a layer's grads
-        buffers = 2 * sz["root"] * pd + sz["layer_max"] * (2 * pd + pd + 4)
+        layer = sz["layer_max"] - sz["layer_experts_max"] * (1 - 1 / ep)  # EP gathers only this rank's experts
+        buffers = 2 * sz["root"] * pd + layer * (2 * pd + pd + 4)
     elif dist == "ddp" and not one_process:
         buffers = 4 * Pt  # gradient buckets (gradient_as_bucket_view=False: a copy of every gradient)
     else:
@@ -287,22 +307,46 @@ def eval_bytes(config, tokens: int, precision: str) -> float:
     return tokens * config.vocab_size * (lb + (4 if lb != 4 else 0) + 4)
 
 
+def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpointing: str) -> float:
+    """Bytes one rank sends by all-to-all per micro-batch of `tokens` tokens under expert parallelism (module
+    docstring: comm): in every MoE layer each token's k rows of d activations go out to their experts' ranks and
+    come back (dispatch + combine), again for their gradients in backward, and once more where activation
+    checkpointing recomputes the forward; (ep - 1) / ep of the rows leave the rank under balanced routing."""
+    if ep <= 1 or not config.num_experts:
+        return 0.0
+    moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    ab = 4 if precision == "fp32" else 2  # the activations' dtype (bf16 under autocast and bf16-params)
+    passes = 4 + (2 if checkpointing == "full" else 0)
+    return moe * tokens * config.num_experts_per_tok * config.hidden_size * ab * passes * (ep - 1) / ep
+
+
 def comm_per_step(sz: dict, *, world: int, dist: str, precision: str, grad_accum: int,
-                  unsharded_grads: bool, bandwidth_gbs: float) -> dict:
-    """Bytes one GPU moves per optimizer step and their time at `bandwidth_gbs` (module docstring: comm)."""
+                  unsharded_grads: bool, bandwidth_gbs: float, replicate: int = 1, ep: int = 1,
+                  all_to_all: float = 0.0) -> dict:
+    """Bytes one GPU moves per optimizer step and their time at `bandwidth_gbs` (module docstring: comm).
+    `all_to_all`: expert parallelism's bytes per micro-batch (`all_to_all_bytes`)."""
     P, Pt = sz["total"], sz["trainable"]
-    f = (world - 1) / world
+    shard = world // replicate
+    f = (shard - 1) / shard  # the share of a tensor a collective over the shard group moves
     pd = 2 if precision == "bf16-params" else 4
+    E, Et = (sz["experts"], sz["experts_trainable"]) if ep > 1 else (0, 0)
+    efsdp = shard // ep
+    fe = (efsdp - 1) / efsdp  # the experts' own FSDP2 group under EP
+    reductions = 1 if unsharded_grads else grad_accum
+    all_reduce = 0.0
     if dist == "fsdp" and world > 1:
-        gather = 2 * grad_accum * P * pd * f
-        reduce = (1 if unsharded_grads else grad_accum) * 4 * Pt * f
+        gather = 2 * grad_accum * pd * ((P - E) * f + E / ep * fe)
+        reduce = reductions * 4 * ((Pt - Et) * f + Et / ep * fe)
+        all_reduce = reductions * 2 * 4 * Pt / shard * (replicate - 1) / replicate  # HSDP: shards across replicas
     elif dist == "ddp" and world > 1:
         gather, reduce = 0.0, 2 * 4 * Pt * f
     else:
         gather = reduce = 0.0
-    total = gather + reduce
-    return {"all_gather_gb": gather / GB, "reduce_gb": reduce / GB, "total_gb": total / GB,
-            "bandwidth_gbs": bandwidth_gbs, "seconds": total / (bandwidth_gbs * GB)}
+    a2a = grad_accum * all_to_all
+    total = gather + reduce + all_reduce + a2a
+    return {"all_gather_gb": gather / GB, "reduce_gb": reduce / GB, "all_reduce_gb": all_reduce / GB,
+            "all_to_all_gb": a2a / GB, "total_gb": total / GB, "bandwidth_gbs": bandwidth_gbs,
+            "seconds": total / (bandwidth_gbs * GB), "all_to_all_seconds": a2a / (bandwidth_gbs * GB)}
 
 
 def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | None = None,
@@ -324,11 +368,12 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     accum, micro_batch = _split_batch(cfg, gpus, micro_batch, resolved)
     model = meta_model(cfg, vocab_size)
     config = model.config
+    ep, replicate = _layout(cfg, mode, config)
     sz = sizes(model)
     fl = flops_per_token(config, sz["matmul_activated"], cfg.seq_len)
     common = dict(world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
                   tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device,
-                  stats=cfg.stats_every > 0, eval_tokens=cfg.eval_batch_size * cfg.seq_len)
+                  stats=cfg.stats_every > 0, eval_tokens=cfg.eval_batch_size * cfg.seq_len, replicate=replicate, ep=ep)
     mem = memory(sz, config, **common)
     # the trainer's own accumulation policy: whole gradients across micro-batches only where they fit
     unsharded = unsharded_accumulation(cfg.accum_grads, mode, gpus, accum, 4 * sz["trainable"],
@@ -336,12 +381,12 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     if unsharded:
         mem = memory(sz, config, **common, unsharded_grads=True)
     accumulation = "unsharded" if unsharded else ("sharded" if mode == "fsdp" else "whole")
+    a2a = all_to_all_bytes(config, tokens=micro_batch * cfg.seq_len, precision=resolved, ep=ep,
+                           checkpointing=cfg.activation_checkpointing)
     comm = comm_per_step(sz, world=gpus, dist=mode, precision=resolved, grad_accum=accum, unsharded_grads=unsharded,
-                         bandwidth_gbs=bandwidth_gbs)
+                         bandwidth_gbs=bandwidth_gbs, replicate=replicate, ep=ep, all_to_all=a2a)
     step_tokens = cfg.batch_size * cfg.seq_len
-    compute_s = step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus)
-    comm["compute_seconds"] = compute_s
-    comm["step_seconds"] = max(compute_s, comm["seconds"])  # overlapped: the larger bounds the step
+    _step_time(comm, step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus))
     tokens_per_s = step_tokens / comm["step_seconds"]
     budget = cfg.steps * cfg.batch_size * cfg.seq_len
     hardware = fl["model"] + (fl["forward"] if cfg.activation_checkpointing == "full" else 0)
@@ -356,8 +401,33 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
                          "stats_every": cfg.stats_every,
                          "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
                          "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
-                         "grad_accumulation": accumulation,
+                         "grad_accumulation": accumulation, "dp_replicate": replicate, "expert_parallel": ep,
+                         "experts_per_rank": (config.num_experts or 0) // ep,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
+
+
+def _layout(cfg: TrainConfig, mode: str, config) -> tuple[int, int]:
+    """(expert_parallel, dp_replicate) the plan assumes: the config's under FSDP2 (E checked against the model's
+    experts), 1 and 1 otherwise."""
+    from ..util.errors import UserError
+
+    from .expert_parallel import check_experts
+
+    if mode != "fsdp":
+        return 1, 1
+    try:
+        check_experts(config.num_experts or 0, cfg.expert_parallel)
+    except ValueError as exc:
+        raise UserError(f"{exc} (gattn plan: --set expert_parallel)") from None
+    return cfg.expert_parallel, cfg.dp_replicate
+
+
+def _step_time(comm: dict, compute_s: float) -> None:
+    """The step's time into `comm`: FSDP2's collectives overlap the compute (the larger bounds the step); EP's
+    all-to-all sits on the critical path (the experts wait for their rows), so it adds."""
+    a2a_s = comm["all_to_all_seconds"]
+    comm["compute_seconds"] = compute_s
+    comm["step_seconds"] = max(compute_s, comm["seconds"] - a2a_s) + a2a_s
 
 
 def _hardware(**given) -> dict:
@@ -408,9 +478,15 @@ def format_plan(p: dict, preset: str) -> str:
     budget = p["token_budget"]
     tokens = f"{budget / 1e9:,.1f} B" if budget >= 1e9 else f"{budget / 1e6:,.2f} M"
     c = p["comm_per_step"]
+    if s["dp_replicate"] > 1 or s["expert_parallel"] > 1:
+        shard = s["gpus"] // s["dp_replicate"]
+        lines.append(f"  layout          {s['dp_replicate']} replica(s) x {shard} shard(s)"
+                     + (f"; experts over {s['expert_parallel']} ranks ({s['experts_per_rank']} per rank), "
+                        f"all-to-all {c['all_to_all_gb']:.3g} GB per GPU per step" if s["expert_parallel"] > 1 else "")
+                     + (f"; {c['all_reduce_gb']:.3g} GB all-reduced across replicas" if s["dp_replicate"] > 1 else ""))
     lines.append(f"  step            {c['compute_seconds']:.3g} s compute at MFU {s['mfu']:g}, {c['seconds']:.3g} s "
                  f"communication ({c['total_gb']:.3g} GB per GPU at {c['bandwidth_gbs']:g} GB/s): "
-                 f"{c['step_seconds']:.3g} s (the larger)")
+                 f"{c['step_seconds']:.3g} s (the larger; the all-to-all adds)")
     lines.append(f"  speed           {p['tokens_per_s']:,.0f} tokens/s; {tokens} tokens in {p['days']:.3g} days")
     return "\n".join(lines)
 

@@ -327,8 +327,8 @@ def _forward(run: _Run, step: int, x: torch.Tensor, y: torch.Tensor):
 def update(run: _Run, step: int, losses: StepLosses, lr: float) -> dict:
     """Clip, skip a non-finite step (no update, counted), else the optimizer step; the step's record."""
     cfg, info, st = run.cfg, run.info, run.st
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.par.master.parameters(),
-                                               cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    grad_norm = D.clip_grad_norm(run.par.master.parameters(),  # under EP the experts' gradients have their own mesh
+                                 cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # FSDP2: DTensor
     loss = float(D.reduce_mean(losses.ce, info))
     bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -463,7 +463,8 @@ def _summary(run: _Run) -> dict:
     summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
                            "grad_accum": run.cfg.grad_accum,
                            "accumulation": "unsharded" if run.par.unsharded_accum else
-                           ("sharded" if info.distributed and info.mode == "fsdp" else "whole")}
+                           ("sharded" if info.distributed and info.mode == "fsdp" else "whole"),
+                           "dp_replicate": run.cfg.dp_replicate, "expert_parallel": run.cfg.expert_parallel}
     return summary
 
 

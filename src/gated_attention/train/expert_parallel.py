@@ -1,0 +1,196 @@
+"""Expert parallelism (`--set expert_parallel=E`): the routed experts of every MoE block sharded over E ranks, each
+token's (token, slot) rows sent to the rank that holds its expert and the results sent back, with all-to-all.
+
+Applied to a built model (the model itself stays single-device code, moe.py):
+  * `apply_expert_parallel(model, ep_mesh)`: each `MoeExperts`' fused weights `gate_up_proj` (E, 2I, d) and
+    `down_proj` (E, d, I) become DTensors `Shard(0)` over the 1-D expert-parallel mesh: rank r of the E holds experts
+    [r * E_l, (r + 1) * E_l), E_l = num_experts / E. Their names and global shapes are the model's, so DCP
+    checkpoints, `gattn convert` and final/ see the same tensors at any E (one process included).
+  * the module's forward becomes `_dispatch_compute_combine`: the router's choice is made on this rank's tokens as
+    before; the (token, slot) rows are sorted by expert once (as the grouped path does; sorted by expert is sorted by
+    destination rank), the per-expert counts are exchanged (one small all-to-all, then one host read of the split
+    sizes, as every all-to-all dispatcher needs), the rows go to their experts' ranks (all-to-all), are regrouped from
+    source-rank-major to local-expert-major, and run through the same grouped matmuls (moe.grouped_matmul: one
+    torch._grouped_mm or one mm per expert) on the local experts; the outputs return by the reverse all-to-all and are
+    unsorted and weighted by the router exactly as in one process. Each row meets the same expert weights as in one
+    process, so outputs agree to the bit and weight gradients up to float summation order.
+  * `shard_experts(model, mesh, **fsdp_kw)`: FSDP2 over the rest of each shard group (`efsdp` = shard group / E
+    ranks, torchtitan's layout; with replicas, HSDP over (dp_replicate, efsdp)) on the experts only, before the
+    decoder layers are wrapped (which then leave the experts out).
+  * the gradient's scale: each rank's loss is the mean over its own tokens and FSDP2 averages over the data-parallel
+    ranks, but an expert's weight gradient already sums the rows of all E ranks of its group (the all-to-all's
+    backward brings them) while its FSDP2 group averages over the other world / E ranks only; the local weights are
+    therefore used through `_ScaleGrad` (identity forward, gradient x 1/E), which makes it the global batch's mean as
+    in one process. (FSDP2's own set_gradient_divide_factor divides twice on a one-rank mesh with sum reductions
+    and needs NCCL's pre-multiplied sum otherwise: not used.)
+
+The router, the shared expert, attention and the rest are sharded by FSDP2 over the whole shard group as without EP.
+The global-batch load-balancing loss and the z-loss are unchanged: the counts are still all-reduced over every rank
+(moe.MoEBalanceState), the router's probabilities are this rank's tokens'.
+
+Layout rules (one error each, before anything is built): E divides the ranks of a shard group (train.config.check_mesh)
+and the number of routed experts (`check_experts`: every rank holds E_l >= 1 whole experts; E larger than the experts
+is refused, naming the valid E); a model without MoE layers is refused; dist=fsdp only. Routing is not capped (no
+capacity factor, as in one process): an unbalanced batch sends more rows to the busy experts' ranks, which is what
+max_load_over_mean in the log shows. torch.compile does not trace the exchange (its split sizes are read on the host):
+the compiled layer breaks its graph around it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..moe import MoeExperts, expert_counts, grouped_matmul, moe_blocks
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # MoeExperts' fused per-expert tensors, sharded on dim 0
+
+
+def check_experts(num_experts: int, expert_parallel: int) -> None:
+    """E must give every rank the same whole number (>= 1) of experts."""
+    if expert_parallel == 1:
+        return
+    if not num_experts:
+        raise ValueError(f"expert_parallel={expert_parallel} but the model has no routed experts (a dense model); "
+                         "drop expert_parallel or train an MoE model")
+    if num_experts % expert_parallel:
+        valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
+        raise ValueError(f"expert_parallel={expert_parallel} does not divide the {num_experts} routed experts (each "
+                         f"rank holds num_experts / E whole experts); use one of {valid}")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of x, `send[r]` to rank r of `group`, into `recv[r]` rows from each; the backward sends gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, recv: list[int], send: list[int], group):
+        ctx.recv, ctx.send, ctx.group = recv, send, group
+        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))  # (R, d)
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
+        return out, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """x unchanged; its gradient times `scale` (module docstring: the gradient's scale)."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (differentiable), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class ExpertParallelExperts(MoeExperts):
+    """MoeExperts whose weights are Shard(0) over an expert-parallel group: both expert paths dispatch by all-to-all.
+    ("loop" runs one mm per local expert, "grouped" the grouped kernel where usable, moe.grouped_matmul.)"""
+
+    ep_group = None
+    ep_size = 1
+    num_local = 0
+
+    def forward_grouped(self, h, top_i, top_w, use_grouped_mm=None):
+        return _dispatch_compute_combine(self, h, top_i, top_w, use_grouped_mm)
+
+    def forward_loop(self, h, top_i, top_w):
+        return _dispatch_compute_combine(self, h, top_i, top_w, False)
+
+
+@torch.compiler.disable  # host-read split sizes: compiled layers break their graph here
+def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, top_i: torch.Tensor,
+                              top_w: torch.Tensor, use_grouped_mm) -> torch.Tensor:
+    """h (N, d), top_i / top_w (N, k) -> (N, d): this rank's tokens through experts held across the group."""
+    N, k = top_i.shape
+    ep, n_local, group = experts.ep_size, experts.num_local, experts.ep_group
+    flat_e = top_i.reshape(-1)  # (N*k,) expert of each (token, slot), token-major
+    order = torch.argsort(flat_e, stable=True)  # (N*k,) sorted position -> flat (token, slot): by expert = by rank
+    counts = expert_counts(flat_e, experts.num_experts)  # (E,)
+    xs = h[order // k]  # (N*k, d)
+    with torch.no_grad():
+        got = torch.empty_like(counts)  # (E,): got[s * E_l + j] = rows rank s sends to local expert j
+        dist.all_to_all_single(got, counts, group=group)
+    got = got.view(ep, n_local)  # (ep, E_l)
+    send = counts.view(ep, n_local).sum(1).tolist()  # rows to each rank (one host read per layer)
+    recv = got.sum(1).tolist()
+    xr = _AllToAll.apply(xs, recv, send, group)  # (R, d) source-rank-major, expert-sorted within each source
+    # regroup by local expert, sources in rank order inside each (so an expert's rows are the global batch's order)
+    local_e = torch.repeat_interleave(torch.arange(n_local, device=got.device).repeat(ep), got.reshape(-1))  # (R,)
+    perm = torch.argsort(local_e, stable=True)  # (R,) expert-major position -> received row
+    xe = xr[perm]  # (R, d)
+    per_expert = got.sum(0)  # (E_l,)
+    w_gu = _ScaleGrad.apply(_local(experts.gate_up_proj), 1.0 / ep)  # (E_l, 2I, d)
+    w_down = _ScaleGrad.apply(_local(experts.down_proj), 1.0 / ep)  # (E_l, d, I)
+    gu = grouped_matmul(xe, w_gu.transpose(1, 2), per_expert, use_grouped_mm)  # (R, 2I)
+    gate, up = gu.chunk(2, dim=-1)  # (R, I) each
+    ye = grouped_matmul(experts.act_fn(gate) * up, w_down.transpose(1, 2), per_expert, use_grouped_mm)  # (R, d)
+    back = torch.empty_like(perm)
+    back[perm] = torch.arange(perm.numel(), device=perm.device)
+    ys = _AllToAll.apply(ye[back], send, recv, group)  # (N*k, d) in this rank's expert-sorted order
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    ys = ys[inverse].view(N, k, -1)  # (N, k, d)
+    return (ys * top_w.unsqueeze(-1)).sum(dim=1)  # (N, d)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> int:
+    """Shard every MoE block's routed experts over the 1-D mesh `ep_mesh` (module docstring); returns how many blocks.
+    Works on a meta-device build (sharded from birth: each rank then fills its own experts) or on a built one (every
+    rank built the same model from the same seed, so each keeps its slice)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    blocks = moe_blocks(model)
+    if not blocks:
+        check_experts(0, ep)
+    for _, block in blocks:
+        experts = block.experts
+        check_experts(experts.num_experts, ep)
+        n_local = experts.num_experts // ep
+        for name in EXPERT_WEIGHTS:
+            p = getattr(experts, name)
+            local = p.detach()[rank * n_local:(rank + 1) * n_local]  # (E_l, ...) this rank's experts
+            shard = DTensor.from_local(local.clone(), ep_mesh, [Shard(0)], run_check=False, shape=p.shape,
+                                       stride=p.stride())
+            setattr(experts, name, nn.Parameter(shard, requires_grad=p.requires_grad))
+        experts.__class__ = ExpertParallelExperts
+        experts.ep_group, experts.ep_size, experts.num_local = ep_mesh.get_group(), ep, n_local
+    return len(blocks)
+
+
+def shard_experts(model: nn.Module, mesh, **fsdp_kw) -> None:
+    """FSDP2 on each expert-parallel experts module over `mesh` (the experts' data-parallel ranks), its two forwards
+    registered with FSDP2 (the MoE block calls them directly, not through __call__)."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    for _, block in moe_blocks(model):
+        experts = block.experts
+        if not isinstance(experts, ExpertParallelExperts):
+            continue
+        fully_shard(experts, mesh=mesh, **fsdp_kw)
+        for method in ("forward_grouped", "forward_loop"):
+            register_fsdp_forward_method(experts, method)
+
+
+def local_expert_numel(model: nn.Module) -> tuple[int, int]:
+    """(elements of the routed experts' weights this rank stores, elements of all of them): 1/E of them under EP
+    (and 1/(shard group) with the experts' FSDP)."""
+    local = full = 0
+    for _, block in moe_blocks(model):
+        for name in EXPERT_WEIGHTS:
+            p = getattr(block.experts, name)
+            local += _local(p).numel()
+            full += p.numel()
+    return local, full

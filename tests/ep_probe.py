@@ -1,0 +1,87 @@
+"""Run under torchrun by tests/test_expert_parallel.py: one forward/backward of a tiny MoE model under expert
+parallelism (the mesh, apply_expert_parallel and train.dist.wrap as train/parallelize.py applies them; dist=fsdp,
+expert_parallel=E, dp_replicate=R) against the same model in this process unsharded, on the same global batch (each
+rank its rows, as the trainer splits them).
+
+    torchrun --nproc_per_node=N tests/ep_probe.py OUT.json [--set KEY=VALUE ...]
+
+Every rank builds the model from the same seed (the one-process reference), then a second copy is wrapped. Rank 0
+writes OUT.json: per rank the largest |difference| of its rows' logits, the largest relative difference of every
+gathered gradient from the reference's, the elements of the routed experts' weights it stores at rest, gathered for
+compute, and all of them, and the mean loss over ranks beside the reference's.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import torch
+
+
+def main() -> None:
+    from gated_attention.train import dist as D
+    from gated_attention.train.overrides import apply_overrides
+    from gated_attention.train.train_presets import tiny
+    from gated_attention.train.expert_parallel import apply_expert_parallel, local_expert_numel
+    from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
+    from gated_attention.train.monitors import decoder_layers
+
+    out, sets = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
+    cfg = apply_overrides(tiny(), ["model=tiny-moe", "dist=fsdp", "precision=fp32"] + sets)
+    info = D.setup("cpu", "fsdp")
+    cfg.check_world(info.world_size)
+    torch.manual_seed(cfg.seed)
+    ref = build_model(cfg, None).train()
+    model = copy.deepcopy(ref)
+    apply_activation_checkpointing(decoder_layers(model), cfg.activation_checkpointing)  # the recompute replays EP
+    meshes = D.device_meshes(info, cfg.dp_replicate, cfg.expert_parallel)  # as train/parallelize.py steps 5-6
+    if meshes is not None and meshes.ep is not None:
+        apply_expert_parallel(model, meshes.ep)
+    model = D.wrap(model, info, decoder_layers(model), "fp32", meshes)
+    g = torch.Generator().manual_seed(7)
+    batch = torch.randint(0, ref.config.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+    x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
+    per = cfg.batch_size // info.world_size
+    rows = slice(info.rank * per, (info.rank + 1) * per)
+
+    def loss_of(m, xs, ys):
+        return m(input_ids=xs, shift_labels=ys, fused_loss=True, use_cache=False).loss
+
+    # the reference: the mean loss over the global batch equals the mean over ranks of each rank's mean
+    ref_loss = loss_of(ref, x, y)
+    ref_loss.backward()
+    with torch.no_grad():
+        ref_logits = ref(input_ids=x[rows], use_cache=False).logits  # (B/N, T, V)
+    loss = loss_of(model, x[rows], y[rows])
+    loss.backward()
+    grads = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if p.grad is None:
+            grads[name] = float("inf")
+            continue
+        gfull = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        grads[name] = float((gfull - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30))
+    local, full = local_expert_numel(model)  # at rest
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp:  # gathered as for compute: FSDP2 all-gathers over its mesh (under EP: efsdp only)
+        m.unshard()
+    gathered, _ = local_expert_numel(model)
+    for m in fsdp:
+        m.reshard()
+    with torch.no_grad():
+        logits = model(input_ids=x[rows], use_cache=False).logits
+    mine = {"rank": info.rank, "logits": float((logits - ref_logits).abs().max()), "grads": grads,
+            "expert_local": local, "expert_gathered": gathered, "expert_full": full,
+            "loss": float(D.reduce_mean(loss.detach(), info)), "ref_loss": float(ref_loss)}
+    ranks = D.gather_objects(mine, info)
+    if info.is_main:
+        with open(out, "w") as fh:
+            json.dump({"ranks": ranks}, fh)
+    D.teardown()
+
+
+if __name__ == "__main__":
+    main()

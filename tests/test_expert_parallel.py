@@ -1,0 +1,181 @@
+"""Expert parallelism (`expert_parallel=E`) and hybrid sharding (`dp_replicate=R`) at 2 ranks under torchrun on CPU
+(gloo, fp32), against one process: the same forward and gradients, the same training run (losses and final
+weights), each rank holding 1/E of the experts, DCP checkpoints that resume at another world size and another E,
+`gattn convert` of a checkpoint written under EP; and the layout errors."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from gated_attention.train.overrides import apply_overrides
+from gated_attention.train.train_presets import tiny
+from gated_attention.train.trainer import train
+from gated_attention.util.errors import UserError
+from harness import run_gattn, torchrun_argv
+
+# a tiny MoE (8 experts, top-2) with both router losses on, so the global-batch balance loss and the z-loss train too
+SETS = ["model=tiny-moe", "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001", "steps=6",
+        "precision=fp32", "compile=false", "stats_every=3", "ckpt_every=2", "seed=1", "dist=fsdp"]
+PROBE = Path(__file__).with_name("ep_probe.py")
+
+
+def _sets(sets: list[str]) -> list[str]:
+    return sum((["--set", s] for s in sets), [])
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(run / "final" / "model.safetensors")
+
+
+def max_weight_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def report(what: str, run: Path, ref_losses: list[float], ref_w: dict) -> None:
+    """The measured agreement, for docs/scale.md (pytest -s shows it)."""
+    dl = max(abs(a - b) for a, b in zip(losses(run), ref_losses))
+    print(f"{what}: max |loss difference| {dl:.2e} over {len(ref_losses)} steps, max |weight difference| "
+          f"{max_weight_diff(weights(run), ref_w):.2e}")
+
+
+def torchrun(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False, nproc: int = 2):
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *_sets(sets), *(["--resume"] if resume else []),
+                        kill_hooks=True, nproc=nproc)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One process, dist=fsdp: the meta-device build filled with the init stream every world size fills."""
+    out = tmp_path_factory.mktemp("one")
+    train(apply_overrides(tiny(), SETS), out)
+    return out
+
+
+def probe(tmp_path: Path, sets: list[str], nproc: int = 2) -> list[dict]:
+    out = tmp_path / "probe.json"
+    cmd = torchrun_argv(out, *_sets(sets), script=PROBE, nproc=nproc)
+    p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(out.read_text())["ranks"]
+
+
+LAYOUTS = {  # name: (ranks, settings, elements of the experts a rank stores / gathers for compute, as 1/n)
+    "ep2": (2, ["expert_parallel=2"], 2, 2),
+    "ep2-loop": (2, ["expert_parallel=2", "model.moe_impl=loop"], 2, 2),
+    "ep2-efsdp2-ac": (4, ["expert_parallel=2", "activation_checkpointing=full"], 4, 2),  # experts' FSDP2 over 2 too
+    "hsdp2-ep2": (4, ["expert_parallel=2", "dp_replicate=2"], 2, 2),
+    "hsdp2": (2, ["dp_replicate=2"], 1, 1),  # 2 replicas of a one-rank shard group: every rank holds the whole model
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ep_forward_and_gradients_equal_one_process(tmp_path, layout):
+    """Under EP each rank's logits equal the unsharded model's bit for bit (every row meets the same expert weights),
+    every gradient (gathered) equals it to float summation order, the mean loss (LM + balance + z) agrees; a rank
+    stores 1/(shard group) of the experts' elements and gathers only its 1/E for compute. Also with the loop path,
+    with the experts' own FSDP2 over 2 ranks under activation checkpointing (the recompute replays the all-to-all),
+    with 2 replicas of an EP=2 shard group (HSDP), and HSDP alone (2 replicas: whole on each rank)."""
+    nproc, sets, at_rest, gathered = LAYOUTS[layout]
+    ranks = probe(tmp_path, ["model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001", *sets], nproc)
+    assert len(ranks) == nproc
+    for r in ranks:
+        assert r["logits"] == 0.0
+        assert max(r["grads"].values()) < 1e-5, sorted(r["grads"].items(), key=lambda kv: -kv[1])[:3]
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
+        assert r["expert_local"] * at_rest == r["expert_gathered"] * gathered == r["expert_full"]
+    print(f"{layout}: max relative gradient difference {max(max(r['grads'].values()) for r in ranks):.2e}, "
+          f"expert elements {ranks[0]['expert_local']} at rest / {ranks[0]['expert_gathered']} gathered / "
+          f"{ranks[0]['expert_full']}")
+
+
+def test_fsdp_alone_gathers_every_expert(tmp_path):
+    """The contrast: FSDP2 without EP stores half of the experts per rank but gathers all of them for compute."""
+    ranks = probe(tmp_path, [])
+    assert all(r["expert_local"] * 2 == r["expert_full"] == r["expert_gathered"] for r in ranks)
+
+
+def test_ep_and_hsdp_train_like_one_process_and_resume_across_layouts(tmp_path, reference):
+    """Trained at 2 ranks with EP=2 (killed after step 4, checkpoint at 4), resumed in one process without EP: the
+    losses and final weights equal the one-process run; the same for a one-process run resumed at 2 ranks with
+    EP=2; HSDP 2x1 (dp_replicate=2) and 1x2 (dp_replicate=1) train like one process; `gattn convert` reads the
+    EP-written checkpoint as the final model."""
+    from gated_attention.train.checkpoint import latest_checkpoint
+
+    ref_losses, ref_w = losses(reference), weights(reference)
+    # EP=2 at 2 ranks -> one process
+    out = tmp_path / "ep_to_one"
+    p = torchrun(out, SETS + ["expert_parallel=2"], {"GATTN_TEST_KILL_AT_STEP": "4"})
+    assert p.returncode != 0 and latest_checkpoint(out).name.endswith("4")
+    assert sorted(f.name for f in (latest_checkpoint(out) / "state").iterdir()) == [".metadata", "__0_0.distcp",
+                                                                                   "__1_0.distcp"]
+    p = run_gattn("train", "--preset", "tiny", "--out", out, *_sets(SETS), "--resume", env={"OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(out) == pytest.approx(ref_losses, abs=1e-5)
+    assert max_weight_diff(weights(out), ref_w) < 1e-4
+    report("EP=2 (2 ranks) -> 1 process", out, ref_losses, ref_w)
+    # one process -> EP=2 at 2 ranks
+    out = tmp_path / "one_to_ep"
+    p = run_gattn("train", "--preset", "tiny", "--out", out, *_sets(SETS),
+                  env={"OMP_NUM_THREADS": "1", "GATTN_TEST_KILL_AT_STEP": "2"}, kill_hooks=True)
+    assert p.returncode != 0 and latest_checkpoint(out).name.endswith("2")
+    p = torchrun(out, SETS + ["expert_parallel=2"], resume=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(out) == pytest.approx(ref_losses, abs=1e-5)
+    ep_w = weights(out)
+    assert max_weight_diff(ep_w, ref_w) < 1e-4
+    report("1 process -> EP=2 (2 ranks)", out, ref_losses, ref_w)
+    assert json.loads((out / "summary.json").read_text())["parallel"]["expert_parallel"] == 2
+    # the last checkpoint (written under EP) converts to the final model
+    p = run_gattn("convert", "--from", "native", "--to", "native", latest_checkpoint(out), tmp_path / "conv")
+    assert p.returncode == 0, p.stderr[-3000:]
+    from safetensors.torch import load_file
+
+    conv = load_file(tmp_path / "conv" / "model.safetensors")
+    assert set(conv) == set(ep_w) and all(torch.equal(conv[k], ep_w[k]) for k in ep_w)
+    # HSDP: 2 replicas of one shard each, and one replica sharded over both ranks
+    for r in (2, 1):
+        out = tmp_path / f"hsdp_{r}"
+        p = torchrun(out, SETS + [f"dp_replicate={r}"])
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert losses(out) == pytest.approx(ref_losses, abs=1e-5)
+        assert max_weight_diff(weights(out), ref_w) < 1e-4
+        report(f"HSDP {r}x{2 // r}", out, ref_losses, ref_w)
+
+
+def test_layout_errors_name_the_fix():
+    """E or R that do not tile the ranks, E that does not divide the experts, a dense model, DDP: one line each."""
+    from gated_attention.train.overrides import config_from_args
+
+    cfg = apply_overrides(tiny(), ["model=tiny-moe", "dist=fsdp", "expert_parallel=2"])
+    with pytest.raises(ValueError, match=r"expert_parallel=2 must divide the ranks of one shard group .*use one of \[1\]"):
+        cfg.check_world(1)  # more ranks than the world has
+    with pytest.raises(ValueError, match="expert_parallel=3 must divide"):
+        apply_overrides(cfg, ["expert_parallel=3"]).check_world(4)
+    with pytest.raises(ValueError, match="dp_replicate=3 does not divide the world size 4"):
+        apply_overrides(cfg, ["dp_replicate=3", "expert_parallel=1"]).check_world(4)
+    with pytest.raises(ValueError, match="expert_parallel=2 must divide the ranks of one shard group .world 4 / "
+                                         "dp_replicate 4 = 1"):
+        apply_overrides(cfg, ["dp_replicate=4"]).check_world(4)
+    with pytest.raises(ValueError, match="needs dist=fsdp"):
+        apply_overrides(cfg, ["dist=ddp"]).check_world(2)
+    cfg.check_world(4)  # E=2 in a shard group of 4: efsdp 2
+    with pytest.raises(ValueError, match=r"expert_parallel=3 does not divide the 8 routed experts.*\[1, 2, 4, 8\]"):
+        config_from_args("tiny", None, ["model=tiny-moe", "dist=fsdp", "expert_parallel=3"], None)
+    with pytest.raises(ValueError, match="no routed experts"):
+        config_from_args("tiny", None, ["dist=fsdp", "expert_parallel=2"], None)
+    with pytest.raises((ValueError, UserError), match="expert_parallel"):
+        apply_overrides(tiny(), ["expert_parallel=0"])
