@@ -118,3 +118,24 @@ def test_every_scheme_runs_on_a_model_and_awq_needs_calibration(gated):
     with torch.no_grad():
         out = quantize_model(gated, "awq-int4", "all", calibration=[ids])(ids).logits
     assert torch.isfinite(out).all()
+
+
+def test_rows_that_do_not_tile_end_in_a_short_block():
+    """The main job's d48 models have rows of 48 and 142 inputs: int4 groups of 128, MX blocks of 32 and NVFP4 blocks
+    of 16 end in a short block (zero padding changes no scale), equal to quantizing that block alone."""
+    from gated_attention.quant.schemes import quantize_weight
+
+    w = _w((6, 144), 3)
+    q = quantize_weight(w, "int4-weight")
+    torch.testing.assert_close(q[:, :128], int4_groups(w[:, :128], 128), rtol=0, atol=0)
+    torch.testing.assert_close(q[:, 128:], int4_groups(w[:, 128:], 16), rtol=0, atol=0)
+    torch.testing.assert_close(quantize_weight(w[:, :48], "int4-weight"), int4_groups(w[:, :48], 48), rtol=0, atol=0)
+    m = quantize_weight(w[:, :48], "mxfp4")  # blocks of 32 + a short one of 16
+    torch.testing.assert_close(m[:, :32], mxfp4(w[:, :32]), rtol=0, atol=0)
+    for block, orig in zip(m[:, 32:], w[:, 32:48]):
+        shared = 2.0 ** (torch.log2(orig.abs().max()).floor() - 2)
+        assert torch.isin(block.abs() / shared, E2M1).all()
+    n = quantize_weight(w[:, :40], "nvfp4")  # blocks of 16, 16 and a short one of 8
+    assert n.shape == (6, 40) and torch.equal(n[:, :32], nvfp4(w[:, :40].new_zeros(6, 48).index_copy(
+        1, torch.arange(40), w[:, :40]))[:, :32])
+    assert 0 < (n - w[:, :40]).abs().max() < 0.7

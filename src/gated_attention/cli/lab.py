@@ -333,6 +333,48 @@ def run_retrofit(args) -> int:
     return 0
 
 
+def configure_quant(parser: argparse.ArgumentParser) -> None:
+    from ..labs.quant.quant_lab import QuantLabConfig, _policies, _schemes
+
+    d = QuantLabConfig(models=[])
+    parser.add_argument("--models", nargs="+", required=True, metavar="DIR",
+                        help="model folders: a `gattn compare` OUT (every runs/<run>/final), a scaling-lab OUT (every "
+                             "unit at its variant's best LR), a sink-lab or retrofit-lab OUT or one of their units, a "
+                             "trainer run folder (final/) or any folder with config.json. Each model's gate is read "
+                             "from its config.json and its seed from its run; gated models are paired with the "
+                             "baseline of the same shape and data by seed")
+    parser.add_argument("--schemes", nargs="+", default=_schemes(), metavar="NAME",
+                        help="quantization schemes (gated_attention.quant; default all): " + " ".join(_schemes()))
+    parser.add_argument("--policies", nargs="+", default=_policies(), metavar="NAME",
+                        help="how the gate is quantized (default all three): all (the gate fused with q_proj as one "
+                             "tensor, as the official / Qwen3-Next layouts hold it), keep-gate (the gate's projection "
+                             "left in full precision), split-gate (the gate with its own scales)")
+    parser.add_argument("--data-dir", default=None,
+                        help="prepared corpus of text models (default: the corpus each run's train_config.json names; "
+                             "required for a folder that names none)")
+    parser.add_argument("--eval-windows", type=E.positive_int, default=d.eval_windows,
+                        help=f"held-out windows per corpus domain (sink-lab task: held-out sequences) every model is "
+                             f"measured on, quantized or not (default {d.eval_windows})")
+    parser.add_argument("--calibration-windows", type=E.positive_int, default=d.calibration_windows,
+                        help=f"training windows of awq-int4's calibration pass (default {d.calibration_windows})")
+    parser.add_argument("--out", type=E.out_dir, default="runs/lab/quant",
+                        help="output folder: rows/<model>/*.json (one stored row each), lab.json, report.md, "
+                             "report.html, plots/ (default runs/lab/quant; a re-run measures only the missing rows)")
+
+
+def run_quant(args) -> int:
+    from ..labs.quant import QuantLabConfig, quant_report
+    from ..labs.quant import run_lab as run_quant_lab
+
+    cfg = QuantLabConfig(models=list(args.models), schemes=list(args.schemes), policies=list(args.policies),
+                         data_dir=args.data_dir, eval_windows=args.eval_windows,
+                         calibration_windows=args.calibration_windows).validate()
+    lab = run_quant_lab(cfg, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(quant_report.text_table(lab))
+    print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")
+    return 0
+
+
 # name -> (configure, run, one-line help)
 LABS = {
     "sinks": (configure_sinks, run_sinks,
@@ -349,6 +391,10 @@ LABS = {
     "retrofit": (configure_retrofit, run_retrofit,
                  "Gates added to a trained ungated model: can they remove its sink? Recipes vs a control, over "
                  "seeds (sink, skill, gates, streaming loss, learning curves)."),
+    "quant": (configure_quant, run_quant,
+              "Gated models under quantization: 7 schemes x 3 gate policies (all / keep-gate / split-gate), Δ loss "
+              "per domain vs the unquantized model, the gate and the sink after quantization, gated vs baseline "
+              "paired over seeds against the paper's δ, and a recommended policy."),
 }
 
 

@@ -64,7 +64,7 @@ def nvfp4(w: torch.Tensor) -> torch.Tensor:
 def mxfp4(w: torch.Tensor) -> torch.Tensor:
     from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 
-    scale, data = to_mx(w.float(), torch.float4_e2m1fn_x2, 32)
+    scale, data = to_mx(w.float().contiguous(), torch.float4_e2m1fn_x2, 32)
     return to_dtype(data, scale, torch.float4_e2m1fn_x2, 32, torch.float32)
 
 
@@ -75,23 +75,44 @@ def awq_scales(w: torch.Tensor, x: torch.Tensor, group: int = GROUP) -> tuple[to
     mag = x.abs().mean(0).clamp_min(1e-8)  # (in,)
     ref = x @ w.T
     best = (float("inf"), None, 0.0)
+    block = min(group, w.shape[-1])
     for k in range(AWQ_GRID):
         alpha = k / AWQ_GRID
         s = mag ** alpha
         s = s / (s.max() * s.min()).sqrt()
-        err = ((x / s) @ int4_groups(w * s, group).T - ref).pow(2).mean().item()
+        wq = padded(lambda t: int4_groups(t, group), w * s, block)  # a short last group where rows do not tile
+        err = ((x / s) @ wq.T - ref).pow(2).mean().item()
         if err < best[0]:
             best = (err, s, alpha)
     return best[1], best[2]
 
 
+BLOCKS = {"int4-weight": GROUP, "awq-int4": GROUP, "nvfp4": 16, "mxfp4": 32}  # block size along the input dim
+
+
+def padded(fn, w: torch.Tensor, block: int) -> torch.Tensor:
+    """fn(w) for a row length that is not a multiple of `block`: the rows zero-padded to the next multiple, quantized,
+    and cut back — a short last block, what an engine that pads K with zeros computes (the padded weights meet zero
+    activations). Zeros change no block's scale: symmetric formats scale by amax, torchao's asymmetric int4 always
+    keeps 0 in its range."""
+    n = w.shape[-1]
+    if n % block == 0:
+        return fn(w)
+    pad = torch.zeros(*w.shape[:-1], block - n % block, dtype=w.dtype, device=w.device)
+    return fn(torch.cat([w, pad], -1))[..., :n]
+
+
 def quantize_weight(w: torch.Tensor, scheme: str) -> torch.Tensor:
-    """The fake-quantized weight of `scheme` (awq-int4 needs `awq_scales` first: see policies.quantize_model)."""
+    """The fake-quantized weight of `scheme` (awq-int4 needs `awq_scales` first: see policies.quantize_model). Rows
+    longer than a block but not a multiple of it end in a short block (`padded`)."""
     fns = {"int8-weight": int8_rows, "w8a8-tensor": int8_tensor, "w8a8-row": int8_rows, "int4-weight": int4_groups,
            "nvfp4": nvfp4, "mxfp4": mxfp4, "awq-int4": int4_groups}
     if scheme not in fns:
         raise ValueError(f"unknown quantization scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
-    return fns[scheme](w)
+    if scheme not in BLOCKS:
+        return fns[scheme](w)
+    block = min(BLOCKS[scheme], w.shape[-1]) if scheme in ("int4-weight", "awq-int4") else BLOCKS[scheme]
+    return padded(fns[scheme], w, block)  # int4: a row shorter than a group is its own group
 
 
 def quantize_activation(x: torch.Tensor, scheme: str) -> torch.Tensor:
