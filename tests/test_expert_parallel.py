@@ -82,7 +82,10 @@ LAYOUTS = {  # name: (ranks, settings, elements of the experts a rank stores / g
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+FOUR_RANKS = {name for name, (nproc, *_) in LAYOUTS.items() if nproc > 2}  # beyond the 2-rank contract: slow marker
+
+
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.slow) if n in FOUR_RANKS else n for n in LAYOUTS])
 def test_ep_forward_and_gradients_equal_one_process(tmp_path, layout):
     """Under EP each rank's logits equal the unsharded model's bit for bit (every row meets the same expert weights),
     every gradient (gathered) equals it to float summation order, the mean loss (LM + balance + z) agrees; a rank
