@@ -66,6 +66,13 @@ def _ungated(conf: dict) -> bool:
     return _gate(conf) == "none" and conf.get("mechanism") in (None, "none")
 
 
+def _digest(task: dict) -> str:
+    """A short name of a task's settings (every field): two families never share one by accident."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(task, sort_keys=True).encode()).hexdigest()[:8]
+
+
 def _shape(conf: dict) -> str:
     return f"d{conf.get('hidden_size')}l{conf.get('num_hidden_layers')}h{conf.get('num_attention_heads')}"
 
@@ -81,7 +88,7 @@ def _sink_unit(unit: Path) -> QuantModel:
     task = dict(meta["task"])
     return QuantModel(label=f"{meta['variant']}/seed{meta['seed']}", path=str(unit), kind="sink_lab",
                       variant=_gate(conf), arm=meta["variant"], seed=str(meta["seed"]),
-                      family=f"sink lab {_shape(conf)} task " + json.dumps(task, sort_keys=True),
+                      family=f"sink lab {_shape(conf)} T{task.get('seq_len')} task {_digest(task)}",
                       baseline=_ungated(conf), task=task)
 
 

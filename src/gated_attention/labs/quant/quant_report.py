@@ -117,14 +117,22 @@ def _pm(mean, std, digits=4, sign=True) -> str:
     return s if std is None else f"{s} ± {std:.{digits}f}"
 
 
+def _sort_key(lab: dict):
+    """Rows in the order the user asked for schemes and policies (baseline arm first within a family)."""
+    schemes, policies = _order(lab, "schemes"), _order(lab, "policies")
+    return lambda e: (e["family"], not e.get("baseline", False), e["arm"], schemes.index(e["scheme"]),
+                      policies.index(e["policy"]))
+
+
 def tables(lab: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
-    summ = arm_summary(lab)
+    summ = sorted(arm_summary(lab), key=_sort_key(lab))
+    comps = sorted(lab["comparisons"], key=_sort_key(lab))
     sink = any(e["bos_attention"] is not None for e in summ)
     head = ["Family", "Arm", "Scheme", "Policy", "Seeds", "Δ (nats)", "gate mean (fp32 → q)", "gate < 0.01",
             "F-Attn (fp32 → q)"] + (["BOS attn (fp32 → q)"] if sink else [])
     rows = []
     for e in summ:
-        pol = e["policy"] if e["policy_applies"] else f"{e['policy']} (= all: no gate)"
+        pol = e["policy"] if e["policy_applies"] else f"{e['policy']} (no gate: the same model)"
         row = [e["family"], _label(e), e["scheme"], pol, str(e["seeds"]), _pm(e["delta_nats"], e["delta_nats_std"]),
                f"{fmt(e['gate_mean_ref'])} → {fmt(e['gate_mean'])}", fmt(e["gate_near_zero"]),
                f"{fmt(e['f_attn_ref'])} → {fmt(e['f_attn'])}"]
@@ -132,7 +140,7 @@ def tables(lab: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
             row.append(f"{fmt(e['bos_attention_ref'])} → {fmt(e['bos_attention'])}")
         rows.append(row)
     comp = [[c["family"], c["arm"], c["scheme"], c["policy"], str(c["n_seeds"]), fmt(c["mean"], 4),
-             _ci(c["ci_low"], c["ci_high"]), c["verdict"]] for c in lab["comparisons"]]
+             _ci(c["ci_low"], c["ci_high"]), c["verdict"]] for c in comps]
     pol = []
     for fam, v in lab["verdict"]["per_family"].items():
         for p, x in v["per_policy"].items():
