@@ -334,7 +334,7 @@ def run_retrofit(args) -> int:
 
 
 def configure_quant(parser: argparse.ArgumentParser) -> None:
-    from ..labs.quant.quant_lab import QuantLabConfig, _policies, _schemes
+    from ..labs.quant.quant_lab import QuantLabConfig, policy_names, scheme_names
 
     d = QuantLabConfig(models=[])
     parser.add_argument("--models", nargs="+", required=True, metavar="DIR",
@@ -343,9 +343,9 @@ def configure_quant(parser: argparse.ArgumentParser) -> None:
                              "trainer run folder (final/) or any folder with config.json. Each model's gate is read "
                              "from its config.json and its seed from its run; gated models are paired with the "
                              "baseline of the same shape and data by seed")
-    parser.add_argument("--schemes", nargs="+", default=_schemes(), metavar="NAME",
-                        help="quantization schemes (gated_attention.quant; default all): " + " ".join(_schemes()))
-    parser.add_argument("--policies", nargs="+", default=_policies(), metavar="NAME",
+    parser.add_argument("--schemes", nargs="+", default=scheme_names(), metavar="NAME",
+                        help="quantization schemes (gated_attention.quant; default all): " + " ".join(scheme_names()))
+    parser.add_argument("--policies", nargs="+", default=policy_names(), metavar="NAME",
                         help="how the gate is quantized (default all three): all (the gate fused with q_proj as one "
                              "tensor, as the official / Qwen3-Next layouts hold it), keep-gate (the gate's projection "
                              "left in full precision), split-gate (the gate with its own scales)")

@@ -40,8 +40,8 @@ class QuantLabConfig:
     """Everything `gattn lab quant` was asked for (CLI flags map 1:1)."""
 
     models: list  # folders (models.py's list)
-    schemes: list = field(default_factory=lambda: _schemes())
-    policies: list = field(default_factory=lambda: _policies())
+    schemes: list = field(default_factory=lambda: scheme_names())
+    policies: list = field(default_factory=lambda: policy_names())
     data_dir: str | None = None  # corpus of text models whose train_config.json names none (overrides it if given)
     eval_windows: int = 128  # validation windows per domain (text) / held-out sequences (sink task)
     calibration_windows: int = 64  # awq-int4's calibration windows (training split / training stream)
@@ -65,13 +65,13 @@ class QuantLabConfig:
         return self
 
 
-def _schemes() -> list:
+def scheme_names() -> list:
     from gated_attention.quant import SCHEMES
 
     return list(SCHEMES)
 
 
-def _policies() -> list:
+def policy_names() -> list:
     from gated_attention.quant import POLICIES
 
     return list(POLICIES)
