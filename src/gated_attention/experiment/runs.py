@@ -150,3 +150,17 @@ def cores() -> int:
 def default_jobs() -> int:
     """Worker processes when --jobs is not given: one per available core, at most 2 (the labs' reference machine)."""
     return max(1, min(2, cores()))
+
+
+def unique_labels(models: list, parent_label: Callable[[Any], str], flag: str = "--models") -> None:
+    """Give models measured side by side distinct `.label`s: a label that several share is prefixed with
+    `parent_label(model)` (the folder the model came from); a label still repeated is the same model listed twice."""
+    count: dict[str, int] = {}
+    for m in models:
+        count[m.label] = count.get(m.label, 0) + 1
+    for m in models:
+        if count[m.label] > 1:
+            m.label = f"{parent_label(m)}:{m.label}"
+    labels = [m.label for m in models]
+    if len(set(labels)) != len(labels):
+        raise ValueError(f"{flag}: the same model is listed twice ({sorted({x for x in labels if labels.count(x) > 1})})")

@@ -25,6 +25,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ...experiment.runs import unique_labels
+
 CALIBRATION_SEED = 104_729  # a data stream no training run here uses (they use seeds 0..n)
 
 
@@ -187,15 +189,7 @@ def resolve_models(paths: list, data_dir: str | None = None) -> list[QuantModel]
         if not p.is_dir():
             raise ValueError(f"--models {p}: not a folder")
         out += _folder(p, data_dir)
-    count: dict[str, int] = {}
-    for m in out:
-        count[m.label] = count.get(m.label, 0) + 1
-    for m in out:
-        if count[m.label] > 1:
-            m.label = f"{Path(m.path).parent.parent.name}:{m.label}"
-    labels = [m.label for m in out]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--models lists the same model twice ({sorted({x for x in labels if labels.count(x) > 1})})")
+    unique_labels(out, lambda m: Path(m.path).parent.parent.name)
     seen: dict[tuple, QuantModel] = {}
     for m in out:
         other = seen.setdefault((m.family, m.arm, m.seed), m)

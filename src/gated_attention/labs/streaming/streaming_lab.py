@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...experiment import cache
+from ...experiment.runs import unique_labels
 from ...util.io import locks_output
 
 DEFAULT_SINK_TOKENS = (0, 1, 4)
@@ -112,15 +113,7 @@ def resolve_models(paths: list) -> list[Entry]:
         else:
             raise ValueError(f"--models: {p} holds no model (expected a sink-lab run OUT/runs/<variant>/seed<k>, a "
                              f"sink-lab or compare output, a trainer run with final/, or a folder with config.json)")
-    seen: dict[str, int] = {}
-    for e in entries:
-        seen[e.label] = seen.get(e.label, 0) + 1
-    for e in entries:
-        if seen[e.label] > 1:
-            e.label = f"{e.path.parent.parent.parent.name if e.kind == 'sink_lab' else e.path.parent.name}:{e.label}"
-    labels = [e.label for e in entries]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"--models: the same model is listed twice ({sorted(l for l in labels if labels.count(l) > 1)})")
+    unique_labels(entries, lambda e: e.path.parent.parent.parent.name if e.kind == "sink_lab" else e.path.parent.name)
     return entries
 
 
