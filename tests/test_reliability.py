@@ -321,6 +321,15 @@ LOCKED_COMMANDS = {
 }
 
 
+# The lock holders below are plain Python processes that import util/io.py alone: the package's __init__ (the HF
+# model's registration: transformers, ~5 s a process on a 2-core CPU) is not what they test.
+_PKG = Path(sys.modules["gated_attention.util.io"].__file__).parents[1]  # src/gated_attention
+LIGHT_IO = ("import sys, types\n"
+            f"pkg = types.ModuleType('gated_attention'); pkg.__path__ = [{str(_PKG)!r}]\n"
+            "sys.modules['gated_attention'] = pkg\n"
+            "from gated_attention.util.io import lock_dir\n")
+
+
 @pytest.fixture
 def holder(tmp_path, request):
     """Another process holding the lock on tmp_path/out (as a running command would). For longctx the locked folder
@@ -329,7 +338,7 @@ def holder(tmp_path, request):
     from gated_attention.longctx.pipeline import lock_path
 
     out = lock_path(tmp_path, ["out"], 0, 1) if "longctx" in request.node.name else tmp_path / "out"
-    code = ("import sys, time; from gated_attention.util.io import lock_dir\n"
+    code = (LIGHT_IO + "import time\n"
             f"with lock_dir({str(out)!r}):\n    print('locked', flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "locked"
@@ -372,7 +381,7 @@ def test_two_concurrent_trainings(tmp_path):
 
 def _try_lock(out) -> subprocess.CompletedProcess:
     """Another process trying to take the lock on `out` once: exit 0 with "acquired", or the UserError's line."""
-    code = (f"from gated_attention.util.io import lock_dir\nwith lock_dir({str(out)!r}, 'gattn test'):\n"
+    code = (LIGHT_IO + f"with lock_dir({str(out)!r}, 'gattn test'):\n"
             "    print('acquired', flush=True)")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
@@ -382,7 +391,7 @@ def test_lock_is_exclusive_and_released_when_the_holder_is_sigkilled(tmp_path):
     SIGKILL frees it for the next one: no cleanup code runs, only the kernel's release, and the lock file the dead
     holder left behind does not block."""
     out = tmp_path / "o"
-    code = (f"import time\nfrom gated_attention.util.io import lock_dir\nwith lock_dir({str(out)!r}):\n"
+    code = (LIGHT_IO + f"import time\nwith lock_dir({str(out)!r}):\n"
             f"    with lock_dir({str(out)!r}):\n        pass\n"  # re-entrant (compare -> train); leaving keeps it
             "    print('locked', flush=True); time.sleep(120)")
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
