@@ -2,10 +2,23 @@
 from __future__ import annotations
 
 import os
+import sys
 
 # Triton's interpreter (the only way its kernels run without a GPU; tests/test_triton_attention.py) is chosen when
 # triton.language is first imported, which other modules (torch.compile's inductor) may do during collection.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under xdist every worker (and what it spawns: `gattn` subprocesses, torchrun ranks) shares the cores with the other
+# workers: torch's default of one thread per core would run 2 workers x 2 threads on 2 cores, and OpenMP threads that
+# spin-wait for a descheduled peer slow everything down. Each worker gets its share of the cores (a user's own
+# OMP_NUM_THREADS wins); one process (-n 0) keeps torch's default.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _THREADS = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, _THREADS)
+    if "torch" in sys.modules:  # imported before this file (by a plugin): set it in this process too
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from pathlib import Path
 
@@ -79,3 +92,36 @@ def tiny_corpus(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_corpus") / "data"
     return Path(harness.prepare_text_corpus(out, {"prose": prose, "code": code}, vocab_size=300, val_fraction=0.2,
                                             chunk_chars=600))
+
+
+# --- Scheduling over xdist workers (pyproject's addopts: -n auto --dist loadgroup --no-loadscope-reorder) ----------
+# Each test is its own unit of work, except the files whose module fixtures cost seconds to build (a lab run, a
+# prepared corpus): those carry `pytestmark = pytest.mark.xdist_group(...)` and run whole in one worker, their
+# fixtures built once. Units are sent to the workers longest first (the LPT rule: the last unit to finish is then a
+# short one), by the per-test seconds of the last profiled run in tests/durations.json (refreshed with
+# scripts/refresh_test_durations.py); a test not in it counts as DEFAULT_SECONDS. Only the ORDER depends on those
+# timings: what runs, and every result, does not.
+DURATIONS = Path(__file__).with_name("durations.json")
+DEFAULT_SECONDS = 0.1  # a test not in the file: most are the many short ones the file leaves out (< 0.25 s)
+
+
+def _unit(item) -> str:
+    group = item.get_closest_marker("xdist_group")
+    if group is not None:
+        return "group:" + (group.args[0] if group.args else group.kwargs.get("name", "default"))
+    return item.nodeid.split("@")[0]
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    seconds = json.loads(DURATIONS.read_text(encoding="utf-8")) if DURATIONS.exists() else {}
+    cost: dict[str, float] = {}
+    for item in items:
+        unit = _unit(item)
+        cost[unit] = cost.get(unit, 0.0) + seconds.get(item.nodeid.split("@")[0], DEFAULT_SECONDS)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(_unit(item), i)
+    # longest unit first; a group's tests stay together, in their collected order
+    items.sort(key=lambda it: (-cost[_unit(it)], first[_unit(it)]))

@@ -12,6 +12,10 @@ import pytest
 from gated_attention import cli
 from gated_attention.compare import job as C
 
+# one xdist worker runs this file whole: its module fixtures (a lab run) are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("compare")
+
+
 @pytest.fixture(scope="module")
 def small_run(tiny_corpus, tmp_path_factory):
     """`gattn compare --budget small` through the CLI, with the default three variants."""

@@ -19,6 +19,10 @@ need("torchao", "pip install -e '.[quant]'")
 from gated_attention.labs.quant import QuantLabConfig, resolve_models, run_lab  # noqa: E402
 from gated_attention.labs.quant import verdict as V  # noqa: E402
 
+# one xdist worker runs this file whole: its module fixtures (a lab run) are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("lab_quant")
+
+
 SEQ = 32
 SCHEMES = ["w8a8-tensor", "awq-int4"]
 SMALL = dict(eval_windows=6, calibration_windows=4)

@@ -19,6 +19,10 @@ from gated_attention.labs.retrofit import starts as S
 from gated_attention.labs.sinks.backcopy import BackcopyTask
 from harness import build_lm, stock_lm
 
+# one xdist worker runs this file whole: its module fixtures (a lab run) are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("lab_retrofit")
+
+
 TASK = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 
 

@@ -13,6 +13,10 @@ import pytest
 from gated_attention.labs.scaling import scaling_lab as sl
 from gated_attention.labs.scaling import verdict as V
 
+# one xdist worker runs this file whole: its module fixtures (a lab run) are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("lab_scaling")
+
+
 D = V.DELTA.value
 EPS = 1e-4
 

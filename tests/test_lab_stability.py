@@ -14,6 +14,10 @@ import torch
 from gated_attention.labs.stability import stability_lab
 from gated_attention.labs.stability.probe import StabilityProbe, max_attention_logit
 
+# one xdist worker runs this file whole: its module fixtures (a lab run) are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("lab_stability")
+
+
 NAN = float("nan")
 
 

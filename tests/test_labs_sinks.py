@@ -17,6 +17,10 @@ from gated_attention.experiment.stats import mean_std
 from gated_attention.experiment.cache import StaleResult
 from harness import build_lm, run_gattn
 
+# one xdist worker runs this file whole: its module fixtures (a lab run) are built once (tests/conftest.py)
+pytestmark = pytest.mark.xdist_group("labs_sinks")
+
+
 SMALL = BackcopyTask(vocab=16, triggers=2, seq_len=32)
 
 
