@@ -56,11 +56,11 @@ def meta(ckpt: Path) -> dict:
     return m
 
 
-def assert_same_checkpoint(got: Path, want: Path, tmp: Path) -> None:
-    assert verify(got) is None and verify(got, 0, 2) is None and verify(got, 1, 2) is None
+def assert_same_checkpoint(got: Path, want: Path, tmp: Path, ranks: int = 2) -> None:
+    assert verify(got) is None and all(verify(got, r, ranks) is None for r in range(ranks))
     assert same(dcp_state(got, tmp), dcp_state(want, tmp)), f"{got} holds other weights or AdamW state than {want}"
     assert meta(got) == meta(want)
-    for rank in (0, 1):
+    for rank in range(ranks):
         name = f"rng_rank{rank}.pt"
         assert same(torch.load(got / name, weights_only=True), torch.load(want / name, weights_only=True))
 
@@ -91,10 +91,10 @@ def test_async_run_equals_a_blocking_one(tmp_path, blocking):
 
 def test_sigkill_while_an_async_save_is_in_flight(tmp_path, blocking):
     """Rank 1 SIGKILLed right after the save of step 4 returned to the loop, its shard write still in flight (it
-    starts 3 s late: tests/kill_hooks.py): step 4 is no checkpoint — only an uncommitted temporary folder without DCP's .metadata —,
-    step 2 (saved asynchronously, committed at the save of step 4) is; the rerun resumes from step 2, trains steps
-    2-5 again and ends with the blocking run's losses, checkpoints and final weights. A commit that did not wait for
-    the write (the folder renamed at staging) would leave a step_00000004 here."""
+    starts 3 s late: tests/kill_hooks.py): step 4 is no checkpoint — only an uncommitted temporary folder without
+    DCP's .metadata —, step 2 (saved asynchronously, committed at the save of step 4) is; the rerun resumes from
+    step 2, trains steps 2-5 again and ends with the blocking run's losses, checkpoints and final weights. A save
+    committed at once (renamed before the loop goes on) would leave a step_00000004 here."""
     out, trace = tmp_path / "run", tmp_path / "steps.txt"
     p = torchrun_train(out, ASYNC, {"GATTN_TEST_KILL_AFTER_SAVE": "2", "GATTN_TEST_DELAY_CKPT_WRITE": "2",
                                       "GATTN_TEST_FAULT_RANK": "1"})
@@ -124,6 +124,28 @@ def test_a_failing_run_commits_its_async_save_first(tmp_path, blocking):
     assert [s for s, _ in list_checkpoints(out)] == [2, 4]
     for (_, got), (_, want) in zip(list_checkpoints(out), list_checkpoints(blocking)):
         assert_same_checkpoint(got, want, tmp_path)
+
+
+def test_one_process(tmp_path):
+    """dist=fsdp in one process (no process group: DCP's one-process path) saves asynchronously too: the same
+    checkpoints and losses as its blocking saves, and DCP's one-process warning (emitted from its writer thread) is
+    not shown."""
+    import warnings
+
+    from gated_attention.train.overrides import apply_overrides
+    from gated_attention.train.train_presets import tiny
+    from gated_attention.train.trainer import train
+
+    for mode, extra in (("blocking", []), ("async", ["async_checkpoint=true"])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(apply_overrides(tiny(), SETS + extra), tmp_path / mode)
+        assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)]
+    runs = [list_checkpoints(tmp_path / mode) for mode in ("async", "blocking")]
+    assert [s for s, _ in runs[0]] == [s for s, _ in runs[1]] == [2, 4, 6]
+    for (_, got), (_, want) in zip(*runs):
+        assert_same_checkpoint(got, want, tmp_path, ranks=1)
+    assert log_losses(tmp_path / "async") == log_losses(tmp_path / "blocking")
 
 
 def test_the_setting(tmp_path):

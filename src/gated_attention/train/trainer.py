@@ -15,9 +15,9 @@ experiment.train_or_reuse resumes an interrupted run folder).
 `_train` reads as the run's outline: check the folder (rank 0 decides, dist.on_rank0), set up (data, build on the
 meta device, `parallelize`: train/parallelize.py, optimizer), restore, then per step `_train_step`
 (`forward_backward`, `update`, and every `stats_every` steps `monitoring`) and `_after_step` (eval, log line,
-divergence stop, step hook, checkpoint), then `_finish`. What a lab needs of the loop (its own task as the data
-source, its optimizer groups and trainable phases, an extra loss term, an observer, a step hook, its own model) comes
-in as plug-ins (train/plugins.py), so the labs train through this loop too.
+divergence stop, step hook, checkpoint: train/saving.py), then `_finish`. What a lab needs of the loop (its own task
+as the data source, its optimizer groups and trainable phases, an extra loss term, an observer, a step hook, its own
+model) comes in as plug-ins (train/plugins.py), so the labs train through this loop too.
 """
 from __future__ import annotations
 
