@@ -10,6 +10,8 @@
   run_gattn(*args, env=..., kill_hooks=...)  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
   gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
   torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine)
+  torchrun_train(out, sets, env=..., ...)    `gattn train --preset tiny` under torchrun, through tests/kill_hooks.py
+  log_losses(run)                            the per-step losses of a trainer run folder (its log.jsonl)
   traced_gattn(*args, root=..., trace=...)   run_gattn through tests/kill_hooks.py, recording the steps every trainer
                                              run of the command trained ({run folder under root: [steps]}); with
                                              kill_in / kill_at, SIGKILLed after that step of that unit (kill tests)
@@ -153,6 +155,21 @@ def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False, script: str |
     ranks = [str(script), *map(str, args)] if script is not None else gattn_argv(*args, kill_hooks=kill_hooks)[1:]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}", *ranks]
+
+
+def torchrun_train(out: str | Path, sets: Sequence[str], env: dict | None = None, resume: bool = False,
+                   nproc: int = 2) -> subprocess.CompletedProcess:
+    """`gattn train --preset tiny --out OUT --set S ...` under torchrun (nproc ranks, one thread each), through
+    tests/kill_hooks.py (its GATTN_TEST_* variables in `env` inject faults), with --resume if `resume`."""
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in sets), []),
+                        *(["--resume"] if resume else []), nproc=nproc, kill_hooks=True)
+    return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,
+                          text=True, timeout=600)
+
+
+def log_losses(run: str | Path) -> list[float]:
+    """The loss of every step in a trainer run folder's log.jsonl, in order."""
+    return [json.loads(line)["loss"] for line in (Path(run) / "log.jsonl").read_text().splitlines()]
 
 
 def run_gattn(*args, env: dict | None = None, timeout: float = 600, kill_hooks: bool = False

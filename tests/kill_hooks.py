@@ -9,6 +9,10 @@ GATTN_TEST_KILL_IN_RUN=PATH     ... only in the trainer run whose folder's path 
                                 trains; default: the first run to reach step N).
 GATTN_TEST_KILL_IN_CKPT_WRITE=N SIGKILL inside the N-th checkpoint write, after the state (state.pt or the DCP
                                 shards) and meta.json are written, before the manifest and the rename.
+GATTN_TEST_KILL_AFTER_SAVE=N    SIGKILL right after the N-th checkpoint save has returned to the loop (with
+                                async_checkpoint: staged, its write perhaps in flight, not committed).
+GATTN_TEST_DELAY_CKPT_WRITE=N   the N-th checkpoint save's DCP shard write starts WRITE_DELAY_S late (a slow disk;
+                                with async_checkpoint the loop trains on meanwhile, in DCP's writer thread).
 GATTN_TEST_FAULT_RANK=R        ... only on rank R (torchrun's RANK; default: every rank).
 GATTN_TEST_RAISE_AT_STEP=N      raise RuntimeError("injected failure at step N on rank R") right after step N instead
                                 of a SIGKILL (a rank that fails while its peers go on into the next collectives).
@@ -18,7 +22,8 @@ GATTN_TEST_HASH_TRACE=FILE      append "RANK CALLER PATH" to FILE for every chec
                                 "verify" on resume, "_record" when a manifest is written).
 GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE after every finished step of every run
                                 (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
-They wrap library functions by name (trainer._after_step, checkpoint.write_files), so the package has no test code;
+They wrap library functions by name (trainer._after_step, trainer._save_checkpoint, checkpoint.write_files, DCP's
+FileSystemWriter.write_data), so the package has no test code;
 they act in the process that runs them (`--jobs 1`: a job's units train in-process).
 
 In-process, for the NaN-skipping tests: `with nan_at_steps({3, 4}): train(cfg, out)` makes those steps non-finite
@@ -84,6 +89,38 @@ def install() -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
         checkpoint.write_files = _write_files
+    kill_after_save = int(os.environ.get("GATTN_TEST_KILL_AFTER_SAVE", "0")) if faulty else 0
+    delay_write = int(os.environ.get("GATTN_TEST_DELAY_CKPT_WRITE", "0")) if faulty else 0
+    if kill_after_save > 0 or delay_write > 0:
+        _count_saves(trainer, kill_after_save, delay_write)
+
+
+WRITE_DELAY_S = 3.0  # GATTN_TEST_DELAY_CKPT_WRITE: far longer than the tests' few tiny steps and a commit take
+
+
+def _count_saves(trainer, kill: int, delay: int) -> None:
+    """Saves counted at trainer._save_checkpoint: the process SIGKILLed after the `kill`-th returns; the `delay`-th
+    one's shard write (DCP's FileSystemWriter.write_data, in its writer thread for an async save) sleeps first."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    saves = [0]
+    write_data, save = FileSystemWriter.write_data, trainer._save_checkpoint
+
+    def _write_data(self, *args, **kwargs):
+        if saves[0] == delay:  # the next save cannot have begun: it commits this one first
+            time.sleep(WRITE_DELAY_S)
+        return write_data(self, *args, **kwargs)
+
+    def _save_checkpoint(*args, **kwargs):
+        saves[0] += 1
+        save(*args, **kwargs)
+        if saves[0] == kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    FileSystemWriter.write_data = _write_data
+    trainer._save_checkpoint = _save_checkpoint
 
 
 @contextmanager

@@ -15,20 +15,9 @@ import torch
 from gated_attention.train.train_presets import tiny
 from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.trainer import train
-from harness import run_gattn, torchrun_argv
+from harness import log_losses as losses, run_gattn, torchrun_argv, torchrun_train as torchrun
 
 SETS = ["steps=6", "precision=fp32", "stats_every=3", "ckpt_every=3", "seed=1"]
-
-
-def losses(run: Path) -> list[float]:
-    return [json.loads(l)["loss"] for l in (run / "log.jsonl").read_text().splitlines()]
-
-
-def torchrun(out: Path, sets: list[str], env_extra: dict | None = None, resume: bool = False):
-    cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in sets), []),
-                        *(["--resume"] if resume else []), kill_hooks=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def bounded(cmd: list[str], env: dict, limit: float) -> tuple[int | None, str]:

@@ -106,6 +106,8 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
+    async_checkpoint: bool = False  # dist=fsdp: a periodic checkpoint is staged (copied to CPU memory) and written by
+    # a background thread while training goes on, committed before the next save (docs/scale.md); false = blocking
     progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
     tensorboard: bool = True  # write TensorBoard events if tensorboard is installed
     peak_tflops: float = 0.0  # one device's peak for the logged MFU; 0 = the nominal GPU figure (train/metrics.py's
@@ -175,6 +177,11 @@ class TrainConfig:
             raise ValueError(f"sampler='epoch' needs data='corpus' (data={self.data!r} brings its own batches)")
         if not isinstance(self.pack_documents, bool):
             raise ValueError(f"pack_documents={self.pack_documents!r} must be true or false")
+        if not isinstance(self.async_checkpoint, bool):
+            raise ValueError(f"async_checkpoint={self.async_checkpoint!r} must be true or false")
+        if self.async_checkpoint and self.dist != "fsdp":
+            raise ValueError(f"async_checkpoint=true needs dist=fsdp (an asynchronous save is DCP's sharded one; "
+                             f"dist={self.dist} writes a gathered state.pt); add --set dist=fsdp or drop async_checkpoint")
         if self.pack_documents and self.sampler != "epoch":
             raise ValueError("pack_documents=true needs sampler='epoch' (the random sampler reads the stored stream)")
 

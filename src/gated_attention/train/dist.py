@@ -195,6 +195,15 @@ def unsharded_accumulation(policy: str, mode: str, world: int, grad_accum: int, 
     return spare_bytes is not None and extra_bytes <= spare_bytes
 
 
+def checkpoint_group(info: DistInfo):
+    """A gloo process group of every rank for asynchronous checkpoints (a collective: every rank calls it at the same
+    point), or None in one process. DCP's background writer runs its collectives (planning, gathering the write
+    results) in another thread while the training step runs its own: on one group the two threads' collectives
+    could interleave differently on different ranks; on a group of their own they cannot. Gloo because
+    dcp.async_save needs a CPU backend (the staged state is in CPU memory), so this holds under NCCL too."""
+    return dist.new_group(backend="gloo") if info.distributed else None
+
+
 def barrier(info: DistInfo) -> None:
     if info.distributed:
         dist.barrier()

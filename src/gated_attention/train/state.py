@@ -14,6 +14,8 @@ The files themselves are written by train/checkpoint.py (atomic, verified, rotat
 from __future__ import annotations
 
 import random
+import warnings
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,9 +44,10 @@ class Weights:
         load_full_state(self.model, self.optimizer, sd["model"], sd["optimizer"])
         self.after_load()
 
-    def save_sharded(self, folder: Path) -> None:
-        """Every rank writes its own shards into the DCP folder (a collective)."""
-        save_sharded_state(self.model, self.optimizer, folder)
+    def save_sharded(self, folder: Path, background: bool = False, group=None) -> Future | None:
+        """Every rank writes its own shards into the DCP folder (a collective); `background`: staged here, written
+        by a background thread, the future of that write returned (save_sharded_state)."""
+        return save_sharded_state(self.model, self.optimizer, folder, background, group)
 
     def load_sharded(self, folder: Path) -> None:
         """Every rank reads its shards from a DCP folder written at any world size (a collective)."""
@@ -180,26 +183,48 @@ def _to_cpu(obj):
     return obj
 
 
+_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's warning in one process
+
+
 @contextmanager
 def _one_process_quiet():
     """DCP in one process warns on every call that it assumes one process: that is the intent (dist=fsdp at world
     size 1), so that warning is dropped."""
-    import warnings
-
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
         yield
 
 
-def save_sharded_state(model, optimizer, folder) -> None:
+def _quiet_one_process_warning() -> None:
+    """The same warning dropped for the rest of this process: an asynchronous save emits it from DCP's writer
+    thread, after any catch_warnings of the caller has ended (only that message, only from DCP)."""
+    warnings.filterwarnings("ignore", message=_ONE_PROCESS, module="torch.distributed.checkpoint")
+
+
+def save_sharded_state(model, optimizer, folder, background: bool = False, group=None) -> Future | None:
     """torch.distributed.checkpoint (DCP): every rank writes its own shards of the model and AdamW state into
-    `folder` in parallel (a collective; in one process the whole state); no gather anywhere."""
+    `folder` in parallel (a collective; in one process the whole state); no gather anywhere.
+
+    background: dcp.async_save — this rank's shards are staged (copied into CPU memory: training may change the
+    weights as soon as this returns) and written by a background thread; returns the future of that write. DCP's
+    thread executor (its default), not its process one: the thread shares this process, its memory and its fate (a
+    SIGKILL takes the writer with it) and runs DCP's collectives over `group` (dist.checkpoint_group); the process
+    executor adds a second Python process per rank (its own torch import and gloo group, set up through a TCP store
+    on rank 0 at the first save) and pickles the staged state to it through a pipe — more start-up and one more
+    copy, for a write that is I/O (which releases the GIL) either way. The write completes on any rank only after
+    every rank's shards are written and fsync'ed (DCP gathers the write results before rank 0 writes .metadata)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
+    sd, writer = {"model": msd, "optimizer": osd}, dcp.FileSystemWriter(str(folder), sync_files=True)
+    if background:
+        if not torch.distributed.is_initialized():  # in one process DCP warns from its thread, where no
+            _quiet_one_process_warning()  # catch_warnings reaches
+        return dcp.async_save(sd, storage_writer=writer, process_group=group)
     with _one_process_quiet():
-        dcp.save({"model": msd, "optimizer": osd}, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True))
+        dcp.save(sd, storage_writer=writer)
+    return None
 
 
 def load_sharded_state(model, optimizer, folder) -> None:

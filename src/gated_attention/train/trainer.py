@@ -15,13 +15,12 @@ experiment.train_or_reuse resumes an interrupted run folder).
 `_train` reads as the run's outline: check the folder (rank 0 decides, dist.on_rank0), set up (data, build on the
 meta device, `parallelize`: train/parallelize.py, optimizer), restore, then per step `_train_step`
 (`forward_backward`, `update`, and every `stats_every` steps `monitoring`) and `_after_step` (eval, log line,
-divergence stop, step hook, checkpoint), then `_finish`. What a lab needs of the loop (its own task as the data
-source, its optimizer groups and trainable phases, an extra loss term, an observer, a step hook, its own model) comes
-in as plug-ins (train/plugins.py), so the labs train through this loop too.
+divergence stop, step hook, checkpoint: train/saving.py), then `_finish`. What a lab needs of the loop (its own task
+as the data source, its optimizer groups and trainable phases, an extra loss term, an observer, a step hook, its own
+model) comes in as plug-ins (train/plugins.py), so the labs train through this loop too.
 """
 from __future__ import annotations
 
-import json
 import math
 import random
 import sys
@@ -36,6 +35,7 @@ from torch import nn
 
 from . import checkpoint as ckpt_mod
 from . import dist as D
+from . import saving
 from .config import TrainConfig
 from .data_source import make_source
 from .evaluate import domain_losses
@@ -109,6 +109,8 @@ class _Run:
     log_fh: object = None
     meter: object = None  # per-line memory / TFLOP/s / MFU and the profiler (train/metrics.py, made in open_logs)
     last_ckpt_step: int = -1
+    staged: object = None  # a checkpoint staged but not committed (saving.Staged): an async save in flight
+    ckpt_group: object = None  # async_checkpoint: the process group of DCP's background writes (dist.checkpoint_group)
     plugins: Plugins = Plugins()  # a lab's source, groups, phases, extra loss, observer, step hook (train/plugins.py)
 
     @property
@@ -126,11 +128,15 @@ def _train(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo, pl
     open_logs(run)
     t_start = time.perf_counter() - run.st["wall_time"]
     # a run restored from its final checkpoint (killed while exporting) that had stopped early stays stopped
-    while run.st["step"] < cfg.steps and not run.st["diverged"] and not run.st["stop_reason"]:
-        t0 = time.perf_counter()
-        rec = _train_step(run, run.st["step"])
-        _after_step(run, rec, t0, t_start)
-    return _finish(run, t_start)
+    try:
+        while run.st["step"] < cfg.steps and not run.st["diverged"] and not run.st["stop_reason"]:
+            t0 = time.perf_counter()
+            rec = _train_step(run, run.st["step"])
+            _after_step(run, rec, t0, t_start)
+        return _finish(run, t_start)
+    except BaseException:
+        saving.commit_on_error(run)  # an async checkpoint in flight
+        raise
 
 
 # ---------------------------------------------------------------- setup and resume
@@ -193,7 +199,9 @@ def _setup(cfg: TrainConfig, out: Path, info: D.DistInfo, precision: str, plugin
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
           "stop_reason": None, "val": {}, "last_loss": None}
     per_rank = cfg.batch_size // info.world_size
+    ckpt_group = D.checkpoint_group(info) if cfg.async_checkpoint else None  # every rank, here: a collective
     return _Run(cfg=cfg, out=out, info=info, source=source, model=par.model, par=par, precision=precision,
+                ckpt_group=ckpt_group,
                 plugins=plugins, fused_loss=par.speed.fused_loss and not plugins.needs_logits,
                 fwd_kw={"use_cache": False} if isinstance(par.model, GatedQwen3ForCausalLM) else {},
                 optimizer=optimizer, spikes=SpikeDetector(cfg.spike_window, cfg.spike_delta, cfg.spike_noise_k),
@@ -380,7 +388,7 @@ def _after_step(run: _Run, rec: dict, t0: float, t_start: float) -> None:
             st["stop_reason"] = str(reason)
             return  # _finish writes the final checkpoint
     if cfg.ckpt_every and st["step"] % cfg.ckpt_every == 0 and st["step"] < cfg.steps:
-        _save_checkpoint(run, st["step"])
+        _save_checkpoint(run, st["step"], background=cfg.async_checkpoint)
 
 
 def _evaluate(run: _Run) -> dict:
@@ -392,29 +400,10 @@ def _evaluate(run: _Run) -> dict:
 
 # ---------------------------------------------------------------- checkpointing and the end of the run
 
-def _save_checkpoint(run: _Run, next_step: int) -> None:
-    """An exact-resume checkpoint of every part of _state (collective): the weights (gathered by rank 0, or under
-    dist=fsdp sharded DCP written by every rank), meta.json, each rank's RNG, then an atomic commit. A failure on
-    any rank (a full disk) stops every rank: on_rank0 / on_every_rank stand between the phases."""
-    info, parts = run.info, _state(run)
-    tmp = ckpt_mod.tmp_dir_for(run.out, next_step)
-    shared = {}
-    if parts.weights.sharded:
-        D.on_every_rank(info, lambda: parts.weights.save_sharded(tmp / ckpt_mod.SHARDED))
-    else:
-        shared["state.pt"] = parts.weights.state_dict()  # collective
-    shared["meta.json"] = {**parts.meta_dict(), "world_size": info.world_size, "config": run.cfg.to_dict(),
-                           "resolved_precision": run.precision}
-    if parts.weights.sharded and hasattr(run.model, "config"):  # `gattn convert` reads it as a model folder
-        shared["config.json"] = json.loads(run.model.config.to_json_string())
-    D.on_rank0(info, lambda: ckpt_mod.write_files(tmp, shared))
-    D.on_every_rank(info, lambda: ckpt_mod.write_files(tmp, {f"rng_rank{info.rank}.pt": parts.rng.state_dict()}))
-    # every rank hashes the files it wrote (in parallel); rank 0 merges them into the manifest, written last
-    mine = D.on_every_rank(info, lambda: ckpt_mod.hash_own_files(tmp, info.rank))
-    hashed = {k: v for part in D.gather_objects(mine, info) for k, v in part.items()}
-    D.on_rank0(info, lambda: (ckpt_mod.write_manifest(tmp, hashed),
-                              str(ckpt_mod.commit(run.out, next_step, run.cfg.keep_checkpoints)))[1])
-    run.last_ckpt_step = next_step
+def _save_checkpoint(run: _Run, next_step: int, background: bool = False) -> None:
+    """An exact-resume checkpoint of every part of _state (collective; train/saving.py: staged, then committed —
+    `background`: async_checkpoint's write in the background, committed before the next save)."""
+    saving.save_checkpoint(run, _state(run), next_step, background)
 
 
 def restore_step_hook(out_dir: str | Path, hook) -> None:
@@ -434,8 +423,9 @@ def _finish(run: _Run, t_start: float) -> dict:
     st, info = run.st, run.info
     st["val"] = _evaluate(run)
     st["wall_time"] = time.perf_counter() - t_start
+    saving.commit_staged(run)  # an async save still in flight (that of the last step, or before the final one below)
     if run.last_ckpt_step != st["step"]:
-        _save_checkpoint(run, st["step"])
+        _save_checkpoint(run, st["step"])  # blocking: nothing is left to overlap it with
     sharded = info.distributed and info.mode == "fsdp"
     if sharded and hasattr(run.model, "save_pretrained"):  # final/ written from the shards: no rank gathers the model
         _export_final_sharded(run, run.out / "final")
