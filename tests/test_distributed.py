@@ -393,5 +393,6 @@ def test_fsdp_over_one_rank_under_torchrun(tmp_path, reference_fsdp):
     assert p.returncode == 0, p.stderr[-3000:]
     par = json.loads((tmp_path / "summary.json").read_text())["parallel"]
     assert par == {"world_size": 1, "wrapper": "fsdp", "grad_accum": 2, "accumulation": "sharded", "dp_replicate": 1,
-                   "expert_parallel": 1}
+                   "expert_parallel": 1, "reshard_after_forward": "default", "fsdp_prefetch": 0,
+                   "keep_gathered": False}  # one rank: nothing to keep gathered across micro-batches
     assert losses(tmp_path) == pytest.approx(reference_fsdp, abs=1e-5)

@@ -165,15 +165,19 @@ def test_loss_stats_eval_and_communication_equal_a_hand_computation():
     chunk = 256 * 2 ** 20 // (151936 * (4 + 2))  # 294 tokens: fp32 logits + their bf16 copy within 256 MiB
     assert chunk == 294
     assert paper["memory_per_gpu_gb"]["loss"] * 1e9 == pytest.approx((4 + 2 + 4) * chunk * 151936 + 4 * 151936 * 2048)
-    # communication at 2 ranks, grad_accum 2, fp32, 10 GB/s: FSDP2 all-gathers every parameter twice per
-    # micro-batch and reduce-scatters the gradients once per micro-batch, each moving half of the tensor; DDP
-    # all-reduces once per step
+    # communication at 2 ranks, grad_accum 2, fp32, 10 GB/s: FSDP2 all-gathers the first layer twice per
+    # micro-batch (forward, backward), the last layer and the root (embedding, final norm) once (the default gather
+    # policy: test_gather_policy_equals_a_hand_computation), and reduce-scatters the gradients once per micro-batch,
+    # each moving half of the tensor; DDP all-reduces once per step
     fs = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu", bandwidth_gbs=10.0, mfu=0.5,
                  gpu_tflops=1e-6)
     c = fs["comm_per_step"]
-    assert c["all_gather_gb"] * 1e9 == pytest.approx(2 * 2 * total * 4 / 2)
+    root = V * d + d
+    layer = (total - root) / 2
+    gathered = 2 * (root + 2 * layer + layer) * 4 / 2
+    assert c["all_gather_gb"] * 1e9 == pytest.approx(gathered) and c["all_gathers"] == 2 * (1 + 2 + 1)
     assert c["reduce_gb"] * 1e9 == pytest.approx(2 * 4 * total / 2)
-    assert c["seconds"] == pytest.approx((4 * total * 4 / 2 + 8 * total / 2) / 10e9)
+    assert c["seconds"] == pytest.approx((gathered + 8 * total / 2) / 10e9)
     assert c["compute_seconds"] == pytest.approx(4 * T * fs["flops_per_token"] / (0.5 * 1e-6 * 1e12 * 2))
     assert fs["tokens_per_s"] == pytest.approx(4 * T / max(c["seconds"], c["compute_seconds"]))
     slow = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu", bandwidth_gbs=1e-6)
@@ -191,7 +195,8 @@ def test_expert_parallel_and_hsdp_equal_a_hand_computation():
     out and back in forward and backward (and the recompute), (E-1)/E of them leaving the rank; HSDP all-reduces
     each rank's gradient shard across the replicas; the all-to-all adds to the step, the rest overlaps compute."""
     d, I, E, k, L, T = 32, 32, 8, 2, 2, 32
-    moe = lambda *sets: tiny_cfg("model=tiny-moe", "dist=fsdp", "batch_size=8", "grad_accum=2", *sets)  # noqa: E731
+    moe = lambda *sets: tiny_cfg("model=tiny-moe", "dist=fsdp", "batch_size=8", "grad_accum=2",  # noqa: E731
+                                 "reshard_after_forward=always", *sets)  # every group gathered twice per micro-batch
     base = PL.plan(moe(), gpus=4, device="cpu", bandwidth_gbs=10.0)
     total, experts = base["params_total"], L * E * 3 * d * I  # gate_up (E, 2I, d) + down (E, d, I) per layer
     tokens = 1 * T  # 8 sequences / 4 ranks / 2 micro-batches
@@ -222,6 +227,56 @@ def test_expert_parallel_and_hsdp_equal_a_hand_computation():
     assert big["comm_per_step"]["total_gb"] < PL.plan(train_preset("paper-moe-15a2b"), gpus=64)["comm_per_step"]["total_gb"]
     with pytest.raises(Exception, match="expert_parallel=3 does not divide the 8 routed experts"):
         PL.plan(replace(moe(), expert_parallel=3, batch_size=12), gpus=3, device="cpu")
+
+
+def test_gather_policy_equals_a_hand_computation():
+    """FSDP2's gather policy in the plan (train.fsdp_policy, the function the trainer applies), by hand on the tiny
+    model with 4 layers at 2 ranks, grad_accum 2: the all-gathers per step and the bytes they move (half of a
+    group's parameters each, in the compute dtype), and the layers the buffers hold gathered (the root and its
+    gradient, the gathered layers, one layer's gradients in the compute dtype and fp32). keep_gathered=auto keeps
+    the parameters gathered only where the whole gathered model fits beside the rest, at the byte; nothing to keep
+    across one micro-batch. The all-gathers a run really makes: tests/test_fsdp_policy.py."""
+    d, f, H, KV, D, V, L = 32, 64, 4, 2, 8, 128, 4
+    layer = d * H * D + 2 * d * KV * D + H * D * d + 2 * D + 2 * d + 3 * d * f  # 9296
+    root = V * d + d  # tied embedding and head, final norm
+
+    def cfg(*sets):
+        return tiny_cfg("dist=fsdp", "grad_accum=2", f"model.num_hidden_layers={L}", *sets)
+
+    cases = {  # settings -> (all-gathers per step: the root's, each layer's), layers held gathered, kept
+        (): ((2, 4, 4, 4, 2), 2, False), ("reshard_after_forward=always",): ((4, 4, 4, 4, 4), 2, False),
+        ("reshard_after_forward=never",): ((2, 2, 2, 2, 2), L, False), ("fsdp_prefetch=2",): ((2, 4, 4, 4, 2), 3, False),
+        ("fsdp_prefetch=9",): ((2, 4, 4, 4, 2), L, False), ("keep_gathered=true",): ((1, 1, 1, 1, 1), L, True),
+        ("keep_gathered=true", "grad_accum=1"): ((1, 2, 2, 2, 1), 2, False),  # one micro-batch: nothing to keep
+        ("precision=bf16-params",): ((2, 4, 4, 4, 2), 2, False)}
+    for sets, (counts, held, kept) in cases.items():
+        p = PL.plan(cfg(*sets), gpus=2, device="cpu", gpu_memory_gb=1e3)
+        c, m, s = p["comm_per_step"], p["memory_per_gpu_gb"], p["settings"]
+        pd = 2 if "precision=bf16-params" in sets else 4
+        assert c["all_gathers"] == sum(counts), sets
+        assert c["all_gather_gb"] * 1e9 == pytest.approx(pd * (counts[0] * root + sum(counts[1:]) * layer) / 2), sets
+        assert m["buffers"] * 1e9 == pytest.approx(2 * root * pd + held * layer * pd + layer * (pd + 4)), sets
+        assert s["gathered_layers"] == held and s["keep_gathered"] == kept, sets
+    room = PL.plan(cfg(), gpus=2, device="cpu", gpu_memory_gb=1e3)["memory_per_gpu_gb"]["total"]
+    extra = (L - 2) * layer * 4  # every layer gathered instead of two
+    fits = PL.plan(cfg("keep_gathered=auto"), gpus=2, device="cpu", gpu_memory_gb=room + extra / 1e9)
+    assert fits["settings"]["keep_gathered"] and fits["comm_per_step"]["all_gathers"] == 1 + L
+    assert fits["memory_per_gpu_gb"]["total"] == pytest.approx(room + extra / 1e9)
+    tight = PL.plan(cfg("keep_gathered=auto"), gpus=2, device="cpu", gpu_memory_gb=room + (extra - 8) / 1e9)
+    assert not tight["settings"]["keep_gathered"] and tight["comm_per_step"]["all_gathers"] == 16
+    assert PL.plan(cfg("keep_gathered=true"), gpus=1, device="cpu")["comm_per_step"]["all_gathers"] == 0
+
+
+def test_a_gather_policy_that_does_not_fit_names_its_fix(monkeypatch):
+    from gated_attention.util.errors import UserError
+
+    monkeypatch.setattr(PL, "available_gb", lambda device, local_world=1: 0.5)  # less than the runtime itself
+    with pytest.raises(UserError, match="--set keep_gathered=false, --set reshard_after_forward=default"):
+        PL.check_fits(tiny_cfg("dist=fsdp", "grad_accum=2", "keep_gathered=true", "reshard_after_forward=never"),
+                      torch.device("cpu"), 2, "fp32")
+    with pytest.raises(UserError) as err:
+        PL.check_fits(tiny_cfg("dist=fsdp", "grad_accum=2"), torch.device("cpu"), 2, "fp32")
+    assert "keep_gathered" not in str(err.value)
 
 
 def test_flops_equal_the_bench_count():

@@ -19,6 +19,7 @@ TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.ap
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
 ACTIVATION_CHECKPOINTING = ("none", "full")  # train.model_setup.apply_activation_checkpointing
 ACCUM_GRADS = ("sharded", "auto")  # train.dist.unsharded_accumulation
+RESHARD_AFTER_FORWARD = ("default", "always", "never")  # train.fsdp_policy (torchtitan's policy names)
 SAMPLERS = ("random", "epoch")  # corpus batch samplers (train.data_source.CorpusSource)
 CHOICES = {  # setting -> (its allowed values, the hint of its error)
     "schedule": (("cosine", "wsd"), "use 'cosine' or 'wsd'"),
@@ -30,6 +31,7 @@ CHOICES = {  # setting -> (its allowed values, the hint of its error)
     "sampler": (SAMPLERS, f"use one of {', '.join(SAMPLERS)}"),
     "dist": (("ddp", "fsdp"), "use 'ddp' or 'fsdp'"),
     "accum_grads": (ACCUM_GRADS, f"use one of {', '.join(ACCUM_GRADS)}"),
+    "reshard_after_forward": (RESHARD_AFTER_FORWARD, f"use one of {', '.join(RESHARD_AFTER_FORWARD)}"),
     "device": (("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
     "activation_checkpointing": (ACTIVATION_CHECKPOINTING, f"use one of {', '.join(ACTIVATION_CHECKPOINTING)}"),
 }
@@ -88,6 +90,14 @@ class TrainConfig:
     accum_grads: str = "sharded"  # dist=fsdp with grad_accum > 1: "sharded" reduce-scatters every micro-batch (a rank
     # holds 1/N of the fp32 gradients); "auto" keeps whole gradients until the last micro-batch (one reduce-scatter
     # per step) only where `gattn plan` says they fit this rank's memory (train.dist.unsharded_accumulation)
+    reshard_after_forward: str = "default"  # dist=fsdp: which shard groups free their gathered parameters after
+    # forward (train/fsdp_policy.py): "default" every decoder layer but the last, not the root (torchtitan's);
+    # "always" every group (least memory, most all-gathers); "never" none (the whole model gathered until backward)
+    fsdp_prefetch: int = 0  # dist=fsdp: layers all-gathered ahead explicitly in forward and backward; 0 = FSDP2's
+    # implicit prefetch (one layer, issued when reached). More overlap on a GPU, N + 1 layers gathered at once
+    keep_gathered: str = "false"  # dist=fsdp with grad_accum > 1: keep the gathered parameters across the step's
+    # micro-batches (one all-gather per group per step, the whole model unsharded all step): "true", "false", or
+    # "auto" where `gattn plan` says it fits this rank's memory (train.fsdp_policy.gather_policy)
     expert_parallel: int = 1  # dist=fsdp: each MoE layer's routed experts sharded over E ranks, tokens sent to
     # their experts' ranks by all-to-all (train/expert_parallel.py); E divides the experts and world / dp_replicate
     dp_replicate: int = 1  # dist=fsdp: R replicas of the model (HSDP): sharded within groups of world / R ranks,
@@ -121,6 +131,7 @@ class TrainConfig:
         try:
             self._check_choices()
             self._check_numbers()
+            self._check_gather_policy()
             self._check_data()
         except (UserError, ValueError) as exc:
             raise UserError(f"invalid training config: {exc}") from None
@@ -131,12 +142,14 @@ class TrainConfig:
         from gated_attention.util import precision as P
 
         from .fastpath import compile_choice
+        from .fsdp_policy import keep_choice
 
         for key, (allowed, hint) in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}; {hint}")
         P.check(self.precision)
         self.compile = compile_choice(self.compile)  # also accepts the bools older train_config.json files hold
+        self.keep_gathered = keep_choice(self.keep_gathered)  # a JSON true / false too
 
     def _check_numbers(self) -> None:
         """Numbers where they enter: finite, in range, integers where counts."""
@@ -145,7 +158,7 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
                      "keep_checkpoints", "eval_batches", "eval_batch_size", "expert_parallel", "dp_replicate"):
             check_number(name, getattr(self, name), kind=int, min=1)
-        for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch"):
+        for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch", "fsdp_prefetch"):
             check_number(name, getattr(self, name), kind=int, min=0)
         check_number("lr", self.lr, min=0.0, min_open=True)
         for name in ("min_lr", "weight_decay", "grad_clip", "spike_delta", "spike_noise_k"):
@@ -158,6 +171,15 @@ class TrainConfig:
         check_number("peak_tflops", self.peak_tflops, min=0.0)
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} exceeds lr={self.lr}")
+
+    def _check_gather_policy(self) -> None:
+        """FSDP2's gather policy (train/fsdp_policy.py) means nothing to DDP: set away from its default, it needs
+        dist=fsdp (as dp_replicate and expert_parallel do)."""
+        asked = [f"{k}={getattr(self, k)}" for k, off in (("reshard_after_forward", "default"), ("fsdp_prefetch", 0),
+                                                          ("keep_gathered", "false")) if getattr(self, k) != off]
+        if asked and self.dist != "fsdp":
+            raise ValueError(f"{', '.join(asked)} needs dist=fsdp (FSDP2's gather policy; DDP keeps whole parameters "
+                             "on every rank); add --set dist=fsdp")
 
     def _check_data(self) -> None:
         """The model and data settings that are not plain names or numbers."""

@@ -127,12 +127,14 @@ def device_meshes(info: DistInfo, dp_replicate: int = 1, expert_parallel: int = 
 
 
 def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32",
-         meshes: Meshes | None = None) -> nn.Module:
+         meshes: Meshes | None = None, gather=None) -> nn.Module:
     """DDP, or FSDP2 with one shard group per decoder layer plus the root (embeddings, final norm, head); under
     precision bf16-params FSDP2's MixedPrecisionPolicy: parameters all-gathered and computed in bf16, gradients
     reduced in fp32 into the fp32 sharded master parameters the optimizer steps. `meshes` (device_meshes): HSDP on
     the (replicate, shard) mesh; under expert parallelism (experts already sharded over `meshes.ep`) the experts get
-    their own FSDP2 group over `meshes.expert_dp` first, which the decoder layers' groups then leave out."""
+    their own FSDP2 group over `meshes.expert_dp` first, which the decoder layers' groups then leave out. `gather`
+    (fsdp_policy.GatherPolicy): when the groups free their gathered parameters and what they prefetch; None: FSDP2's
+    own defaults."""
     if not info.distributed:
         return model
     if info.mode == "ddp":
@@ -154,6 +156,10 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)  # the root: tied embedding/head stay together in this group
+        if gather is not None:
+            from .fsdp_policy import apply
+
+            apply(model, layers, gather)
         return model
     raise ValueError(f"unknown dist mode {info.mode!r}; use 'ddp' or 'fsdp'")
 

@@ -18,12 +18,14 @@ filled later: train/meta_init.py) -> `parallelize` -> the optimizer. `paralleliz
   6. data parallelism (train/dist.py: wrap): DDP, or FSDP2 with one group per decoder layer plus the root
      (MixedPrecisionPolicy under bf16-params); under EP the experts first get their own FSDP2 group over efsdp;
      hybrid sharding (`dp_replicate=R`, HSDP): the 2-D (replicate, shard) mesh handed to fully_shard in place of the
-     flat process group;
+     flat process group; the gather policy (train/fsdp_policy.py: when each group frees its gathered parameters,
+     what it prefetches, whether they stay gathered across the micro-batches) set on the groups;
   7. materialise + init after sharding (dist=fsdp): each rank allocates and fills only its own shards.
 
 What comes back is a `Parallel`: the model (the plain module every forward runs on), the master weights, the speed
 plan, and the data-parallel controls the step needs (the training forward through the DDP wrapper, when gradients
-sync, the bf16 twin's refresh after an update). Nothing else in train/ knows which wrapper a mode uses.
+sync and gathered parameters are freed, the bf16 twin's refresh after an update, the shards back in place before a
+step). Nothing else in train/ knows which wrapper a mode uses.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from torch import nn
 
 from . import dist as D
 from . import fastpath
+from . import fsdp_policy as FP
 from .model_setup import apply_activation_checkpointing
 from .monitors import decoder_layers
 
@@ -51,6 +54,7 @@ class Parallel:
     layers: list  # the model's decoder layers (compiled, checkpointed and sharded one by one)
     info: D.DistInfo
     unsharded_accum: bool = False  # FSDP2 keeps whole gradients until the last micro-batch (dist.unsharded_accumulation)
+    gather: FP.GatherPolicy | None = None  # FSDP2's gather policy (fsdp_policy.gather_policy); None in other modes
     mixed: object = None  # MasterWeights under bf16-params in one process
     ddp: nn.Module | None = None  # the DDP wrapper (its forward syncs gradients); None in every other mode
 
@@ -58,14 +62,31 @@ class Parallel:
         """The training forward: through DDP's wrapper where there is one (its hooks all-reduce the gradients)."""
         return (self.ddp or self.model)(**kwargs)
 
-    def grad_sync(self, last: bool):
-        """A context for one micro-batch's backward: DDP all-reduces only on the last micro-batch; FSDP2
-        reduce-scatters every micro-batch unless the plan chose whole gradients until the last."""
+    @property
+    def sharded(self) -> bool:
+        return self.info.distributed and self.info.mode == "fsdp"
+
+    def micro_batch(self, last: bool):
+        """A context for one micro-batch's forward and backward: DDP all-reduces only on the last micro-batch; FSDP2
+        reduce-scatters every micro-batch unless the plan chose whole gradients until the last, and with
+        keep_gathered frees the gathered parameters only after the last backward (fsdp_policy.micro_batch)."""
         if self.ddp is not None and not last:
             return self.ddp.no_sync()
-        if self.info.distributed and self.info.mode == "fsdp":
+        if self.sharded:
             self.model.set_requires_gradient_sync(last or not self.unsharded_accum)
+            FP.micro_batch(self.model, self.gather, last)
         return nullcontext()
+
+    def reshard(self) -> None:
+        """Every FSDP2 group back to its shards (a no-op where it is): a forward outside the step (evaluation, the
+        stats probe) has no backward to free what its policy keeps gathered after a forward, and the step must start
+        from the shards the optimizer stepped — its stats snapshot and update ratio read them."""
+        if self.sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
 
     def after_update(self) -> None:
         """After an optimizer step: the bf16 twin takes the new master weights (bf16-params in one process)."""
@@ -74,9 +95,10 @@ class Parallel:
 
 
 def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materialize: Callable | None = None,
-                unsharded_accum: bool = False) -> Parallel:
+                unsharded_accum: bool = False, keep_gathered: bool = False) -> Parallel:
     """Apply the steps above to `model` (built, or on the meta device with `materialize(model)` to fill it) for
-    this run's `cfg`, ranks `info` and resolved `precision`; returns the Parallel the trainer runs."""
+    this run's `cfg`, ranks `info` and resolved `precision`; returns the Parallel the trainer runs. unsharded_accum
+    and keep_gathered: the plan's decisions for this run (dist.unsharded_accumulation, fsdp_policy.gather_policy)."""
     sharded = info.distributed and info.mode == "fsdp"
     if materialize is not None and not sharded:  # 1.
         materialize(model)
@@ -94,9 +116,12 @@ def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materia
         from .expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, meshes.ep)
-    wrapped = D.wrap(model, info, layers, precision, meshes)  # 6.
+    gather = FP.gather_policy(cfg.reshard_after_forward, cfg.fsdp_prefetch, "true" if keep_gathered else "false",
+                              layers=len(layers), mode=info.mode, world=info.world_size,
+                              grad_accum=cfg.grad_accum) if sharded else None
+    wrapped = D.wrap(model, info, layers, precision, meshes, gather)  # 6.
     if materialize is not None and sharded:  # 7.
         materialize(model)
     return Parallel(model=model, master=master if mixed is not None else model, speed=speed, layers=layers,
-                    info=info, unsharded_accum=unsharded_accum, mixed=mixed,
+                    info=info, unsharded_accum=unsharded_accum, gather=gather, mixed=mixed,
                     ddp=wrapped if wrapped is not model else None)

@@ -23,10 +23,13 @@
                   layer's worth of backward working memory (the formula: `activation_bytes`, calibrated against the
                   tensors autograd actually saves - tests/test_plan.py counts them); with activation checkpointing
                   every layer keeps only its input and one layer is recomputed at a time;
-      buffers     communication buffers: FSDP2's unsharded parameters (the root group - embeddings, final norm, head
-                  - for the whole step, plus the current and the prefetched layer; under EP a layer gathers only its
-                  rank's 1 / E of the routed experts) and one layer's unsharded gradients; DDP's gradient buckets
-                  (a second fp32 copy of the gradients); none in one process;
+      buffers     communication buffers: FSDP2's unsharded parameters in the compute dtype (the root group -
+                  embeddings, final norm, head - for the whole step and its gradient, plus the decoder layers the
+                  gather policy holds gathered at once, train.fsdp_policy.peak_gathered_layers: the current and the
+                  prefetched layer by default, N + 1 with fsdp_prefetch=N, every layer with
+                  reshard_after_forward=never or keep_gathered; under EP a layer gathers only its rank's 1 / E of the
+                  routed experts) and one layer's unsharded gradients; DDP's gradient buckets (a second fp32 copy of
+                  the gradients); none in one process;
       loss        the chunked loss's temporaries at the model's vocabulary (fast path): per chunk of c tokens
                   (fused.loss_chunk_tokens: as many as fit fused.LOSS_CHUNK_BYTES) its fp32 (c, V) logits, their
                   compute-dtype copy and their gradient, the (V, d) fp32 product a bf16 chunk adds into the head
@@ -45,10 +48,12 @@
                   of its expert, the experts' hidden activations) are in `activations` (saved per routed slot, and
                   one layer's worth again as the backward's working memory), not a part of their own;
   - communication per step (`comm`): bytes one GPU moves and their time at `bandwidth_gbs` (a collective's bus
-    bandwidth): FSDP2 all-gathers every parameter twice per micro-batch (forward, and again in backward: it
-    reshards after forward) in the compute dtype and reduce-scatters fp32 gradients once per micro-batch (or once
-    per step where whole gradients are kept), each moving (S-1)/S of the tensor over a shard group of S = N / R
-    ranks; HSDP then all-reduces each rank's gradient shard across the R replicas (2 (R-1)/R); under EP the routed
+    bandwidth): FSDP2 all-gathers each group's parameters as the gather policy says (train.fsdp_policy:
+    all_gathers_per_step, also `all_gathers`, the collectives' count: by default twice per micro-batch for every
+    decoder layer but the last - forward, and again in backward - and once for the last layer and the root; twice
+    for every group with reshard_after_forward=always, once with never, once per step with keep_gathered) in the
+    compute dtype and reduce-scatters fp32 gradients once per micro-batch (or once per step where whole gradients
+    are kept), each moving (S-1)/S of the tensor over a shard group of S = N / R ranks; HSDP then all-reduces each rank's gradient shard across the R replicas (2 (R-1)/R); under EP the routed
     experts' gathers and reductions run over their own N / (R E) ranks, and every MoE layer all-to-alls each token's
     k rows of d activations out to their experts and back, in forward, backward and the recompute (`all_to_all`:
     (E-1)/E of them leave the rank under balanced routing; not overlapped: it adds to the step); DDP all-reduces the
@@ -76,6 +81,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from . import fsdp_policy as FP
 from .config import TrainConfig, accum_for
 from .dist import unsharded_accumulation
 
@@ -144,6 +150,8 @@ def sizes(model: nn.Module) -> dict:
             matmul += round(sum(p.numel() for p in m.parameters()) * k_over_e)
     layers = list(model.model.layers)
     per_layer = [sum(p.numel() for p in _unique(layer.parameters())) for layer in layers]
+    layer_experts = [sum(p.numel() for m in layer.modules() if isinstance(m, MoeExperts) for p in m.parameters())
+                     for layer in layers]
     in_layers = {id(p) for layer in layers for p in layer.parameters()}
     root = sum(p.numel() for p in params if id(p) not in in_layers)
     experts = [m for m in model.modules() if isinstance(m, MoeExperts)]
@@ -153,6 +161,7 @@ def sizes(model: nn.Module) -> dict:
             "experts": sum(p.numel() for p in expert_ps),  # the routed experts' weights (expert parallelism's part)
             "experts_trainable": sum(p.numel() for p in expert_ps if p.requires_grad),
             "layer_experts_max": max((sum(p.numel() for p in m.parameters()) for m in experts), default=0),
+            "layers": per_layer, "layer_experts": layer_experts,  # per decoder layer: FSDP2's groups (the gathers)
             "moe_layers": len(experts)}
 
 
@@ -252,9 +261,10 @@ def _resolved(precision: str, dist: str) -> str:
 
 def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpointing: str, tokens: int,
            fused_loss: bool = True, device: str = "cuda", unsharded_grads: bool = False, stats: bool = False,
-           eval_tokens: int = 0, replicate: int = 1, ep: int = 1) -> dict:
+           eval_tokens: int = 0, replicate: int = 1, ep: int = 1, gathered_layers: int = 2) -> dict:
     """Bytes per rank by part (module docstring), in GB. unsharded_grads: FSDP2 keeps whole gradients across the
-    micro-batches (train.dist.unsharded_accumulation said so). replicate (HSDP): the state is sharded over a shard
+    micro-batches (train.dist.unsharded_accumulation said so); gathered_layers: decoder layers FSDP2 holds gathered at
+    once (train.fsdp_policy.peak_gathered_layers). replicate (HSDP): the state is sharded over a shard
     group of world / replicate ranks; ep: the routed experts are sharded over ep ranks x the experts' own FSDP2 over
     the rest of the shard group (the same 1 / shard group at rest), and a layer's gathered experts are 1 / ep of
     them."""
@@ -266,9 +276,10 @@ def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpoin
     params = 4 * P / n + (2 * P if precision == "bf16-params" and one_process else 0)
     grads = 4 * Pt / n + (4 * Pt if sharded and unsharded_grads else 0)
     optimizer = 8 * Pt / n
-    if sharded:  # root group unsharded (and its gradient) all step; the current + prefetched layer; a layer's grads
+    if sharded:  # root group unsharded (and its gradient) all step; the layers held gathered; a layer's grads
         layer = sz["layer_max"] - sz["layer_experts_max"] * (1 - 1 / ep)  # EP gathers only this rank's experts
-        buffers = 2 * sz["root"] * pd + layer * (2 * pd + pd + 4)
+        every_layer = P - sz["root"] - sz["experts"] * (1 - 1 / ep)
+        buffers = 2 * sz["root"] * pd + min(gathered_layers * layer, every_layer) * pd + layer * (pd + 4)
     elif dist == "ddp" and not one_process:
         buffers = 4 * Pt  # gradient buckets (gradient_as_bucket_view=False: a copy of every gradient)
     else:
@@ -321,21 +332,22 @@ def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpoint
 
 
 def comm_per_step(sz: dict, *, world: int, dist: str, precision: str, grad_accum: int,
-                  unsharded_grads: bool, bandwidth_gbs: float, replicate: int = 1, ep: int = 1,
+                  unsharded_grads: bool, bandwidth_gbs: float, gathers: dict, replicate: int = 1, ep: int = 1,
                   all_to_all: float = 0.0) -> dict:
     """Bytes one GPU moves per optimizer step and their time at `bandwidth_gbs` (module docstring: comm).
-    `all_to_all`: expert parallelism's bytes per micro-batch (`all_to_all_bytes`)."""
-    P, Pt = sz["total"], sz["trainable"]
+    `gathers`: FSDP2's all-gathers of each group per step (fsdp_policy.all_gathers_per_step); `all_to_all`: expert
+    parallelism's bytes per micro-batch (`all_to_all_bytes`)."""
+    Pt = sz["trainable"]
     shard = world // replicate
     f = (shard - 1) / shard  # the share of a tensor a collective over the shard group moves
     pd = 2 if precision == "bf16-params" else 4
-    E, Et = (sz["experts"], sz["experts_trainable"]) if ep > 1 else (0, 0)
+    Et = sz["experts_trainable"] if ep > 1 else 0
     efsdp = shard // ep
     fe = (efsdp - 1) / efsdp  # the experts' own FSDP2 group under EP
     reductions = 1 if unsharded_grads else grad_accum
-    all_reduce = 0.0
+    all_reduce, count = 0.0, 0
     if dist == "fsdp" and world > 1:
-        gather = 2 * grad_accum * pd * ((P - E) * f + E / ep * fe)
+        gather, count = _gathered(sz, gathers, pd=pd, f=f, fe=fe, ep=ep)
         reduce = reductions * 4 * ((Pt - Et) * f + Et / ep * fe)
         all_reduce = reductions * 2 * 4 * Pt / shard * (replicate - 1) / replicate  # HSDP: shards across replicas
     elif dist == "ddp" and world > 1:
@@ -344,9 +356,23 @@ def comm_per_step(sz: dict, *, world: int, dist: str, precision: str, grad_accum
         gather = reduce = 0.0
     a2a = grad_accum * all_to_all
     total = gather + reduce + all_reduce + a2a
-    return {"all_gather_gb": gather / GB, "reduce_gb": reduce / GB, "all_reduce_gb": all_reduce / GB,
+    return {"all_gather_gb": gather / GB, "all_gathers": count, "reduce_gb": reduce / GB,
+            "all_reduce_gb": all_reduce / GB,
             "all_to_all_gb": a2a / GB, "total_gb": total / GB, "bandwidth_gbs": bandwidth_gbs,
             "seconds": total / (bandwidth_gbs * GB), "all_to_all_seconds": a2a / (bandwidth_gbs * GB)}
+
+
+def _gathered(sz: dict, gathers: dict, *, pd: int, f: float, fe: float, ep: int) -> tuple[float, int]:
+    """(bytes one rank receives by FSDP2's all-gathers in a step, how many all-gathers): each group's gathers times
+    (S-1)/S of its parameters in the compute dtype; under EP a layer's experts are their own group over the
+    experts' ranks (1 / E of them, (S/E - 1)/(S/E) moved) gathered with their layer. A group over one rank
+    communicates nothing (FSDP2 skips the collective)."""
+    experts = sz["layer_experts"] if ep > 1 else [0] * len(sz["layers"])
+    moved = gathers["root"] * sz["root"] * f + sum(
+        n * ((p - e) * f + e / ep * fe) for n, p, e in zip(gathers["layers"], sz["layers"], experts))
+    count = (gathers["root"] + sum(gathers["layers"])) * (f > 0)
+    count += sum(n for n, e in zip(gathers["layers"], experts) if e) * (fe > 0)
+    return pd * moved, count
 
 
 def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | None = None,
@@ -374,17 +400,13 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     common = dict(world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
                   tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device,
                   stats=cfg.stats_every > 0, eval_tokens=cfg.eval_batch_size * cfg.seq_len, replicate=replicate, ep=ep)
-    mem = memory(sz, config, **common)
-    # the trainer's own accumulation policy: whole gradients across micro-batches only where they fit
-    unsharded = unsharded_accumulation(cfg.accum_grads, mode, gpus, accum, 4 * sz["trainable"],
-                                       (gpu_memory_gb - mem["total"]) * GB)
-    if unsharded:
-        mem = memory(sz, config, **common, unsharded_grads=True)
+    mem, unsharded, gather = _memory_decisions(cfg, sz, config, common, gpu_memory_gb, accum)
     accumulation = "unsharded" if unsharded else ("sharded" if mode == "fsdp" else "whole")
     a2a = all_to_all_bytes(config, tokens=micro_batch * cfg.seq_len, precision=resolved, ep=ep,
                            checkpointing=cfg.activation_checkpointing)
     comm = comm_per_step(sz, world=gpus, dist=mode, precision=resolved, grad_accum=accum, unsharded_grads=unsharded,
-                         bandwidth_gbs=bandwidth_gbs, replicate=replicate, ep=ep, all_to_all=a2a)
+                         bandwidth_gbs=bandwidth_gbs, gathers=FP.all_gathers_per_step(gather, accum),
+                         replicate=replicate, ep=ep, all_to_all=a2a)
     step_tokens = cfg.batch_size * cfg.seq_len
     _step_time(comm, step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus))
     tokens_per_s = step_tokens / comm["step_seconds"]
@@ -401,9 +423,34 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
                          "stats_every": cfg.stats_every,
                          "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
                          "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
-                         "grad_accumulation": accumulation, "dp_replicate": replicate, "expert_parallel": ep,
+                         "grad_accumulation": accumulation, "reshard_after_forward": cfg.reshard_after_forward,
+                         "fsdp_prefetch": cfg.fsdp_prefetch, "keep_gathered": gather.keep_gathered,
+                         "gathered_layers": FP.peak_gathered_layers(gather) if mode == "fsdp" else 0,
+                         "dp_replicate": replicate, "expert_parallel": ep,
                          "experts_per_rank": (config.num_experts or 0) // ep,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
+
+
+def _memory_decisions(cfg: TrainConfig, sz: dict, config, common: dict, gpu_memory_gb: float, accum: int):
+    """(memory by part, whole gradients across micro-batches?, the gather policy): the trainer's two memory
+    decisions, each by its one function, in this order: whole gradients only where they fit
+    (dist.unsharded_accumulation), then parameters kept gathered across the micro-batches only where that fits
+    beside everything else (fsdp_policy.gather_policy, keep_gathered=auto)."""
+    def policy(keep: str, **room) -> FP.GatherPolicy:
+        return FP.gather_policy(cfg.reshard_after_forward, cfg.fsdp_prefetch, keep, layers=config.num_hidden_layers,
+                                mode=common["dist"], world=common["world"], grad_accum=accum, **room)
+
+    common = {**common, "gathered_layers": FP.peak_gathered_layers(policy("false"))}
+    mem = memory(sz, config, **common)
+    unsharded = unsharded_accumulation(cfg.accum_grads, common["dist"], common["world"], accum, 4 * sz["trainable"],
+                                       (gpu_memory_gb - mem["total"]) * GB)
+    if unsharded:
+        common["unsharded_grads"] = True
+        mem = memory(sz, config, **common)
+    kept = memory(sz, config, **{**common, "gathered_layers": config.num_hidden_layers})
+    gather = policy(cfg.keep_gathered, extra_bytes=(kept["total"] - mem["total"]) * GB,
+                    spare_bytes=(gpu_memory_gb - mem["total"]) * GB)
+    return (kept if gather.keep_gathered else mem), unsharded, gather
 
 
 def _layout(cfg: TrainConfig, mode: str, config) -> tuple[int, int]:
@@ -484,6 +531,12 @@ def format_plan(p: dict, preset: str) -> str:
                      + (f"; experts over {s['expert_parallel']} ranks ({s['experts_per_rank']} per rank), "
                         f"all-to-all {c['all_to_all_gb']:.3g} GB per GPU per step" if s["expert_parallel"] > 1 else "")
                      + (f"; {c['all_reduce_gb']:.3g} GB all-reduced across replicas" if s["dp_replicate"] > 1 else ""))
+    if s["dist"] == "fsdp":
+        prefetch = f"{s['fsdp_prefetch']} layer(s) ahead" if s["fsdp_prefetch"] else "implicit"
+        lines.append(f"  gathering       reshard_after_forward {s['reshard_after_forward']}, prefetch {prefetch}, "
+                     f"{'kept across the micro-batches' if s['keep_gathered'] else 'not kept across micro-batches'}: "
+                     f"{c['all_gathers']} all-gathers per step ({c['all_gather_gb']:.3g} GB), "
+                     f"{s['gathered_layers']} layer(s) gathered at once")
     lines.append(f"  step            {c['compute_seconds']:.3g} s compute at MFU {s['mfu']:g}, {c['seconds']:.3g} s "
                  f"communication ({c['total_gb']:.3g} GB per GPU at {c['bandwidth_gbs']:g} GB/s): "
                  f"{c['step_seconds']:.3g} s (the larger; the all-to-all adds)")
@@ -526,5 +579,14 @@ def check_fits(cfg: TrainConfig, device: torch.device, world: int, precision: st
             f"activations {m['activations']:.1f}, loss {m['loss']:.1f}, stats {m['stats']:.1f}, buffers "
             f"{m['buffers']:.1f}; evaluation {m['eval']:.1f}) but {where} {have:.1f} GB; run "
             "`gattn plan` with the same --preset and --set to find a setting that fits (--gpus N under dist=fsdp, "
-            "--activation-checkpointing full, a smaller --micro-batch), or shrink the model with --set model.*=...")
+            "--activation-checkpointing full, a smaller --micro-batch" + _gather_hint(cfg) + "), or shrink the model "
+            "with --set model.*=...")
     return p
+
+
+def _gather_hint(cfg: TrainConfig) -> str:
+    """The gather settings that hold more parameters gathered than the default, as the fixes check_fits names."""
+    fixes = [fix for asked, fix in ((cfg.keep_gathered == "true", "keep_gathered=false"),
+                                    (cfg.reshard_after_forward == "never", "reshard_after_forward=default"))
+             if asked]
+    return "".join(f", --set {fix}" for fix in fixes)

@@ -10,6 +10,7 @@ from .config import TrainConfig
 # fields that may differ between a run and its resumption or reuse (they do not change the numbers)
 RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_checkpoints", "compile", "fast", "dist",
                                "accum_grads", "async_checkpoint",  # how checkpoints are written, not what they hold
+                               "reshard_after_forward", "fsdp_prefetch", "keep_gathered",  # when FSDP2 gathers
                                "expert_parallel", "dp_replicate",  # the layout, not the math: DCP reshards on resume
                                "device", "attn_implementation", "activation_checkpointing",
                                "grad_accum", "micro_batch", "peak_tflops", "profile_steps"})

@@ -185,15 +185,17 @@ def _setup(cfg: TrainConfig, out: Path, info: D.DistInfo, precision: str, plugin
     random.seed(cfg.seed)
     source = plugins.source if plugins.source is not None else make_source(cfg) if cfg.data == "corpus" else None
     vocab = getattr(source, "vocab_size", None)
-    # before anything is built: a run the plan says cannot fit stops with one line (the default model only)
-    unsharded_accum = plugins.model_factory is None and check_fits(cfg, info.device, info.world_size, precision, vocab)[
-        "settings"]["grad_accumulation"] == "unsharded"
+    # before anything is built: a run the plan says cannot fit stops with one line (the default model only); the
+    # plan's memory decisions (whole gradients across micro-batches, parameters kept gathered) are the run's
+    planned = check_fits(cfg, info.device, info.world_size, precision, vocab)["settings"] \
+        if plugins.model_factory is None else {}
+    unsharded_accum = planned.get("grad_accumulation") == "unsharded"
     model, materialize = _build(cfg, plugins.model_factory, vocab, info)
     apply_trainable(model, cfg.trainable)  # before parallelize: DDP/FSDP and the optimizer see only what trains
     if source is None:  # synthetic tokens over the model's own vocabulary
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
-    par = parallelize(model, cfg, info, precision, materialize, unsharded_accum)
+    par = parallelize(model, cfg, info, precision, materialize, unsharded_accum, planned.get("keep_gathered", False))
     groups = plugins.param_groups(par.master) if plugins.param_groups is not None else param_groups(par.master, cfg)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
@@ -259,6 +261,7 @@ def _train_step(run: _Run, step: int) -> dict:
     rows = slice(info.rank * run.per_rank, (info.rank + 1) * run.per_rank)  # this rank's rows of the global batch
     batch = run.source.train_batch(cfg.batch_size, cfg.seq_len, cfg.seed, step, rows=rows).to(info.device)  # (B/N, T+1)
     stats_due = cfg.stats_every > 0 and step % cfg.stats_every == 0
+    run.par.reshard()  # FSDP2: what an evaluation or probe forward left gathered goes back to the shards
     before = snapshot_params(run.par.master) if stats_due else None
     losses = forward_backward(run, step, batch)
     rec = update(run, step, losses, lr)
@@ -292,13 +295,13 @@ class StepLosses:
 
 def forward_backward(run: _Run, step: int, batch: torch.Tensor) -> StepLosses:
     """Forward and backward over the step's micro-batches of `batch` (B/N, T+1); gradients accumulate (synced over
-    ranks as parallelize's grad_sync says) into the parameters."""
+    ranks as parallelize's Parallel.micro_batch says) into the parameters."""
     n = run.cfg.grad_accum
     losses = StepLosses(ce=torch.zeros((), device=run.info.device), aux=None, extra={})
     for i in range(n):
         chunk = batch[i * run.micro:(i + 1) * run.micro]  # (b, T+1)
         x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T) each
-        with run.par.grad_sync(last=i == n - 1):
+        with run.par.micro_batch(last=i == n - 1):
             ce, total, aux, logs = _forward(run, step, x, y)
             (total / n).backward()
         losses.ce += ce.detach() / n
@@ -455,6 +458,10 @@ def _summary(run: _Run) -> dict:
                            "accumulation": "unsharded" if run.par.unsharded_accum else
                            ("sharded" if info.distributed and info.mode == "fsdp" else "whole"),
                            "dp_replicate": run.cfg.dp_replicate, "expert_parallel": run.cfg.expert_parallel}
+    if run.par.gather is not None:  # FSDP2's gather policy as applied (train/fsdp_policy.py)
+        g = run.par.gather
+        summary["parallel"].update(reshard_after_forward=run.cfg.reshard_after_forward, fsdp_prefetch=g.prefetch,
+                                   keep_gathered=g.keep_gathered)
     return summary
 
 
