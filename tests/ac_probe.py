@@ -23,7 +23,7 @@ from torch.utils.checkpoint import _VersionWrapper
 MODES = ("none", "full", "selective", "every:2")  # what the 2-rank run measures
 
 
-def _sac_cache() -> dict[int, _VersionWrapper]:
+def sac_cache() -> dict[int, _VersionWrapper]:
     """Every op output selective checkpointing holds now (its caching mode wraps each kept output), by object id."""
     return {id(o): o for o in gc.get_objects() if type(o) is _VersionWrapper}  # not isinstance: proxies raise
 
@@ -74,11 +74,11 @@ def saved_bytes_per_layer(model, plan, layers, steps: int = 2) -> list[int]:
         for p in module.parameters():  # as the layer holds them now (FSDP2: gathered for this forward)
             params.add(p.untyped_storage().data_ptr())
         cached_before.clear()
-        cached_before.update(_sac_cache())
+        cached_before.update(sac_cache())
 
     def post(module, args, out, i):
         current[0] = None
-        for key, wrapper in _sac_cache().items():  # what this layer's forward added to the selective cache
+        for key, wrapper in sac_cache().items():  # what this layer's forward added to the selective cache
             if key not in cached_before:
                 keep(i, wrapper.val)
         cached_before.clear()
