@@ -7,14 +7,25 @@ implementation and mode), speed-up over transformers (same config and mode) and 
 GEMM FLOP/s seen in the same run). `ours_fast` = what `gattn train` runs by default: fuse_qkv(separate_params=True)
 + fused sigmoid-mul + the chunked lm_head/cross-entropy, and in compile mode the trainer's compiled decoder-layer
 graph (train/fastpath.py); `ours` = the plain reference layers and loss; transformers compiles the whole model.
+
+`--ac none,full,selective,every:2`: `ours_fast` once per activation checkpointing mode (model_setup.
+apply_activation_checkpointing, applied after the compile plan as train/parallelize.py orders them), all timed in the
+same round-robin; each row then also holds the step time over the same config and mode without checkpointing and the
+memory the forward leaves held for backward (`held_after_forward_mb`: glibc's bytes in use, mallinfo2, right after
+the forward minus right before it, measured once after the timing: saved activations, the selective cache, the
+loss's own tensors) next to the plan's count of what the layers keep plus the loss part (`plan_kept_mb`).
 Run: python bench/bench_train.py [--precision auto|bf16|fp32 --batch 16 --seq 256 --reps 5 --modes eager,compile]
      python bench/bench_train.py --hidden 768 --heads 12 --kv-heads 4 --out train_d768   (MFU at a larger shape)
+     python bench/bench_train.py --ac none,full,selective,every:2 --configs G1-elem-parity --impls ours_fast \
+         --precision fp32 --threads 1 --hidden 384 --heads 6 --kv-heads 2 --layers 6 --batch 4 --seq 512 --out train_ac
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import ctypes
+import gc
 
 import common  # (also puts src/ on the path)
 import torch
@@ -24,6 +35,8 @@ from gated_attention.fused import fuse_qkv
 from gated_attention.gates import get_gate
 from gated_attention.presets import model_config
 from gated_attention.train import fastpath
+from gated_attention.train import plan as PL
+from gated_attention.train.model_setup import apply_activation_checkpointing
 from gated_attention.train.monitors import decoder_layers
 from hf_reference import hf_from_ours
 
@@ -65,6 +78,51 @@ def make_step(model, ids, fused_loss: bool = False, forward_ctx=None, params=Non
     return step
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_in_use() -> int | None:
+    """Bytes glibc's malloc has handed out now (heap + mmap'd blocks: torch's CPU tensors), or None off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo2
+    except (OSError, AttributeError):
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def ac_step(m, ids, mode: str, ac: str, precision: str):
+    """The trainer's model for one `--ac` variant: a copy of the fast-path model `m`, compiled as compile=true does
+    (mode "compile") or eager, then checkpointed by `ac`; returns (step, model, speed plan)."""
+    mc = copy.deepcopy(m)
+    layers = decoder_layers(mc)
+    plan = fastpath.SpeedPlan(True, "true" if mode == "compile" else "false", 0, True, layers, torch.device("cpu"))
+    apply_activation_checkpointing(layers, ac)
+    return make_step(mc, ids, fused_loss=True, forward_ctx=plan.training_forward, precision=precision), mc, plan
+
+
+def held_after_forward(model, ids, plan, precision: str) -> int | None:
+    """Bytes a training forward leaves held until its backward (malloc_in_use after minus before); runs the
+    backward after, so the model's state is as before."""
+    gc.collect()
+    before = malloc_in_use()
+    with common.autocast(precision), plan.training_forward():
+        loss = model(input_ids=ids, labels=ids, use_cache=False, fused_loss=True).loss
+    after = malloc_in_use()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return None if before is None else after - before
+
+
+def plan_kept(cfg, tokens: int, precision: str, ac: str) -> int:
+    """What `gattn plan` says the forward keeps: every layer's kept bytes and the final norm / loss part."""
+    layers = sum(PL.layer_kept_bytes(cfg, i, tokens, precision, ac) for i in range(cfg.num_hidden_layers))
+    return layers + PL.activation_bytes(cfg, tokens, precision, ac)["rest"]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small", help="model preset (presets.py)")
@@ -83,6 +141,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=0, help="override num_hidden_layers (0 = preset's)")
     ap.add_argument("--heads", type=int, default=0, help="override num_attention_heads (0 = preset's)")
     ap.add_argument("--kv-heads", type=int, default=0, help="override num_key_value_heads (0 = preset's)")
+    ap.add_argument("--ac", default="none", help="comma list of activation_checkpointing modes ours_fast runs in "
+                    "(none, full, selective, every:N); more than 'none' adds the memory columns")
     common.precision_arg(ap)
     args = ap.parse_args(argv)
     prec = common.resolve_precision(args.precision)
@@ -104,9 +164,13 @@ def main(argv=None) -> dict:
     for i in impls:
         if i not in IMPLS:
             raise SystemExit(f"unknown impl {i!r}; valid: {', '.join(IMPLS)}")
+    acs = args.ac.split(",")
+    ac_rows = acs != ["none"]
+    if ac_rows:
+        torch._dynamo.config.recompile_limit = 64  # one compiled layer graph per checkpointing mode (and layer kind)
     torch.manual_seed(0)
     ids = torch.randint(0, model_config(args.preset, **shape).vocab_size, (args.batch, args.seq))
-    fns, meta = {}, {}
+    fns, meta, probes = {}, {}, {}
     for label in configs:
         gate, parity = CONFIGS[label]
         torch.manual_seed(0)
@@ -125,6 +189,16 @@ def main(argv=None) -> dict:
                 if mode == "compile" and impl not in args.compile_impls.split(","):
                     continue
                 name = f"{label}|{impl}|{mode}"
+                info = {"config": label, "gate": gate, "match_params": parity, "impl": impl, "mode": mode,
+                        "params": sum(p.numel() for p in m.parameters()), "intermediate_size": cfg.intermediate_size,
+                        "flops": train_flops(cfg, args.batch, args.seq)}
+                if impl == "ours_fast" and ac_rows:
+                    for ac in acs:
+                        step, model, plan = ac_step(m, ids, mode, ac, prec)
+                        fns[f"{name}|{ac}"], probes[f"{name}|{ac}"] = step, (model, plan)
+                        meta[f"{name}|{ac}"] = {**info, "activation_checkpointing": ac,
+                                                "plan_kept_mb": plan_kept(cfg, ids.numel(), prec, ac) / 1e6}
+                    continue
                 if mode == "compile" and impl == "ours_fast":
                     # what the trainer compiles (train/fastpath.py): one decoder-layer graph shared by every layer
                     mc = copy.deepcopy(m)
@@ -135,10 +209,7 @@ def main(argv=None) -> dict:
                     run = torch.compile(m) if mode == "compile" else m
                     fns[name] = make_step(run, ids, fused_loss=impl == "ours_fast", params=m.parameters(),
                                           precision=prec)
-                meta[name] = {"config": label, "gate": gate, "match_params": parity, "impl": impl, "mode": mode,
-                              "params": sum(p.numel() for p in m.parameters()),
-                              "intermediate_size": cfg.intermediate_size,
-                              "flops": train_flops(cfg, args.batch, args.seq)}
+                meta[name] = info
     peak_fn, peak_flops = common.matmul_peak_fn(precision=prec)
     fns["peak_gemm"] = peak_fn
     times = common.interleaved(fns, args.reps, args.warmup)
@@ -151,8 +222,16 @@ def main(argv=None) -> dict:
         rows.append({**m, "name": name, "median_s": med, "times_s": ts, "rel_iqr": common.rel_spread(ts),
                      "tokens_per_s": tokens / med,
                      "mfu": m["flops"] / med / peak})
+    for r in rows:  # after the timing: every graph is compiled, the allocator warm
+        if r["name"] in probes:
+            model, plan = probes[r["name"]]
+            held = held_after_forward(model, ids, plan, prec)
+            r["held_after_forward_mb"] = None if held is None else held / 1e6
     by = {r["name"]: r for r in rows}
     for r in rows:
+        if "activation_checkpointing" in r:
+            base = by.get(f"{r['config']}|ours_fast|{r['mode']}|none")
+            r["step_time_vs_none"] = r["median_s"] / base["median_s"] if base else None
         base = by.get(f"ungated|{r['impl']}|{r['mode']}")
         r["step_time_vs_ungated"] = r["median_s"] / base["median_s"] if base else None
         base_fast = by.get(f"ungated|ours_fast|{r['mode']}")  # the ratio the targets use: fast gated vs fast ungated
@@ -166,6 +245,10 @@ def main(argv=None) -> dict:
     path = common.write_json(args.out, result)
     print(common.md_table(rows, ["config", "impl", "mode", "median_s", "tokens_per_s", "step_time_vs_ungated",
                                  "step_time_vs_ungated_fast", "speedup_vs_hf", "mfu"]))
+    if ac_rows:
+        print(common.md_table([r for r in rows if "activation_checkpointing" in r],
+                              ["config", "mode", "activation_checkpointing", "median_s", "rel_iqr", "tokens_per_s",
+                               "step_time_vs_none", "held_after_forward_mb", "plan_kept_mb"]))
     print(f"peak {prec} GEMM: {peak / 1e9:.1f} GFLOP/s; wrote {path}")
     return result
 

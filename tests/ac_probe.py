@@ -1,29 +1,42 @@
 """What activation checkpointing keeps, measured per decoder layer: the bytes of the tensors autograd saves while each
-layer's forward runs (torch.autograd.graph.saved_tensors_hooks; parameters, sharded or gathered, excluded). Imported by
-tests/test_activation_checkpointing.py, and run under torchrun by it for FSDP2 at 2 ranks (gloo):
+layer's forward runs (torch.autograd.graph.saved_tensors_hooks) and, under `selective`, of the op outputs
+torch.utils.checkpoint's selective caching mode keeps for the recompute (found as the `_VersionWrapper` objects it
+stores them in, which autograd's hooks never see); unique storages, parameters (sharded or gathered) excluded.
+Imported by tests/test_activation_checkpointing.py, and run under torchrun by it for FSDP2 at 2 ranks (gloo):
 
     torchrun --nproc_per_node=2 tests/ac_probe.py OUT.json
 
 Each rank builds the tiny model the trainer's way (fast path, activation checkpointing, then FSDP2 per layer and at the
 root) with the layer forward compiled (aot_eager: the trainer's tracing without a C++ build) either before wrapping
-(compile=true) or after (compile=auto decides after some steps), plus eager, and writes {case: [bytes per layer]}.
+(compile=true) or after (compile=auto decides after some steps), plus eager, for every mode in MODES, and writes
+{"MODE/CASE": [bytes per layer]}.
 """
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
 import torch
+from torch.utils.checkpoint import _VersionWrapper
+
+MODES = ("none", "full", "selective", "every:2")  # what the 2-rank run measures
 
 
-def build(mode: str, preset: str = "tiny", compile_at: str | None = None, fsdp: bool = False):
+def sac_cache() -> dict[int, _VersionWrapper]:
+    """Every op output selective checkpointing holds now (its caching mode wraps each kept output), by object id."""
+    return {id(o): o for o in gc.get_objects() if type(o) is _VersionWrapper}  # not isinstance: proxies raise
+
+
+def build(mode: str, preset: str = "tiny", compile_at: str | None = None, fsdp: bool = False,
+          gate: str = "sdpa_elementwise"):
     """(model, speed plan, decoder layers): AC `mode`, compiled "before" / "after" the FSDP2 wrap or not (None)."""
     from gated_attention.train import fastpath
     from gated_attention.train.model_setup import apply_activation_checkpointing
     from gated_attention.train.monitors import decoder_layers
     from harness import tiny_lm
 
-    model = tiny_lm("sdpa_elementwise", preset=preset, eval=False, seed=0)
+    model = tiny_lm(gate, preset=preset, eval=False, seed=0)
     model.train()
     layers = decoder_layers(model)
     cfg = type("C", (), {"fast": True, "compile": "false"})()
@@ -48,22 +61,36 @@ def saved_bytes_per_layer(model, plan, layers, steps: int = 2) -> list[int]:
     current: list = [None]
     per: dict[int, dict[int, int]] = {}
     params: set[int] = set()
+    cached_before: dict = {}  # the selective cache's entries when the running layer started (held: ids stay unique)
+
+    def keep(i, t):
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                per.setdefault(i, {})[s.data_ptr()] = s.nbytes()
 
     def pre(module, args, i):
         current[0] = i
         for p in module.parameters():  # as the layer holds them now (FSDP2: gathered for this forward)
             params.add(p.untyped_storage().data_ptr())
+        cached_before.clear()
+        cached_before.update(sac_cache())
+
+    def post(module, args, out, i):
+        current[0] = None
+        for key, wrapper in sac_cache().items():  # what this layer's forward added to the selective cache
+            if key not in cached_before:
+                keep(i, wrapper.val)
+        cached_before.clear()
 
     handles = []
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: pre(m, a, i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+        handles.append(layer.register_forward_hook(lambda m, a, o, i=i: post(m, a, o, i)))
 
     def pack(t):
-        if current[0] is not None and not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                per.setdefault(current[0], {})[s.data_ptr()] = s.nbytes()
+        if current[0] is not None:
+            keep(current[0], t)
         return t
 
     ids = torch.randint(0, model.config.vocab_size, (2, 33), generator=torch.Generator().manual_seed(1))
@@ -84,7 +111,7 @@ def main() -> None:
 
     info = D.setup("cpu", "fsdp")
     result = {}
-    for mode in ("none", "full"):
+    for mode in MODES:
         for compile_at in (None, "before", "after"):
             model, plan, layers = build(mode, compile_at=compile_at, fsdp=True)
             result[f"{mode}/{compile_at or 'eager'}"] = saved_bytes_per_layer(model, plan, layers)

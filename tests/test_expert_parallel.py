@@ -77,6 +77,7 @@ LAYOUTS = {  # name: (ranks, settings, elements of the experts a rank stores / g
     "ep2": (2, ["expert_parallel=2"], 2, 2),
     "ep2-loop": (2, ["expert_parallel=2", "model.moe_impl=loop"], 2, 2),
     "ep2-efsdp2-ac": (4, ["expert_parallel=2", "activation_checkpointing=full"], 4, 2),  # experts' FSDP2 over 2 too
+    "ep2-selective": (2, ["expert_parallel=2", "activation_checkpointing=selective"], 2, 2),  # replays the all-to-all
     "hsdp2-ep2": (4, ["expert_parallel=2", "dp_replicate=2"], 2, 2),
     "hsdp2": (2, ["dp_replicate=2"], 1, 1),  # 2 replicas of a one-rank shard group: every rank holds the whole model
 }
@@ -90,7 +91,8 @@ def test_ep_forward_and_gradients_equal_one_process(tmp_path, layout):
     """Under EP each rank's logits equal the unsharded model's bit for bit (every row meets the same expert weights),
     every gradient (gathered) equals it to float summation order, the mean loss (LM + balance + z) agrees; a rank
     stores 1/(shard group) of the experts' elements and gathers only its 1/E for compute. Also with the loop path,
-    with the experts' own FSDP2 over 2 ranks under activation checkpointing (the recompute replays the all-to-all),
+    with the experts' own FSDP2 over 2 ranks under activation checkpointing (the recompute replays the all-to-all;
+    under `selective` too, which keeps the GEMM outputs but no collective's),
     with 2 replicas of an EP=2 shard group (HSDP), and HSDP alone (2 replicas: whole on each rank)."""
     nproc, sets, at_rest, gathered = LAYOUTS[layout]
     ranks = probe(tmp_path, ["model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001", *sets], nproc)

@@ -8,7 +8,7 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import replace
 from pathlib import Path
 
@@ -303,7 +303,9 @@ def test_moe_activated_matmul_counts_k_experts():
 
 def saved_bytes(cfg) -> tuple[int, object, int]:
     """Bytes of the unique non-parameter storages autograd saves in one training forward of `cfg` (the trainer's
-    model, fast path, precision and checkpointing), the model config, and the tokens it ran on."""
+    model, fast path, precision and checkpointing) and, under activation_checkpointing=selective, the op outputs its
+    cache holds (ac_probe.sac_cache), the model config, and the tokens it ran on."""
+    from ac_probe import sac_cache
     from gated_attention.train import fastpath
     from gated_attention.train.mixed_precision import MasterWeights
     from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
@@ -329,8 +331,13 @@ def saved_bytes(cfg) -> tuple[int, object, int]:
 
     b = cfg.batch_size
     x = torch.randint(0, model.config.vocab_size, (b, cfg.seq_len + 1))
+    cached_before = sac_cache()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), numerics(cfg.precision, torch.device("cpu")):
-        model(input_ids=x[:, :-1], shift_labels=x[:, 1:], fused_loss=True, use_cache=False)
+        out = model(input_ids=x[:, :-1], shift_labels=x[:, 1:], fused_loss=True, use_cache=False)
+    for key, wrapper in sac_cache().items():
+        if key not in cached_before and isinstance(wrapper.val, torch.Tensor):
+            pack(wrapper.val)
+    del out
     return sum(seen.values()), model.config, b * cfg.seq_len
 
 
@@ -349,6 +356,76 @@ def test_activation_formula_matches_what_autograd_saves(precision, model, gate):
     a = PL.activation_bytes(config, tokens, precision, "none", fused_loss=True)
     predicted = a["saved_layers"] + a["rest"]
     assert predicted == pytest.approx(counted, rel=0.10), (predicted, counted)
+
+
+@pytest.mark.parametrize("precision,checkpointing", [("fp32", "full"), ("fp32", "selective"), ("fp32", "every:2"),
+                                                     ("bf16-params", "full"), ("bf16-params", "every:2"),
+                                                     ("bf16-params", "selective")])
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("gate", ["none", "sdpa_elementwise"])
+def test_checkpointing_formula_matches_what_the_forward_keeps(precision, checkpointing, model, gate, monkeypatch):
+    """What every layer keeps from its forward under each checkpointing mode (plan.layer_kept_bytes: the input, plus
+    under `selective` the GEMM and attention outputs; every:2 of 3 layers checkpoints layers 0 and 2) and the
+    embedding/norm/loss part, against what autograd saves and the selective cache holds: within 10 %. bf16 GEMMs run
+    natively here (an AVX2-only CPU's emulation computes fp32 GEMMs, whose fp32 outputs `selective` would keep: twice
+    what a bf16 GEMM writes, which the plan models)."""
+    monkeypatch.setenv("GATTN_BF16_GEMM", "native")
+    cfg = tiny_cfg(f"precision={precision}", f"model={model}", f"gate={gate}", *SHAPE,
+                   f"activation_checkpointing={checkpointing}")
+    counted, config, tokens = saved_bytes(cfg)
+    L = config.num_hidden_layers
+    kept = sum(PL.layer_kept_bytes(config, i, tokens, precision, checkpointing) for i in range(L))
+    a = PL.activation_bytes(config, tokens, precision, checkpointing, fused_loss=True)
+    assert kept + a["rest"] == pytest.approx(counted, rel=0.10), (kept + a["rest"], counted)
+    # ... and the plan adds the largest checkpointed layer's activations: one layer is recomputed at a time
+    every = {"every:2": [0, 2]}.get(checkpointing, range(L))
+    assert PL.checkpointed_layers(config, checkpointing) == list(every)
+    largest = max(PL.layer_activation_bytes(config, i, tokens, precision)["total"] for i in every)
+    assert a["saved_layers"] == kept + largest
+
+
+def test_checkpointing_modes_equal_a_hand_computation():
+    """The tiny models (d 32, 4 x 8 query heads, 2 KV heads, FFN 64; MoE: 8 experts of width 32, top-2; 2 layers)
+    under each mode by hand: `selective` keeps per token the input d, the q/k/v projection q + 2kv, o_proj d, the
+    attention output q and its fp32 log-sum-exp H, and the FFN's GEMM outputs (2f + d; MoE: fp32 router logits E
+    and k (2I + d)); full checkpointing recomputes one forward of every layer's GEMMs (every:2: layer 0's), selective
+    none; the recompute replays an MoE layer's all-to-alls (6 passes instead of 4) under full and selective."""
+    d, q, kv, f, H, E, k, I, L, T = 32, 32, 16, 64, 4, 8, 2, 32, 2, 32
+    dense = PL.meta_model(tiny_cfg()).config
+    moe = PL.meta_model(tiny_cfg("model=tiny-moe")).config
+    assert PL.selective_layer_bytes(dense, 0, T, "fp32") == T * 4 * (d + q + 2 * kv + d + q + 2 * f + d + H)
+    assert PL.selective_layer_bytes(moe, 0, T, "fp32") == T * 4 * (d + q + 2 * kv + d + q + H + E + k * (2 * I + d))
+    assert PL.selective_layer_bytes(dense, 0, T, "bf16-params") == T * (2 * d + 4 * H + 2 * (
+        q + 2 * kv + d + q + 2 * f + d))  # bf16 stream and GEMM outputs, fp32 log-sum-exp
+    assert PL.selective_layer_bytes(moe, 1, T, "bf16") == T * (4 * d + 4 * H + 4 * E + 2 * (
+        q + 2 * kv + d + q + k * (2 * I + d)))  # autocast: fp32 stream and router, bf16 GEMM outputs
+    assert PL.layer_kept_bytes(dense, 0, T, "fp32", "full") == T * d * 4
+    whole = PL.layer_activation_bytes(dense, 1, T, "fp32")["total"]
+    assert PL.layer_kept_bytes(dense, 1, T, "fp32", "every:2") == whole  # layer 1 is not checkpointed
+    assert [PL.recompute_share(dense, m) for m in ("none", "full", "selective", "every:2")] == [0, 1, 0, 0.5]
+    for mode, extra in (("none", 0), ("full", 1), ("selective", 0), ("every:2", 0.5)):
+        p = PL.plan(tiny_cfg(f"activation_checkpointing={mode}"), gpus=1, device="cpu")
+        fl = PL.flops_per_token(dense, PL.sizes(PL.meta_model(tiny_cfg()))["matmul_activated"], T)
+        assert p["hardware_flops_per_token"] == p["flops_per_token"] + round(extra * fl["forward"]), mode
+    a2a = lambda mode: PL.all_to_all_bytes(moe, tokens=T, precision="fp32", ep=2, checkpointing=mode)  # noqa: E731
+    one_pass = L * T * k * d * 4 / 2
+    assert [a2a(m) / one_pass for m in ("none", "full", "selective", "every:2")] == [4, 6, 6, 5]
+
+
+def test_checkpointing_modes_order_the_paper_presets_activations():
+    """At the 28-layer dense preset (micro-batch 4 x 4096, bf16-params, 8 GPUs): none > every:2 > selective > full,
+    and on the command line (`gattn plan --activation-checkpointing`), which refuses a bad form with the fix."""
+    dense = train_preset("paper-dense-28l")
+    act = {m: PL.plan(dense, gpus=8, micro_batch=4, activation_checkpointing=m)["memory_per_gpu_gb"]["activations"]
+           for m in ("none", "every:2", "selective", "full")}
+    assert act["none"] > act["every:2"] > act["selective"] > act["full"], act
+    p = plan_json("--preset", "paper-dense-28l", "--activation-checkpointing", "selective", "--micro-batch", "4")
+    assert p["settings"]["activation_checkpointing"] == "selective"
+    assert p["memory_per_gpu_gb"]["activations"] == pytest.approx(act["selective"])
+    err = io.StringIO()
+    with pytest.raises(SystemExit), redirect_stderr(err):
+        cli.main(["plan", "--preset", "paper-dense-28l", "--activation-checkpointing", "every:1"])
+    assert "'every:1': N must be at least 2" in err.getvalue()
 
 
 def test_fits_and_does_not_fit():

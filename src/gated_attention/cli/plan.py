@@ -8,6 +8,17 @@ from ..util import errors as E
 from ..util import precision as P
 
 
+def checkpointing_arg(text: str) -> str:
+    """argparse type of --activation-checkpointing: a value config.checkpointing_mode accepts."""
+    from ..train.config import checkpointing_mode
+
+    try:
+        checkpointing_mode(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def configure_plan(parser: argparse.ArgumentParser) -> None:
     from ..train.config import ACTIVATION_CHECKPOINTING
     from ..train.train_presets import TRAIN_PRESETS
@@ -32,8 +43,11 @@ def configure_plan(parser: argparse.ArgumentParser) -> None:
                              "one node reaches several times more): the communication time per step that `days` "
                              "includes")
     parser.add_argument("--dist", choices=("ddp", "fsdp"), default=None, help="default: the preset's")
-    parser.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default=None,
-                        help="default: the preset's")
+    parser.add_argument("--activation-checkpointing", type=checkpointing_arg, default=None,
+                        metavar="|".join(ACTIVATION_CHECKPOINTING),
+                        help="none; full (each layer keeps only its input, recomputes itself in backward); selective "
+                             "(each layer keeps its GEMM and attention outputs, recomputes norms, RoPE, gates and "
+                             "activations); every:N (full on layers 0, N, 2N, ...); default: the preset's")
     parser.add_argument("--seq-len", type=E.positive_int, default=None, metavar="L", help="default: the preset's")
     parser.add_argument("--micro-batch", type=E.positive_int, default=None, metavar="B",
                         help="sequences per GPU per forward (grad_accum follows); default: the preset's")

@@ -17,7 +17,7 @@ from ..util.io import renamed
 
 TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.apply_trainable)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
-ACTIVATION_CHECKPOINTING = ("none", "full")  # train.model_setup.apply_activation_checkpointing
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "every:N")  # train.model_setup.apply_activation_checkpointing
 ACCUM_GRADS = ("sharded", "auto")  # train.dist.unsharded_accumulation
 RESHARD_AFTER_FORWARD = ("default", "always", "never")  # train.fsdp_policy (torchtitan's policy names)
 SAMPLERS = ("random", "epoch")  # corpus batch samplers (train.data_source.CorpusSource)
@@ -33,7 +33,6 @@ CHOICES = {  # setting -> (its allowed values, the hint of its error)
     "accum_grads": (ACCUM_GRADS, f"use one of {', '.join(ACCUM_GRADS)}"),
     "reshard_after_forward": (RESHARD_AFTER_FORWARD, f"use one of {', '.join(RESHARD_AFTER_FORWARD)}"),
     "device": (("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
-    "activation_checkpointing": (ACTIVATION_CHECKPOINTING, f"use one of {', '.join(ACTIVATION_CHECKPOINTING)}"),
 }
 RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 # settings stored under an older name (train_config.json, a lab's lab.json): old -> new, or None for a retired one
@@ -103,7 +102,9 @@ class TrainConfig:
     dp_replicate: int = 1  # dist=fsdp: R replicas of the model (HSDP): sharded within groups of world / R ranks,
     # replicated across the R groups (gradient shards all-reduced between them); 1 = plain FSDP over every rank
     activation_checkpointing: str = "none"  # "full": each decoder layer keeps only its input and recomputes itself in
-    # backward (activations: one (B, T, d) tensor per layer + one layer's worth, for ~1/3 more compute; docs/scale.md)
+    # backward (activations: one (B, T, d) tensor per layer + one layer's worth, for ~1/3 more compute); "selective":
+    # each layer keeps its GEMM and attention outputs and recomputes only the cheap ops between them (norms, RoPE,
+    # gates, SwiGLU); "every:N": "full" on every N-th layer (0, N, 2N, ...), the others keep everything (docs/scale.md)
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
     # --- monitoring
     eval_every: int = 0  # per-domain validation every N steps (0 = only at the end)
@@ -147,6 +148,7 @@ class TrainConfig:
         for key, (allowed, hint) in CHOICES.items():
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{key}={getattr(self, key)!r}; {hint}")
+        checkpointing_mode(self.activation_checkpointing)
         P.check(self.precision)
         self.compile = compile_choice(self.compile)  # also accepts the bools older train_config.json files hold
         self.keep_gathered = keep_choice(self.keep_gathered)  # a JSON true / false too
@@ -236,6 +238,23 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown TrainConfig keys {unknown}; valid: {sorted(names)}")
         return cls(**d)
+
+
+def checkpointing_mode(value) -> tuple[str, int]:
+    """An `activation_checkpointing` setting as (kind, every): "none" -> ("none", 0), "full" -> ("full", 1),
+    "selective" -> ("selective", 1), "every:N" -> ("full", N) (layers 0, N, 2N, ... checkpointed). ValueError with the
+    valid forms otherwise."""
+    hint = ("use 'none', 'full', 'selective' (keep GEMM and attention outputs, recompute the rest) or 'every:N' "
+            "(full checkpointing of every N-th layer, N >= 2)")
+    if value in ("none", "full", "selective"):
+        return value, 0 if value == "none" else 1
+    m = re.fullmatch(r"every:(\d+)", value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"activation_checkpointing={value!r}; {hint}")
+    if int(m.group(1)) < 2:
+        raise ValueError(f"activation_checkpointing={value!r}: N must be at least 2 ('full' checkpoints every layer); "
+                         f"{hint}")
+    return "full", int(m.group(1))
 
 
 def check_mesh(world_size: int, dp_replicate: int, expert_parallel: int, dist: str) -> None:

@@ -15,7 +15,9 @@ the compiled function calls the layer's class forward as it is at call time, i.e
 activation checkpointing the one that checkpoints (transformers' GradientCheckpointingLayer checkpoints only from the
 outermost `forward`, and FSDP2's `fully_shard` subclasses the layer, adding one), so the checkpoint is traced into
 the layer's graph whether compile starts before or after wrapping (torchtitan's order too: checkpoint, then compile
-each block, then shard); FSDP2's hooks stay outside, in `__call__`.
+each block, then shard); FSDP2's hooks stay outside, in `__call__`. Under `activation_checkpointing=selective` the
+checkpoint's per-op policy is traced with it (the graph's partitioner keeps the outputs the policy names); under
+`every:N` checkpointed and plain layers are two graphs (the graph guards on the layer's checkpointing flag).
 evaluation, the stats probe and analysis run the same layers eagerly, so their hooks and no_grad never trigger a
 recompile. Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
 

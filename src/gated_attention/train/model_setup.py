@@ -7,10 +7,10 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..modeling import set_exact_checkpointing
-from .config import TrainConfig
+from .config import TrainConfig, checkpointing_mode
 
 
 def build_model_config(cfg: TrainConfig, vocab_size: int | None = None):
@@ -120,26 +120,54 @@ def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def _aten_ops(*names: str) -> frozenset:
+    """The default overloads of the aten ops named that this torch build has (the attention kernels differ by build)."""
+    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+
+
+# What `selective` keeps: the outputs of the GEMMs (the fused q/k/v/gate projection, o_proj, the SwiGLU's and the
+# experts' projections, the router) and of the attention kernel (its output and log-sum-exp). Everything between them
+# (RMSNorm, QK-norm, RoPE, the gate's sigmoid and product, SiLU and the SwiGLU product, reshapes, casts, the MoE
+# sort/gather) is recomputed in backward from these: cheap elementwise work, ~half the bytes `none` keeps per layer.
+SELECTIVE_SAVES = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm",
+                            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+def selective_policy(ctx, op, *args, **kwargs):
+    """torch.utils.checkpoint's per-op policy of `selective` (SELECTIVE_SAVES kept, the rest recomputed)."""
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# a plain partial of a torch function and a module function: torch.compile traces a checkpoint only with such a
+# context_fn (it guards on it as a constant), and the compiled graph's partitioner then saves what the policy says
+selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+
+
 def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
-    """`mode="full"`: every decoder layer in `layers` keeps only its inputs in forward and recomputes itself in
-    backward (torch.utils.checkpoint, non-reentrant); "none" leaves them as they are. Returns how many layers now
-    checkpoint.
+    """Checkpoint the decoder layers in `layers` by `mode` (config.checkpointing_mode): "full" every layer keeps only
+    its inputs in forward and recomputes itself in backward (torch.utils.checkpoint, non-reentrant); "every:N" the
+    same for layers 0, N, 2N, ... only; "selective" every layer keeps its GEMM and attention outputs too
+    (SELECTIVE_SAVES, torch.utils.checkpoint's selective contexts) and recomputes the rest; "none" leaves them as they
+    are. Returns how many layers now checkpoint.
 
     The hook is the decoder layer's own (transformers' GradientCheckpointingLayer, documented there: a
     `gradient_checkpointing` flag and the checkpoint function `_gradient_checkpointing_func`): it checkpoints the
     layer's `forward` only in training mode with grad enabled, so FSDP2's module hooks stay outside the recomputed
     region (apply before `fully_shard`), evaluation and no-grad probes run unchanged, and the trainer's compiled layer
     forward (train/fastpath.py: it calls the outermost checkpointing forward) traces the checkpoint into its graph.
-    The numbers equal "none": the recompute replays the forward exactly (`modeling.exact_checkpoint`: the same bf16
-    GEMM emulation, the MoE blocks' recorded routing and global-batch counts)."""
+    The numbers equal "none" in every mode: the recompute replays the forward exactly (`modeling.exact_checkpoint`:
+    the same bf16 GEMM emulation, the MoE blocks' recorded routing and global-batch counts; under `selective` the
+    kept outputs are the forward's own tensors)."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    if mode == "none":
+    kind, every = checkpointing_mode(mode)
+    if kind == "none":
         return 0
-    if mode != "full":
-        raise ValueError(f"activation_checkpointing={mode!r}; use 'none' or 'full'")
     if not layers or not all(isinstance(layer, GradientCheckpointingLayer) for layer in layers):
-        raise ValueError("activation_checkpointing=full needs the model's decoder layers (GatedQwen3DecoderLayer, or "
-                         "any transformers GradientCheckpointingLayer); use --set activation_checkpointing=none")
-    set_exact_checkpointing(layers, functools.partial(checkpoint, use_reentrant=False))
-    return len(layers)
+        raise ValueError(f"activation_checkpointing={mode} needs the model's decoder layers (GatedQwen3DecoderLayer, "
+                         "or any transformers GradientCheckpointingLayer); use --set activation_checkpointing=none")
+    extra = {"context_fn": selective_contexts} if kind == "selective" else {}
+    chosen = layers[::every]
+    set_exact_checkpointing(chosen, functools.partial(checkpoint, use_reentrant=False, **extra))
+    return len(chosen)

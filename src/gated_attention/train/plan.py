@@ -5,8 +5,9 @@
     each MoE layer in place of all E (presets.param_report's convention, which the test checks it against);
   - flops_per_token: MODEL FLOPs of one training token, 6 x activated matmul parameters (every Linear including the
     lm_head, the router, k experts) + causal attention 6 * L * H * D * (T + 1) (the QK^T and AV products over the
-    average (T+1)/2 keys, forward + 2x backward) - bench/bench_train.py's `train_flops` count. Activation
-    checkpointing recomputes the layers' forward once more: `hardware_flops_per_token` counts that too, MFU does not;
+    average (T+1)/2 keys, forward + 2x backward) - bench/bench_train.py's `train_flops` count. Full
+    activation checkpointing recomputes the layers' forward once more (every:N: the checkpointed layers'; selective:
+    no GEMM): `hardware_flops_per_token` counts that too, MFU does not;
   - memory_per_gpu_gb by part, in GB (1e9 bytes), per rank:
       params      the stored weights: fp32 (4 B); bf16-params in one process adds the bf16 compute copy (2 B,
                   train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters); with
@@ -21,8 +22,10 @@
       optimizer   AdamW's two fp32 moments (8 B per trainable parameter, / N under FSDP2);
       activations what the forward saves for backward for one micro-batch of micro_batch x seq_len tokens, plus one
                   layer's worth of backward working memory (the formula: `activation_bytes`, calibrated against the
-                  tensors autograd actually saves - tests/test_plan.py counts them); with activation checkpointing
-                  every layer keeps only its input and one layer is recomputed at a time;
+                  tensors autograd actually saves - tests/test_plan.py counts them); with full activation
+                  checkpointing every layer keeps only its input (every:N: every N-th layer), with selective its
+                  input and its GEMM and attention outputs (`selective_layer_bytes`), and one layer is recomputed
+                  at a time;
       buffers     communication buffers: FSDP2's unsharded parameters in the compute dtype (the root group -
                   embeddings, final norm, head - for the whole step and its gradient, plus the decoder layers the
                   gather policy holds gathered at once, train.fsdp_policy.peak_gathered_layers: the current and the
@@ -82,7 +85,7 @@ import torch
 from torch import nn
 
 from . import fsdp_policy as FP
-from .config import TrainConfig, accum_for
+from .config import TrainConfig, accum_for, checkpointing_mode
 from .dist import unsharded_accumulation
 
 GB = 1e9
@@ -230,24 +233,74 @@ def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, 
     return {"per_token": per_token, "tokens": tokens, "weights": weights, "total": per_token * tokens + weights}
 
 
+def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str) -> int:
+    """What decoder layer `layer_idx` keeps under `activation_checkpointing=selective` (model_setup.SELECTIVE_SAVES)
+    over `tokens` tokens: its input (the residual stream's dtype) and the outputs of its GEMMs and attention kernel,
+    per token: the fused q/k/v(/G1 gate) projection q + 2kv + g, o_proj d, the attention output q and its fp32
+    log-sum-exp H, then the SwiGLU's gate, up and down projections 2f + d, or an MoE layer's fp32 router logits E and
+    per routed slot the experts' gate/up and down projections k (2I + d) (a shared expert: 2s + d + 1 more). GEMM and
+    attention outputs are in the compute dtype (fp32, or bf16 as a GPU writes them; the bf16 GEMM emulation of
+    AVX2-only CPUs keeps its fp32 GEMM outputs instead, twice that)."""
+    d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    q, kv = H * D, KV * D
+    stream = 2 if precision == "bf16-params" else 4  # the residual stream: bf16 only under bf16-params
+    ab = 4 if precision == "fp32" else 2  # GEMM and attention outputs
+    elements = (q + 2 * kv + _gate_width(config)) + d + q  # projections, o_proj, attention output
+    per_token = stream * d + 4 * H  # the input, the fp32 log-sum-exp
+    if config.is_moe_layer(layer_idx):
+        k, I = config.num_experts_per_tok, config.moe_intermediate_size
+        s = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+        elements += k * (2 * I + d) + (2 * s + d + 1 if s else 0)
+        per_token += 4 * config.num_experts  # the router GEMM runs in fp32
+    else:
+        elements += 2 * config.intermediate_size + d
+    return (per_token + ab * elements) * tokens
+
+
+def checkpointed_layers(config, checkpointing: str) -> list[int]:
+    """The decoder layers `checkpointing` recomputes in backward (config.checkpointing_mode): all of them under
+    "full" and "selective", layers 0, N, 2N, ... under "every:N", none under "none"."""
+    kind, every = checkpointing_mode(checkpointing)
+    return [] if kind == "none" else list(range(0, config.num_hidden_layers, every))
+
+
 def activation_bytes(config, tokens: int, precision: str, checkpointing: str, fused_loss: bool = True) -> dict:
-    """Saved activations of a micro-batch of `tokens` tokens: `saved_layers` (every layer; with checkpointing only
-    each layer's input, in the residual stream's dtype, plus the one layer being recomputed), `rest` (the final norm
-    and the loss: the fused loss computes its gradients in the forward and keeps its fp32 (V, d) head gradient; the
-    plain loss keeps fp32 logits), and `working`: the backward's own memory, estimated as one layer's activations and
-    two gradients of the residual stream."""
+    """Saved activations of a micro-batch of `tokens` tokens: `saved_layers` (what every layer keeps through the
+    forward, `layer_kept_bytes`, plus, under checkpointing, the largest checkpointed layer's activations: one layer
+    is recomputed at a time), `rest` (the final norm and the loss: the fused loss computes its gradients in the
+    forward and keeps its fp32 (V, d) head gradient; the plain loss keeps fp32 logits), and `working`: the backward's
+    own memory, estimated as one layer's activations and two gradients of the residual stream."""
     L, d, V, D = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.head_dim
     layers = [layer_activation_bytes(config, i, tokens, precision, fused_loss)["total"] for i in range(L)]
-    stream = 2 if precision == "bf16-params" else 4  # the residual stream: bf16 only under bf16-params
-    if checkpointing == "full":
-        saved = L * tokens * d * stream + max(layers)
-    else:
-        saved = sum(layers)
+    recomputed = checkpointed_layers(config, checkpointing)
+    saved = sum(layer_kept_bytes(config, i, tokens, precision, checkpointing, fused_loss) for i in range(L))
+    saved += max((layers[i] for i in recomputed), default=0)
     cd, cD = REST_COEF[precision]
     rest = tokens * (cd * d + cD * D + 12)
     rest += V * d * 4 if fused_loss else tokens * (4 * V + 8)
     working = max(layers) + 2 * tokens * d * 4
     return {"saved_layers": saved, "rest": rest, "working": working, "total": saved + rest + working}
+
+
+def layer_kept_bytes(config, layer_idx: int, tokens: int, precision: str, checkpointing: str,
+                     fused_loss: bool = True) -> int:
+    """What decoder layer `layer_idx` keeps from its forward until its backward under `checkpointing`: everything
+    it saves (`layer_activation_bytes`) when it is not checkpointed, its input alone (the residual stream's dtype)
+    under full checkpointing, its input and GEMM / attention outputs under "selective" (`selective_layer_bytes`)."""
+    if layer_idx not in checkpointed_layers(config, checkpointing):
+        return layer_activation_bytes(config, layer_idx, tokens, precision, fused_loss)["total"]
+    if checkpointing_mode(checkpointing)[0] == "selective":
+        return selective_layer_bytes(config, layer_idx, tokens, precision)
+    return tokens * config.hidden_size * (2 if precision == "bf16-params" else 4)
+
+
+def recompute_share(config, checkpointing: str) -> float:
+    """The share of the layers' forward GEMM FLOPs the backward runs again: 1 under "full", the checkpointed
+    layers' share under "every:N", 0 under "selective" (it keeps every GEMM's output; what it recomputes, norms,
+    RoPE, gates and activations, are not counted in FLOPs) and "none"."""
+    if checkpointing_mode(checkpointing)[0] == "selective":
+        return 0.0
+    return len(checkpointed_layers(config, checkpointing)) / config.num_hidden_layers
 
 
 # ---------------------------------------------------------------- the plan
@@ -325,10 +378,11 @@ def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpoint
     checkpointing recomputes the forward; (ep - 1) / ep of the rows leave the rank under balanced routing."""
     if ep <= 1 or not config.num_experts:
         return 0.0
-    moe = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    moe = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    replayed = set(checkpointed_layers(config, checkpointing))  # "selective" too: it keeps no collective's output
     ab = 4 if precision == "fp32" else 2  # the activations' dtype (bf16 under autocast and bf16-params)
-    passes = 4 + (2 if checkpointing == "full" else 0)
-    return moe * tokens * config.num_experts_per_tok * config.hidden_size * ab * passes * (ep - 1) / ep
+    passes = sum(4 + (2 if i in replayed else 0) for i in moe)
+    return tokens * config.num_experts_per_tok * config.hidden_size * ab * passes * (ep - 1) / ep
 
 
 def comm_per_step(sz: dict, *, world: int, dist: str, precision: str, grad_accum: int,
@@ -411,7 +465,7 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     _step_time(comm, step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus))
     tokens_per_s = step_tokens / comm["step_seconds"]
     budget = cfg.steps * cfg.batch_size * cfg.seq_len
-    hardware = fl["model"] + (fl["forward"] if cfg.activation_checkpointing == "full" else 0)
+    hardware = fl["model"] + round(fl["forward"] * recompute_share(config, cfg.activation_checkpointing))
     return {"params_total": sz["total"], "params_activated": sz["activated"], "flops_per_token": fl["model"],
             "memory_per_gpu_gb": mem, "fits": mem["total"] <= gpu_memory_gb, "tokens_per_s": tokens_per_s,
             "days": budget / tokens_per_s / 86400,
