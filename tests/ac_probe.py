@@ -71,6 +71,7 @@ def saved_bytes_per_layer(model, plan, layers, steps: int = 2) -> list[int]:
 
     def pre(module, args, i):
         current[0] = i
+        params.clear()  # FSDP2 frees a layer's gathered weights after its forward: their addresses get reused
         for p in module.parameters():  # as the layer holds them now (FSDP2: gathered for this forward)
             params.add(p.untyped_storage().data_ptr())
         cached_before.clear()

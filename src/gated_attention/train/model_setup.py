@@ -7,7 +7,8 @@ import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, _CachedTorchDispatchMode, checkpoint,
+                                    create_selective_checkpoint_contexts)
 
 from ..modeling import set_exact_checkpointing
 from .config import TrainConfig, checkpointing_mode
@@ -139,9 +140,26 @@ def selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# a plain partial of a torch function and a module function: torch.compile traces a checkpoint only with such a
-# context_fn (it guards on it as a constant), and the compiled graph's partitioner then saves what the policy says
-selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
+class _RecomputeUnsaved(_CachedTorchDispatchMode):
+    """The recompute's side of `selective`: the kept outputs are handed back in their forward order (torch's
+    cached mode, which checks each against the forward's), every other op simply runs again. torch's own mode also
+    wants the other ops in the forward's count, which module hooks inside a layer break without changing the math:
+    under expert parallelism the experts' own FSDP2 group opens one more profiler range (FSDP::root_pre_forward, a
+    dispatcher op) when it runs inside backward, and torch's mode raised there (tests/test_expert_parallel.py's
+    ep2-selective). torch's private class, as xformers subclasses it; torch is pinned."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in SELECTIVE_SAVES:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def selective_contexts():
+    """`selective`'s context_fn of torch.utils.checkpoint: torch's caching mode in forward (the policy above), the
+    recompute in _RecomputeUnsaved. A module function: torch.compile traces a checkpoint with it (the compiled graph's
+    partitioner then keeps what the policy says; neither mode runs there)."""
+    caching, _ = create_selective_checkpoint_contexts(selective_policy)
+    return caching, _RecomputeUnsaved(None, caching.storage)
 
 
 def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
