@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from gated_attention.moe import (
     SparseMoeBlock, collect_aux_loss, moe_stats, reset_moe_balance,
 )
+from gated_attention.util.bf16_emulation import emulated_bf16
 from harness import assert_modules_match, stock_config, stock_lm, tiny_lm
 
 
@@ -65,6 +66,22 @@ def test_grouped_matches_loop_bf16():
     fast.to(torch.bfloat16)
     # Different summation order of the k expert outputs: bf16 rounding (8 mantissa bits) differs slightly.
     assert_modules_match(fast, ref, block_loss, [torch.randn(2, 16, 32).to(torch.bfloat16)], rtol=2e-2, atol=2e-2)
+
+
+def test_grouped_matches_loop_under_emulated_bf16_autocast():
+    """precision=bf16 on an AVX2-only CPU: fp32 weights under CPU bf16 autocast with the bf16 GEMM emulation
+    (util/bf16_emulation.py), whose grouped GEMMs multiply bf16 casts of the fp32 rows and experts: forward and
+    gradients equal the loop's. (The grouped backward multiplied the bf16 output gradient by the fp32 experts and
+    failed: a precision=bf16 MoE run on such a CPU died in its first backward.)"""
+    ref, fast = block_pair()
+    fast.use_grouped_mm = True
+
+    def run(block, x):
+        with emulated_bf16(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return block_loss(block, x)
+
+    _, (_, g_r, _) = assert_modules_match(fast, ref, run, [torch.randn(2, 16, 32)], rtol=2e-2, atol=2e-2)
+    assert g_r["experts.gate_up_proj"].dtype == torch.float32 and g_r["experts.down_proj"].abs().sum() > 0
 
 
 def dense_reference(block, x):

@@ -167,14 +167,17 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # In the output's dtype, each gradient returned in its input's: under bf16 autocast the forward's GEMM ran on
+        # bf16 casts of fp32 x and w (the CPU emulation casts them), so grad_out is bf16 while x and w are fp32.
         x, w, offs = ctx.saved_tensors
         grad_out = grad_out.contiguous()
+        dt = grad_out.dtype
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch._grouped_mm(grad_out, w.transpose(1, 2), offs=offs)  # (N, K)
+            grad_x = torch._grouped_mm(grad_out, w.to(dt).transpose(1, 2), offs=offs).to(x.dtype)  # (N, K)
         if ctx.needs_input_grad[1]:
             # 2-D x 2-D form: the shared (row) dimension is split by offs, giving one (K, M) block per group.
-            grad_w = torch._grouped_mm(x.t(), grad_out, offs=offs)  # (G, K, M)
+            grad_w = torch._grouped_mm(x.to(dt).t(), grad_out, offs=offs).to(w.dtype)  # (G, K, M)
         return grad_x, grad_w, None
 
 
