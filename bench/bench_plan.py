@@ -116,6 +116,7 @@ def run_rank(args) -> int:
            "tokens_per_s": tok_s, "gpu_tflops": tflops,
            "mfu": tok_s * predicted["flops_per_token"] / (world * tflops * 1e12) if tflops else None,
            "wall_s": wall, "load_end": load1(), "plan": predicted, "save_s": timings["save_s"],
+           "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
            "checkpoint_format": "dcp" if cfg.dist == "fsdp" else "full state dict",
            "checkpoint_mb": sum(f.stat().st_size for f in (out / "run" / "checkpoints").rglob("*") if f.is_file()) / 1e6}
     if rank == 0 and device.type == "cuda":  # the plan's own prediction of this speed at the measured MFU
@@ -171,15 +172,20 @@ def validate(args) -> int:
                        "sh", "-c", timed]
             before = load1()
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+            if args.mmap_threshold is not None:  # glibc reads it at start-up: fixed, no longer dynamic
+                env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
             print(f"== {mode} ac={ac}: {' '.join(cmd)}", flush=True)
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode:
                 print(p.stdout[-2000:], p.stderr[-4000:], file=sys.stderr)
                 return 1
             print("\n".join(x for x in p.stdout.splitlines() if x.startswith("bench_plan:")), flush=True)
-            again = subprocess.run([c.replace(f"{timed}", f"{shlex.join(me)} --resume") for c in cmd], env=env,
-                                   capture_output=True, text=True)  # the finished run resumed: the restore's time
-            if again.returncode:
+            if not args.restore:
+                again = None
+            else:
+                again = subprocess.run([c.replace(f"{timed}", f"{shlex.join(me)} --resume") for c in cmd], env=env,
+                                       capture_output=True, text=True)  # the finished run resumed: the restore's time
+            if again is not None and again.returncode:
                 print(again.stdout[-2000:], again.stderr[-4000:], file=sys.stderr)
                 return 1
             ranks = sorted(out.glob("rank*.json"))
@@ -189,7 +195,8 @@ def validate(args) -> int:
                 rec["peak_rss_time_gb"] = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)",
                                                         text).group(1)) * 1024 / 1e9
                 rec["load_before"], rec["mode"] = before, mode
-                rec["restore_s"] = json.loads((out / f"resume_rank{rec['rank']}.json").read_text())["restore_s"]
+                rec["restore_s"] = (json.loads((out / f"resume_rank{rec['rank']}.json").read_text())["restore_s"]
+                                    if args.restore else None)
                 rows.append(rec)
     cfg = config_from_args("small", None, validate_sets(args, "1proc", "none")[1::2], None)
     p1 = plan(cfg, gpus=1, precision=args.precision, device="cpu")
@@ -208,7 +215,7 @@ def validate(args) -> int:
         print(f"{r['mode']:<6} {r['activation_checkpointing']:<5} {r['rank']:>4}  {m['total']:7.2f}  "
               f"{m['total'] - m['overhead'] + r['baseline_rss_gb']:9.2f}  {r['peak_rss_train_gb']:14.2f}  "
               f"{r['peak_rss_time_gb']:14.2f}  {r['baseline_rss_gb']:8.2f}  {r['tokens_per_s']:5.0f}  "
-              f"{r['save_s'][-1]:6.2f}  {r['restore_s']:9.2f}  {r['checkpoint_mb']:7.0f}  "
+              f"{r['save_s'][-1]:6.2f}  {r['restore_s'] or float('nan'):9.2f}  {r['checkpoint_mb']:7.0f}  "
               f"{r['load_before']:.2f}->{r['load_end']:.2f}")
     print(f"FLOPs/token: plan {flops['plan_flops_per_token']:.4g}, bench_train {flops['bench_train_flops_per_token']:.4g}"
           f"; wrote {path}")
@@ -238,6 +245,13 @@ def main() -> int:
     from gated_attention.util.precision import add_argument as precision_argument
     precision_argument(v, default="fp32", what="numerics of the validated runs",
                        choices=("fp32", "bf16", "bf16-params"))
+    v.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="glibc's mmap threshold for every rank (MALLOC_MMAP_THRESHOLD_): fixed, every block of at "
+                        "least BYTES is its own mapping, returned to the system when freed, so the peak RSS is what "
+                        "the process held at once; by default glibc raises the threshold to the largest block freed "
+                        "(up to 32 MiB) and keeps smaller freed blocks in its heaps")
+    v.add_argument("--no-restore", dest="restore", action="store_false",
+                   help="skip resuming each finished run to time the restore (one launch less per row)")
     v.add_argument("--modes", default="1proc,ddp,fsdp")
     v.add_argument("--ac", default="none")
     v.add_argument("--scratch", default=str(ROOT / "runs" / "bench_plan"))

@@ -93,7 +93,7 @@ from .plan_activations import (  # noqa: F401 - the activation model, re-exporte
 
 GB = 1e9
 GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB), NCCL buffers and caching-allocator slack per GPU
-CPU_OVERHEAD_GB = 0.6  # a rank's RSS after importing torch + transformers + this package (measured: docs/scale.md)
+CPU_OVERHEAD_GB = 0.5  # a rank's RSS after importing torch + transformers + this package (0.47-0.48 GB, docs/scale.md)
 DEFAULTS = {"gpus": 8, "gpu_memory_gb": 80.0, "gpu_tflops": 989.0, "mfu": 0.4,  # one 8 x H100-80GB node, dense bf16
             "bandwidth_gbs": 50.0}  # a collective's bus bandwidth per GPU: one 400 Gb/s NIC (across nodes)
 JSON_KEYS = ("params_total", "params_activated", "flops_per_token", "memory_per_gpu_gb", "fits", "tokens_per_s",
