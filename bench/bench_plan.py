@@ -10,6 +10,7 @@ prediction for the same setting, and the plan's FLOPs per token next to bench_tr
   validate  the CPU validation table (docs/scale.md): a >= 200M-parameter model trained a few steps in one process,
             DDP x2 and FSDP x2 (gloo), each rank under GNU `/usr/bin/time -v` (its whole-process peak RSS, final
             checkpoint and export included); /proc/loadavg before and after every run -> bench/results/<--out>.json
+  table     validate's result files as the markdown table of docs/scale.md (plan total / measured peak RSS per row)
 
 Run: python bench/bench_plan.py validate [--layers 12 --hidden 1024 --ffn 4096 --seq 1024 --steps 3
                                           --precision fp32 --modes 1proc,ddp,fsdp --ac none --out plan_check]
@@ -150,7 +151,6 @@ def validate_sets(args, mode: str, ac: str) -> list[str]:
 
 def validate(args) -> int:
     from gated_attention.train.overrides import config_from_args
-    from gated_attention.train.plan import plan
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_train import train_flops
@@ -198,15 +198,15 @@ def validate(args) -> int:
                 rec["restore_s"] = (json.loads((out / f"resume_rank{rec['rank']}.json").read_text())["restore_s"]
                                     if args.restore else None)
                 rows.append(rec)
-    cfg = config_from_args("small", None, validate_sets(args, "1proc", "none")[1::2], None)
-    p1 = plan(cfg, gpus=1, precision=args.precision, device="cpu")
+    # the model's size and FLOPs from the first row's plan (a layout like expert_parallel=2 has no one-process plan)
+    cfg = config_from_args("small", None, validate_sets(args, "fsdp", "none")[1::2], None)
     from gated_attention.train.plan import meta_model
 
     config = meta_model(cfg).config
-    flops = {"plan_flops_per_token": p1["flops_per_token"],
+    flops = {"plan_flops_per_token": rows[0]["plan"]["flops_per_token"],
              "bench_train_flops_per_token": train_flops(config, 1, args.seq) / args.seq}
-    result = {"machine": common.machine(), "args": vars(args), "flops": flops, "params_total": p1["params_total"],
-              "rows": rows}
+    result = {"machine": common.machine(), "args": vars(args), "flops": flops,
+              "params_total": rows[0]["plan"]["params_total"], "rows": rows}
     path = common.write_json(args.out, result)
     print(f"{'mode':<6} {'ac':<5} rank  plan GB  (+runtime)  peak@last step  peak (time -v)  baseline  tok/s  "
           f"save s  restore s  ckpt MB  load")
@@ -219,6 +219,47 @@ def validate(args) -> int:
               f"{r['load_before']:.2f}->{r['load_end']:.2f}")
     print(f"FLOPs/token: plan {flops['plan_flops_per_token']:.4g}, bench_train {flops['bench_train_flops_per_token']:.4g}"
           f"; wrote {path}")
+    return 0
+
+
+# ---------------------------------------------------------------- table (docs/scale.md)
+
+TABLE_SETS = ("compile", "expert_parallel", "dp_replicate", "keep_gathered", "reshard_after_forward", "fsdp_prefetch",
+              "stats_every")  # the --set values a row names (the model.* ones name the model instead)
+
+
+def table(args) -> int:
+    """validate's JSON files as one markdown table: a row per (file, mode, AC), the ranks side by side, the plan's
+    total over the measured peak RSS at the last training step."""
+    print("| model | precision | ranks | settings | AC | plan total (GB) | peak RSS, last step (GB) | plan / measured "
+          "| tokens/s | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    worst = []
+    for name in args.files:
+        d = json.loads(Path(name).read_text())
+        a = d["args"]
+        sets = dict(kv.split("=", 1) for kv in a["sets"])
+        model = (f"MoE {sets['model.num_experts']}e top-{sets['model.num_experts_per_tok']}"
+                 if "model.num_experts" in sets else "dense") + f", {d['params_total'] / 1e6:.1f}M"
+        named = ", ".join(f"{k}={v}" for k, v in sets.items() if k in TABLE_SETS) or "-"
+        if a.get("mmap_threshold") is None:
+            named += " (glibc's default malloc)"
+        groups: dict = {}
+        for r in d["rows"]:
+            groups.setdefault((r["mode"], r["activation_checkpointing"]), []).append(r)
+        for (mode, ac), rs in groups.items():
+            rs.sort(key=lambda r: r["rank"])
+            plan_gb = rs[0]["plan"]["memory_per_gpu_gb"]["total"]
+            got = [r["peak_rss_train_gb"] for r in rs]
+            ratios = [plan_gb / g for g in got]
+            if a.get("mmap_threshold") is not None:
+                worst += ratios
+            ranks = {"1proc": "1", "ddp": "DDP x2", "fsdp": "FSDP x2"}[mode]
+            print(f"| {model} | {a['precision']} | {ranks} | {named} | {ac} | {plan_gb:.2f} | "
+                  f"{' / '.join(f'{g:.2f}' for g in got)} | {' / '.join(f'{x:.2f}' for x in ratios)} | "
+                  f"{rs[0]['tokens_per_s']:.0f} | {rs[0]['load_before']:.1f}-{rs[0]['load_end']:.1f} |")
+    if worst:
+        print(f"\nplan / measured over the rows with a fixed mmap threshold: {min(worst):.3f} .. {max(worst):.3f}")
     return 0
 
 
@@ -256,8 +297,10 @@ def main() -> int:
     v.add_argument("--ac", default="none")
     v.add_argument("--scratch", default=str(ROOT / "runs" / "bench_plan"))
     v.add_argument("--out", default="plan_check")
+    t = sub.add_parser("table", help="validate's results as the markdown table of docs/scale.md")
+    t.add_argument("files", nargs="+", help="bench/results/*.json written by validate")
     args = ap.parse_args()
-    return run_rank(args) if args.cmd == "run" else validate(args)
+    return {"run": run_rank, "validate": validate, "table": table}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@
 #   5. the paper presets' parallel setting on this GPU: `torchrun --nproc_per_node=1 gattn train --set dist=fsdp` runs
 #      FSDP2 over a one-rank group (train/dist.py) with bf16-params, grad_accum 4 (reduce-scatter per micro-batch),
 #      compile=true and activation checkpointing, a DCP checkpoint mid-run and a `--resume auto` restart from it that
-#      must log the uninterrupted run's losses. What one GPU cannot show: NCCL between ranks (two processes cannot
-#      share one GPU under NCCL), the reduce-scatter's real traffic, memory at N > 1 shards; the CPU tests
-#      (tests/test_distributed.py, gloo, 2 ranks) cover the multi-rank logic, docs/scale.md says what is validated.
+#      must log the uninterrupted run's losses; the restarted run also keeps the layers gathered across the
+#      micro-batches (keep_gathered=true), prefetches two layers and checkpoints selectively, which change no loss.
+#      What one GPU cannot show: NCCL between ranks (two processes cannot share one GPU under NCCL), the
+#      reduce-scatter's real traffic, memory at N > 1 shards; the CPU tests (tests/test_distributed.py, gloo, 2 ranks)
+#      cover the multi-rank logic, docs/scale.md says what is validated.
 # Each part has its own time limit, cut to what is left of TOTAL_LIMIT; the script goes on after a failed part and
 # exits 1 if any failed.
 # Needs: a python with a CUDA build of torch, Triton and the project's dependencies: the GPU machine's own `python3`
@@ -157,7 +159,10 @@ FSDP_CMD=(env TRITON_INTERPRET=0 "$PY" -m torch.distributed.run --standalone --n
   tests/kill_hooks.py train --preset small "${FSDP_SETS[@]}" --resume auto)  # first launch and restart alike
 rm -rf "$WORK/fsdp_full" "$WORK/fsdp_restart"
 part fsdp_full 50 "${FSDP_CMD[@]}" --out "$WORK/fsdp_full"
-part fsdp_restart 55 env GATTN_TEST_KILL_AT_STEP=5 "${FSDP_CMD[@]}" --out "$WORK/fsdp_restart"
+# the restarted run also runs the gather policy and selective checkpointing (issue 38): the layers' parameters kept
+# gathered across the micro-batches, two layers prefetched, only the non-GEMM work recomputed; none changes the math
+part fsdp_restart 55 env GATTN_TEST_KILL_AT_STEP=5 "${FSDP_CMD[@]}" --set activation_checkpointing=selective \
+  --set keep_gathered=true --set fsdp_prefetch=2 --out "$WORK/fsdp_restart"
 part fsdp_compare 10 "$PY" - "$WORK" "$OUT" <<'EOF'
 import json, math, sys
 from pathlib import Path
@@ -166,12 +171,16 @@ def losses(run):
     return [json.loads(x)["loss"] for x in (work / run / "log.jsonl").read_text().splitlines() if x.strip()]
 full, restarted = losses("fsdp_full"), losses("fsdp_restart")
 s = json.loads((work / "fsdp_full" / "summary.json").read_text())
-rec = {"uninterrupted": full, "restarted": restarted, "parallel": s.get("parallel"), "speed": s.get("speed")}
+r = json.loads((work / "fsdp_restart" / "summary.json").read_text())
+rec = {"uninterrupted": full, "restarted": restarted, "parallel": s.get("parallel"), "speed": s.get("speed"),
+       "restarted_parallel": r.get("parallel"), "restarted_speed": r.get("speed")}
 json.dump(rec, open(dest / "fsdp_compare.json", "w"), indent=1)
 print(f"FSDP2 over one rank: {rec['parallel']}; compiled: {rec['speed']['compiled']}")
+print(f"restarted run (keep_gathered, fsdp_prefetch=2, selective): {rec['restarted_parallel']}, {rec['restarted_speed']}")
 print(f"losses uninterrupted {[round(x, 4) for x in full]}\nlosses restarted     {[round(x, 4) for x in restarted]}")
 ok = (len(full) == len(restarted) == 8 and all(math.isfinite(x) for x in full) and rec["speed"]["compiled"]
-      and rec["parallel"]["wrapper"] == "fsdp" and max(abs(a - b) for a, b in zip(full, restarted)) < 2e-2)
+      and rec["parallel"]["wrapper"] == "fsdp" and max(abs(a - b) for a, b in zip(full, restarted)) < 2e-2
+      and rec["restarted_parallel"].get("keep_gathered") is True)
 sys.exit(0 if ok else 1)
 EOF
 

@@ -5,7 +5,8 @@ rank its rows, as the trainer splits them).
 
     torchrun --nproc_per_node=N tests/ep_probe.py OUT.json [--set KEY=VALUE ...]
 
-Every rank builds the model from the same seed (the one-process reference), then a second copy is wrapped. Rank 0
+Every rank builds the model from the same seed (the one-process reference, fp32), then a second copy is wrapped (in
+the run's precision: fp32, or bf16-params as FSDP2's MixedPrecisionPolicy). Rank 0
 writes OUT.json: per rank the largest |difference| of its rows' logits, the largest relative difference of every
 gathered gradient from the reference's, the elements of the routed experts' weights it stores at rest, gathered for
 compute, and all of them, and the mean loss over ranks beside the reference's.
@@ -38,7 +39,7 @@ def main() -> None:
     meshes = D.device_meshes(info, cfg.dp_replicate, cfg.expert_parallel)  # as train/parallelize.py steps 5-6
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
-    model = D.wrap(model, info, decoder_layers(model), "fp32", meshes)
+    model = D.wrap(model, info, decoder_layers(model), cfg.precision, meshes)  # bf16-params: FSDP2's mixed precision
     g = torch.Generator().manual_seed(7)
     batch = torch.randint(0, ref.config.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=g)
     x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each

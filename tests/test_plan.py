@@ -514,7 +514,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert "--out " + str(tmp_path / "out") not in out and out.count("--out " + str(tmp_path / "work")) >= 3
     fsdp = next(line for line in out.splitlines() if line.startswith("== fsdp_restart"))
     for s in ("--nproc_per_node=1", "--max-restarts=1", "dist=fsdp", "grad_accum=4", "compile=true",
-              "activation_checkpointing=full", "precision=bf16-params", "--resume auto", "GATTN_TEST_KILL_AT_STEP=5"):
+              "activation_checkpointing=selective", "keep_gathered=true", "fsdp_prefetch=2", "precision=bf16-params",
+              "--resume auto", "GATTN_TEST_KILL_AT_STEP=5"):
         assert s in fsdp, s
     inside = subprocess.run(["bash", str(root / "bench" / "gpu_check.sh"), "--dry-run"],
                             env={**env, "WORK": str(tmp_path / "out" / "w")}, capture_output=True, text=True)

@@ -510,8 +510,8 @@ def check_fits(cfg: TrainConfig, device: torch.device, world: int, precision: st
             f"activations {m['activations']:.1f}, loss {m['loss']:.1f}, stats {m['stats']:.1f}, buffers "
             f"{m['buffers']:.1f}; evaluation {m['eval']:.1f}) but {where} {have:.1f} GB; run "
             "`gattn plan` with the same --preset and --set to find a setting that fits (--gpus N under dist=fsdp, "
-            "--activation-checkpointing full, a smaller --micro-batch" + _gather_hint(cfg) + "), or shrink the model "
-            "with --set model.*=...")
+            "--activation-checkpointing selective, every:2 or full, a smaller --micro-batch" + _gather_hint(cfg)
+            + "), or shrink the model with --set model.*=...")
     return p
 
 
