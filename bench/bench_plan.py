@@ -228,6 +228,17 @@ TABLE_SETS = ("compile", "expert_parallel", "dp_replicate", "keep_gathered", "re
               "stats_every")  # the --set values a row names (the model.* ones name the model instead)
 
 
+def replan(saved_args: dict, mode: str, ac: str, row: dict) -> dict:
+    """The plan of a measured row by this checkout's planner (run_rank's call, from the row's own settings)."""
+    from gated_attention.train.overrides import config_from_args
+    from gated_attention.train.plan import plan
+
+    args = argparse.Namespace(**saved_args)
+    cfg = config_from_args("small", None, validate_sets(args, mode, ac)[1::2], None)
+    return plan(cfg, gpus=row["world_size"], precision=row["resolved_precision"], device="cpu", mfu=0.5,
+                gpu_tflops=1.0, gpu_memory_gb=1e6)
+
+
 def table(args) -> int:
     """validate's JSON files as one markdown table: a row per (file, mode, AC), the ranks side by side, the plan's
     total over the measured peak RSS at the last training step."""
@@ -249,7 +260,7 @@ def table(args) -> int:
             groups.setdefault((r["mode"], r["activation_checkpointing"]), []).append(r)
         for (mode, ac), rs in groups.items():
             rs.sort(key=lambda r: r["rank"])
-            plan_gb = rs[0]["plan"]["memory_per_gpu_gb"]["total"]
+            plan_gb = (replan(a, mode, ac, rs[0]) if args.replan else rs[0]["plan"])["memory_per_gpu_gb"]["total"]
             got = [r["peak_rss_train_gb"] for r in rs]
             ratios = [plan_gb / g for g in got]
             if a.get("mmap_threshold") is not None:
@@ -299,6 +310,8 @@ def main() -> int:
     v.add_argument("--out", default="plan_check")
     t = sub.add_parser("table", help="validate's results as the markdown table of docs/scale.md")
     t.add_argument("files", nargs="+", help="bench/results/*.json written by validate")
+    t.add_argument("--replan", action="store_true",
+                   help="each row's plan by this checkout's planner (default: the plan the run recorded)")
     args = ap.parse_args()
     return {"run": run_rank, "validate": validate, "table": table}[args.cmd](args)
 

@@ -38,8 +38,8 @@ def test_json_contract():
     assert list(p)[:len(PL.JSON_KEYS)] == list(PL.JSON_KEYS)
     mem = p["memory_per_gpu_gb"]
     assert {"params", "grads", "optimizer", "activations", "total"} <= set(mem)
-    step = sum(mem[k] for k in PL.STEP_KEYS)
-    assert mem["total"] == pytest.approx(max(step, sum(mem[k] for k in PL.EVAL_KEYS)))
+    step = sum(mem[k] for k in PL.STEP_KEYS) - min(mem["loss"], mem["backward_buffers"])  # never both at once
+    assert mem["total"] == pytest.approx(max(step, sum(mem[k] for k in PL.EVAL_KEYS) - mem["backward_buffers"]))
     assert isinstance(p["fits"], bool) and p["tokens_per_s"] > 0 and p["days"] > 0
     assert p["params_total"] == param_report(PL.meta_model(train_preset("paper-dense-28l")).config)["total"]
     s = p["settings"]  # the preset's recipe as planned
@@ -152,6 +152,7 @@ def test_loss_stats_eval_and_communication_equal_a_hand_computation():
     assert m["stats"] * 1e9 == pytest.approx(4 * total)  # the stats step's fp32 parameter snapshot
     assert m["eval"] * 1e9 == pytest.approx(4 * T * V * (4 + 4))  # fp32 logits + log-softmax of 4 x 32 tokens
     step = sum(m[k] for k in ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead"))
+    assert m["backward_buffers"] == 0  # one process: no FSDP2 gradient buffers, so the parts add up
     assert m["total"] == pytest.approx(max(step, m["params"] + m["optimizer"] + m["buffers"] + m["overhead"]
                                            + m["eval"]))
     off = PL.plan(tiny_cfg("stats_every=0"), gpus=1, device="cpu")["memory_per_gpu_gb"]
@@ -233,7 +234,8 @@ def test_gather_policy_equals_a_hand_computation():
     """FSDP2's gather policy in the plan (train.fsdp_policy, the function the trainer applies), by hand on the tiny
     model with 4 layers at 2 ranks, grad_accum 2: the all-gathers per step and the bytes they move (half of a
     group's parameters each, in the compute dtype), and the layers the buffers hold gathered (the root and its
-    gradient, the gathered layers, one layer's gradients in the compute dtype and fp32). keep_gathered=auto keeps
+    gradient, the gathered layers, one layer's gradients in the compute dtype and fp32); the gradients exist in the
+    backward only, the fused loss's temporaries in the forward only, so the total counts the larger of the two. keep_gathered=auto keeps
     the parameters gathered only where the whole gathered model fits beside the rest, at the byte; nothing to keep
     across one micro-batch. The all-gathers a run really makes: tests/test_fsdp_policy.py."""
     d, f, H, KV, D, V, L = 32, 64, 4, 2, 8, 128, 4
@@ -256,6 +258,10 @@ def test_gather_policy_equals_a_hand_computation():
         assert c["all_gathers"] == sum(counts), sets
         assert c["all_gather_gb"] * 1e9 == pytest.approx(pd * (counts[0] * root + sum(counts[1:]) * layer) / 2), sets
         assert m["buffers"] * 1e9 == pytest.approx(2 * root * pd + held * layer * pd + layer * (pd + 4)), sets
+        backward = root * pd + layer * (pd + 4)  # the root's and one layer's unsharded gradients: backward only
+        assert m["backward_buffers"] * 1e9 == pytest.approx(backward), sets
+        step = sum(m[k] for k in PL.STEP_KEYS) - min(m["loss"], m["backward_buffers"])  # the loss's: forward only
+        assert m["total"] == pytest.approx(max(step, sum(m[k] for k in PL.EVAL_KEYS) - m["backward_buffers"])), sets
         assert s["gathered_layers"] == held and s["keep_gathered"] == kept, sets
     room = PL.plan(cfg(), gpus=2, device="cpu", gpu_memory_gb=1e3)["memory_per_gpu_gb"]["total"]
     extra = (L - 2) * layer * 4  # every layer gathered instead of two

@@ -27,12 +27,12 @@
                   input and its GEMM and attention outputs (`selective_layer_bytes`), and one layer is recomputed
                   at a time;
       buffers     communication buffers: FSDP2's unsharded parameters in the compute dtype (the root group -
-                  embeddings, final norm, head - for the whole step and its gradient, plus the decoder layers the
-                  gather policy holds gathered at once, train.fsdp_policy.peak_gathered_layers: the current and the
-                  prefetched layer by default, N + 1 with fsdp_prefetch=N, every layer with
-                  reshard_after_forward=never or keep_gathered; under EP a layer gathers only its rank's 1 / E of the
-                  routed experts) and one layer's unsharded gradients; DDP's gradient buckets (a second fp32 copy of
-                  the gradients); none in one process;
+                  embeddings, final norm, head - for the whole step, plus the decoder layers the gather policy holds
+                  gathered at once, train.fsdp_policy.peak_gathered_layers: the current and the prefetched layer by
+                  default, N + 1 with fsdp_prefetch=N, every layer with reshard_after_forward=never or keep_gathered;
+                  under EP a layer gathers only its rank's 1 / E of the routed experts) and, in the backward only
+                  (`backward_buffers`), the root's and one layer's unsharded gradients; DDP's gradient buckets (a
+                  second fp32 copy of the gradients); none in one process;
       loss        the chunked loss's temporaries at the model's vocabulary (fast path): per chunk of c tokens
                   (fused.loss_chunk_tokens: as many as fit fused.LOSS_CHUNK_BYTES) its fp32 (c, V) logits, their
                   compute-dtype copy and their gradient, the (V, d) fp32 product a bf16 chunk adds into the head
@@ -46,8 +46,10 @@
                   copy and cross-entropy's fp32 log-softmax (the (4, 4096, 151,936) batch of the paper presets:
                   ~25 GB); evaluation runs between steps, with no gradients and no graph;
       total       the larger of one training step (params + grads + optimizer + activations + loss + stats +
-                  buffers + overhead) and evaluation (params + optimizer + buffers + overhead + eval), compared
-                  with the GPU's memory for `fits`. MoE layers' dispatch buffers (each routed token's copy in and out
+                  buffers + overhead, less the smaller of the fused loss's temporaries, which live in the forward,
+                  and FSDP2's unsharded gradients, `backward_buffers`, which live in the backward) and evaluation
+                  (params + optimizer + buffers - backward_buffers + overhead + eval), compared with the GPU's
+                  memory for `fits`. MoE layers' dispatch buffers (each routed token's copy in and out
                   of its expert, the experts' hidden activations) are in `activations` (saved per routed slot, and
                   one layer's worth again as the backward's working memory), not a part of their own;
   - communication per step (`comm`): bytes one GPU moves and their time at `bandwidth_gbs` (a collective's bus
@@ -206,12 +208,14 @@ def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpoin
     params = 4 * P / n + (2 * P if precision == "bf16-params" and one_process else 0)
     grads = 4 * Pt / n + (4 * Pt if sharded and unsharded_grads else 0)
     optimizer = 8 * Pt / n
-    if sharded:  # root group unsharded (and its gradient) all step; the layers held gathered; a layer's grads
+    backward_only = 0.0  # of the buffers, what exists only in the backward (FSDP2's unsharded gradients)
+    if sharded:  # root group unsharded all step, the layers held gathered; in the backward their unsharded grads
         layer = sz["layer_max"] - sz["layer_experts_max"] * (1 - 1 / ep)  # EP gathers only this rank's experts
         every_layer = P - sz["root"] - sz["experts"] * (1 - 1 / ep)
-        buffers = 2 * sz["root"] * pd + min(gathered_layers * layer, every_layer) * pd + layer * (pd + 4)
+        backward_only = sz["root"] * pd + layer * (pd + 4)  # the root's and one layer's gradient (+ fp32 reduce input)
+        buffers = sz["root"] * pd + min(gathered_layers * layer, every_layer) * pd + backward_only
     elif dist == "ddp" and not one_process:
-        buffers = 4 * Pt  # gradient buckets (gradient_as_bucket_view=False: a copy of every gradient)
+        buffers = 4 * Pt  # gradient buckets (gradient_as_bucket_view=False: a copy of every gradient, all run long)
     else:
         buffers = 0.0
     act = activation_bytes(config, tokens, precision, checkpointing, fused_loss)["total"]
@@ -220,7 +224,11 @@ def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpoin
              "loss": loss_temporaries(config, tokens, precision, fused_loss),
              "stats": 4 * Pt / n if stats else 0.0, "buffers": buffers, "overhead": overhead,
              "eval": eval_bytes(config, eval_tokens, precision)}
-    parts["total"] = max(sum(parts[k] for k in STEP_KEYS), sum(parts[k] for k in EVAL_KEYS))
+    # the fused loss's temporaries live in the forward (it computes its gradients there), FSDP2's unsharded gradients
+    # in the backward: a step holds the larger of the two, never both; evaluation has no backward
+    apart = min(parts["loss"], backward_only) if fused_loss else 0.0
+    parts["total"] = max(sum(parts[k] for k in STEP_KEYS) - apart, sum(parts[k] for k in EVAL_KEYS) - backward_only)
+    parts["backward_buffers"] = backward_only
     return {k: v / GB for k, v in parts.items()}
 
 
