@@ -16,6 +16,7 @@ GATTN_TEST_DELAY_CKPT_WRITE=N   the N-th checkpoint save's DCP shard write start
 GATTN_TEST_FAULT_RANK=R        ... only on rank R (torchrun's RANK; default: every rank).
 GATTN_TEST_RAISE_AT_STEP=N      raise RuntimeError("injected failure at step N on rank R") right after step N instead
                                 of a SIGKILL (a rank that fails while its peers go on into the next collectives).
+GATTN_TEST_STALL_AT_STEP=N      sleep STALL_S right after step N (a hung node: alive, in no collective).
 Faults fire only in a torchrun's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0): the workers torchrun
 --max-restarts restarts run clean.
 GATTN_TEST_HASH_TRACE=FILE      append "RANK CALLER PATH" to FILE for every checkpoint file this rank hashes (CALLER:
@@ -42,14 +43,15 @@ def install() -> None:
 
     kill_step = int(os.environ.get("GATTN_TEST_KILL_AT_STEP", "-1"))
     raise_step = int(os.environ.get("GATTN_TEST_RAISE_AT_STEP", "-1"))
+    stall_step = int(os.environ.get("GATTN_TEST_STALL_AT_STEP", "-1"))
     kill_run = os.environ.get("GATTN_TEST_KILL_IN_RUN")
     trace = os.environ.get("GATTN_TEST_STEP_TRACE")
     rank = os.environ.get("RANK", "0")
     faulty = (os.environ.get("GATTN_TEST_FAULT_RANK", rank) == rank
               and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
     if not faulty:
-        kill_step = raise_step = -1
-    if kill_step >= 0 or raise_step >= 0 or trace:
+        kill_step = raise_step = stall_step = -1
+    if kill_step >= 0 or raise_step >= 0 or stall_step >= 0 or trace:
         after_step = trainer._after_step
 
         def _after_step(run, rec, *args, **kwargs):
@@ -62,6 +64,10 @@ def install() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if rec["step"] == raise_step:
                 raise RuntimeError(f"injected failure at step {raise_step} on rank {rank}")
+            if rec["step"] == stall_step:
+                import time
+
+                time.sleep(STALL_S)
 
         trainer._after_step = _after_step
     hash_trace = os.environ.get("GATTN_TEST_HASH_TRACE")
@@ -95,6 +101,7 @@ def install() -> None:
         _count_saves(trainer, kill_after_save, delay_write)
 
 
+STALL_S = 300.0  # GATTN_TEST_STALL_AT_STEP: far past the tests' time limits
 WRITE_DELAY_S = 3.0  # GATTN_TEST_DELAY_CKPT_WRITE: far longer than the tests' few tiny steps and a commit take
 
 

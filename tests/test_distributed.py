@@ -295,6 +295,43 @@ def test_a_rank_that_raises_stops_every_rank_promptly(tmp_path, mode, rank):
     assert f"injected failure at step 1 on rank {rank}" in out, out[-3000:]
 
 
+def test_collective_timeout_setting():
+    """collective_timeout_s: seconds >= 0 (one error otherwise), free to change on --resume, and given to the device
+    mesh's groups (HSDP, EP) as well as to the world group."""
+    from datetime import timedelta
+
+    from gated_attention.train import dist as D
+    from gated_attention.train.overrides import apply_overrides
+    from gated_attention.train.resume_rule import RESUMABLE_CHANGES
+    from gated_attention.train.train_presets import tiny
+
+    assert apply_overrides(tiny(), ["collective_timeout_s=90"]).collective_timeout_s == 90
+    with pytest.raises(ValueError, match=r"collective_timeout_s=-1(\.0)? must be a number of seconds >= 0"):
+        apply_overrides(tiny(), ["collective_timeout_s=-1"])
+    assert "collective_timeout_s" in RESUMABLE_CHANGES
+    groups = D._mesh_timeout(D.DistInfo(timeout_s=90), ("dp_replicate", "dp_shard"))
+    assert set(groups) == {"dp_replicate", "dp_shard"}
+    assert all(b == "gloo" and o._timeout == timedelta(seconds=90) for b, o in groups.values())
+    assert D._mesh_timeout(D.DistInfo(), ("dp_shard",)) is None  # 0: PyTorch's default, nothing overridden
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "hsdp"])
+def test_collective_timeout_turns_a_stalled_rank_into_a_failure(tmp_path, layout):
+    """collective_timeout_s=10: rank 1 stalls after step 1 (a hung node, 300 s asleep, in no collective); rank 0
+    waits in step 2's first collective for 10 s, fails naming the timeout, and the job ends within the 120 s limit,
+    long before the stall would; under PyTorch's default (gloo: 30 min) it would wait out the stall. Also on HSDP's
+    2-D device mesh (dp_replicate=2), whose groups the mesh creates."""
+    sets = SETS + ["dist=fsdp", "collective_timeout_s=10"] + (["dp_replicate=2"] if layout == "hsdp" else [])
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", tmp_path, *sum((["--set", s] for s in sets), []),
+                        kill_hooks=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GATTN_TEST_STALL_AT_STEP": "1", "GATTN_TEST_FAULT_RANK": "1"}
+    rc, out = bounded(cmd, env, 120)
+    assert rc is not None, "the job hung: still running after 120 s\n" + out[-3000:]
+    assert rc != 0
+    assert "Timed out waiting 10000ms" in out, out[-3000:]  # gloo's error, at the timeout the run set
+
+
 def test_resume_auto_survives_a_torchrun_restart(tmp_path, reference_dir):
     """One command line for the first launch and every restart: rank 1 is SIGKILLed after step 4 (checkpoint at 3),
     torchrun --max-restarts=1 restarts both workers with the same `--resume auto`, which resumes from step 3; the

@@ -117,6 +117,9 @@ class TrainConfig:
     max_bad_steps: int = 5  # stop (diverged) after this many NaN/Inf steps in a row
     ckpt_every: int = 500  # checkpoint every N steps (0 = only at the end)
     keep_checkpoints: int = 2  # rotation: keep the last K checkpoints
+    collective_timeout_s: float = 0.0  # under torchrun: how long a rank waits in one collective before it fails
+    # (0 = PyTorch's default: 10 min NCCL, 30 min gloo); longer where rank 0's lone work between collectives (a
+    # checkpoint commit on a slow shared filesystem) takes longer, shorter to turn a stalled node into a restart sooner
     async_checkpoint: bool = False  # dist=fsdp: a periodic checkpoint is staged (copied to CPU memory) and written by
     # a background thread while training goes on, committed before the next save (docs/scale.md); false = blocking
     progress: bool = True  # rank 0: tqdm bar on a terminal, else a line every GATTN_PROGRESS_INTERVAL s (util/progress.py)
@@ -201,6 +204,9 @@ class TrainConfig:
             raise ValueError(f"sampler='epoch' needs data='corpus' (data={self.data!r} brings its own batches)")
         if not isinstance(self.pack_documents, bool):
             raise ValueError(f"pack_documents={self.pack_documents!r} must be true or false")
+        if not isinstance(self.collective_timeout_s, (int, float)) or self.collective_timeout_s < 0:
+            raise ValueError(f"collective_timeout_s={self.collective_timeout_s!r} must be a number of seconds >= 0 "
+                             "(0 = PyTorch's default)")
         if not isinstance(self.async_checkpoint, bool):
             raise ValueError(f"async_checkpoint={self.async_checkpoint!r} must be true or false")
         if self.async_checkpoint and self.dist != "fsdp":

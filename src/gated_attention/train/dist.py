@@ -33,6 +33,7 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
     mode: str = "none"  # "none", "ddp" or "fsdp"
     group: bool = False  # a process group is up at world size 1: dist=fsdp under torchrun --nproc_per_node=1
+    timeout_s: float = 0.0  # the collectives' timeout every group here gets (0: PyTorch's default)
 
     @property
     def is_main(self) -> bool:
@@ -53,8 +54,9 @@ def pick_device(name: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def setup(device: str, mode: str) -> DistInfo:
-    """Initialise the process group when launched by torchrun with more than one process."""
+def setup(device: str, mode: str, timeout_s: float = 0.0) -> DistInfo:
+    """Initialise the process group when launched by torchrun with more than one process; `timeout_s` > 0: a rank
+    waits at most that long in one collective (else PyTorch's default), in every group this module makes."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -65,24 +67,33 @@ def setup(device: str, mode: str) -> DistInfo:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        _init_group("nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mode=mode, group=one_rank_fsdp)
+        _init_group("nccl" if dev.type == "cuda" else "gloo", timeout_s)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev, mode=mode, group=one_rank_fsdp,
+                    timeout_s=timeout_s)
 
 
-def _init_group(backend: str) -> None:
+def _timeout(seconds: float) -> dict:
+    """init_process_group / new_group's timeout argument: every collective of the group waits at most this long."""
+    from datetime import timedelta
+
+    return {"timeout": timedelta(seconds=seconds)} if seconds > 0 else {}
+
+
+def _init_group(backend: str, timeout_s: float = 0.0) -> None:
     """init_process_group from torchrun's environment. In a worker that torchrun --max-restarts restarted, the
     group's keys go under a prefix of their own (the restart count): torchrun shares its rendezvous store with the
     workers and keeps it across restarts, so without one the new workers read the addresses the dead ones published
     (gloo: `connectFullMesh ... Connection refused`; NCCL: a stale unique id; pytorch/pytorch#135712)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    kw = _timeout(timeout_s)
     if attempt == "0":
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, **kw)
         return
     from torch.distributed.rendezvous import rendezvous
 
     store, rank, world = next(rendezvous("env://"))
     dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gattn/attempt_{attempt}", store), rank=rank,
-                            world_size=world)
+                            world_size=world, **kw)
 
 
 def teardown(failed: bool = False) -> None:
@@ -118,12 +129,28 @@ def device_meshes(info: DistInfo, dp_replicate: int = 1, expert_parallel: int = 
 
     shard = info.world_size // dp_replicate
     dims = ((("dp_replicate", dp_replicate),) if dp_replicate > 1 else ()) + (("dp_shard", shard),)
-    world = init_device_mesh(info.device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(k for k, _ in dims))
+    names = tuple(k for k, _ in dims)
+    world = init_device_mesh(info.device.type, tuple(n for _, n in dims), mesh_dim_names=names,
+                             backend_override=_mesh_timeout(info, names))
     if expert_parallel == 1:
         return Meshes(dp=world)
-    split = world._unflatten("dp_shard", (shard // expert_parallel, expert_parallel), ("efsdp", "ep"))
+    split = world._unflatten("dp_shard", (shard // expert_parallel, expert_parallel), ("efsdp", "ep"),
+                             backend_override=_mesh_timeout(info, ("efsdp", "ep")))
     replicate = ("dp_replicate",) if dp_replicate > 1 else ()
     return Meshes(dp=world, ep=split["ep"], expert_dp=split[replicate + ("efsdp",)])
+
+
+def _mesh_timeout(info: DistInfo, names: tuple[str, ...]) -> dict | None:
+    """The mesh dims' process groups with the run's collective timeout (a mesh's sub-groups otherwise get
+    PyTorch's default, whatever the world group's is)."""
+    if info.timeout_s <= 0:
+        return None
+    from datetime import timedelta
+
+    cuda = info.device.type == "cuda"
+    options = dist.ProcessGroupNCCL.Options() if cuda else dist.ProcessGroupGloo._Options()
+    options._timeout = timedelta(seconds=info.timeout_s)
+    return {name: ("nccl" if cuda else "gloo", options) for name in names}
 
 
 def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: str = "fp32",
@@ -207,7 +234,9 @@ def checkpoint_group(info: DistInfo):
     results) in another thread while the training step runs its own: on one group the two threads' collectives
     could interleave differently on different ranks; on a group of their own they cannot. Gloo because
     dcp.async_save needs a CPU backend (the staged state is in CPU memory), so this holds under NCCL too."""
-    return dist.new_group(backend="gloo") if info.distributed else None
+    if not info.distributed:
+        return None
+    return dist.new_group(backend="gloo", **_timeout(info.timeout_s))
 
 
 def barrier(info: DistInfo) -> None:

@@ -13,7 +13,7 @@ RESUMABLE_CHANGES = frozenset({"progress", "tensorboard", "ckpt_every", "keep_ch
                                "reshard_after_forward", "fsdp_prefetch", "keep_gathered",  # when FSDP2 gathers
                                "expert_parallel", "dp_replicate",  # the layout, not the math: DCP reshards on resume
                                "device", "attn_implementation", "activation_checkpointing",
-                               "grad_accum", "micro_batch", "peak_tflops", "profile_steps"})
+                               "grad_accum", "micro_batch", "peak_tflops", "profile_steps", "collective_timeout_s"})
 
 
 def run_precision(d: dict) -> str:

@@ -73,7 +73,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool | str = False, mod
     restore_step_hook reloads a step hook's state from a finished run."""
     plugins = (plugins or Plugins()).with_aliases(step_hook=step_hook, model_factory=model_factory)
     cfg.validate()
-    info = D.setup(cfg.device, cfg.dist)
+    info = D.setup(cfg.device, cfg.dist, cfg.collective_timeout_s)
     try:
         with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
             D.on_rank0(info, lambda: bool(stack.enter_context(lock_dir(out_dir, "gattn train"))))
