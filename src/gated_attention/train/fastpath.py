@@ -52,16 +52,9 @@ AUTO_PROBE_STEPS = 2  # eager steps timed before auto decides (after one untimed
 
 def compile_choice(value) -> str:
     """Normalise a `compile` setting to 'auto' | 'true' | 'false' (bools and the usual spellings accepted)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    low = str(value).strip().lower()
-    if low == "auto":
-        return "auto"
-    if low in ("1", "true", "yes", "on"):
-        return "true"
-    if low in ("0", "false", "no", "off"):
-        return "false"
-    raise ValueError(f"compile={value!r}; use 'auto', 'true' or 'false'")
+    from .config import switch_choice
+
+    return switch_choice(value, "compile", "'auto', 'true' or 'false'")
 
 
 def compiler_missing(device: torch.device) -> str | None:

@@ -52,16 +52,9 @@ class GatherPolicy:
 def keep_choice(value) -> str:
     """Normalise a `keep_gathered` setting to 'false' | 'auto' | 'true' (bools and the usual spellings accepted, as a
     JSON train_config.json or `--set keep_gathered=on` may hold them)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    low = str(value).strip().lower()
-    if low == "auto":
-        return "auto"
-    if low in ("1", "true", "yes", "on"):
-        return "true"
-    if low in ("0", "false", "no", "off"):
-        return "false"
-    raise ValueError(f"keep_gathered={value!r}; use 'false', 'auto' (where `gattn plan` says it fits) or 'true'")
+    from .config import switch_choice
+
+    return switch_choice(value, "keep_gathered", "'false', 'auto' (where `gattn plan` says it fits) or 'true'")
 
 
 def gather_policy(reshard: str, prefetch: int, keep: str, *, layers: int, mode: str, world: int, grad_accum: int,

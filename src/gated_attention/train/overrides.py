@@ -12,15 +12,15 @@ import types
 import typing
 from dataclasses import replace
 
-from .config import TrainConfig
+from .config import FALSE_WORDS, TRUE_WORDS, TrainConfig
 from .train_presets import train_preset
 
 
 def _parse_bool(text: str) -> bool:
     low = text.strip().lower()
-    if low in ("1", "true", "yes", "on"):
+    if low in TRUE_WORDS:
         return True
-    if low in ("0", "false", "no", "off"):
+    if low in FALSE_WORDS:
         return False
     raise ValueError(f"expected a boolean (true/false), got {text!r}")
 
