@@ -145,11 +145,9 @@ def _mesh_timeout(info: DistInfo, names: tuple[str, ...]) -> dict | None:
     PyTorch's default, whatever the world group's is)."""
     if info.timeout_s <= 0:
         return None
-    from datetime import timedelta
-
     cuda = info.device.type == "cuda"
     options = dist.ProcessGroupNCCL.Options() if cuda else dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=info.timeout_s)
+    options._timeout = _timeout(info.timeout_s)["timeout"]
     return {name: ("nccl" if cuda else "gloo", options) for name in names}
 
 
