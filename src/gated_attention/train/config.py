@@ -246,25 +246,6 @@ class TrainConfig:
         return cls(**d)
 
 
-TRUE_WORDS = ("1", "true", "yes", "on")  # the spellings a boolean setting accepts (--set, JSON, bools)
-FALSE_WORDS = ("0", "false", "no", "off")
-
-
-def switch_choice(value, key: str, usage: str) -> str:
-    """Normalise an auto / on / off setting (`compile`, `keep_gathered`) to 'auto' | 'true' | 'false': bools (an
-    older or JSON train_config.json) and the usual spellings accepted; anything else fails naming `usage`."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    low = str(value).strip().lower()
-    if low == "auto":
-        return "auto"
-    if low in TRUE_WORDS:
-        return "true"
-    if low in FALSE_WORDS:
-        return "false"
-    raise ValueError(f"{key}={value!r}; use {usage}")
-
-
 def checkpointing_mode(value) -> tuple[str, int]:
     """An `activation_checkpointing` setting as (kind, every): "none" -> ("none", 0), "full" -> ("full", 1),
     "selective" -> ("selective", 1), "every:N" -> ("full", N) (layers 0, N, 2N, ... checkpointed). ValueError with the

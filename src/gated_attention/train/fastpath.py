@@ -52,7 +52,7 @@ AUTO_PROBE_STEPS = 2  # eager steps timed before auto decides (after one untimed
 
 def compile_choice(value) -> str:
     """Normalise a `compile` setting to 'auto' | 'true' | 'false' (bools and the usual spellings accepted)."""
-    from .config import switch_choice
+    from ..util.errors import switch_choice
 
     return switch_choice(value, "compile", "'auto', 'true' or 'false'")
 

@@ -52,7 +52,7 @@ class GatherPolicy:
 def keep_choice(value) -> str:
     """Normalise a `keep_gathered` setting to 'false' | 'auto' | 'true' (bools and the usual spellings accepted, as a
     JSON train_config.json or `--set keep_gathered=on` may hold them)."""
-    from .config import switch_choice
+    from ..util.errors import switch_choice
 
     return switch_choice(value, "keep_gathered", "'false', 'auto' (where `gattn plan` says it fits) or 'true'")
 

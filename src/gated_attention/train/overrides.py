@@ -12,7 +12,8 @@ import types
 import typing
 from dataclasses import replace
 
-from .config import FALSE_WORDS, TRUE_WORDS, TrainConfig
+from ..util.errors import FALSE_WORDS, TRUE_WORDS
+from .config import TrainConfig
 from .train_presets import train_preset
 
 

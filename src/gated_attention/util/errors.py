@@ -184,4 +184,23 @@ def out_file(text: str) -> str:
 
 __all__ = ["UserError", "UserKeyError", "DISK_FULL_ERRNOS", "user_message", "handle", "Parser", "check_number", "positive_int",
            "nonneg_int", "positive_float", "nonneg_float", "finite_float", "existing_dir", "existing_file",
-           "out_dir", "out_file"]
+           "out_dir", "out_file", "TRUE_WORDS", "FALSE_WORDS", "switch_choice"]
+
+
+TRUE_WORDS = ("1", "true", "yes", "on")  # the spellings a boolean setting accepts (--set, JSON, bools)
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def switch_choice(value, key: str, usage: str) -> str:
+    """Normalise an auto / on / off setting (`compile`, `keep_gathered`) to 'auto' | 'true' | 'false': bools (an
+    older or JSON train_config.json) and the usual spellings accepted; anything else fails naming `usage`."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    low = str(value).strip().lower()
+    if low == "auto":
+        return "auto"
+    if low in TRUE_WORDS:
+        return "true"
+    if low in FALSE_WORDS:
+        return "false"
+    raise ValueError(f"{key}={value!r}; use {usage}")
