@@ -127,3 +127,6 @@ def main() -> None:
 if __name__ == "__main__":
     sys.path.insert(0, __file__.rsplit("/", 1)[0])  # harness
     main()
+    from gated_attention.train.dist import exit_process
+
+    exit_process(0)  # a rank whose group ended: no interpreter finalization (train/dist.py says why)

@@ -23,6 +23,9 @@ GATTN_TEST_HASH_TRACE=FILE      append "RANK CALLER PATH" to FILE for every chec
                                 "verify" on resume, "_record" when a manifest is written).
 GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE after every finished step of every run
                                 (what a rerun trained: a resume starts at the checkpoint, a reused unit trains nothing).
+GATTN_TEST_EXIT_TRACE=FILE      append "atexit RANK THREADS" to FILE from an exit handler (THREADS: the process's
+                                native thread names, comma-separated) and "os._exit RANK CODE" when the process
+                                ends through dist.exit_process.
 They wrap library functions by name (trainer._after_step, trainer._save_checkpoint, checkpoint.write_files, DCP's
 FileSystemWriter.write_data), so the package has no test code;
 they act in the process that runs them (`--jobs 1`: a job's units train in-process).
@@ -70,6 +73,32 @@ def install() -> None:
                 time.sleep(STALL_S)
 
         trainer._after_step = _after_step
+    exit_trace = os.environ.get("GATTN_TEST_EXIT_TRACE")
+    if exit_trace:
+        import atexit
+
+        def _threads() -> str:
+            tasks = sorted(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else []
+            names = []
+            for t in tasks:
+                try:
+                    names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+                except OSError:  # the thread ended meanwhile
+                    pass
+            return ",".join(names)
+
+        def _note(line: str) -> None:
+            with open(exit_trace, "a") as fh:
+                fh.write(line + "\n")
+
+        atexit.register(lambda: _note(f"atexit {rank} {_threads()}"))
+        real_exit = os._exit
+
+        def _exit(code):
+            _note(f"os._exit {rank} {code}")
+            real_exit(code)
+
+        os._exit = _exit
     hash_trace = os.environ.get("GATTN_TEST_HASH_TRACE")
     if hash_trace:
         import inspect

@@ -71,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     module, sub = command_parser(name)
     args = sub.parse_args(argv[1:])
     try:
-        return int(getattr(module, f"run_{name.replace('-', '_')}")(args) or 0)
+        code = int(getattr(module, f"run_{name.replace('-', '_')}")(args) or 0)
     except Exception as exc:  # user errors: one line `gattn CMD: error: ...`, exit 2; bugs re-raise (errors.handle)
         return handle(name, exc)
+    if "torch.distributed" in sys.modules:  # a torchrun rank that ended its process group exits here (dist.py)
+        from ..train.dist import exit_process
+
+        exit_process(code)
+    return code
 
