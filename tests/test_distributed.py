@@ -74,6 +74,7 @@ def test_two_ranks_equal_one(tmp_path, reference, reference_fsdp, mode):
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, stored once
 
 
+@pytest.mark.slow  # DDP's kill and resume; FSDP's run by default (test_dcp_checkpoints_resume_across_world_sizes_2_1_2)
 def test_resume_after_distributed_kill(tmp_path, reference):
     p = torchrun(tmp_path, SETS, {"GATTN_TEST_KILL_AT_STEP": "4"})  # killed after step 4, checkpoint at 3
     assert p.returncode != 0
@@ -118,6 +119,7 @@ def test_fsdp_sharded_from_birth_equals_the_one_process_build(tmp_path, sets):
             assert not torch.all(w == w.flatten()[0]), k
 
 
+@pytest.mark.slow  # 36 s; FSDP's init equals one process in test_fsdp_sharded_from_birth_..., DDP's through test_two_ranks_equal_one's losses
 def test_one_init_stream_in_every_mode(tmp_path):
     """The same seed gives the same initial weights in one process, under DDP and under FSDP2 (2 ranks each): the
     trainer builds on the meta device in every mode and fills from one init stream (train/meta_init.py). Gathered
@@ -295,6 +297,15 @@ def test_a_rank_that_raises_stops_every_rank_promptly(tmp_path, mode, rank):
     assert f"injected failure at step 1 on rank {rank}" in out, out[-3000:]
 
 
+def test_exit_process_acts_only_after_a_clean_teardown():
+    """dist.exit_process ends the process only where teardown ended a process group cleanly (a torchrun rank; its
+    end is checked in test_expert_parallel's 2-rank resume); in a process that ran none, here, it returns."""
+    from gated_attention.train import dist as D
+
+    D.teardown()  # no group: nothing to end
+    assert D.exit_process(3) is None and not D._ENDED_A_GROUP
+
+
 def test_collective_timeout_setting():
     """collective_timeout_s: seconds >= 0 (one error otherwise), free to change on --resume, and given to the device
     mesh's groups (HSDP, EP) as well as to the world group."""
@@ -378,6 +389,7 @@ def test_fsdp_accumulation_holds_a_shard_of_the_gradients(tmp_path, policy):
             assert rec["accumulation"] == "unsharded"
 
 
+@pytest.mark.slow  # 27 s: who hashes what (a cost, not a result)
 def test_each_rank_hashes_its_own_checkpoint_files(tmp_path):
     """Saving, every rank hashes the files it wrote (its RNG state and DCP shard; rank 0 the shared ones) and rank 0
     merges the manifest; resuming, the two ranks verify disjoint halves of the checkpoint that together cover it.
@@ -408,6 +420,7 @@ def test_each_rank_hashes_its_own_checkpoint_files(tmp_path):
     assert mine[0] and mine[1] and not mine[0] & mine[1] and mine[0] | mine[1] == files
 
 
+@pytest.mark.slow  # 22 s: compile=auto, which no other default test uses
 def test_compile_auto_is_decided_once_for_every_rank(tmp_path):
     """compile=auto with rank-dependent step timings (tests/compile_agree.py: rank 0 times 100 s steps, rank 1
     0.01 s): rank 0's decision (compile) holds on both ranks. Before, each rank decided from its own timings: rank 0

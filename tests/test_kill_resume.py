@@ -104,9 +104,9 @@ def sink_start(tmp_path_factory):
     return str(out / "runs" / "baseline" / "seed0")
 
 
-# the default run keeps the main job's row and the sink lab's; the other labs' rows (the same policy through
-# experiment.train_or_reuse, 30-85 s each on a 2-core AVX2 CPU) run with `pytest -m slow`
-SLOW_CASES = {"stability", "scaling", "retrofit"}
+# the default run keeps the main job's row; the labs' rows (the same policy through experiment.train_or_reuse,
+# 30-85 s each on a 2-core AVX2 CPU) run with `pytest -m slow`
+SLOW_CASES = {"sinks", "stability", "scaling", "retrofit"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c.name in SLOW_CASES else c

@@ -287,6 +287,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and "--layers" in r.stderr
 
 
+@pytest.mark.slow  # 21 s: --report-only over a partial lab
 def test_report_only_reports_the_finished_models(small_lab, tmp_path):
     import shutil
 
