@@ -96,6 +96,9 @@ def _init_group(backend: str, timeout_s: float = 0.0) -> None:
                             world_size=world, **kw)
 
 
+_ENDED_A_GROUP = False  # teardown ended a process group cleanly in this process (exit_process acts only then)
+
+
 def teardown(failed: bool = False) -> None:
     """End the process group. A clean end waits for every rank (barrier) first; a rank that failed (`failed`) must
     not: its peers may be inside a collective it will never join (the next step's all-gather), so it destroys the
@@ -108,10 +111,8 @@ def teardown(failed: bool = False) -> None:
     if not failed:
         dist.barrier()
     dist.destroy_process_group()
-    _ENDED_A_GROUP = _ENDED_A_GROUP or not failed
-
-
-_ENDED_A_GROUP = False  # teardown ended a process group cleanly in this process (exit_process acts only then)
+    if not failed:
+        _ENDED_A_GROUP = True
 
 
 def exit_process(code: int) -> None:
@@ -124,8 +125,8 @@ def exit_process(code: int) -> None:
     Python object stay in C++ (measured: the refcount of a mesh's group goes 11 -> 21 at the first DTensor and stays
     after every DTensor, the mesh and the group are gone), so each group's worker threads (pt_gloo_runloop,
     gloo_tcp_loop) still run when the interpreter finalizes and C++ static destructors run. A rank then
-    occasionally died there after a finished run, "terminate called without an active exception" (SIGABRT: 1 of
-    about 5 full test runs on a loaded 2-core CPU, seen after HSDP and EP runs; pytorch PR 179291 describes the
+    occasionally died there after a finished run, "terminate called without an active exception" (SIGABRT: twice
+    in six full test runs on a loaded 2-core CPU, after an HSDP and an EP run; pytorch PR 179291 describes the
     same teardown race). Everything the run writes is closed by then; skipping finalization removes the race."""
     if not _ENDED_A_GROUP:
         return
