@@ -60,18 +60,21 @@ def test_paired_delta_is_a_t_interval_over_seed_pairs():
     assert one["mean"] == 0.5 and one["ci_low"] is None
 
 
-def test_seeds_needed_is_the_first_n_whose_interval_decides():
+def test_seeds_needed_is_the_first_n_with_80_percent_power():
+    """n is the first pair count whose (t_0.975 + z_0.8) sd / sqrt(n) reaches the target: 80 % power, not the 50 % a
+    bare half-width gives (that n is listed for contrast: about half as many)."""
     mean, std = -0.03, 0.04
     n = V.seeds_needed(mean, std)
-    half = lambda k: V.t975(k - 1) * std / math.sqrt(k)
-    assert half(n) < abs(mean) <= half(n - 1)
+    assert power_ok(n, std, abs(mean)) and not power_ok(n - 1, std, abs(mean))
+    half50 = next(k for k in range(2, 100) if V.t975(k - 1) * std / math.sqrt(k) < abs(mean))
+    assert n > 1.5 * half50
     small = V.seeds_needed(0.002, 0.01)  # |mean| < δ: needs the interval inside ±δ
-    assert half_ok(small, 0.01, D - 0.002) and not half_ok(small - 1, 0.01, D - 0.002)
+    assert power_ok(small, 0.01, D - 0.002) and not power_ok(small - 1, 0.01, D - 0.002)
     assert V.seeds_needed(-0.03, None) is None
 
 
-def half_ok(n, std, target):
-    return n >= 2 and V.t975(n - 1) * std / math.sqrt(n) < target
+def power_ok(n, std, target):
+    return n >= 2 and (V.t975(n - 1) + 0.841621) * std / math.sqrt(n) <= target
 
 
 def test_fit_recovers_known_parameters_from_synthetic_losses():
@@ -119,7 +122,7 @@ def test_ladder_spans_eight_times_with_a_shape_rule():
         assert len({s.hidden // s.heads for s in b.sizes}) == 1  # fixed head size
         for i in info:  # the tokens the ratio asks for (rounded up to whole steps)
             assert i["tokens"] >= b.tokens_per_param * i["params_non_embedding"] or i["steps"] == 20
-    assert sl.BUDGETS["default"].tokens_per_param == 20 and sl.BUDGETS["default"].seeds >= 3
+    assert sl.BUDGETS["default"].tokens_per_param == 20 and sl.BUDGETS["default"].pilot_pairs >= 4
 
 
 def test_gated_units_match_the_baselines_parameters():
@@ -149,13 +152,14 @@ def test_bad_settings_fail_with_one_clear_line(kw, msg):
 
 def test_sweep_extends_past_an_edge_until_the_best_is_interior(tiny_corpus, tmp_path, monkeypatch):
     """A stand-in unit whose loss is smallest at lr 0.08 (beyond the grid's top, 0.04): the sweep adds 0.08 and then
-    0.16, where the best is interior, and stops; the seeds run at 0.08."""
+    0.16, where the best is interior, and stops; under the shared-LR protocol only the baseline is swept and every arm's
+    confirm seeds run at the baseline's 0.08."""
     ran = []
 
     def fake_unit(task):
-        cfg, run_dir, _, _ = task
+        cfg, run_dir, *_ = task
         ran.append((cfg["gate"], cfg["lr"], cfg["seed"]))
-        loss = 3.0 + (math.log2(cfg["lr"] / 0.08)) ** 2 * 0.01 + 0.001 * cfg["seed"]
+        loss = 3.0 + (math.log2(cfg["lr"] / 0.08)) ** 2 * 0.01 + 0.001 * (cfg["seed"] % 7)
         return {"val_loss": loss, "val_loss_per_domain": {"a": loss}, "heldout_loss": None, "tokens": 1,
                 "curve": {"tokens": [1], "loss": [loss]}}
 
@@ -167,18 +171,19 @@ def test_sweep_extends_past_an_edge_until_the_best_is_interior(tiny_corpus, tmp_
     res = sl.run_lab(lab, log=lambda m: None)
     lrs = sorted({lr for g, lr, s in ran if g == "baseline" and s == 0})
     assert lrs == [5e-3, 1e-2, 2e-2, 4e-2, 8e-2, 1.6e-1]  # two extensions, not three: 0.08 is interior then
-    assert all(v == 0.08 for per in res["best_lr"].values() for v in per.values())
-    assert {lr for g, lr, s in ran if s == 1} == {0.08}
+    assert not {lr for g, lr, s in ran if g == "sdpa_elementwise" and s == 0}  # shared-lr sweeps the baseline only
+    assert set(res["best_lr"]) == {"baseline"} and all(v == 0.08 for v in res["best_lr"]["baseline"].values())
+    assert {lr for g, lr, s in ran if s >= sl.CONFIRM_FROM} == {0.08}
     assert all(b["at_edge"] is False for per in res["lr_basin"].values() for b in per.values())
 
 
-QUICK = ["--budget", "quick", "--variants", "baseline", "sdpa_elementwise", "--lrs", "0.01", "0.02", "--seeds", "2",
-         "--jobs", "1"]
+QUICK = ["--budget", "quick", "--variants", "baseline", "sdpa_elementwise", "--lrs", "0.01", "0.02", "--jobs", "1"]
 
 
 @pytest.fixture(scope="module")
 def quick_lab(tiny_corpus, tmp_path_factory):
-    """The quick ladder (2 variants, 2 LRs + extensions, 2 seeds) with a held-out text, trained once."""
+    """The quick ladder (2 variants, the baseline's 2 LRs + extensions on seed 0, 2 pilot pairs, at most 3), with a
+    held-out text, trained once."""
     from gated_attention.cli import main
 
     out = tmp_path_factory.mktemp("scaling") / "lab"
@@ -192,24 +197,53 @@ def quick_lab(tiny_corpus, tmp_path_factory):
 def test_quick_lab_writes_the_contract(quick_lab):
     out, _ = quick_lab
     lab = json.loads((out / "lab.json").read_text())
-    for key in ("config", "thresholds", "sizes", "runs", "best_lr", "deltas", "fits", "verdict"):
+    for key in ("config", "thresholds", "sizes", "runs", "best_lr", "deltas", "fits", "verdict", "seeds",
+                "selection_bias", "protocol", "multiplier", "design", "trend", "provenance"):
         assert key in lab, key
     assert {"name", "params_total", "params_non_embedding", "tokens", "flops"} <= set(lab["sizes"][0])
-    run = lab["runs"][0]
+    run = next(r for r in lab["runs"] if r["role"] == "confirm")
     assert {"variant", "size", "lr", "seed", "tokens", "val_loss", "val_loss_per_domain", "heldout_loss",
-            "model_dir", "curve"} <= set(run)
+            "model_dir", "curve", "bits_per_byte"} <= set(run)
     assert run["heldout_loss"] > 0 and (out / run["model_dir"] / "config.json").exists()
-    assert set(lab["best_lr"]) == {"baseline", "sdpa_elementwise"}
+    assert lab["protocol"] == "shared-lr" and set(lab["best_lr"]) == {"baseline"}
     d = lab["deltas"][0]
-    assert {"variant", "size", "mean", "ci_low", "ci_high", "n_seeds", "verdict"} <= set(d)
-    assert d["n_seeds"] == 2 and d["verdict"] in V.DELTA_VERDICTS
+    assert {"variant", "size", "mean", "ci_low", "ci_high", "n_seeds", "verdict", "lr", "seeds"} <= set(d)
+    assert d["n_seeds"] >= 2 and d["verdict"] in V.DELTA_VERDICTS
     assert {"E", "A", "alpha", "alpha_ci"} <= set(lab["fits"]["baseline"])
     assert lab["thresholds"]["gain at one size (paired over seeds)"][0]["value"] == D
+    assert {"pilot_pairs", "target_se", "n_planned", "n_cap", "rule"} <= set(lab["design"])
+    assert {"commit", "dirty", "cpu", "torch", "threads"} <= set(lab["provenance"])
+    assert all({"variant", "size", "ln_k", "ci_low", "ci_high", "verdict"} <= set(m) for m in lab["multiplier"])
+    assert {m["size"] for m in lab["multiplier"]} >= {"all"}
+    assert set(lab["trend"]["sdpa_elementwise"]) >= {"slope", "ci_low", "ci_high", "method"}
     assert (out / "report.html").exists() and all((out / p).exists() for p in lab["plots"].values())
-    # seeds 1.. ran at each variant's own best LR, paired with the baseline's seeds
-    for v, per in lab["best_lr"].items():
-        for s, lr in per.items():
-            assert {r["seed"] for r in lab["runs"] if r["variant"] == v and r["size"] == s and r["lr"] == lr} == {0, 1}
+    # the confirm pairs ran at the baseline's tuned LR for both arms, on the planned number of seeds
+    for d in lab["deltas"]:
+        assert d["lr"]["sdpa_elementwise"] == d["lr"]["baseline"] == lab["best_lr"]["baseline"][d["size"]]
+        assert d["n_seeds"] == lab["design"]["n_planned"][d["size"]] == len(d["seeds"])
+
+
+def test_tuning_and_confirm_seeds_are_disjoint_in_every_verdict(quick_lab):
+    """No figure a verdict reads comes from a tuning seed: Δ rows, the multiplier, the fits' and trend's inputs all use
+    confirm seeds; the tuning seed appears only in tuning runs."""
+    out, _ = quick_lab
+    lab = json.loads((out / "lab.json").read_text())
+    tuning, confirm = set(lab["seeds"]["tuning"]), set(lab["seeds"]["confirm"])
+    assert tuning == {0} and confirm and not tuning & confirm
+    for d in lab["deltas"]:
+        assert set(d["seeds"]) <= confirm and len(d["per_seed"]) == len(d["seeds"])
+    assert {r["seed"] for r in lab["runs"] if r["role"] == "tuning"} == tuning
+    assert {r["seed"] for r in lab["runs"] if r["role"] == "confirm"} == confirm
+    # the per-size Δ is recomputable from confirm runs alone
+    for d in lab["deltas"]:
+        loss = {(r["variant"], r["seed"]): r["val_loss"] for r in lab["runs"] if r["role"] == "confirm"
+                and r["size"] == d["size"] and r["lr"] == d["lr"][r["variant"]]}
+        diffs = [loss[(d["variant"], k)] - loss[("baseline", k)] for k in d["seeds"]]
+        assert d["mean"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-12)
+    with pytest.raises(ValueError, match="both tuning and confirm"):
+        sl.LabConfig(tuning_seeds=(0, 100)).validate()
+    with pytest.raises(ValueError, match="both tuning and confirm"):
+        sl.LabConfig(confirm_seeds=(5, 6, 0)).validate()
 
 
 def test_rerun_reuses_units_and_refuses_other_settings(quick_lab, tiny_corpus, gattn_main):
@@ -224,6 +258,24 @@ def test_rerun_reuses_units_and_refuses_other_settings(quick_lab, tiny_corpus, g
     assert all((out / d).parent.joinpath("result.json").stat().st_mtime_ns == t for d, t in stamps.items())
     again = json.loads((out / "lab.json").read_text())
     assert again["deltas"] == lab["deltas"] and again["best_lr"] == lab["best_lr"]
+    assert again["design"] == lab["design"]
     rc, _, err = gattn_main("lab", "scaling", *QUICK, "--data-dir", tiny_corpus, "--heldout", held, "--out", out,
                             "--set", "beta2=0.99")
     assert rc == 2 and "beta2" in err and "delete" in err
+
+
+def test_reuse_key_changes_with_the_training_code(quick_lab, tiny_corpus, gattn_main, monkeypatch):
+    """A stored unit made by other training code is never reused silently: the lab stops naming `code`; with
+    --accept-code-change it is reused and counted in provenance."""
+    from gated_attention.experiment import provenance
+
+    out, held = quick_lab
+    monkeypatch.setattr(sl, "code_version", lambda: "0123456789abcdef")
+    rc, _, err = gattn_main("lab", "scaling", *QUICK, "--data-dir", tiny_corpus, "--heldout", held, "--out", out)
+    assert rc == 2 and "code: saved" in err and "0123456789abcdef" in err
+    rc, _, err = gattn_main("lab", "scaling", *QUICK, "--data-dir", tiny_corpus, "--heldout", held, "--out", out,
+                            "--accept-code-change")
+    assert rc == 0, err
+    lab = json.loads((out / "lab.json").read_text())
+    assert lab["provenance"]["units_reused_from_other_code"] == len(lab["runs"])
+    assert provenance.code_version() != "0123456789abcdef"

@@ -186,12 +186,28 @@ def configure_scaling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens-per-param", type=float, default=None,
                         help="training tokens per non-embedding parameter of the ungated model at every size "
                              "(default: the budget's; 20, Chinchilla's ratio, for default and gpu)")
+    parser.add_argument("--protocol", default="shared-lr", choices=list(sl.PROTOCOLS),
+                        help="shared-lr (default, the paper's): every arm trains at the baseline's tuned LR; tuned: "
+                             "every variant is swept and trains at its own best LR (the LR-tolerance question)")
+    parser.add_argument("--tuning-seeds", nargs="+", type=int, default=[0], metavar="SEED",
+                        help="seeds of the LR sweep (default 0); they pick LRs and never count in a verdict")
+    parser.add_argument("--confirm-seeds", nargs="+", type=int, default=None, metavar="SEED",
+                        help="seeds that measure Δ, in the order they run, the pilot first (default: fresh seeds "
+                             f"{sl.CONFIRM_FROM}, {sl.CONFIRM_FROM + 1}, ...; never a tuning seed)")
+    parser.add_argument("--pilot-pairs", type=int, default=None,
+                        help="confirm pairs every size runs before the design is registered; their within-arm "
+                             "spread (blind to Δ) plans the rest (default: the budget's, 4 for default)")
+    parser.add_argument("--max-pairs", type=int, default=None,
+                        help="the most confirm pairs a size may plan (default: the budget's, 10 for default); past "
+                             "it the verdict says what the budget could not decide")
     parser.add_argument("--seeds", type=int, default=None,
-                        help="seeds at each variant's own best LR, seed 0 being the sweep's run (default: the "
-                             "budget's, 3 for default)")
+                        help="a fixed number of confirm pairs at every size instead of the planned one (>= 2)")
+    parser.add_argument("--accept-code-change", action="store_true",
+                        help="reuse units trained by another version of the training code (counted in lab.json "
+                             "provenance); without it such a unit stops the lab with one line")
     parser.add_argument("--lrs", nargs="+", type=float, default=None, metavar="LR",
-                        help="seed 0's LR sweep (default: the budget's, spaced x2); the sweep is extended past an "
-                             "edge while the best LR sits on it")
+                        help="the tuning sweep's LRs (default: the budget's, spaced x2); the sweep is extended past "
+                             "an edge while the best LR sits on it")
     parser.add_argument("--sizes", nargs="+", default=None, metavar="NAME",
                         help="train only these rungs of the budget's ladder (names as --plan prints them, e.g. "
                              "d48l2; default: all; the loss-vs-compute fit needs 3)")
@@ -216,6 +232,10 @@ def run_scaling(args) -> int:
     from ..labs.scaling import scaling_report
 
     lab = sl.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants), seeds=args.seeds,
+                       tuning_seeds=tuple(args.tuning_seeds), protocol=args.protocol,
+                       confirm_seeds=tuple(args.confirm_seeds) if args.confirm_seeds else None,
+                       pilot_pairs=args.pilot_pairs, max_pairs=args.max_pairs,
+                       accept_code_change=args.accept_code_change,
                        tokens_per_param=args.tokens_per_param, lrs=tuple(args.lrs) if args.lrs else None,
                        heldout=tuple(args.heldout), sets=tuple(args.sets), data_dir=args.data_dir,
                        sizes=tuple(args.sizes) if args.sizes else None,

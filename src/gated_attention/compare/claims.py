@@ -14,6 +14,8 @@ report prints them under the table and docs/usage.md lists them.
 """
 from __future__ import annotations
 
+import math
+
 from pathlib import Path
 
 from ..experiment.verdicts import Threshold
@@ -84,11 +86,13 @@ _pct = lambda t: f"{100 * t.value:g} %"
 # claim -> (the rule in words, its thresholds); the rows' "rule" and the report's thresholds table
 RULES: dict[str, tuple[str, tuple[Threshold, ...]]] = {
     "Lower perplexity at parameter parity": (
-        f"Δ = G1 elementwise - baseline val loss (nats), paired over seeds, 95 % t interval; δ = "
-        f"{scaling_rule.DELTA.value:g}: reproduced (upper < 0, mean <= -δ), lower but smaller than the paper's (upper "
-        f"< 0), no effect of the paper's size (inside ±δ), worse (lower > 0), else inconclusive; from the scaling lab "
-        f"(tuned LRs, 20 tokens/param) when one is given, else from this run (labs/scaling/verdict.py)",
-        (scaling_rule.DELTA,)),
+        f"ln k = -Δ / (the baseline's loss drop per e-fold of compute), Δ = G1 elementwise - baseline val loss "
+        f"(nats) paired over confirmation seeds (none used for tuning), 95 % interval: reproduced (lower > 0, ln k >= "
+        f"ln {scaling_rule.K_LOW.value:g}), lower but smaller than the paper's (lower > 0), no effect of the paper's "
+        f"size (inside ±ln {scaling_rule.K_LOW.value:g}), worse (upper < 0), else inconclusive; the nats rule (δ = "
+        f"{scaling_rule.DELTA.value:g}) beside it; from the scaling lab (the paper's shared-LR protocol, 20 "
+        f"tokens/param) when one is given, else from this run (labs/scaling/verdict.py)",
+        (scaling_rule.K_PAPER, scaling_rule.K_LOW, scaling_rule.DELTA)),
     "Attention sink removed: real text": (
         f"reproduced: baseline F-Attn >= {SINK_FORMED.value:g}x uniform and every G1 excess over uniform <= "
         f"{SINK_KEPT.value:g} of the baseline's; partly: the same with the baseline >= {SINK_FORMING.value:g}x, or "
@@ -147,20 +151,36 @@ PPL_PAPER = ("Avg PPL 6.026 → 5.761 (G1 elementwise) / 5.792 (headwise), 15A2B
 
 
 def ppl_measure(seed_losses: dict, lrs: dict, lr_tuned: dict, tokens_per_param: float | None,
-                lr_source: str = "") -> dict:
+                lr_source: str = "", protocol: str = "", seeds: list[int] | None = None,
+                slope: tuple[float, str] | None = None, bytes_per_token: dict | None = None) -> dict:
     """The perplexity row's `measure` (compare.json): Δ = gated - baseline mean val loss in nats per G1 variant,
-    paired over the seeds both ran ({variant: {seed: loss}}), with a 95 % t interval from 2 seeds on, and its
-    verdict by the scaling lab's rule; the regime beside it (tokens per non-embedding parameter, seeds, each
-    variant's LR and whether it was tuned)."""
+    paired over the seeds both ran ({variant: {seed: loss}}), with a 95 % t interval from 2 seeds on, judged by the
+    scaling lab's nats rule; beside it Δ in bits per byte (the corpus's bytes per token, domains weighted as the loss
+    weights them) and ln k = -Δ / slope (slope: the baseline's loss drop per e-fold of compute at this size, with its
+    source) judged by the multiplier rule; the regime (tokens per non-embedding parameter, the seeds, each variant's
+    LR, the protocol; `seeds_used_for_tuning`: the job's seeds that chose a setting — none)."""
     base = seed_losses.get("baseline") or seed_losses.get("none") or {}
-    deltas = {}
+    per_byte = [1.0 / b for b in (bytes_per_token or {}).values() if b]
+    to_bpb = (sum(per_byte) / len(per_byte) / math.log(2)) if per_byte else None  # nats/token -> bits/byte
+    deltas, bpb, ln_k = {}, {}, {}
     for v in GATED:
         if v in seed_losses:
             d = scaling_rule.paired_delta(seed_losses[v], base)
             deltas[v] = {"mean": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"], "n_seeds": d["n_seeds"],
                          "per_seed": d["per_seed"], "verdict": scaling_rule.judge(d["mean"], d["ci_low"], d["ci_high"]),
                          "seeds_needed": scaling_rule.seeds_needed(d["mean"], d["std"])}
-    return {"delta_nats": deltas, "tokens_per_param": tokens_per_param,
+            scale = lambda x, f: None if x is None or f is None else x * f  # noqa: E731
+            if to_bpb:
+                bpb[v] = {k: scale(d[k], to_bpb) for k in ("mean", "ci_low", "ci_high")}
+            if slope:
+                ln_k[v] = {"mean": scale(d["mean"], -1 / slope[0]), "ci_low": scale(d["ci_high"], -1 / slope[0]),
+                           "ci_high": scale(d["ci_low"], -1 / slope[0])}
+                ln_k[v]["verdict"] = scaling_rule.judge_multiplier(ln_k[v]["mean"], ln_k[v]["ci_low"],
+                                                                   ln_k[v]["ci_high"])
+    return {"delta_nats": deltas, "delta_bits_per_byte": bpb, "ln_k": ln_k,
+            "slope": {"nats_per_efold": slope[0], "source": slope[1]} if slope else None,
+            "protocol": protocol, "seeds_used_for_tuning": [], "seed_list": seeds or [],
+            "tokens_per_param": tokens_per_param,
             "params_counted": "non-embedding (baseline)", "seeds": max((len(x) for x in seed_losses.values()), default=0),
             "lr": lrs, "lr_tuned": lr_tuned, "lr_source": lr_source}
 
@@ -170,11 +190,17 @@ def _primary(deltas: dict) -> str | None:
     return next((v for v in GATED if v in deltas), None)
 
 
-def _delta_text(v: str, d: dict) -> str:
+def _delta_text(v: str, d: dict, bpb: dict | None = None, ln_k: dict | None = None) -> str:
     iv = f" [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}]" if d.get("ci_low") is not None else " (one seed: no interval)"
     more = f", ~{d['seeds_needed']} seeds would decide" if d.get("verdict") == scaling_rule.INCONCLUSIVE and \
         d.get("seeds_needed") else ""
-    return f"{v.removeprefix('sdpa_')} {d['mean']:+.4f}{iv} → {d['verdict']}{more}"
+    text = f"{v.removeprefix('sdpa_')} {d['mean']:+.4f}{iv} nats → {d['verdict']}{more}"
+    if bpb and bpb.get("mean") is not None:
+        text += f"; {bpb['mean']:+.4f} bits/byte"
+    if ln_k and ln_k.get("mean") is not None:
+        kv = f" [{ln_k['ci_low']:+.3f}, {ln_k['ci_high']:+.3f}]" if ln_k.get("ci_low") is not None else ""
+        text += f"; ln k {ln_k['mean']:+.3f}{kv} → {ln_k['verdict']}"
+    return text
 
 
 def scaling_evidence(scaling_dir) -> dict | None:
@@ -184,7 +210,8 @@ def scaling_evidence(scaling_dir) -> dict | None:
         return None
     lab = read_json_object(path, "scaling lab.json")
     return {"dir": str(path.parent), "per_variant": lab["verdict"]["per_variant"], "text": lab["verdict"]["text"],
-            "tokens_per_param": lab["config"].get("tokens_per_param"), "seeds": lab["config"].get("seeds")}
+            "tokens_per_param": lab["config"].get("tokens_per_param"),
+            "seeds": (lab.get("seeds") or {}).get("confirm") or lab["config"].get("seeds")}
 
 
 def ppl_claim(rows: dict, measure: dict | None = None, scaling_dir=None) -> dict:
@@ -197,20 +224,24 @@ def ppl_claim(rows: dict, measure: dict | None = None, scaling_dir=None) -> dict
     m = dict(measure)  # the row's copy: verdict_source is the row's, not the run's measurement
     tuned = "each variant at its own tuned LR" if all(m["lr_tuned"].values()) else "LRs not tuned per variant"
     tpp = f"{m['tokens_per_param']:.1f}" if m.get("tokens_per_param") else "?"
-    this = (f"Δ val loss (nats, {m['seeds']} seed(s), {tpp} tokens per non-embedding parameter, {tuned}): "
-            + "; ".join(_delta_text(v, d) for v, d in deltas.items())
-            + f". Avg PPL (seed 0) {base:.2f} → " + " / ".join(f"{x:.2f}" for x in g.values()))
+    if m.get("protocol") == "shared-lr":
+        tuned = "every arm at the baseline's tuned LR (the paper's protocol)"
+    seeds = f"seeds {m['seed_list']}" if m.get("seed_list") else f"{m['seeds']} seed(s)"
+    this = (f"Δ val loss ({seeds}, none used for tuning; {tpp} tokens per non-embedding parameter, {tuned}): "
+            + "; ".join(_delta_text(v, d, (m.get("delta_bits_per_byte") or {}).get(v), (m.get("ln_k") or {}).get(v))
+                        for v, d in deltas.items())
+            + f". Avg PPL (first seed) {base:.2f} → " + " / ".join(f"{x:.2f}" for x in g.values()))
     lab = scaling_evidence(scaling_dir)
     primary = _primary(deltas)
     if lab and primary in lab["per_variant"]:
         x = lab["per_variant"][primary]
         m["verdict_source"] = f"scaling lab {lab['dir']}"
-        return {"paper": PPL_PAPER, "verdict": x["gain"], "measure": m,
+        return {"paper": PPL_PAPER, "verdict": x.get("multiplier", x["gain"]), "measure": m,
                 "this_run": f"{this}. Verdict from the scaling ladder ({lab['dir']}: {lab['tokens_per_param']:g} "
-                            f"tokens/param, {lab['seeds']} seeds at tuned LRs): {lab['text']}"}
+                            f"tokens/param, confirm seeds {lab['seeds']}): {lab['text']}"}
     m["verdict_source"] = "this run"
     return {"paper": PPL_PAPER, "this_run": this + f"; no scaling lab at {scaling_dir}: the verdict is this run's",
-            "verdict": deltas[primary]["verdict"], "measure": m,
+            "verdict": ((m.get("ln_k") or {}).get(primary) or deltas[primary])["verdict"], "measure": m,
             **({"command": SCALING_CMD} if not all(m["lr_tuned"].values()) else {})}
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .. import experiment
 from ..gates import DEFAULT_VARIANTS  # the run folders and the rows of compare.json
-from ..util.io import atomic_write_text, json_dumps, locks_output, read_jsonl
+from ..util.io import read_json_object, atomic_write_text, json_dumps, locks_output, read_jsonl
 
 DEFAULT_DATA_DIR = "data"  # the data module's `gattn data prepare` default
 
@@ -106,28 +106,31 @@ def _ladder_rung(name: str) -> dict:
     return sl.recipe(spec, size, sl.size_info(spec, size, 1024, spec.tokens_per_param))
 
 
-# The main job's LM setting (issue 41) is the default scaling ladder's d48l2 rung: a 2-layer d=48 model (60k
-# non-embedding parameters) at 20 tokens per parameter, each variant at the best LR of its seed-0 sweep there
-# (`gattn lab scaling --budget default`, docs/experiments/scaling.md), 3 paired seeds. The old setting (d=128, 2.3
-# tokens per parameter, one LR) measured a -30 % PPL "gain" that the project's longer runs showed fading with tokens
-# (-18 % at 6 tokens/param, +5.5 % at 45): an early-training effect, not the paper's equal-compute gain.
+# The main job's LM setting is the default scaling ladder's d48l2 rung (a 2-layer d=48 model, 60k non-embedding
+# parameters, 20 tokens per parameter) under the ladder's protocol: every arm at the baseline's best LR of the tuning
+# seed's sweep there (seed 0: 0.002/0.004/0.008/0.016/0.032 -> 4.234/4.129/4.304/4.203/4.203 nats, docs/experiments/
+# scaling.md), and its own seeds are confirmation seeds (100, 101, 102), never the tuning seed.
 _RUNG = "d48l2"
-# seed-0 sweeps at d48l2 (val loss): baseline 0.002/0.004/0.008/0.016/0.032 -> 4.234/4.129/4.304/4.203/4.203;
-# elementwise 4.216/4.034/4.102/4.067/4.135; headwise (0.004..0.032) 4.053/4.041/4.120/4.079
-LADDER_LRS = {"baseline": 4e-3, "sdpa_elementwise": 4e-3, "sdpa_headwise": 8e-3}
+LADDER_LR = 4e-3
+CONFIRM_SEED = 100  # the first of the main job's seeds: the ladder's fresh confirm seeds start here too
+# The baseline's loss drop per e-fold of compute at d48l2 (nats), which turns Δ into ln k when no scaling lab is given:
+# alpha * A * C^-alpha of the default ladder's baseline fit, L = 75.94 C^-0.1059 (docs/experiments/scaling_default).
+LADDER_SLOPE = (0.4371, "the default ladder's baseline fit at d48l2 (docs/experiments/scaling_default/lab.json)")
 _DEFAULT = Budget(
     help="the main job in under 15 minutes on 2 cores of either CPU kind (fp32 on an AVX2-only CPU): the default "
          "scaling ladder's d48l2 rung (2 layers, d=48, 60k non-embedding parameters) at 20 tokens per parameter "
-         "(1.2M tokens), each variant at its own tuned LR, 3 paired seeds, windows of 128 on the default sources "
-         "with a 1024-token vocabulary (prepared automatically in data_v1k unless --data-dir is given), + the 1-seed "
-         "sink lab and the streaming check",
-    train={**_ladder_rung(_RUNG), "lr": LADDER_LRS["baseline"], "min_lr": LADDER_LRS["baseline"] * 0.01,
+         "(1.2M tokens), every arm at the baseline's tuned LR (the paper's shared-LR protocol), 3 paired "
+         "confirmation seeds (100-102), windows of 128 on the default sources with a 1024-token vocabulary "
+         "(prepared automatically in data_v1k unless --data-dir is given), + the 1-seed sink lab and the streaming "
+         "check",
+    train={**_ladder_rung(_RUNG), "lr": LADDER_LR, "min_lr": LADDER_LR * 0.01, "seed": CONFIRM_SEED,
            "eval_every": 0, "stats_every": 0, "spike_window": 50,
            # fp32 and eager, as the ladder trains: the same numbers on either CPU kind and whatever the machine's load
            # (bf16 autocast and compile=auto decide from timings; at d=48 neither is faster)
            "precision": "fp32", "compile": "false"},
-    analysis_batches=1, data_dir="data_v1k", vocab_size=1024, seeds=3, lrs=dict(LADDER_LRS),
-    lr_source=f"each variant's best LR at {_RUNG} in the default scaling ladder (seed-0 sweep)")
+    analysis_batches=1, data_dir="data_v1k", vocab_size=1024, seeds=3,
+    lrs={"baseline": LADDER_LR, "sdpa_elementwise": LADDER_LR, "sdpa_headwise": LADDER_LR},
+    lr_source=f"the baseline's best LR at {_RUNG} on the default scaling ladder's tuning seed (0), shared by every arm")
 
 BUDGETS: dict[str, Budget] = {
     "small": Budget(
@@ -379,6 +382,26 @@ def _unit(task: tuple, log=_stderr):
     return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
 
 
+def _ladder_slope(scaling_lab, budget: str) -> tuple[float, str] | None:
+    """The baseline's loss drop per e-fold of compute at the job's rung (nats), which turns Δ into ln k: from the
+    scaling lab's joint fit when one is given and holds the rung, else the default ladder's (LADDER_SLOPE); None for
+    budgets that are not a ladder rung."""
+    if budget != "default":
+        return None
+    path = Path(scaling_lab) / "lab.json" if scaling_lab else None
+    if path is not None and path.is_file():
+        slope = ((read_json_object(path, "scaling lab.json").get("multiplier_fit") or {}).get("slope") or {}).get(_RUNG)
+        if slope:
+            return float(slope), f"the scaling lab's joint fit at {_RUNG} ({path.parent})"
+    return LADDER_SLOPE
+
+
+def _bytes_per_token(data_dir: str) -> dict:
+    from ..labs.scaling import scaling_lab as sl
+
+    return sl.bytes_per_token(data_dir)
+
+
 def run_name(variant: str, seed: int) -> str:
     """The run folder of one LM variant and seed (relative to OUT/runs): seed 0 keeps the variant's name."""
     return variant if seed == 0 else f"{variant}_seed{seed}"
@@ -499,7 +522,10 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
             seed_losses, lrs={v: cfgs[v].lr for v in variants},
             lr_tuned={v: bool(b.lrs.get(v)) and not lr_set for v in variants},
             tokens_per_param=rows[base_v]["tokens"] / base_params["non_embedding"]
-            if rows[base_v].get("tokens") else None, lr_source=b.lr_source if not lr_set else "--set lr"),
+            if rows[base_v].get("tokens") else None, lr_source=b.lr_source if not lr_set else "--set lr",
+            protocol="shared-lr" if len({cfgs[v].lr for v in variants}) == 1 else "per-variant LRs",
+            seeds=[base.seed + k for k in range(n_seeds)], slope=_ladder_slope(scaling_lab, budget),
+            bytes_per_token=_bytes_per_token(str(data_dir))),
         "data_dir": str(data_dir),
         "train_config": base.to_dict(),
         "resolved_precision": precision,  # what every run trained in (runs are keyed on it)

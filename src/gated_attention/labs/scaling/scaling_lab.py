@@ -1,28 +1,39 @@
 """`gattn lab scaling`: does the gate lower loss at equal compute, and does the gain change with scale? A ladder of
-model sizes, every variant at its own best learning rate, over seeds (issue 41).
+model sizes, decided on seeds that never chose anything.
 
-Per (variant, size): a learning-rate sweep on seed 0 (the budget's grid, spaced x2; while the best LR is at an edge
-of the LRs tried, one more beyond it, at most `max_extensions` times), then seeds 1..N-1 at that variant's own best
-LR, paired by seed with the baseline (the batch at step s is a function of (seed, s): every variant sees the same
-data in the same order). Every size trains for `tokens_per_param` tokens per non-embedding parameter of the ungated
-model (gated models shrink their FFN to the same count, as the paper's dense runs do), with one recipe: AdamW, weight
-decay 0.1, QK-norm, linear warm-up over `warmup_frac` of the steps, cosine decay to `min_lr_frac` of the peak.
+The protocol, per size (smallest first, so a lab stopped early holds whole rungs):
+  1. tuning: an LR sweep on the tuning seeds (--tuning-seeds, default 0; the budget's grid spaced x2, extended past an
+     edge while the best LR sits on it, at most `max_extensions` times). Under --protocol shared-lr (the default, the
+     paper's: both arms at one recipe and LR) only the baseline is swept and every arm trains at the baseline's best
+     LR; under --protocol tuned every variant is swept and trains at its own best (the LR-tolerance question).
+  2. pilot: the first --pilot-pairs confirm seeds (fresh seeds, 100, 101, ... unless --confirm-seeds names them;
+     never a tuning seed), every arm at its protocol LR.
+  3. design, registered before any further confirm run: from the pilot's pooled within-arm variance (blind to Δ) the
+     pairs each size needs for 80 % power at the multiplier rule's threshold there (design.py), capped by --max-pairs;
+     written to lab.json `design` (and OUT/design.json, reused on a rerun).
+  4. confirmation: the remaining planned pairs. Every verdict figure (Δ, ln k, the trend) comes from confirm seeds.
+Paired by seed: the batch at step s is a function of (seed, s), so every arm sees the same data in the same order.
+Every size trains for `tokens_per_param` tokens per non-embedding parameter of the ungated model (gated models shrink
+their FFN to the same count, as the paper's dense runs do), with one recipe: AdamW, weight decay 0.1, QK-norm, linear
+warm-up over `warmup_frac` of the steps, cosine decay to `min_lr_frac` of the peak.
 
 Measured per run: the validation loss in nats per domain on `eval_batches * eval_batch_size` BOS-started windows
-(the mean over domains is the lab's loss), the loss on the user's held-out text (--heldout), and the training-loss
-curve against tokens seen (fresh tokens every step: an estimate of the loss on unseen text along the way, free).
-verdict.py holds the rules (Δ against the paper's 0.0128 nats, the trend with compute, the fit, the LR basin).
+(the mean over domains is the lab's loss; bits per byte beside it from the corpus's bytes per token), the loss on the
+user's held-out text (--heldout), and the training-loss curve against tokens seen. verdict.py holds the rules, design.py
+the estimators, summary.py lab.json's figures.
 
 Layout of OUT:
   OUT/runs/<variant>_<size>_lr<lr>_s<seed>/   the trainer's run folder (final/ kept: `model_dir`), result.json
-  OUT/lab.json, OUT/report.md, OUT/report.html, OUT/plots/*.png
-A unit is finished when its result.json exists (keyed on its trainer settings and the held-out files); an
-interrupted one resumes from its last checkpoint (experiment.train_or_reuse: the one resume policy), so a lab killed
-anywhere and started again loses at most the steps since a checkpoint and ends with an uninterrupted lab's numbers.
+  OUT/design.json, OUT/lab.json, OUT/report.md, OUT/report.html, OUT/plots/*.png
+A unit is finished when its result.json exists (keyed on its trainer settings, the held-out files and the training
+code's version: experiment/provenance.py); an interrupted one resumes from its last checkpoint
+(experiment.train_or_reuse: the one resume policy), so a lab killed anywhere and started again loses at most the steps
+since a checkpoint and ends with an uninterrupted lab's numbers.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import shutil
 import sys
@@ -31,10 +42,13 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ...experiment import cache
+from ...experiment.provenance import code_version, provenance
 from ...experiment.runs import ensure_corpus, run_units
 from ...gates import DEFAULT_VARIANTS, canonical_name
 from ...util.io import atomic_write_json, locks_output, read_jsonl, to_strict
+from . import design as D
 from . import verdict as V
+from .summary import tuned_losses, unit_name
 
 
 @dataclass(frozen=True)
@@ -64,8 +78,9 @@ class ScalingBudget:
 
     help: str
     sizes: tuple[Size, ...]
-    lrs: tuple[float, ...]  # seed 0's sweep, spaced x2 (extended past an edge when the best LR sits on it)
-    seeds: int = 3  # seeds 0..N-1 at each variant's own best LR (seed 0 is the sweep's run)
+    lrs: tuple[float, ...]  # the tuning seeds' sweep, spaced x2 (extended past an edge when the best LR sits on it)
+    pilot_pairs: int = 4  # confirm pairs every size runs first; their within-arm spread plans the rest
+    max_pairs: int = 10  # the plan's cap per size: what the CPU budget affords (docs/experiments/scaling.md)
     tokens_per_param: float = 20.0  # per NON-embedding parameter of the ungated model (Kaplan et al. 2020's count:
     # at these widths the tied embedding is half the total and its cost per token is a lookup)
     max_extensions: int = 2  # LRs added beyond an edge at most, per (variant, size)
@@ -85,24 +100,26 @@ class ScalingBudget:
 
 _DEFAULT = ScalingBudget(
     help="4 widths (24, 32, 48, 72; 2 layers, heads of 8, FFN 3d) = 15k-135k non-embedding parameters (8.9x), "
-         "20 tokens per non-embedding parameter (0.3M-2.7M tokens), LRs 4e-3..3.2e-2 on seed 0 (extended past an "
-         "edge), 3 seeds at each variant's best LR, fp32, eager: 3 variants x 4 sizes x >= 6 units (docs/"
-         "experiments/scaling.md gives its measured cost)",
+         "20 tokens per non-embedding parameter (0.3M-2.7M tokens), the baseline's LR tuned on seed 0 over "
+         "4e-3..3.2e-2 (extended past an edge), then 4 pilot pairs and up to 10 planned confirm pairs per size at "
+         "that shared LR, fp32, eager (docs/experiments/scaling.md gives its measured cost)",
     sizes=ladder((24, 32, 48, 72), head_dim=8), lrs=(4e-3, 8e-3, 1.6e-2, 3.2e-2))
 
 BUDGETS: dict[str, ScalingBudget] = {
     "quick": replace(
         _DEFAULT,
         help="CI: the default's structure on tiny models — 4 widths (8, 12, 16, 24; 1 layer, heads of 4) "
-             "spanning 8.8x, 4 LRs, 2 seeds, 2 tokens per parameter, windows of 32 (seconds per run)",
-        sizes=ladder((8, 12, 16, 24), head_dim=4, layers=lambda d: 1), lrs=(5e-3, 1e-2, 2e-2, 4e-2), seeds=2,
+             "spanning 8.8x, 4 LRs, 2 pilot pairs and at most 3, 2 tokens per parameter, windows of 32 (seconds "
+             "per run)",
+        sizes=ladder((8, 12, 16, 24), head_dim=4, layers=lambda d: 1), lrs=(5e-3, 1e-2, 2e-2, 4e-2),
+        pilot_pairs=2, max_pairs=3,
         tokens_per_param=2.0, max_extensions=1, seq_len=32, batch_size=4, eval_batches=2, eval_batch_size=4,
         curve_points=8),
     "default": _DEFAULT,
     "gpu": replace(
         _DEFAULT,
         help="a GPU ladder: widths 448-1024 with depth = width / 64 (heads of 64, FFN 3d): 18M-218M non-embedding "
-             "parameters (12x), 20 tokens per parameter (0.37B-4.4B tokens), LRs 5e-4..4e-3, 3 seeds, windows of "
+             "parameters (12x), 20 tokens per parameter (0.37B-4.4B tokens), LRs 5e-4..4e-3, 4-10 pairs, windows of "
              "1024, batch 64: 1.4e20 FLOPs for 3 variants (`gattn lab scaling --budget gpu --plan`; ~96 GPU-hours at "
              "40 %% MFU of an H100); give it a corpus with a real vocabulary (--data-dir)",
         sizes=ladder((448, 576, 768, 1024), head_dim=64, layers=lambda d: d // 64), lrs=(5e-4, 1e-3, 2e-3, 4e-3),
@@ -110,9 +127,13 @@ BUDGETS: dict[str, ScalingBudget] = {
 }
 
 # settings the lab sets per unit or through its own flags: --set may not change them
-_LAB_SETTINGS = {"gate": "--variants", "lr": "the sweep", "min_lr": "the budget", "seed": "--seeds",
+_LAB_SETTINGS = {"gate": "--variants", "lr": "the sweep", "min_lr": "the budget", "seed": "--confirm-seeds",
                  "steps": "--tokens-per-param", "data": "--data-dir", "data_dir": "--data-dir",
                  "precision": "--precision"}
+
+
+CONFIRM_FROM = 100  # the first fresh confirm seed: far from the tuning seeds' usual 0, 1, 2
+PROTOCOLS = ("shared-lr", "tuned")
 
 
 @dataclass
@@ -122,7 +143,13 @@ class LabConfig:
     out: str = "runs/lab/scaling"  # where `gattn compare --scaling-lab` looks by default
     budget: str = "default"
     variants: tuple[str, ...] = DEFAULT_VARIANTS
-    seeds: int | None = None  # None = the budget's
+    seeds: int | None = None  # a fixed number of confirm pairs per size (None: planned from the pilot)
+    tuning_seeds: tuple[int, ...] = (0,)  # the seeds that pick LRs; never counted in a verdict
+    confirm_seeds: tuple[int, ...] | None = None  # the seeds that measure Δ (None: fresh ones from CONFIRM_FROM)
+    protocol: str = "shared-lr"  # shared-lr: every arm at the baseline's tuned LR (the paper's); tuned: each its own
+    pilot_pairs: int | None = None  # None = the budget's
+    max_pairs: int | None = None  # None = the budget's
+    accept_code_change: bool = False  # reuse units trained by another version of the training code (recorded)
     tokens_per_param: float | None = None  # None = the budget's (20 for default and gpu)
     lrs: tuple[float, ...] | None = None  # None = the budget's grid
     heldout: tuple[str, ...] = ()  # plain-text files: out-of-domain loss of every run
@@ -147,8 +174,21 @@ class LabConfig:
             raise ValueError("--variants must include baseline: every gain is measured against it")
         if len(set(names)) != len(names):
             raise ValueError(f"--variants lists a variant twice: {list(self.variants)}")
-        if self.seeds is not None and self.seeds < 1:
-            raise ValueError(f"--seeds {self.seeds} must be >= 1")
+        if self.seeds is not None and self.seeds < 2:
+            raise ValueError(f"--seeds {self.seeds} must be >= 2 (a confirm interval needs two pairs)")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"unknown --protocol {self.protocol!r}; valid: {', '.join(PROTOCOLS)}")
+        if not self.tuning_seeds or len(set(self.tuning_seeds)) != len(self.tuning_seeds):
+            raise ValueError(f"--tuning-seeds must be distinct seeds, got {list(self.tuning_seeds)}")
+        if self.confirm_seeds is not None and (len(set(self.confirm_seeds)) != len(self.confirm_seeds)
+                                               or len(self.confirm_seeds) < 2):
+            raise ValueError(f"--confirm-seeds must be >= 2 distinct seeds, got {list(self.confirm_seeds)}")
+        both = sorted(set(self.tuning_seeds) & set(self.confirm_pool()))
+        if both:
+            raise ValueError(f"seed(s) {both} are both tuning and confirm seeds: a seed that chose an LR never counts "
+                             f"in the comparison; give disjoint --tuning-seeds and --confirm-seeds")
+        if self.n_pilot() < 2 or self.n_cap() < self.n_pilot():
+            raise ValueError(f"--pilot-pairs {self.n_pilot()} must be >= 2 and <= --max-pairs {self.n_cap()}")
         if self.tokens_per_param is not None and not (self.tokens_per_param > 0):
             raise ValueError(f"--tokens-per-param {self.tokens_per_param} must be > 0")
         lrs = self.grid()
@@ -181,8 +221,25 @@ class LabConfig:
     def rungs(self) -> tuple[Size, ...]:
         return tuple(s for s in self.spec.sizes if self.sizes is None or s.name in self.sizes)
 
-    def n_seeds(self) -> int:
-        return self.seeds or self.spec.seeds
+    def n_pilot(self) -> int:
+        n = self.pilot_pairs or self.spec.pilot_pairs
+        return min(n, self.seeds) if self.seeds else n
+
+    def n_cap(self) -> int:
+        """The most confirm pairs a size may plan: --seeds fixes it, else --max-pairs or the budget's cap, never more
+        than --confirm-seeds names."""
+        cap = self.seeds or self.max_pairs or self.spec.max_pairs
+        return min(cap, len(self.confirm_seeds)) if self.confirm_seeds else cap
+
+    def confirm_pool(self) -> tuple[int, ...]:
+        """The confirm seeds in the order they run (the pilot first)."""
+        if self.confirm_seeds is not None:
+            return tuple(self.confirm_seeds)
+        return tuple(range(CONFIRM_FROM, CONFIRM_FROM + self.n_cap()))
+
+    def swept(self) -> tuple[str, ...]:
+        """The variants the tuning sweep covers: the baseline alone under shared-lr, every variant under tuned."""
+        return tuple(v for v in self.variants if self.protocol == "tuned" or canonical_name(v) == "none")
 
     def tpp(self) -> float:
         return self.tokens_per_param or self.spec.tokens_per_param
@@ -216,10 +273,6 @@ def recipe(spec: ScalingBudget, size: Size, info: dict) -> dict:
                 weight_decay=spec.weight_decay, seq_len=spec.seq_len, batch_size=spec.batch_size,
                 eval_batches=spec.eval_batches, eval_batch_size=spec.eval_batch_size, ckpt_every=max(1, steps // 4),
                 model_overrides=size.overrides(spec.ffn_mult))
-
-
-def unit_name(variant: str, size: str, lr: float, seed: int) -> str:
-    return f"{variant}_{size}_lr{lr:g}_s{seed}"
 
 
 def train_config(lab: LabConfig, data_dir: str, variant: str, size: Size, info: dict, lr: float, seed: int,
@@ -293,15 +346,25 @@ def _files_key(files: tuple[str, ...]) -> list:
     return [[Path(f).name, hashlib.sha256(Path(f).read_bytes()).hexdigest()] for f in files]
 
 
+def _code_diff(stored: dict, wanted: dict) -> list[str]:
+    """The reuse rule's differences, the training code's version left out (--accept-code-change)."""
+    return cache.differences({k: v for k, v in stored.items() if k != "code"},
+                             {k: v for k, v in wanted.items() if k != "code"})
+
+
 def train_unit(task: tuple) -> dict:
     """Train (or reuse, or resume) one unit and write its result.json; picklable for --jobs workers.
-    task = (cfg_dict, run_dir, heldout files, curve points)."""
-    cfg_dict, run_dir, heldout, points = task
+    task = (cfg_dict, run_dir, heldout files, curve points, accept_code_change). A stored unit made by another
+    version of the training code stops the lab (the reuse rule) unless accept_code_change, when it is reused and
+    marked `reused_from_code`."""
+    cfg_dict, run_dir, heldout, points, accept_code_change = task
     out = Path(run_dir)
-    key = {**cfg_dict, "heldout": _files_key(heldout)}
-    done = cache.load(out / "result.json", key)
-    if done is not None:
-        return done
+    key = {**cfg_dict, "heldout": _files_key(heldout), "code": code_version()}
+    stored = cache.load(out / "result.json", key, diff=_code_diff if accept_code_change else None)
+    if stored is not None:
+        if stored["key"].get("code") != key["code"]:
+            stored["reused_from_code"] = stored["key"].get("code")
+        return stored
     from gated_attention.experiment.runs import train_or_reuse
     from gated_attention.train.config import TrainConfig
 
@@ -326,21 +389,39 @@ def train_unit(task: tuple) -> dict:
     return result
 
 
+def bytes_per_token(data_dir: str, max_tokens: int = 200_000) -> dict[str, float]:
+    """UTF-8 bytes per token of each domain's validation text (its first max_tokens tokens decoded; special tokens
+    count 0 bytes): the factor that turns nats per token into bits per byte."""
+    import numpy as np
+
+    from gated_attention import data
+
+    corpus = data.Corpus(data_dir)
+    special = {corpus.bos_id, corpus.eos_id, corpus.pad_id}
+    out = {}
+    for d in corpus.domains:
+        ids = [int(t) for t in np.asarray(corpus.tokens(d, "val")[:max_tokens]) if int(t) not in special]
+        n = len(ids)
+        out[d] = len(corpus.tokenizer.decode(ids).encode("utf-8")) / n if n else None
+    return out
+
+
 def plan_text(lab: LabConfig, vocab: int | None = None) -> str:
-    """The ladder as `--plan` prints it: per size its parameters, tokens and FLOPs, and the units' total FLOPs (the
-    sweep's grid and the seeds; extensions past an edge add more). vocab: the corpus's (default: the budget's)."""
+    """The ladder as `--plan` prints it: per size its parameters, tokens and FLOPs, and the units' total FLOPs at the
+    most the design may run (the sweep's grid for the swept variants, --max-pairs confirm pairs per arm; extensions
+    past an edge add more). vocab: the corpus's (default: the budget's)."""
     spec = lab.spec
     vocab = vocab or spec.vocab_size
     rows, total = [], 0.0
-    units = len(lab.grid()) + lab.n_seeds() - 1
+    units = len(lab.grid()) * len(lab.tuning_seeds) * len(lab.swept()) + lab.n_cap() * len(lab.variants)
     for s in lab.rungs():
         i = size_info(spec, s, vocab, lab.tpp())
-        total += i["flops"] * units * len(lab.variants)
+        total += i["flops"] * units
         rows.append(f"  {i['name']:>10}  {i['params_total']:>13,} total  {i['params_non_embedding']:>13,} non-emb.  "
                     f"{i['tokens']:>15,} tokens  {i['flops']:.3g} FLOPs")
-    return "\n".join([f"ladder `{lab.budget}` ({len(lab.variants)} variants x {len(lab.rungs())} sizes x {units} units "
-                      f"each, vocabulary {vocab}):", *rows,
-                      f"total {total:.3g} FLOPs (+ evaluation); at 40 % MFU of a 989-TFLOP/s GPU: "
+    return "\n".join([f"ladder `{lab.budget}` ({len(lab.variants)} variants x {len(lab.rungs())} sizes, protocol "
+                      f"{lab.protocol}: at most {units} units a size, vocabulary {vocab}):", *rows,
+                      f"total at most {total:.3g} FLOPs (+ evaluation); at 40 % MFU of a 989-TFLOP/s GPU: "
                       f"{total / (0.4 * 989e12) / 3600:.2f} GPU-hours"])
 
 
@@ -352,38 +433,89 @@ def _stage(points: list[tuple], lab: LabConfig, ctx: dict, log) -> dict[tuple, d
     for v, s, lr, seed in points:
         cfg = train_config(lab, ctx["data_dir"], v, ctx["size"][s], ctx["info"][s], lr, seed, ctx["precision"])
         tasks.append((cfg.to_dict(), str(ctx["out"] / "runs" / unit_name(v, s, lr, seed)), lab.heldout,
-                      lab.spec.curve_points))
-    done = sum((Path(d) / "result.json").exists() for _, d, _, _ in tasks)
+                      lab.spec.curve_points, lab.accept_code_change))
+    done = sum((Path(d) / "result.json").exists() for d, *_ in (t[1:] for t in tasks))
     if len(tasks) > done:
         log(f"[scaling] {len(tasks) - done} unit(s) to train ({done} stored), {lab.jobs} at a time")
     return dict(zip(points, run_units(train_unit, tasks, jobs=lab.jobs, log=log)))
 
 
-def sweep(lab: LabConfig, ctx: dict, log) -> dict[tuple, dict]:
-    """Size by size (smallest first, so a lab stopped early holds whole rungs): seed 0 at every LR of the grid for
-    every variant, then, while a variant's best LR sits at an edge of the LRs tried, one more LR beyond it (at most
-    max_extensions per variant and size)."""
-    results = {}
-    for s in ctx["size"]:
-        results.update(_stage([(v, s, lr, 0) for v in lab.variants for lr in lab.grid()], lab, ctx, log))
-        for _ in range(lab.spec.max_extensions):
-            more = []
-            for v in lab.variants:
-                losses = {p[2]: r["val_loss"] for p, r in results.items() if p[:2] == (v, s)}
-                nxt = V.extend_grid(list(losses), V.lr_basin(losses)["best_lr"])
-                if nxt is not None:
-                    more.append((v, s, nxt, 0))
-            if not more:
-                break
-            log(f"[scaling] {s}: best LR at an edge for {', '.join(p[0] for p in more)}: extending the sweep")
-            results.update(_stage(more, lab, ctx, log))
+def sweep(lab: LabConfig, ctx: dict, log, size: str) -> dict[tuple, dict]:
+    """One size's tuning: the swept variants on every tuning seed at every LR of the grid, then, while a variant's best
+    LR sits at an edge of the LRs tried, one more LR beyond it (at most max_extensions per variant and size)."""
+    seeds = lab.tuning_seeds
+    results = _stage([(v, size, lr, k) for v in lab.swept() for lr in lab.grid() for k in seeds], lab, ctx, log)
+    for _ in range(lab.spec.max_extensions):
+        more = []
+        for v in lab.swept():
+            losses = tuned_losses(results, v, size, seeds)
+            nxt = V.extend_grid(list(losses), V.lr_basin(losses)["best_lr"])
+            if nxt is not None:
+                more += [(v, size, nxt, k) for k in seeds]
+        if not more:
+            break
+        log(f"[scaling] {size}: best LR at an edge for {', '.join(sorted({p[0] for p in more}))}: extending the sweep")
+        results.update(_stage(more, lab, ctx, log))
     return results
+
+
+def design_thresholds(lab: LabConfig, sizes: list[dict], tuning: dict[tuple, dict], base: str) -> tuple[dict, str]:
+    """The multiplier rule's threshold in nats at each size, ln(1.14) x the baseline's loss drop per e-fold of
+    compute there, from a power law through the baseline's tuned losses (tuning seeds only: no confirm run, no Δ
+    enters the plan). With fewer than 3 sizes, or no decreasing fit, δ = 0.0128 nats."""
+    best = {}
+    for i in sizes:
+        losses = tuned_losses(tuning, base, i["name"], lab.tuning_seeds)
+        ok = {lr: l for lr, l in losses.items() if math.isfinite(l)}
+        if ok:
+            best[i["name"]] = min(ok.values())
+    try:
+        fit = V.fit_power_law([i["flops"] for i in sizes if i["name"] in best], [best[n] for n in best])
+        if not fit["alpha"] > 0:
+            raise ValueError("no decreasing fit")
+    except ValueError:
+        return {i["name"]: V.DELTA.value for i in sizes}, "δ = 0.0128 nats (no baseline fit over the tuning runs)"
+    thr = {i["name"]: V.LN_K_BAR * D.local_slope(fit, i["flops"]) for i in sizes}
+    return thr, (f"ln 1.14 x the baseline's loss drop per e-fold of compute, from L = E + A C^-alpha through its tuned "
+                 f"losses (E {fit['E']:.3f}, A {fit['A']:.4g}, alpha {fit['alpha']:.4f})")
+
+
+def register_design(lab: LabConfig, out: Path, sizes: list[dict], tuning: dict, pilot: dict, base: str,
+                    lr_for: dict, log) -> dict:
+    """Plan the confirm pairs from the pilot (blind to Δ) and write the design to OUT/design.json before any further
+    confirm run. A rerun with the same inputs reads the registered design back unchanged."""
+    thresholds, source = design_thresholds(lab, sizes, tuning, base)
+    per_size = {}
+    for i in sizes:
+        s = i["name"]
+        per_size[s] = {v: [pilot[(v, s, lr_for[v][s], k)]["val_loss"] for k in lab.confirm_pool()[:lab.n_pilot()]]
+                       for v in lab.variants}
+    if lab.seeds:
+        plan = {s: {"n_planned": lab.seeds, "rule": "fixed by --seeds"} for s in per_size}
+    else:
+        plan = D.plan_pairs(per_size, thresholds, lab.n_pilot(), lab.n_cap())
+    design = {"protocol": lab.protocol, "tuning_seeds": list(lab.tuning_seeds), "pilot_pairs": lab.n_pilot(),
+              "n_cap": lab.n_cap(), "lr": lr_for,
+              "target_se": {s: thresholds[s] / D.POWER_FACTOR for s in thresholds},
+              "n_planned": {s: plan[s]["n_planned"] for s in plan}, "per_size": plan, "threshold_source": source,
+              "rule": ("pairs for 80 % power at a two-sided 5 % level to exclude 0 at the multiplier rule's threshold "
+                       "(ln 1.14 in nats at each size): SE = sqrt(2) x pooled within-arm sd / sqrt(n) <= threshold / "
+                       "2.80; the smallest size doubles its n (the trend's cheap end); capped at n_cap"
+                       if not lab.seeds else f"{lab.seeds} pairs at every size, fixed by --seeds")}
+    path = out / "design.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if cache.differences(old, to_strict(design)):
+            log(f"[scaling] the design differs from the one registered in {path} (settings changed): registering anew")
+    atomic_write_json(path, to_strict(design), indent=1)
+    return json.loads(path.read_text())
 
 
 @locks_output("lab.out", "gattn lab scaling")
 def run_lab(lab: LabConfig, log=print) -> dict:
-    """Sweep, seeds at each best LR, then lab.json, report.md, report.html and plots into lab.out."""
+    """Tuning sweep, pilot, registered design, confirmation, then lab.json, report.md, report.html and plots."""
     from . import scaling_report
+    from .summary import summarize
     from gated_attention import data
     from gated_attention.util.precision import decide
 
@@ -398,104 +530,37 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     sizes = [size_info(spec, s, vocab, lab.tpp()) for s in lab.rungs()]
     ctx = {"data_dir": str(data_dir), "precision": precision, "out": out,
            "size": {s.name: s for s in lab.rungs()}, "info": {i["name"]: i for i in sizes}}
+    base = next(v for v in lab.variants if canonical_name(v) == "none")
     log(f"[scaling] {len(lab.variants)} variants x {len(sizes)} sizes ({sizes[0]['params_non_embedding']:,}-"
-        f"{sizes[-1]['params_non_embedding']:,} non-embedding parameters, {lab.tpp():g} tokens each), {line} -> {out}")
-    results = sweep(lab, ctx, log)
-    best = {v: {s: V.lr_basin({p[2]: r["val_loss"] for p, r in results.items() if p[:2] == (v, s)})["best_lr"]
-                for s in ctx["size"]} for v in lab.variants}
-    seeds = [(v, s, best[v][s], k) for k in range(1, lab.n_seeds()) for s in ctx["size"] for v in lab.variants]
-    results.update(_stage(seeds, lab, ctx, log))
-    lab_json = summarize(lab, sizes, results, best, out)
-    lab_json["config"] = {**asdict(lab), "lrs": list(lab.grid()), "seeds": lab.n_seeds(),
+        f"{sizes[-1]['params_non_embedding']:,} non-embedding parameters, {lab.tpp():g} tokens each), protocol "
+        f"{lab.protocol}, {line} -> {out}")
+    tuning, best, lr_for = {}, {v: {} for v in lab.swept()}, {v: {} for v in lab.variants}
+    for s in ctx["size"]:
+        tuning.update(sweep(lab, ctx, log, s))
+        for v in lab.swept():
+            best[v][s] = V.lr_basin(tuned_losses(tuning, v, s, lab.tuning_seeds))["best_lr"]
+        for v in lab.variants:
+            lr_for[v][s] = best[v][s] if lab.protocol == "tuned" else best[base][s]
+    pool = lab.confirm_pool()
+    confirm = _stage([(v, s, lr_for[v][s], k) for s in ctx["size"] for k in pool[:lab.n_pilot()] for v in lab.variants],
+                     lab, ctx, log)
+    design = register_design(lab, out, sizes, tuning, confirm, base, lr_for, log)
+    log(f"[scaling] design registered: pairs per size {design['n_planned']}")
+    more = [(v, s, lr_for[v][s], k) for s in ctx["size"] for k in pool[lab.n_pilot():design["n_planned"][s]]
+            for v in lab.variants]
+    confirm.update(_stage(more, lab, ctx, log))
+    lab_json = summarize(lab, sizes, tuning, confirm, best, lr_for, base, design,
+                                 bytes_per_token(str(data_dir)), vocab)
+    lab_json["config"] = {**asdict(lab), "lrs": list(lab.grid()), "seeds": lab.seeds,
                           "tokens_per_param": lab.tpp(), "params_counted": "non-embedding (ungated model)",
                           "data_dir": str(data_dir), "resolved_precision": precision,
                           "recipe": {k: v for k, v in asdict(spec).items() if k not in ("help", "sizes", "lrs")}}
+    lab_json["provenance"] = provenance()
+    lab_json["provenance"]["units_reused_from_other_code"] = sum(
+        1 for r in {**tuning, **confirm}.values() if r.get("reused_from_code"))
     lab_json["wall_time_s"] = time.perf_counter() - t0
     lab_json = to_strict(lab_json)
     lab_json["plots"] = {k: str(p.relative_to(out)) for k, p in scaling_report.make_plots(lab_json, out / "plots").items()}
     atomic_write_json(out / "lab.json", lab_json, indent=1)
     scaling_report.write(lab_json, out)
     return lab_json
-
-
-def summarize(lab: LabConfig, sizes: list[dict], results: dict[tuple, dict], best: dict, out: Path) -> dict:
-    """lab.json's measured part (the contract's keys): runs, best_lr, basins, deltas, fits, trends, curves, verdict."""
-    runs = [{"variant": v, "size": s, "lr": lr, "seed": k, "tokens": r.get("tokens"), "val_loss": r.get("val_loss"),
-             "val_loss_per_domain": r.get("val_loss_per_domain"), "heldout_loss": r.get("heldout_loss"),
-             "diverged": r.get("diverged"), "spikes": r.get("spikes"),
-             "cpu_s": r.get("cpu_s_this_process"), "model_dir": str(Path("runs") / unit_name(v, s, lr, k) / "final"),
-             "curve": r.get("curve")} for (v, s, lr, k), r in sorted(results.items(), key=lambda x: x[0][:2])]
-    names = [i["name"] for i in sizes]
-    compute = {i["name"]: i["flops"] for i in sizes}
-    at_best = {v: {s: {r["seed"]: r["val_loss"] for r in runs if r["variant"] == v and r["size"] == s
-                       and r["lr"] == best[v][s] and r["val_loss"] is not None} for s in names} for v in lab.variants}
-    base = next(v for v in lab.variants if canonical_name(v) == "none")
-    gated = [v for v in lab.variants if v != base]
-    deltas, trends, curves = [], {}, {}
-    for v in gated:
-        diffs = {}
-        for s in names:
-            d = V.paired_delta(at_best[v][s], at_best[base][s])
-            deltas.append({"variant": v, "size": s, "mean": d["mean"], "ci_low": d["ci_low"], "ci_high": d["ci_high"],
-                           "n_seeds": d["n_seeds"], "std": d["std"], "per_seed": d["per_seed"],
-                           "verdict": V.judge(d["mean"], d["ci_low"], d["ci_high"]),
-                           "seeds_needed": V.seeds_needed(d["mean"], d["std"])})
-            diffs[s] = {k: at_best[v][s][k] - at_best[base][s][k] for k in at_best[v][s] if k in at_best[base][s]}
-            curves.setdefault(v, {})[s] = delta_curve(runs, v, base, s, best)
-        trends[v] = V.delta_trend(compute, diffs)
-    fits = {}
-    for v in lab.variants:
-        try:
-            fits[v] = V.fit_with_interval(compute, at_best[v])
-        except ValueError as exc:
-            fits[v] = {"E": None, "A": None, "alpha": None, "alpha_ci": None, "error": str(exc)}
-    basins = {v: {s: V.lr_basin({r["lr"]: r["val_loss"] for r in runs if r["variant"] == v and r["size"] == s
-                                 and r["seed"] == 0}) for s in names} for v in lab.variants}
-    heldout = {v: {s: _mean([r["heldout_loss"] for r in runs if r["variant"] == v and r["size"] == s
-                             and r["lr"] == best[v][s]]) for s in names} for v in lab.variants}
-    top = names[-1]
-    per_variant = {}
-    for v in gated:
-        d = next(x for x in deltas if x["variant"] == v and x["size"] == top)
-        per_variant[v] = {"size": top, "delta": d["mean"], "ci": [d["ci_low"], d["ci_high"]], "gain": d["verdict"],
-                          "seeds_needed": d["seeds_needed"] if d["verdict"] == V.INCONCLUSIVE else None,
-                          "trend": trends[v]["verdict"], "change_across_ladder": trends[v]["change"]}
-    return {"budget": lab.budget, "thresholds": {k: [t.to_dict() for t in ts] for k, ts in V.THRESHOLDS.items()},
-            "sizes": sizes, "runs": runs, "best_lr": best, "lr_basin": basins, "deltas": deltas, "fits": fits,
-            "trends": trends, "delta_curves": curves, "heldout_at_best": heldout,
-            "verdict": {"rule": "Δ at the largest size judged against δ = 0.0128 nats (verdict.py); trend: Δ's "
-                                "change across the ladder against the same δ",
-                        "per_variant": per_variant, "text": verdict_text(per_variant)},
-            "cpu_s_runs": sum(r.get("cpu_s") or 0.0 for r in runs)}
-
-
-def _mean(vals):
-    vals = [x for x in vals if x is not None and math.isfinite(x)]
-    return sum(vals) / len(vals) if vals else None
-
-
-def delta_curve(runs: list[dict], variant: str, base: str, size: str, best: dict) -> dict:
-    """Δ of the training-loss curve (gated - baseline, each at its best LR) against tokens, mean and range over the
-    seeds both have: where an early gain fades."""
-    def curves(v):
-        return {r["seed"]: r["curve"] for r in runs if r["variant"] == v and r["size"] == size
-                and r["lr"] == best[v][size] and r.get("curve")}
-    g, b = curves(variant), curves(base)
-    seeds = sorted(set(g) & set(b))
-    if not seeds:
-        return {"tokens": [], "mean": [], "low": [], "high": []}
-    n = min(min(len(g[s]["loss"]), len(b[s]["loss"])) for s in seeds)
-    diffs = [[g[s]["loss"][i] - b[s]["loss"][i] for s in seeds] for i in range(n)]
-    return {"tokens": g[seeds[0]]["tokens"][:n], "mean": [sum(d) / len(d) for d in diffs],
-            "low": [min(d) for d in diffs], "high": [max(d) for d in diffs], "seeds": len(seeds)}
-
-
-def verdict_text(per_variant: dict) -> str:
-    parts = []
-    for v, x in per_variant.items():
-        ci = x["ci"]
-        iv = f" [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci[0] is not None else ""
-        more = f", needs ~{x['seeds_needed']} seeds" if x.get("seeds_needed") else ""
-        d = "-" if x["delta"] is None else f"{x['delta']:+.4f}"
-        parts.append(f"{v} at {x['size']}: Δ {d}{iv} nats — {x['gain']}{more}; across the ladder: {x['trend']}")
-    return "; ".join(parts)

@@ -23,6 +23,18 @@ Both rules were fixed before the first `default` ladder ran (issue 41) and are n
     no change of the paper's size     the interval inside (-δ, +δ)
     fades with scale                  lower > 0 (the gain shrinks with compute)
     inconclusive                      otherwise
+
+  the compute multiplier (the scale-free form of the gain): ln k of the joint fit L = E + A (k_arm C)^-alpha (design.py),
+  overall and per size, with a 95 % bootstrap interval over confirm seeds, against the paper's k estimated from
+  Chinchilla's fit at 1.7B parameters and 400B tokens: k_paper = 1.17, range 1.14-1.22 (the lower end is the bar):
+    reproduced                        low > 0 and ln k >= ln 1.14
+    lower, smaller than the paper's   low > 0 and ln k < ln 1.14
+    no effect of the paper's size     the interval inside (-ln 1.14, +ln 1.14)
+    worse                             high < 0
+    inconclusive                      otherwise
+
+Every figure these rules judge comes from confirm seeds only: a seed that picked an LR never counts (the lab's
+protocol, scaling_lab.py).
 """
 from __future__ import annotations
 
@@ -39,7 +51,17 @@ BASIN = Threshold(
     "LR basin", 0.05, "nats", "chosen",
     "issue 41's definition of the basin (the LRs within 0.05 nats of the best); ~4 δ, a loss change a run-to-run "
     "comparison at these sizes resolves with one seed")
+K_PAPER = Threshold(
+    "k, the paper's compute multiplier", 1.17, "x compute", "paper",
+    "SPEC §11.2: Qiu et al. 2025 dense 1.7B at 400B tokens (0.0128 nats) over the loss slopes of Chinchilla's fit (Hoffmann et "
+    "al. 2022, approach 3) at N = 1.7e9, D = 4e11: 0.0128 / 0.083 nats per e-fold split evenly = ln 1.17; all on "
+    "tokens 1.22, all on parameters 1.14")
+K_LOW = Threshold(
+    "k's lower end (the bar)", 1.14, "x compute", "paper",
+    "SPEC §11.2: the same derivation with the extra compute spent on parameters only: 0.0128 / 0.100 = ln 1.14")
+LN_K_BAR = math.log(K_LOW.value)
 THRESHOLDS = {"gain at one size (paired over seeds)": (DELTA,), "trend with compute": (DELTA,),
+              "compute multiplier (ln k, overall and per size)": (K_PAPER, K_LOW),
               "LR basin": (BASIN,)}
 
 REPRODUCED, SMALLER, NO_EFFECT, WORSE, INCONCLUSIVE = (
@@ -92,16 +114,33 @@ def judge(mean: float | None, low: float | None, high: float | None, delta: floa
     return INCONCLUSIVE
 
 
+def judge_multiplier(ln_k: float | None, low: float | None, high: float | None, bar: float = LN_K_BAR) -> str:
+    """The multiplier rule of the module doc on one ln k interval."""
+    if ln_k is None or low is None or high is None:
+        return INCONCLUSIVE
+    if low > 0:
+        return REPRODUCED if ln_k >= bar else SMALLER
+    if high < 0:
+        return WORSE
+    if -bar < low and high < bar:
+        return NO_EFFECT
+    return INCONCLUSIVE
+
+
+Z_80 = 0.841621  # the standard normal quantile of 80 % power
+
+
 def seeds_needed(mean: float, std: float | None, delta: float = DELTA.value, cap: int = 1000) -> int | None:
-    """Seeds at which an interval of this spread would decide: its half-width t*sd/sqrt(n) below |mean| (to exclude 0)
-    when |mean| >= δ, else below δ - |mean| (to fit inside ±δ). None without a spread; cap + 1 when more than cap."""
+    """Pairs at which this spread decides with 80 % power: the smallest n with (t_0.975,n-1 + z_0.8) sd / sqrt(n) <=
+    target, the target being |mean| (to exclude 0) when |mean| >= δ, else δ - |mean| (to fit inside ±δ). None without
+    a spread; cap + 1 when more than cap. (design.pairs_needed adds the range from the sd's own interval.)"""
     if std is None or mean is None:
         return None
     target = abs(mean) if abs(mean) >= delta else delta - abs(mean)
     if std == 0:
         return 2
     for n in range(2, cap + 1):
-        if t975(n - 1) * std / math.sqrt(n) < target:
+        if (t975(n - 1) + Z_80) * std / math.sqrt(n) <= target:
             return n
     return cap + 1
 
@@ -202,8 +241,11 @@ def judge_trend(change: float | None, low: float | None, high: float | None, del
 # ---------------------------------------------------------------- the LR basin
 
 def lr_basin(losses: dict[float, float], margin: float = BASIN.value) -> dict:
-    """{lr: loss} of one (variant, size) on seed 0 -> the best LR, its loss, the LRs within `margin` nats of it, the
-    basin's ends and its width in factors of 2; `at_edge`: the best LR is the smallest or largest one tried."""
+    """{lr: loss} of one (variant, size) on its tuning seeds -> the best LR, its loss, the LRs within `margin` nats of
+    it (`within`), the basin: the contiguous run of tried LRs around the best that stay within the margin (`low`,
+    `high`, `contiguous`; an LR between them off by more is a hole, so it ends the run), its width in factors of 2,
+    the LRs within the margin outside it (`holes` beyond a worse LR); `at_edge`: the best LR is the smallest or largest
+    one tried. A diverged LR (non-finite loss) ends the basin."""
     ok = {lr: l for lr, l in losses.items() if l is not None and math.isfinite(l)}
     if not ok:
         return {"best_lr": None, "best_loss": None, "within": [], "low": None, "high": None, "octaves": None,
@@ -211,8 +253,14 @@ def lr_basin(losses: dict[float, float], margin: float = BASIN.value) -> dict:
     best = min(ok, key=ok.get)
     within = sorted(lr for lr, l in ok.items() if l <= ok[best] + margin)
     lrs = sorted(losses)
-    return {"best_lr": best, "best_loss": ok[best], "within": within, "low": within[0], "high": within[-1],
-            "octaves": math.log2(within[-1] / within[0]), "at_edge": best in (lrs[0], lrs[-1])}
+    i = j = lrs.index(best)  # the basin: the contiguous run of tried LRs around the best, all within the margin
+    while i > 0 and lrs[i - 1] in ok and ok[lrs[i - 1]] <= ok[best] + margin:
+        i -= 1
+    while j < len(lrs) - 1 and lrs[j + 1] in ok and ok[lrs[j + 1]] <= ok[best] + margin:
+        j += 1
+    return {"best_lr": best, "best_loss": ok[best], "within": within, "low": lrs[i], "high": lrs[j],
+            "octaves": math.log2(lrs[j] / lrs[i]), "contiguous": lrs[i:j + 1],
+            "holes": [lr for lr in within if not lrs[i] <= lr <= lrs[j]], "at_edge": best in (lrs[0], lrs[-1])}
 
 
 def extend_grid(lrs: list[float], best: float, factor: float = 2.0) -> float | None:
