@@ -219,8 +219,8 @@ def policy_verdicts(comps: list[dict], pcomps: list[dict] | None = None) -> dict
             prefs = {q: _preferred(pairs, p, q) for q in pols if q != p}
             if all(prefs.values()):
                 rec = p
-                why = ("the claim holds under it" + ("" if not prefs else ", and on the same models the paired "
-                       "difference prefers it over " + ", ".join(prefs)))
+                why = ("the claim holds under it" + ("; the only policy measured" if not prefs else ", and on the same "
+                       "models the paired difference prefers it over " + ", ".join(prefs)))
                 break
             for q, v in prefs.items():
                 x = pairs.get(f"{p} vs {q}") or pairs[f"{q} vs {p}"]
