@@ -181,9 +181,10 @@ def test_verdict_rule_on_both_sides_of_the_margin():
     assert verdict(rows(-1.2 * d)) == V.LESS
     assert verdict(rows(0.8 * d, jitter=0.01)) == V.INCONCLUSIVE  # the interval reaches past +δ and below 0
     assert verdict(rows(0.0, seeds=(0, 1))) == V.INCONCLUSIVE  # fewer than 3 seeds
-    # per policy: `all` fails, split-gate holds, keep-gate holds: the cheaper holding policy is recommended
-    comps = V.comparisons(rows(1.2 * d) + rows(0.1 * d, policy="split-gate") + rows(0.0, policy="keep-gate"))
-    pv = V.policy_verdicts(comps)["f"]
+    # `all` fails, split-gate and keep-gate hold; on the same models split-gate is within δ of keep-gate and `all`
+    # costs 1.1 δ more than split-gate: split-gate is recommended
+    rs = rows(1.2 * d) + rows(0.1 * d, policy="split-gate") + rows(0.0, policy="keep-gate")
+    pv = V.policy_verdicts(V.comparisons(rs), V.policy_comparisons(rs))["f"]
     assert pv["per_policy"]["all"]["verdict"] == V.FAILS and pv["per_policy"]["split-gate"]["verdict"] == V.HOLDS
     assert pv["recommended"] == "split-gate"
 

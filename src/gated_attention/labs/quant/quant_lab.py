@@ -250,7 +250,7 @@ def run_lab(cfg: QuantLabConfig, out: str | Path, log=print) -> dict:
            "reference": {r["model"]: {k: r[k] for k in ("val_loss", "val_loss_per_domain", "gate_mean",
                                                          "gate_near_zero", "f_attn", "bos_attention")}
                          for r in rows if r["scheme"] == "none"},
-           "results": results, **judgement(results), "near_zero_gate": NEAR_ZERO,
+           "results": results, **judgement(results), "near_zero_gate": NEAR_ZERO, "report_only": False,
            "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0}
     return _write(to_strict(lab), out)
 
@@ -294,4 +294,4 @@ def report_only(out: str | Path) -> dict:
     if not isinstance(lab.get("results"), list):
         raise ValueError(f"{out / 'lab.json'}: not a quantization-lab result (no `results` list); point --out at a "
                          "`gattn lab quant` OUT")
-    return _write(to_strict({**lab, **judgement(lab["results"])}), out)
+    return _write(to_strict({**lab, **judgement(lab["results"]), "report_only": True}), out)

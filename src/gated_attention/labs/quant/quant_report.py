@@ -196,8 +196,9 @@ def write(lab: dict, out: Path) -> None:
         ("p", f"**Verdict** ({lab['verdict']['rule']}): {lab['verdict']['text']}"),
         ("p", f"{n} model(s), schemes {', '.join(c['schemes'])}, policies {', '.join(c['policies'])}; "
               f"{c['eval_windows']} held-out windows per domain, {c['calibration_windows']} calibration windows "
-              f"(awq-int4); fake-quantized in fp32 (gated_attention.quant); {lab['cpu_time_s']:.0f} CPU-s in this "
-              f"invocation."),
+              f"(awq-int4); fake-quantized in fp32 (gated_attention.quant); {lab['cpu_time_s']:.0f} CPU-s in the "
+              f"measuring invocation" + ("; judged again from the stored rows by `--report-only`." if
+                                         lab.get("report_only") else ".")),
         ("h2", "Is the gated model more sensitive than the baseline? (D = mean Δ_gated − mean Δ_baseline, Welch: "
                "the two arms are different models)"),
         ("table", *t["comparisons"]),

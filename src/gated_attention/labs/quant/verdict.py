@@ -168,7 +168,8 @@ def _need(cs: list[dict], key: str = "models_needed") -> str:
 
 
 def _pair_summary(fam: str, pcs: list[dict], policies: list[str]) -> dict:
-    """{"Q vs P": {"verdict", "within", "costs_more", "costs_less", "inconclusive", "pairs", "models_needed"}}."""
+    """{"Q vs P": {"policy", "against", "verdict", "within_or_less", "costs_more", "inconclusive", "pairs",
+    "to_decide"}} per pair of the family's policies, Q the cheaper."""
     out = {}
     for i, q in enumerate(policies):
         for p in policies[i + 1:]:
@@ -193,11 +194,10 @@ def _preferred(pairs: dict, p: str, other: str) -> bool | None:
     return cheaper_wins == (x["policy"] == p)
 
 
-def policy_verdicts(comps: list[dict], pcomps: list[dict] | None = None) -> dict:
+def policy_verdicts(comps: list[dict], pcomps: list[dict]) -> dict:
     """{family: {"per_policy": {policy: {"verdict", "like_or_less", "more", "inconclusive", "pairs",
     "to_decide"}}, "policy_pairs": _pair_summary, "recommended": policy or None, "why", "to_decide": [...]}} from
     `comparisons` and `policy_comparisons` (part 3 of the module docstring)."""
-    pcomps = pcomps or []
     out = {}
     for fam in sorted({c["family"] for c in comps}):
         per = {}
