@@ -341,8 +341,8 @@ def configure_quant(parser: argparse.ArgumentParser) -> None:
                         help="model folders (required unless --report-only): a `gattn compare` OUT (every runs/<run>/final), a scaling-lab OUT (every "
                              "unit at its variant's best LR), a sink-lab or retrofit-lab OUT or one of their units, a "
                              "trainer run folder (final/) or any folder with config.json. Each model's gate is read "
-                             "from its config.json and its seed from its run; gated models are paired with the "
-                             "baseline of the same shape and data by seed")
+                             "from its config.json and its seed from its run; gated models are compared with the "
+                             "baseline of the same shape and data")
     parser.add_argument("--schemes", nargs="+", default=scheme_names(), metavar="NAME",
                         help="quantization schemes (gated_attention.quant; default all): " + " ".join(scheme_names()))
     parser.add_argument("--policies", nargs="+", default=policy_names(), metavar="NAME",
@@ -406,7 +406,8 @@ LABS = {
     "quant": (configure_quant, run_quant,
               "Gated models under quantization: 7 schemes x 3 gate policies (all / keep-gate / split-gate), Δ loss "
               "per domain vs the unquantized model, the gate and the sink after quantization, gated vs baseline "
-              "paired over seeds against the paper's δ, and a recommended policy."),
+              "(Welch) and policy vs policy (paired on the same models) against the paper's δ, and a recommended "
+              "policy where the evidence decides one."),
 }
 
 
