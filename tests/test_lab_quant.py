@@ -1,10 +1,14 @@
 """`gattn lab quant` (issue 39 item 1): the lab.json contract on tiny models built here (a compare-shaped OUT of
 baseline and G1 models over 3 seeds, and sink-lab units), a row's numbers against a by-hand quantize-then-score, the
-verdict rule on both sides of its margin with synthetic numbers, resume after an interruption (only the missing rows
+verdict rule on both sides of its margin with synthetic numbers (Welch intervals against SciPy, the paired
+policy-vs-policy difference deciding the recommendation, no recommendation when no policy holds), --report-only
+re-judging stored rows, resume after an interruption (only the missing rows
 are measured, the result equals an uninterrupted run's), refusal of changed settings, and bad input."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 from dataclasses import asdict
 
 import pytest
@@ -89,11 +93,20 @@ def test_contract_rows_and_keys(lab):
     assert len(on_disk["comparisons"]) == len(SCHEMES) * 3
     assert all(c["n_seeds"] == 3 and c["verdict"] in (V.LIKE, V.MORE, V.LESS, V.INCONCLUSIVE)
                for c in on_disk["comparisons"])
+    assert all(c["interval"] == "welch" and c["n_gated"] == c["n_baseline"] == 3 for c in on_disk["comparisons"])
+    # policy vs policy on the same models: one per (gated arm, scheme, pair of policies), 3 models each
+    pcs = on_disk["policy_comparisons"]
+    assert len(pcs) == len(SCHEMES) * 3
+    assert {(c["policy"], c["against"]) for c in pcs} == {("all", "split-gate"), ("all", "keep-gate"),
+                                                          ("split-gate", "keep-gate")}
+    assert all(c["interval"] == "paired" and c["n_models"] == 3 for c in pcs)
     fam = next(iter(on_disk["verdict"]["per_family"].values()))
-    assert fam["recommended"] in ("all", "keep-gate", "split-gate")
+    assert fam["recommended"] in ("all", "keep-gate", "split-gate", None)
+    assert set(fam["policy_pairs"]) == {"all vs split-gate", "all vs keep-gate", "split-gate vs keep-gate"}
     for f in ("report.md", "report.html", "plots/deltas.png", "plots/comparisons.png"):
         assert (out / f).stat().st_size > 0
-    assert "recommended" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert ("recommended" in report) if fam["recommended"] else ("no recommendation" in report and fam["to_decide"])
 
 
 def test_a_row_equals_quantize_then_score_by_hand(lab, compare_out, tiny_corpus):
@@ -168,11 +181,120 @@ def test_verdict_rule_on_both_sides_of_the_margin():
     assert verdict(rows(-1.2 * d)) == V.LESS
     assert verdict(rows(0.8 * d, jitter=0.01)) == V.INCONCLUSIVE  # the interval reaches past +δ and below 0
     assert verdict(rows(0.0, seeds=(0, 1))) == V.INCONCLUSIVE  # fewer than 3 seeds
-    # per policy: `all` fails, split-gate holds, keep-gate holds: the cheaper holding policy is recommended
-    comps = V.comparisons(rows(1.2 * d) + rows(0.1 * d, policy="split-gate") + rows(0.0, policy="keep-gate"))
-    pv = V.policy_verdicts(comps)["f"]
+    # `all` fails, split-gate and keep-gate hold; on the same models split-gate is within δ of keep-gate and `all`
+    # costs 1.1 δ more than split-gate: split-gate is recommended
+    rs = rows(1.2 * d) + rows(0.1 * d, policy="split-gate") + rows(0.0, policy="keep-gate")
+    pv = V.policy_verdicts(V.comparisons(rs), V.policy_comparisons(rs))["f"]
     assert pv["per_policy"]["all"]["verdict"] == V.FAILS and pv["per_policy"]["split-gate"]["verdict"] == V.HOLDS
     assert pv["recommended"] == "split-gate"
+
+
+def _arm_rows(family, arm, policy, scheme, deltas, baseline=False):
+    return [{"family": family, "arm": arm, "variant": "none" if baseline else "sdpa_elementwise", "baseline": baseline,
+             "seed": str(k), "scheme": scheme, "policy": policy, "delta_nats": v} for k, v in enumerate(deltas)]
+
+
+def test_no_recommendation_when_no_policy_holds():
+    """Every policy inconclusive (wide spreads across models): no recommendation, and the verdict names what would
+    decide it — the models per arm at which a Welch interval of the measured spreads decides (checked against SciPy's
+    t quantile at that n and the one below). keep-gate has the most comparisons "like", which the old fallback
+    recommended."""
+    scipy_stats = need("scipy.stats", "pip install -e '.[dev]'")
+    d = V.MARGIN.value
+    rows = []
+    for policy in ("all", "split-gate", "keep-gate"):
+        rows += _arm_rows("f", "none", policy, "int4-weight", [0.020, 0.026, 0.032], baseline=True)
+        rows += _arm_rows("f", "none", policy, "nvfp4", [0.020, 0.021, 0.022], baseline=True)
+        rows += _arm_rows("f", "g1", policy, "int4-weight", [0.020, 0.034, 0.044])  # wide: inconclusive
+        rows += _arm_rows("f", "g1", policy, "nvfp4", [0.021, 0.0215, 0.022] if policy == "keep-gate"
+                          else [0.020, 0.034, 0.044])
+    comps = V.comparisons(rows)
+    pv = V.policy_verdicts(comps, V.policy_comparisons(rows))["f"]
+    assert [x["verdict"] for x in pv["per_policy"].values()] == [V.INCONCLUSIVE] * 3
+    assert pv["per_policy"]["keep-gate"]["like_or_less"] == 1 and pv["per_policy"]["all"]["like_or_less"] == 0
+    assert pv["recommended"] is None
+    assert "no recommendation" in V.verdict_text({"f": pv}) and len(pv["to_decide"]) == 3
+    c = max((c for c in comps if c["policy"] == "all"), key=lambda c: c["models_needed"])  # the hardest to decide
+    n = c["models_needed"]
+    assert f"about {n} models per arm" in pv["to_decide"][0]
+    sa, sb = statistics.stdev(c["gated_deltas"].values()), statistics.stdev(c["baseline_deltas"].values())
+    target = d - abs(c["mean"])  # |D| < δ here: the interval must fit inside ±δ
+
+    def half(m):  # Welch half-width with m models per arm at the measured spreads
+        va, vb = sa ** 2 / m, sb ** 2 / m
+        df = (va + vb) ** 2 / (va ** 2 / (m - 1) + vb ** 2 / (m - 1))
+        return scipy_stats.t.ppf(0.975, df) * math.sqrt(va + vb)
+
+    assert half(n) < target <= half(n - 1)
+
+
+def test_paired_policy_difference_decides_the_recommendation():
+    """Both policies hold against the baseline, so the old rule recommended the cheaper, `all`. On the same models
+    `all` costs 1.3 δ more than `keep-gate` (paired D, tight): keep-gate is recommended over it; within δ, `all` is.
+    When instead the paired D is wide (the two quantizations of each model disagree), nothing is recommended."""
+    d = V.MARGIN.value
+    base, noise = [0.030, 0.031, 0.032], [0.0, 0.0006, -0.0006]
+
+    def lab(all_shift, keep_shift, anti):  # anti: per model, added under `all` and taken off under keep-gate
+        rows = []
+        for policy, shift, sign in (("all", all_shift, 1), ("keep-gate", keep_shift, -1)):
+            rows += _arm_rows("f", "none", policy, "int4-weight", base, baseline=True)
+            rows += _arm_rows("f", "g1", policy, "int4-weight",
+                              [b + shift + n + sign * a for b, n, a in zip(base, noise, anti)])
+        return V.policy_verdicts(V.comparisons(rows), V.policy_comparisons(rows))["f"]
+
+    tight = [-0.0003, 0.0, 0.0003]
+    pv = lab(0.35 * d, -0.95 * d, tight)
+    assert pv["per_policy"]["all"]["verdict"] == pv["per_policy"]["keep-gate"]["verdict"] == V.HOLDS
+    assert pv["policy_pairs"]["all vs keep-gate"]["verdict"] == V.DEARER_PREFERRED
+    assert pv["recommended"] == "keep-gate"
+    pv = lab(0.35 * d, 0.15 * d, tight)  # the same, with `all` within δ of keep-gate: the cheaper one
+    assert pv["policy_pairs"]["all vs keep-gate"]["verdict"] == V.CHEAPER_PREFERRED and pv["recommended"] == "all"
+    pv = lab(0.0, 0.0, [-0.003, 0.0, 0.003])  # each policy still holds, the paired D is ±0.015 wide
+    assert pv["per_policy"]["all"]["verdict"] == pv["per_policy"]["keep-gate"]["verdict"] == V.HOLDS
+    assert pv["policy_pairs"]["all vs keep-gate"]["verdict"] == V.UNDECIDED
+    assert pv["recommended"] is None and "undecided" in pv["to_decide"][0]
+
+
+def test_welch_interval_equals_scipys():
+    """Gated vs baseline models are different models: the interval is Welch's (unequal variances, Welch-Satterthwaite
+    df), equal to SciPy's Welch t-test interval, and relabelling the baseline's seeds (a nominal pairing) changes
+    nothing — a paired interval would change."""
+    scipy_stats = need("scipy.stats", "pip install -e '.[dev]'")
+    from gated_attention.experiment.stats import t_quantile, welch
+
+    for df in (1.0, 2.3, 3.7, 11.5, 250.0):
+        assert t_quantile(0.975, df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-9)
+    g, b = [0.031, 0.024, 0.047, 0.029], [0.020, 0.0215, 0.019]
+    ref = scipy_stats.ttest_ind(g, b, equal_var=False)
+    lo, hi = ref.confidence_interval(0.95)
+    w = welch(g, b)
+    assert (w["ci_low"], w["ci_high"], w["df"]) == pytest.approx((lo, hi, ref.df), rel=1e-9)
+    rows = _arm_rows("f", "none", "all", "int4-weight", b, baseline=True) + _arm_rows("f", "g1", "all",
+                                                                                         "int4-weight", g)
+    c = V.comparisons(rows)[0]
+    assert (c["ci_low"], c["ci_high"], c["df"]) == pytest.approx((lo, hi, ref.df), rel=1e-9)
+    for r, k in zip([r for r in rows if r["baseline"]], ("2", "0", "1")):
+        r["seed"] = k
+    assert V.comparisons(rows)[0]["ci_low"] == pytest.approx(lo, rel=1e-9)
+
+
+def test_report_only_judges_stored_results_again(lab, tmp_path, gattn_main):
+    """--report-only re-derives every judged key of lab.json from its stored rows alone, measuring nothing."""
+    import shutil
+
+    full, out, _ = lab
+    dst = tmp_path / "copy"
+    shutil.copytree(out, dst, ignore=shutil.ignore_patterns("rows"))  # no stored rows: nothing could be measured
+    stale = json.loads((dst / "lab.json").read_text())
+    for k in ("comparisons", "policy_comparisons", "verdict"):
+        stale[k] = None
+    (dst / "lab.json").write_text(json.dumps(stale))
+    rc, stdout, _ = gattn_main("lab", "quant", "--report-only", "--out", dst)
+    assert rc == 0 and "report:" in stdout
+    again = json.loads((dst / "lab.json").read_text())
+    for k in ("comparisons", "policy_comparisons", "verdict", "results"):
+        assert again[k] == json.loads(json.dumps(full[k])), k
 
 
 def test_sink_lab_models_report_bos_attention(tmp_path_factory, tmp_path):
@@ -200,3 +322,7 @@ def test_bad_input_is_one_clear_error(tmp_path, gattn_main):
     rc, _, err = gattn_main("lab", "quant", "--models", tmp_path / "notes", "--schemes", "int3", "--out",
                             tmp_path / "o")
     assert rc == 2 and "int3" in err
+    rc, _, err = gattn_main("lab", "quant", "--out", tmp_path / "o")
+    assert rc == 2 and "--models is required" in err and len(err.strip().splitlines()) == 1
+    rc, _, err = gattn_main("lab", "quant", "--report-only", "--out", tmp_path / "notes")
+    assert rc == 2 and "lab.json" in err and len(err.strip().splitlines()) == 1

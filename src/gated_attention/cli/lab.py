@@ -254,8 +254,8 @@ def run_scaling(args) -> int:
 def configure_streaming(parser: argparse.ArgumentParser) -> None:
     from ..labs.streaming import DEFAULT_SINK_TOKENS
 
-    parser.add_argument("--models", nargs="+", required=True, metavar="DIR",
-                        help="model folders: a sink-lab run OUT/runs/<variant>/seed<k> (or a whole sink-lab OUT), a "
+    parser.add_argument("--models", nargs="+", metavar="DIR",
+                        help="model folders (required unless --report-only): a sink-lab run OUT/runs/<variant>/seed<k> (or a whole sink-lab OUT), a "
                              "`gattn compare` OUT (its runs/<variant>/final), a trainer run folder (final/) or any "
                              "folder with config.json")
     parser.add_argument("--window", type=int, required=True, metavar="W",
@@ -357,12 +357,12 @@ def configure_quant(parser: argparse.ArgumentParser) -> None:
     from ..labs.quant.quant_lab import QuantLabConfig, policy_names, scheme_names
 
     d = QuantLabConfig(models=[])
-    parser.add_argument("--models", nargs="+", required=True, metavar="DIR",
-                        help="model folders: a `gattn compare` OUT (every runs/<run>/final), a scaling-lab OUT (every "
+    parser.add_argument("--models", nargs="+", metavar="DIR",
+                        help="model folders (required unless --report-only): a `gattn compare` OUT (every runs/<run>/final), a scaling-lab OUT (every "
                              "unit at its variant's best LR), a sink-lab or retrofit-lab OUT or one of their units, a "
                              "trainer run folder (final/) or any folder with config.json. Each model's gate is read "
-                             "from its config.json and its seed from its run; gated models are paired with the "
-                             "baseline of the same shape and data by seed")
+                             "from its config.json and its seed from its run; gated models are compared with the "
+                             "baseline of the same shape and data")
     parser.add_argument("--schemes", nargs="+", default=scheme_names(), metavar="NAME",
                         help="quantization schemes (gated_attention.quant; default all): " + " ".join(scheme_names()))
     parser.add_argument("--policies", nargs="+", default=policy_names(), metavar="NAME",
@@ -380,12 +380,24 @@ def configure_quant(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=E.out_dir, default="runs/lab/quant",
                         help="output folder: rows/<model>/*.json (one stored row each), lab.json, report.md, "
                              "report.html, plots/ (default runs/lab/quant; a re-run measures only the missing rows)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="judge OUT/lab.json's stored results again with the current rule and rewrite lab.json, "
+                             "the report and the plots; measures nothing and needs no --models")
 
 
 def run_quant(args) -> int:
     from ..labs.quant import QuantLabConfig, quant_report
     from ..labs.quant import run_lab as run_quant_lab
+    from ..labs.quant.quant_lab import report_only
 
+    if args.report_only:
+        lab = report_only(args.out)
+        print(quant_report.text_table(lab))
+        print(f"report: {Path(args.out) / 'report.html'}")
+        return 0
+    if not args.models:
+        raise E.UserError("--models is required (the model folders to measure); or pass --report-only to judge an "
+                          "existing OUT again")
     cfg = QuantLabConfig(models=list(args.models), schemes=list(args.schemes), policies=list(args.policies),
                          data_dir=args.data_dir, eval_windows=args.eval_windows,
                          calibration_windows=args.calibration_windows).validate()
@@ -414,7 +426,8 @@ LABS = {
     "quant": (configure_quant, run_quant,
               "Gated models under quantization: 7 schemes x 3 gate policies (all / keep-gate / split-gate), Δ loss "
               "per domain vs the unquantized model, the gate and the sink after quantization, gated vs baseline "
-              "paired over seeds against the paper's δ, and a recommended policy."),
+              "(Welch) and policy vs policy (paired on the same models) against the paper's δ, and a recommended "
+              "policy where the evidence decides one."),
 }
 
 

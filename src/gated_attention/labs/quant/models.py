@@ -7,8 +7,9 @@ verdict groups by, read from the model and its run files, never from a folder na
   arm      what its seeds are replicates of: the variant (a sink-lab unit: its unit variant, e.g. `sink_logits`;
            a retrofit-lab unit: its recipe, e.g. `bos-penalty`, the ungated `control` being that lab's baseline)
   family   the models compared with each other: the same kind of data and shape (text: width, depth, heads and corpus;
-           sink lab: the task; retrofit: its own family per start kind); within a family gated arms are paired
-           with the baseline arm by `seed`
+           sink lab: the task; retrofit: its own family per start kind); within a family each gated arm is
+           compared with the baseline arm (different models: not paired); `seed` names a model within its arm (the
+           policy comparison pairs a model quantized one way with itself quantized another)
 
 Accepted folders (the streaming lab's list, plus the scaling and retrofit labs' outputs):
   a sink-lab unit OUT/runs/<variant>/seed<k>, or a whole sink-lab OUT (every unit)
@@ -40,7 +41,7 @@ class QuantModel:
     variant: str  # canonical gate of config.json ("none" = ungated)
     arm: str  # what its seeds replicate (module docstring)
     family: str  # the models it is compared with
-    seed: str  # pairing key with the baseline arm of its family
+    seed: str  # the model within its arm (family, arm, seed): one trained model
     baseline: bool  # the arm every gated arm of the family is measured against
     data_dir: str | None = None  # text: the corpus
     seq_len: int | None = None  # text: window length
@@ -195,7 +196,7 @@ def resolve_models(paths: list, data_dir: str | None = None) -> list[QuantModel]
         other = seen.setdefault((m.family, m.arm, m.seed), m)
         if other is not m:
             raise ValueError(f"--models: {other.path} and {m.path} are both {m.arm} seed {m.seed} of the family "
-                             f"{m.family!r}, so neither can be paired by seed; measure them in separate labs (--out)")
+                             f"{m.family!r}, so a seed no longer names one model; measure them in separate labs (--out)")
     return out
 
 

@@ -17,7 +17,8 @@ row repeated per policy (`policy_applies` false). verdict.py holds the rule (fix
 Layout of OUT: rows/<model>/reference.json (the unquantized model), rows/<model>/<scheme>[__<policy>].json (one row
 each, stored with its key: every setting it depends on; the model's weight files as its input), lab.json, report.md,
 report.html, plots/. A re-run reuses every stored row and measures only the missing ones (a killed run loses at most
-the row in progress); a row stored with other settings stops the lab naming them (experiment.cache).
+the row in progress); a row stored with other settings stops the lab naming them (experiment.cache). `report_only`
+judges a lab.json's stored rows again (the rule of verdict.py) without measuring anything.
 """
 from __future__ import annotations
 
@@ -232,10 +233,7 @@ def _row(qm: M.QuantModel, scheme, policy, got: dict, ref: dict, policy_applies:
 @locks_output("out", "gattn lab quant")
 def run_lab(cfg: QuantLabConfig, out: str | Path, log=print) -> dict:
     """Measure every (model, scheme, policy) and write lab.json, report.md, report.html and plots into out."""
-    from gated_attention.util.io import atomic_write_json, to_strict
-
-    from . import quant_report
-    from . import verdict as V
+    from gated_attention.util.io import to_strict
 
     cfg.validate()
     out = Path(out)
@@ -247,22 +245,53 @@ def run_lab(cfg: QuantLabConfig, out: str | Path, log=print) -> dict:
     for qm in qms:
         rows += measure_model(qm, cfg, out, log)
     results = [r for r in rows if r["scheme"] != "none"]
-    comps = V.comparisons(results)
-    pv = V.policy_verdicts(comps)
     lab = {"config": {**asdict(cfg), "models": [str(m) for m in cfg.models]},
            "models": {qm.label: qm.to_dict() for qm in qms},
            "reference": {r["model"]: {k: r[k] for k in ("val_loss", "val_loss_per_domain", "gate_mean",
                                                          "gate_near_zero", "f_attn", "bos_attention")}
                          for r in rows if r["scheme"] == "none"},
-           "results": results, "comparisons": comps,
-           "thresholds": {k: [t.to_dict() for t in ts] for k, ts in V.THRESHOLDS.items()},
-           "near_zero_gate": NEAR_ZERO,
-           "verdict": {"rule": "D = Δ_gated − Δ_baseline paired over ≥ 3 seeds, 95 % t interval, against the paper's "
-                               f"δ = {V.MARGIN.value} nats (verdict.py)",
-                       "per_family": pv, "text": V.verdict_text(pv)},
+           "results": results, **judgement(results), "near_zero_gate": NEAR_ZERO, "report_only": False,
            "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0}
-    lab = to_strict(lab)
+    return _write(to_strict(lab), out)
+
+
+def judgement(results: list[dict]) -> dict:
+    """lab.json's judged parts from its `results` rows alone (verdict.py's rule): comparisons, policy_comparisons,
+    thresholds, verdict."""
+    from . import verdict as V
+
+    comps, pcomps = V.comparisons(results), V.policy_comparisons(results)
+    pv = V.policy_verdicts(comps, pcomps)
+    return {"comparisons": comps, "policy_comparisons": pcomps,
+            "thresholds": {k: [t.to_dict() for t in ts] for k, ts in V.THRESHOLDS.items()},
+            "verdict": {"rule": "gated vs baseline: D = mean Δ_gated − mean Δ_baseline over ≥ 3 models per arm, "
+                                "95 % Welch interval; policy vs policy: D = Δ(cheaper) − Δ(dearer) paired by model; "
+                                f"both against the paper's δ = {V.MARGIN.value} nats; a policy is recommended only "
+                                "when its claim holds and the paired D prefers it over every other (verdict.py)",
+                        "per_family": pv, "text": V.verdict_text(pv)}}
+
+
+def _write(lab: dict, out: Path) -> dict:
+    from gated_attention.util.io import atomic_write_json
+
+    from . import quant_report
+
     lab["plots"] = {k: str(p.relative_to(out)) for k, p in quant_report.make_plots(lab, out / "plots").items()}
     atomic_write_json(out / "lab.json", lab, indent=1)
     quant_report.write(lab, out)
     return lab
+
+
+@locks_output("out", "gattn lab quant --report-only")
+def report_only(out: str | Path) -> dict:
+    """Judge OUT/lab.json's stored `results` again with the current rule and rewrite lab.json, report and plots;
+    measures nothing (every other key is kept as it was)."""
+    from gated_attention.util.io import read_json_object, to_strict
+
+    out = Path(out)
+    lab = read_json_object(out / "lab.json", "quantization lab result",
+                           "run `gattn lab quant --models ... --out` into this folder first")
+    if not isinstance(lab.get("results"), list):
+        raise ValueError(f"{out / 'lab.json'}: not a quantization-lab result (no `results` list); point --out at a "
+                         "`gattn lab quant` OUT")
+    return _write(to_strict({**lab, **judgement(lab["results"]), "report_only": True}), out)

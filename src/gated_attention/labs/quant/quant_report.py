@@ -1,5 +1,5 @@
-"""Rendering of a quantization-lab result (lab.json in): the plots (Δ per scheme and policy for every arm; the paired
-gated-minus-baseline D with its interval against ±δ), report.md and a self-contained report.html, and the text table
+"""Rendering of a quantization-lab result (lab.json in): the plots (Δ per scheme and policy for every arm; the
+gated-minus-baseline D with its Welch interval against ±δ), report.md and a self-contained report.html, and the text table
 `gattn lab quant` prints."""
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def plot_deltas(lab: dict, path) -> Path:
 
 
 def plot_comparisons(lab: dict, path) -> Path:
-    """D = Δ_gated - Δ_baseline per scheme with its 95 % t interval, one panel per policy; the band is ±δ."""
+    """D = Δ_gated - Δ_baseline per scheme with its 95 % Welch interval, one panel per policy; the band is ±δ."""
     schemes, policies = _order(lab, "schemes"), _order(lab, "policies")
     comps = lab["comparisons"]
     fig, axes = pages.subplots(1, len(policies), figsize=(4.2 * len(policies), 4.2), squeeze=False, sharey=True)
@@ -93,7 +93,7 @@ def plot_comparisons(lab: dict, path) -> Path:
         ax.set_yscale("symlog", linthresh=d)
         ax.set_xticks(range(len(schemes)), schemes, rotation=40, ha="right", fontsize=8)
         ax.set(title=f"policy {policy} (band: ±δ = {d:g})")
-    axes[0][0].set_ylabel("D = Δ_gated − Δ_baseline (nats), 95 % t interval")
+    axes[0][0].set_ylabel("D = Δ_gated − Δ_baseline (nats), 95 % Welch interval")
     if series:
         axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
@@ -104,6 +104,10 @@ def make_plots(lab: dict, plot_dir: Path) -> dict[str, Path]:
     plot_dir.mkdir(parents=True, exist_ok=True)
     return {"deltas": plot_deltas(lab, plot_dir / "deltas.png"),
             "comparisons": plot_comparisons(lab, plot_dir / "comparisons.png")}
+
+
+def _n(need) -> str:
+    return "–" if need is None else str(need)
 
 
 def _ci(lo, hi) -> str:
@@ -139,26 +143,48 @@ def tables(lab: dict) -> dict[str, tuple[list[str], list[list[str]]]]:
         if sink:
             row.append(f"{fmt(e['bos_attention_ref'])} → {fmt(e['bos_attention'])}")
         rows.append(row)
-    comp = [[c["family"], c["arm"], c["scheme"], c["policy"], str(c["n_seeds"]), fmt(c["mean"], 4),
-             _ci(c["ci_low"], c["ci_high"]), c["verdict"]] for c in comps]
-    pol = []
+    comp = [[c["family"], c["arm"], c["scheme"], c["policy"],
+             f"{c.get('n_gated', c['n_seeds'])} / {c.get('n_baseline', c['n_seeds'])}", fmt(c["mean"], 4),
+             _ci(c["ci_low"], c["ci_high"]), fmt(c.get("df"), 1), c["verdict"], _n(c.get("models_needed"))]
+            for c in comps]
+    pcomp = [[c["family"], c["arm"], c["scheme"], f"{c['policy']} − {c['against']}", str(c["n_models"]),
+              fmt(c["mean"], 4), _ci(c["ci_low"], c["ci_high"]), c["verdict"], _n(c["models_needed"])]
+             for c in sorted(lab.get("policy_comparisons", []), key=_sort_key(lab))]
+    pol, pairs = [], []
     for fam, v in lab["verdict"]["per_family"].items():
         for p, x in v["per_policy"].items():
             pol.append([fam, p, x["verdict"], f"{x['like_or_less']}/{x['pairs']}", str(x["more"]),
                         "**recommended**" if p == v["recommended"] else ""])
+        for x in v.get("policy_pairs", {}).values():
+            pairs.append([fam, f"{x['policy']} vs {x['against']}", x["verdict"], f"{x['within_or_less']}/{x['pairs']}",
+                          str(x["costs_more"]), x["to_decide"] or ""])
     domains = sorted({d for e in summ for d in e["delta_per_domain"]})
     dom = [[e["family"], _label(e), e["scheme"], e["policy"]] + [fmt(e["delta_per_domain"].get(d), 4)
                                                                   for d in domains] for e in summ]
     return {"arms": (head, rows),
-            "comparisons": (["Family", "Gated arm", "Scheme", "Policy", "Seeds", "D (nats)", "95 % interval",
-                             "Verdict"], comp),
+            "comparisons": (["Family", "Gated arm", "Scheme", "Policy", "Models (gated / baseline)", "D (nats)",
+                             "95 % Welch interval", "df", "Verdict", "Models per arm to decide"], comp),
+            "policy_comparisons": (["Family", "Gated arm", "Scheme", "D = Δ(policy) − Δ(against)", "Models",
+                                    "D (nats)", "95 % paired interval", "Verdict", "Models to decide"], pcomp),
             "policies": (["Family", "Policy", "Claim", "like or better", "more sensitive", ""], pol),
+            "policy_pairs": (["Family", "Pair (cheaper vs dearer)", "Paired verdict", "within δ or less",
+                              "cheaper costs more", "To decide"], pairs),
             "domains": (["Family", "Arm", "Scheme", "Policy"] + domains, dom)}
 
 
 def text_table(lab: dict) -> str:
     head, rows = tables(lab)["comparisons"]
     return pages.text_table(head, rows) + "\n" + lab["verdict"]["text"]
+
+
+def _to_decide(lab: dict) -> list[tuple]:
+    """A paragraph per family without a recommendation: why, and what would decide it."""
+    out = []
+    for fam, v in lab["verdict"]["per_family"].items():
+        if v["recommended"] is None:
+            out.append(("p", f"**{fam}: no recommendation** ({v['why']}). What would decide it: "
+                             + "; ".join(v.get("to_decide") or ["a comparison this lab did not measure"]) + "."))
+    return out
 
 
 def write(lab: dict, out: Path) -> None:
@@ -170,15 +196,22 @@ def write(lab: dict, out: Path) -> None:
         ("p", f"**Verdict** ({lab['verdict']['rule']}): {lab['verdict']['text']}"),
         ("p", f"{n} model(s), schemes {', '.join(c['schemes'])}, policies {', '.join(c['policies'])}; "
               f"{c['eval_windows']} held-out windows per domain, {c['calibration_windows']} calibration windows "
-              f"(awq-int4); fake-quantized in fp32 (gated_attention.quant); {lab['cpu_time_s']:.0f} CPU-s in this "
-              f"invocation."),
-        ("h2", "Is the gated model more sensitive than the baseline? (D = Δ_gated − Δ_baseline, paired by seed)"),
+              f"(awq-int4); fake-quantized in fp32 (gated_attention.quant); {lab['cpu_time_s']:.0f} CPU-s in the "
+              f"measuring invocation" + ("; judged again from the stored rows by `--report-only`." if
+                                         lab.get("report_only") else ".")),
+        ("h2", "Is the gated model more sensitive than the baseline? (D = mean Δ_gated − mean Δ_baseline, Welch: "
+               "the two arms are different models)"),
         ("table", *t["comparisons"]),
+        ("h2", "Policy against policy on the same models (D = Δ(policy) − Δ(against), paired by model)"),
+        ("table", *t["policy_comparisons"]),
         ("h2", "The claim per policy, and the recommended policy"), ("table", *t["policies"]),
+        ("table", *t["policy_pairs"]),
+        *_to_decide(lab),
         ("h2", "Per arm (mean ± std over seeds)"), ("table", *t["arms"]),
         ("h2", "Δ per domain (mean over seeds, nats)"), ("table", *t["domains"]),
         ("h2", "Thresholds"), ("table", *cells(th)),
         *pages.figures(lab.get("plots", {}), {"deltas": "Δ from quantization per scheme and policy (bars: seed range)",
-                                              "comparisons": "D = Δ_gated − Δ_baseline with its 95 % interval; band ±δ"}),
+                                              "comparisons": "D = Δ_gated − Δ_baseline with its 95 % Welch "
+                                                             "interval; band ±δ"}),
     ]
     pages.write(out, "gattn lab quant: gated models under quantization, gate policies compared", blocks)
