@@ -2,6 +2,7 @@
 stability lab's lab.json and the long-context report.json (or saying "not run here" with the command)."""
 from __future__ import annotations
 
+import math
 import json
 
 import pytest
@@ -340,3 +341,27 @@ def test_perplexity_row_takes_the_scaling_labs_verdict(tmp_path):
     assert row["measure"]["verdict_source"] == f"scaling lab {tmp_path}" and "scaling ladder" in row["this_run"]
     with pytest.raises(Exception, match="--scaling-lab"):
         C.require_evidence("--scaling-lab", tmp_path / "missing")
+
+
+def test_perplexity_row_follows_the_ladders_protocol():
+    """The main job's measure: ln k = -Δ / slope with the interval's ends swapped, Δ in bits per byte from the
+    corpus's bytes per token, the multiplier rule's verdict deciding the row, and the default budget's seeds
+    disjoint from the ladder's tuning seed with every arm at one LR."""
+    from gated_attention.compare import job
+    from gated_attention.labs.scaling import verdict as SV
+
+    losses = {"baseline": {0: 4.10, 1: 4.12, 2: 4.11}, "sdpa_elementwise": {0: 4.02, 1: 4.05, 2: 4.03}}
+    m = C.ppl_measure(losses, lrs={v: 4e-3 for v in losses}, lr_tuned={v: True for v in losses}, tokens_per_param=20.0,
+                      protocol="shared-lr", seeds=[100, 101, 102], slope=(0.4, "test"),
+                      bytes_per_token={"a": 2.0, "b": 4.0})
+    d = m["delta_nats"]["sdpa_elementwise"]
+    k = m["ln_k"]["sdpa_elementwise"]
+    assert k["mean"] == pytest.approx(-d["mean"] / 0.4) and k["ci_low"] == pytest.approx(-d["ci_high"] / 0.4)
+    assert k["verdict"] == SV.judge_multiplier(k["mean"], k["ci_low"], k["ci_high"]) == SV.REPRODUCED
+    bpb = m["delta_bits_per_byte"]["sdpa_elementwise"]["mean"]
+    assert bpb == pytest.approx(d["mean"] * (0.5 + 0.25) / 2 / math.log(2))
+    assert m["protocol"] == "shared-lr" and m["seeds_used_for_tuning"] == [] and m["seed_list"] == [100, 101, 102]
+    row = C.ppl_claim({"baseline": {"avg_ppl": 60.0}, "sdpa_elementwise": {"avg_ppl": 56.0}}, m)
+    assert row["verdict"] == k["verdict"] and "bits/byte" in row["this_run"] and "ln k" in row["this_run"]
+    b = job.BUDGETS["default"]
+    assert b.train["seed"] >= 100 and len(set(b.lrs.values())) == 1 and b.lrs["baseline"] == b.train["lr"]
