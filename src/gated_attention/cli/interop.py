@@ -20,7 +20,7 @@ def configure_convert(parser) -> None:
                              "mistral / qwen2 (stock HF Llama 2/3, Mistral, Qwen2/2.5; no QK-norm) or native")
     parser.add_argument("--to", dest="dst_format", default="native", choices=FORMATS,
                         help="layout to write (default: native, loadable with AutoModelForCausalLM after "
-                             "`import gated_attention`); llama / mistral / qwen2 take ungated models only")
+                             "`import gated_attention.modeling`); llama / mistral / qwen2 take ungated models only")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it already exists")
 
 

@@ -62,7 +62,6 @@ def configure_demo(parser):
 def run_demo(args) -> int:
     from transformers import AutoModelForCausalLM
 
-    import gated_attention  # noqa: F401  (registers the Auto classes)
     from ..modeling import GatedQwen3ForCausalLM
 
     print("gate variants:", ", ".join(GATES))

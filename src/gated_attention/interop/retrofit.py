@@ -58,7 +58,7 @@ def detect_format(config: dict) -> str:
 
 def _gate_tensors(config, layer_idx: int, init: str, dtype: torch.dtype, generator: torch.Generator) -> dict:
     """The new gate parameters of one layer, keyed by their full state-dict names."""
-    from ..gates import build_gate
+    from ..gate_layer import build_gate
 
     gate = build_gate(config.gate, config)
     prefix = f"model.layers.{layer_idx}.self_attn.gate."

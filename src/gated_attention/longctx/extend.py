@@ -142,7 +142,6 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
     cfg = apply_overrides(cfg, list(sets))
 
     def load_extended(_cfg, vocab_size):
-        import gated_attention  # noqa: F401  (registers the model classes)
         from gated_attention.modeling import GatedQwen3ForCausalLM
 
         model = GatedQwen3ForCausalLM.from_pretrained(extended, dtype=torch.float32)

@@ -272,7 +272,6 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
 
 
 def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:
-    import gated_attention  # noqa: F401  (registers the model classes)
     from gated_attention.data import Corpus
     from gated_attention.modeling import GatedQwen3ForCausalLM
 

@@ -117,7 +117,7 @@ def evaluate_folder(folder, out, tasks: list[str], lengths: list[int], samples: 
     OUT/ruler.json and OUT/ruler.png; `echo` gets one line per scored cell. Returns the result."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import gated_attention  # noqa: F401  (registers the gated model classes with the Auto factories)
+    import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
     from gated_attention.util.io import atomic_write_json, check_hf_dir
     from gated_attention.util.progress import Progress
 

@@ -110,7 +110,6 @@ EVAL_KEYS = ("params", "optimizer", "buffers", "overhead", "eval")  # held while
 
 def meta_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
     """The model `cfg` trains, built on the meta device: every parameter has its shape and dtype, none has storage."""
-    import gated_attention  # noqa: F401  (registers the Auto classes)
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     from .model_setup import apply_trainable, build_model_config

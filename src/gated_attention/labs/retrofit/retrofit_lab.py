@@ -17,7 +17,7 @@ measurements in fp32. The gate seed of the `random` init is the unit's seed.
 
 Layout of OUT: runs/<start>/start.json (the starting model's measurements, cached), runs/<start>/<recipe>/seed<k>/
 (result.json, model/ = the retrofitted model, the trainer's run files — checkpoints/ and final/ while training —, loadable with AutoModelForCausalLM after
-`import gated_attention`), lab.json, report.md, report.html, plots/. Finished units are reused, a killed unit
+`import gated_attention.modeling`), lab.json, report.md, report.html, plots/. Finished units are reused, a killed unit
 continues from its last checkpoint, other settings in an existing OUT stop the job naming them (experiment.cache).
 """
 from __future__ import annotations
