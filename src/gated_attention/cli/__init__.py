@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import os
 import sys
 
 from ..util.errors import Parser, handle
@@ -64,8 +65,9 @@ def command_parser(name: str):
 
 def unknown_command(word: str) -> str:
     """The one line for `gattn WORD` where WORD is no command: the closest command, else the valid ones."""
-    what = f"unknown option {word!r}" if word.startswith("-") else f"unknown command {word!r}"
-    close = difflib.get_close_matches(word, COMMANDS, n=1)
+    option = word.startswith("-")
+    what = f"unknown option {word!r}" if option else f"unknown command {word!r}"
+    close = difflib.get_close_matches(word, ("--help", "--version") if option else COMMANDS, n=1)
     if close:
         return f"gattn: error: {what}; did you mean `{close[0]}`? (`gattn --help` lists the commands)"
     return f"gattn: error: {what}; valid commands: {', '.join(COMMANDS)}"
@@ -92,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_dependencies()  # dependencies' bars would drown our own progress lines (workers and ranks inherit it)
     try:
         code = int(getattr(module, f"run_{name.replace('-', '_')}")(args) or 0)
+    except BrokenPipeError:  # `gattn settings | head`: the reader left early; that is no error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
+        return 1
     except Exception as exc:  # user errors: one line `gattn CMD: error: ...`, exit 2; bugs re-raise (errors.handle)
         return handle(name, exc)
     if "torch.distributed" in sys.modules:  # a torchrun rank that ended its process group exits here (dist.py)

@@ -6,9 +6,9 @@ from ..util import errors as E  # argparse types: numbers and paths checked wher
 
 import argparse
 
-from ..interop import FORMATS, convert_checkpoint
+from ..interop import FORMATS
 from ..interop.gguf_map import OUTTYPES
-from ..interop.retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
+from ..interop.retrofit import INITS, SOURCE_FORMATS
 
 
 def configure_convert(parser) -> None:
@@ -25,6 +25,8 @@ def configure_convert(parser) -> None:
 
 
 def run_convert(args) -> int:
+    from ..interop import convert_checkpoint
+
     out = convert_checkpoint(args.src, args.dst, args.src_format, args.dst_format, overwrite=args.overwrite)
     print(f"wrote {args.dst_format} checkpoint to {out}")
     return 0
@@ -82,6 +84,8 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
 
 
 def run_retrofit(args) -> int:
+    from ..interop.retrofit import retrofit_checkpoint
+
     out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
     print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
           f"gattn train --gate {args.gate} --set init_from={out} --out RUN ... "

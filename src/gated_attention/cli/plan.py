@@ -22,7 +22,7 @@ def checkpointing_arg(text: str) -> str:
 def configure_plan(parser: argparse.ArgumentParser) -> None:
     from ..train.config import ACTIVATION_CHECKPOINTING
     from ..train.train_presets import TRAIN_PRESETS
-    from ..train.plan import DEFAULTS
+    from ..train.plan_hardware import DEFAULTS
 
     parser.add_argument("--preset", required=True, choices=list(TRAIN_PRESETS),
                         help="training preset to plan (the paper's: paper-dense-28l, paper-dense-48l, paper-moe-15a2b)")

@@ -31,6 +31,6 @@ def run_settings(args) -> int:
             group = s.group
             print(f"\n{group}")
         allowed = f"; one of {' | '.join(s.choices)}" if s.choices else ""
-        print(f"  {s.name} = {show(s.default)}   ({s.type}{allowed})")
+        print(f"  {s.name} = {show(s.default) or '(empty)'}   ({s.type}{allowed})")
         print(textwrap.fill(s.meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return 0

@@ -66,7 +66,7 @@ def dry_run(cfg, preset: str) -> str:
     from ..train.settings import settings, show
 
     lines = ["gattn train --dry-run: nothing is trained or written", "settings (* = not the TrainConfig default):"]
-    lines += [f"  {'*' if getattr(cfg, s.name) != s.default else ' '} {s.name} = {show(getattr(cfg, s.name))}"
+    lines += [f"  {'*' if getattr(cfg, s.name) != s.default else ' '} {s.name} = {show(getattr(cfg, s.name)) or '(empty)'}"
               for s in settings()]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lines.append(format_plan(plan(cfg, gpus=world), preset))

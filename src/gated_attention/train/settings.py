@@ -87,13 +87,13 @@ def settings() -> tuple[Setting, ...]:
 
 
 def show(value) -> str:
-    """A setting's value as `--set` takes it: true/false, none, JSON-ish lists and objects, plain text otherwise."""
+    """A setting's value as `--set KEY=VALUE` takes it: true/false, none, comma lists, JSON objects, plain text."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
         return "none"
     if isinstance(value, str):
-        return value if value else '""'
+        return value
     if isinstance(value, list):
         return ",".join(map(str, value)) if value else "[]"
     if isinstance(value, dict):
