@@ -7,7 +7,8 @@ mistyped command or preset, `gattn settings`. Each is a fresh `python -m gated_a
 so both see the same load: the before/after of a change. Writes bench/results/<--out>.json with the CPU, the load
 average before and after, and each tree's commit.
 
-Run: python bench/bench_cli.py [--runs 5] [--baseline-src /tmp/base/src] [--out cli_startup]
+Run: python bench/bench_cli.py [--runs 5] [--baseline-src DIR/src [--baseline-commit C]] [--out cli_startup]
+     (a baseline tree: mkdir DIR && git archive C src | tar -x -C DIR)
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=5, help="timed runs per command and tree (default 5)")
     ap.add_argument("--baseline-src", type=Path, default=None, help="another tree's src/ to time alongside")
+    ap.add_argument("--baseline-commit", default=None,
+                    help="the baseline's commit, when its tree is no git checkout (e.g. `git archive COMMIT src`)")
     ap.add_argument("--out", default="cli_startup", help="result name: bench/results/<out>.json")
     args = ap.parse_args(argv)
     trees = {"this": SRC} | ({"baseline": args.baseline_src.resolve()} if args.baseline_src else {})
@@ -75,7 +78,9 @@ def main(argv=None) -> int:
         "runs": args.runs,
         "machine": common.machine(),
         "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
-        "trees": {tree: {"src": str(src), "commit": commit(src)} for tree, src in trees.items()},
+        "trees": {tree: {"src": str(src), "commit": (args.baseline_commit if tree == "baseline" and
+                                                      args.baseline_commit else commit(src))}
+                  for tree, src in trees.items()},
         "commands": [{"command": label, **{tree: {"median_s": round(common.median(times[tree][label]), 3),
                                                   "min_s": round(min(times[tree][label]), 3),
                                                   "max_s": round(max(times[tree][label]), 3),
