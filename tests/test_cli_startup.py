@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -45,7 +46,7 @@ print(json.dumps({"before": before, "after": after}))
 
 def test_every_parser_and_help_imports_no_torch_or_transformers():
     res = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "PYTHONPATH": str(REPO / "src")})
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})
     assert res.returncode == 0, res.stderr[-3000:]
     seen = json.loads(res.stdout.strip().splitlines()[-1])
     assert seen["before"] == [], f"building the parsers imported {seen['before']}"
@@ -139,3 +140,17 @@ def test_train_dry_run_prints_the_plan_and_writes_nothing(tmp_path, monkeypatch,
     assert "* steps = 7" in text and " seq_len = " in text  # the resolved settings, the changed ones marked
     assert "gattn plan: tiny" in text and "memory / GPU (GB)" in text and "tokens/s" in text  # the plan's table
     assert "this machine (cpu, fp32): fits" in text
+
+
+def test_importing_the_model_registers_the_auto_classes():
+    """The package's names load on first use; the README's first line, `from gated_attention import
+    GatedQwen3ForCausalLM`, still registers model_type gated_qwen3 with the Auto classes (in a fresh interpreter,
+    where nothing else imported the model)."""
+    code = ("import torch\nfrom gated_attention import GatedQwen3ForCausalLM\n"
+            "from transformers import AutoConfig, AutoModelForCausalLM\n"
+            "with torch.device('meta'):\n"
+            "    model = AutoModelForCausalLM.from_config(AutoConfig.for_model('gated_qwen3', num_hidden_layers=1))\n"
+            "print(type(model) is GatedQwen3ForCausalLM)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-2000:]

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ..train.train_presets import TRAIN_PRESETS
 from ..train.overrides import run_config
-from ..util.io import json_dumps  # (these three import no torch: the parser is built without it)
+from ..util.io import json_dumps
 
 
 def configure_train(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +44,7 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
 def run_train(args) -> int:
     cfg = run_config(args.out, args.preset, args.gate, args.sets, args.data_dir, args.resume)
     if args.dry_run:
-        print(dry_run(cfg, args.preset or "small"))
+        print(dry_run(cfg, args.preset or ("the saved run" if args.resume else "small")))
         return 0
     from ..train.trainer import train
 
@@ -66,8 +66,9 @@ def dry_run(cfg, preset: str) -> str:
     from ..train.settings import settings, show
 
     lines = ["gattn train --dry-run: nothing is trained or written", "settings (* = not the TrainConfig default):"]
-    lines += [f"  {'*' if getattr(cfg, s.name) != s.default else ' '} {s.name} = {show(getattr(cfg, s.name)) or '(empty)'}"
-              for s in settings()]
+    for s in settings():
+        value = getattr(cfg, s.name)
+        lines.append(f"  {'*' if value != s.default else ' '} {s.name} = {show(value) or '(empty)'}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     lines.append(format_plan(plan(cfg, gpus=world), preset))
     device = torch.device(P.device_type(cfg.device))
