@@ -89,8 +89,9 @@ def main(argv=None) -> dict:
         if args.budget not in BUDGETS:
             raise SystemExit(f"unknown --budget {args.budget!r}; valid: {', '.join(BUDGETS)}")
         b = BUDGETS[args.budget]
-        args.batch, args.seq = b.train["batch_size"], b.train["seq_len"]
-        overrides = {**b.train.get("model_overrides", {}), "vocab_size": b.vocab_size}
+        train = b.train_changes()
+        args.batch, args.seq = train["batch_size"], train["seq_len"]
+        overrides = {**train.get("model_overrides", {}), "vocab_size": b.vocab_size}
     torch.manual_seed(0)
     ours = GatedQwen3ForCausalLM(model_config(args.preset, args.gate, **overrides)).train()
     ids = torch.randint(0, ours.config.vocab_size, (args.batch, args.seq))

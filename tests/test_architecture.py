@@ -189,16 +189,59 @@ def test_layer_table_is_read_from_architecture_md():
         read_layer_table(table.replace("gates.py", "no_such_module.py"))
 
 
+def _lazy_homes(tree: ast.Module) -> dict | None:
+    """{name: submodule} of a package __init__ that loads its names on first use (`__getattr__, __dir__ =
+    lazy_exports(__name__, HOMES)`, util/lazy.py), else None."""
+    lazy = any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and getattr(n.value.func, "id", "") ==
+               "lazy_exports" for n in tree.body)
+    homes = next((n.value for n in tree.body if isinstance(n, ast.Assign) and
+                  any(isinstance(t, ast.Name) and t.id == "HOMES" for t in n.targets)), None)
+    return ast.literal_eval(_plain_dict(homes)) if lazy and homes is not None else None
+
+
+def _plain_dict(node: ast.expr) -> ast.expr:
+    """HOMES written with `**dict.fromkeys((names), "module")` entries, as one literal dict node."""
+    keys, values = [], []
+    for k, v in zip(node.keys, node.values):
+        if k is None:  # **dict.fromkeys(names, module)
+            names, module = v.args
+            keys += names.elts
+            values += [module] * len(names.elts)
+        else:
+            keys.append(k)
+            values.append(v)
+    return ast.Dict(keys=keys, values=values)
+
+
+def _defines(path: Path, name: str) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            return True
+    return False
+
+
 def test_no_shim_answers_an_old_name():
     """Renames ship with an entry in CHANGELOG.md, never a shim: no module answers names it does not define (a
-    module-level __getattr__), nothing issues a DeprecationWarning, no import hook redirects old module paths."""
+    module-level __getattr__, except a package's lazy exports of the names its own submodules define - checked
+    name by name), nothing issues a DeprecationWarning, no import hook redirects old module paths."""
     bad = []
     for mod, path in MODULES.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
+        homes = _lazy_homes(tree) if path.name == "__init__.py" else None
+        for name, sub in (homes or {}).items():
+            if not _defines(path.parent / f"{sub}.py", name):
+                bad.append(f"{mod}: lazy export {name!r} is not defined in {mod}.{sub}")
         for node in tree.body:
             targets = [node.name] if isinstance(node, ast.FunctionDef) else \
-                [t.id for t in node.targets if isinstance(t, ast.Name)] if isinstance(node, ast.Assign) else []
-            bad += [f"{mod}: module-level __getattr__" for t in targets if t == "__getattr__"]
+                [t.id for t in node.targets if isinstance(t, ast.Name)] + \
+                [e.id for t in node.targets if isinstance(t, ast.Tuple) for e in t.elts if isinstance(e, ast.Name)] \
+                if isinstance(node, ast.Assign) else []
+            bad += [f"{mod}: module-level __getattr__" for t in targets if t == "__getattr__" and homes is None]
         for node in ast.walk(tree):
             if isinstance(node, ast.Name) and node.id == "DeprecationWarning":
                 bad.append(f"{mod}:{node.lineno}: DeprecationWarning")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import gated_attention  # noqa: F401  (registers the Auto classes)
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention.cli import main as cli_main
 from gated_attention.interop import (ConversionError, convert_checkpoint, convert_state_dict, fused_q_rows, load_dir,
                                      save_dir)

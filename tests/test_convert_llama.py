@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-import gated_attention  # noqa: F401 - registers the Auto classes
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.configuration import GatedQwen3Config

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-import gated_attention  # noqa: F401  (registers the Auto classes)
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.cli import main as cli_main
 from gated_attention.interop import ConversionError, convert_state_dict, load_dir

@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import gated_attention  # noqa: F401  (registers the Auto classes)
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention import GATES, GatedQwen3Config, GatedQwen3ForCausalLM
-from gated_attention.gates import Gate, GateSpec, get_gate
+from gated_attention.gate_layer import Gate
+from gated_attention.gates import GateSpec, get_gate
 from gated_attention.presets import model_config, param_report
 from harness import build_lm, perturb, stock_config, stock_lm, tiny_lm
 

@@ -3,7 +3,7 @@ left-padded batch, EOS handling and the fused layers; sampling reproducible unde
 import pytest
 import torch
 
-import gated_attention  # noqa: F401  (registers the Auto classes)
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention.decode import generate_fast
 from gated_attention.fused import fuse_qkv
 from harness import tiny_lm

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-import gated_attention  # noqa: F401  (registers the Auto classes)
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.fused import (LOSS_CHUNK_BYTES, FusedGatedAttention, chunked_lm_loss, fuse_qkv, fused_sigmoid_mul,
                                    loss_chunk_tokens, reference_lm_loss, unfuse_qkv)

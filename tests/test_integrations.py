@@ -9,7 +9,7 @@ import pytest
 import torch
 from _extras import need
 
-import gated_attention  # noqa: F401 - registers the Auto classes
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention import GatedQwen3ForCausalLM
 from gated_attention.train.train_presets import tiny
 from gated_attention.train.trainer import train

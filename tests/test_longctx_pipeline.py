@@ -115,7 +115,7 @@ def trained(corpus_dir, tmp_path_factory):
 
 
 def test_extend_finetune_steps(trained, tmp_path):
-    import gated_attention  # noqa: F401
+    import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

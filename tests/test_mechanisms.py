@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import gated_attention  # noqa: F401  (registers the Auto classes)
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention.mechanisms import MECHANISMS, expanded_config, get_mechanism
 from gated_attention.presets import added_params, mechanism_config, model_config, paper_report
 from harness import build_lm, perturb, tiny_lm

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3NextConfig, Qwen3NextForCausalLM
 
-import gated_attention  # noqa: F401 - registers the Auto classes
+import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 from gated_attention.interop import convert_checkpoint, convert_state_dict, load_dir
 from official_reference import official_forward
 from gated_attention.presets import model_config

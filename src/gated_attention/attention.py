@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gates import Position, build_gate
+from .gate_layer import build_gate
+from .gates import Position
 from .mechanisms import build_attention_mechanism
 from .norm import RMSNorm
 from .rope import apply_rotary_pos_emb

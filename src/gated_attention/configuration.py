@@ -106,7 +106,8 @@ class GatedQwen3Config(PreTrainedConfig):
         self._check_layer_types()
         super().__post_init__(**kwargs)
         if self.gate != "none":  # validate the gate/init pair now, not at model build time
-            from .gates import Gate, get_gate
+            from .gate_layer import Gate
+            from .gates import get_gate
 
             Gate(get_gate(self.gate), 8, 2, 1, 4, init=self.gate_init)  # raises for an init that cannot exist
 

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import GatedAttention
-from .gates import Activation, Combine, Position, Sharing, Source, _activate
+from .gate_layer import _activate
+from .gates import Activation, Combine, Position, Sharing, Source
 
 
 class _SigmoidMul(torch.autograd.Function):

@@ -11,7 +11,7 @@ import functools
 
 import torch
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers import initialization as init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -25,7 +25,8 @@ from .attention import GatedAttention
 from .mechanisms import AttentionMechanism, build_branch_transforms
 from .norm import RMSNorm
 from .configuration import GatedQwen3Config
-from .gates import Gate, Source
+from .gate_layer import Gate
+from .gates import Source
 from .rope import RotaryEmbedding, compute_rope_parameters
 
 
@@ -277,3 +278,9 @@ class GatedQwen3ForCausalLM(GatedQwen3PreTrainedModel, GenerationMixin):
 
 
 __all__ = ["GatedQwen3Model", "GatedQwen3ForCausalLM", "GatedQwen3PreTrainedModel"]
+
+
+# the Auto classes find model_type "gated_qwen3" once the model is importable (package docstring)
+AutoConfig.register(GatedQwen3Config.model_type, GatedQwen3Config, exist_ok=True)
+AutoModel.register(GatedQwen3Config, GatedQwen3Model, exist_ok=True)
+AutoModelForCausalLM.register(GatedQwen3Config, GatedQwen3ForCausalLM, exist_ok=True)

@@ -6,9 +6,10 @@ shape keeps its FFN and reports the gate as added parameters (as the paper's MoE
 """
 from __future__ import annotations
 
-from .configuration import GatedQwen3Config
-from .mechanisms import MECHANISMS, MechanismSpec, Kind, expanded_config, get_mechanism, per_layer_params
 from .gates import get_gate
+
+# the config class (transformers) and the mechanisms (torch) are imported inside the functions that build or size a
+# model: PRESETS' names fill command-line parsers, which are built without either
 
 
 def _tiny() -> dict:  # unit tests: ~30k parameters, GQA so the per-KV-group layouts are exercised
@@ -102,6 +103,8 @@ def model_config(name: str, gate: str = "none", match_params: bool | None = None
     total parameter count equals the ungated model's within 0.1 %."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(PRESETS)}")
+    from .configuration import GatedQwen3Config
+
     kw = {**PRESETS[name](), **overrides}
     base = GatedQwen3Config(**kw)
     cfg = GatedQwen3Config(**{**kw, "gate": gate})
@@ -124,6 +127,8 @@ def model_config(name: str, gate: str = "none", match_params: bool | None = None
 
 def added_params(spec: MechanismSpec | str, config) -> int:
     """Parameters the baseline adds to the whole model `config` describes (config is the model WITHOUT it)."""
+    from .mechanisms import Kind, expanded_config, get_mechanism, per_layer_params
+
     spec = get_mechanism(spec) if isinstance(spec, str) else spec
     if spec.kind is Kind.EXPAND:
         return param_report(expanded_config(config, spec))["total"] - param_report(config)["total"]
@@ -133,6 +138,8 @@ def added_params(spec: MechanismSpec | str, config) -> int:
 def mechanism_config(preset: str, name: str, gate: str = "none", **overrides):
     """`presets.model_config(preset, gate, **overrides)` with mechanism `name` applied, whichever family it is.
     Baselines are compared at the parameter counts the paper reports (added on top), so no FFN shrinking here."""
+    from .mechanisms import Kind, expanded_config, get_mechanism
+
     spec = get_mechanism(name)
     if spec.kind is Kind.EXPAND:
         return expanded_config(model_config(preset, gate=gate, match_params=False, **overrides), spec)
@@ -143,6 +150,8 @@ def paper_report(config=None) -> list[dict]:
     """Every registered baseline with its added parameters for `config` (default: the paper's 15A2B shape) next to
     the paper's 'Added (M)' column, where it has one. `added` is None where the mechanism cannot be built on that
     shape (bondarenko_gate needs hidden_size == H * head_dim; the 15A2B shape has 2048 != 32 * 128)."""
+    from .mechanisms import MECHANISMS, Kind
+
     if config is None:
             config = model_config("15a2b")
     rows = []

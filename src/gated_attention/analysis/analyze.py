@@ -383,7 +383,7 @@ def _eager_probs_batch(model, ids, mask, col, kind, want_loss, cfg):
 def load_model(model_dir: str | os.PathLike, attn_implementation: str = "sdpa", dtype=torch.float32):
     """Load a local checkpoint (ours or any HF transformer) for analysis; returns (model, kind). Never downloads."""
     import transformers
-    import gated_attention  # noqa: F401  registers our model with the Auto classes
+    import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 
     path = Path(model_dir)
     from gated_attention.util.io import check_hf_dir

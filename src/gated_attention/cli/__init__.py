@@ -2,14 +2,18 @@
 
 Each entry names the module of its command group here in `cli/`, which defines `configure_<name>(parser)` (adds the
 options, each with help text) and `run_<name>(args) -> int` (`-` in a command name becomes `_`). Group modules are
-imported only when one of their subcommands runs (the package itself, gated_attention/__init__, always
-loads transformers and the model to register the Auto classes). Nothing below the CLI layer imports
+imported only when one of their subcommands runs, and the options are built without torch or transformers (the
+package's public names load on first use, and the command modules import the heavy parts inside `run_<name>`): so
+`gattn --help`, any `--help` and a mistyped name answer at once (bench/bench_cli.py measures it;
+tests/test_cli_startup.py checks that building the parsers imports no torch). Nothing below the CLI layer imports
 from this package (tests/test_architecture.py checks it).
 """
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
+import os
 import sys
 
 from ..util.errors import Parser, handle
@@ -20,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("gated_attention.cli.model", "Build a tiny gated model and generate a few tokens (smoke demo)."),
     "data": ("gated_attention.cli.data", "Prepare the offline corpus + BPE tokenizer (prepare), show its manifest (info)."),
     "train": ("gated_attention.cli.train", "Train a model (preset + --set overrides); also under torchrun with DDP/FSDP2."),
+    "settings": ("gated_attention.cli.settings", "Every training setting (`--set KEY=VALUE`) with its default, choices and meaning."),
     "plan": ("gated_attention.cli.plan", "Before renting GPUs: a preset's parameters, FLOPs/token, memory per GPU, fit, days."),
     "eval": ("gated_attention.cli.train", "Per-domain and average perplexity and loss-by-position of a trained model."),
     "convert": ("gated_attention.cli.interop", "Convert checkpoints between official / qwen3 / qwen3-next / native layouts."),
@@ -36,10 +41,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(
         prog="gattn",
         description="Gated attention for LMs (Qiu et al. 2025): models, training, analysis, long context.",
+        epilog="`gattn COMMAND --help` explains a command's options; `gattn settings` lists every training setting.",
     )
+    parser.add_argument("--version", action="version", version=f"gattn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -54,24 +63,40 @@ def command_parser(name: str):
     return module, sub
 
 
+def unknown_command(word: str) -> str:
+    """The one line for `gattn WORD` where WORD is no command: the closest command, else the valid ones."""
+    option = word.startswith("-")
+    what = f"unknown option {word!r}" if option else f"unknown command {word!r}"
+    close = difflib.get_close_matches(word, ("--help", "--version") if option else COMMANDS, n=1)
+    if close:
+        return f"gattn: error: {what}; did you mean `{close[0]}`? (`gattn --help` lists the commands)"
+    return f"gattn: error: {what}; valid commands: {', '.join(COMMANDS)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        if argv and argv[0] not in ("-h", "--help"):
-            parser.print_usage(sys.stderr)
-            print(f"gattn: unknown command {argv[0]!r}; valid: {', '.join(COMMANDS)}", file=sys.stderr)
-            return 2
-        parser.print_help()
+    if argv[:1] == ["--version"]:
+        from .. import __version__
+
+        print(f"gattn {__version__}")
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        build_parser().print_help()
         return 0
     name = argv[0]
+    if name not in COMMANDS:
+        print(unknown_command(name), file=sys.stderr)
+        return 2
+    module, sub = command_parser(name)
+    args = sub.parse_args(argv[1:])  # --help prints and exits here, before anything heavy is imported
     from ..util.quiet import quiet_dependencies
 
     quiet_dependencies()  # dependencies' bars would drown our own progress lines (workers and ranks inherit it)
-    module, sub = command_parser(name)
-    args = sub.parse_args(argv[1:])
     try:
         code = int(getattr(module, f"run_{name.replace('-', '_')}")(args) or 0)
+    except BrokenPipeError:  # `gattn settings | head`: the reader left early; that is no error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise again
+        return 1
     except Exception as exc:  # user errors: one line `gattn CMD: error: ...`, exit 2; bugs re-raise (errors.handle)
         return handle(name, exc)
     if "torch.distributed" in sys.modules:  # a torchrun rank that ended its process group exits here (dist.py)
@@ -79,4 +104,3 @@ def main(argv: list[str] | None = None) -> int:
 
         exit_process(code)
     return code
-

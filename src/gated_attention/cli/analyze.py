@@ -10,7 +10,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..analysis.analyze import analyze_folder
 from ..util.io import json_dumps
 
 
@@ -37,6 +36,8 @@ def configure_analyze(p: argparse.ArgumentParser) -> None:
 
 
 def run_analyze(args) -> int:
+    from ..analysis.analyze import analyze_folder
+
     result = analyze_folder(args.model_dir, args.out, text=args.text, domain=args.domain, data_dir=args.data_dir,
                             seq_len=args.seq_len, batches=args.batches, batch_size=args.batch_size, bos=not args.no_bos,
                             layers_to_plot=args.layers_to_plot, map_len=args.map_len, sink_eps=args.sink_eps,

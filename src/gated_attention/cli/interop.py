@@ -6,9 +6,9 @@ from ..util import errors as E  # argparse types: numbers and paths checked wher
 
 import argparse
 
-from ..interop import FORMATS, convert_checkpoint
+from ..interop import FORMATS
 from ..interop.gguf_map import OUTTYPES
-from ..interop.retrofit import INITS, SOURCE_FORMATS, retrofit_checkpoint
+from ..interop.retrofit import INITS, SOURCE_FORMATS
 
 
 def configure_convert(parser) -> None:
@@ -20,11 +20,13 @@ def configure_convert(parser) -> None:
                              "mistral / qwen2 (stock HF Llama 2/3, Mistral, Qwen2/2.5; no QK-norm) or native")
     parser.add_argument("--to", dest="dst_format", default="native", choices=FORMATS,
                         help="layout to write (default: native, loadable with AutoModelForCausalLM after "
-                             "`import gated_attention`); llama / mistral / qwen2 take ungated models only")
+                             "`import gated_attention.modeling`); llama / mistral / qwen2 take ungated models only")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it already exists")
 
 
 def run_convert(args) -> int:
+    from ..interop import convert_checkpoint
+
     out = convert_checkpoint(args.src, args.dst, args.src_format, args.dst_format, overwrite=args.overwrite)
     print(f"wrote {args.dst_format} checkpoint to {out}")
     return 0
@@ -82,6 +84,8 @@ def configure_retrofit(parser: argparse.ArgumentParser) -> None:
 
 
 def run_retrofit(args) -> int:
+    from ..interop.retrofit import retrofit_checkpoint
+
     out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
     print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
           f"gattn train --gate {args.gate} --set init_from={out} --out RUN ... "

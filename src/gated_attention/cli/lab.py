@@ -13,10 +13,8 @@ from dataclasses import replace
 from ..util import errors as E
 from ..util import precision as P
 
-from ..labs.sinks import sink_report
 from ..experiment.runs import default_jobs
-from ..labs.sinks import BUDGETS, SinkLabConfig, budget_config
-from ..labs.sinks import run_lab as run_sink_lab
+from ..labs.sinks.sink_lab import BUDGETS, SinkLabConfig, budget_config
 from ..labs.stability import stability_lab
 
 def configure_sinks(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +111,8 @@ def sinks_config(args) -> SinkLabConfig:
 
 
 def run_sinks(args) -> int:
+    from ..labs.sinks import sink_report
+    from ..labs.sinks.sink_lab import run_lab as run_sink_lab
 
     cfg = sinks_config(args)
     jobs = args.jobs if args.jobs is not None else default_jobs()

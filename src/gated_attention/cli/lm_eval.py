@@ -1,15 +1,15 @@
 """`gattn lm-eval`: EleutherAI's lm-evaluation-harness on our checkpoints (optional extra: `pip install -e .[eval]`).
 
 Why a wrapper: `lm_eval --model hf` loads models through transformers' Auto classes, which know model_type
-"gated_qwen3" only after `import gated_attention` has registered it; the stock `lm_eval` process never imports us,
-and `trust_remote_code` would need modelling code shipped inside every checkpoint. This command imports the package
+"gated_qwen3" only after `import gated_attention.modeling` has registered it; the stock `lm_eval` process never imports us,
+and `trust_remote_code` would need modelling code shipped inside every checkpoint. This command imports the model
 (registering the Auto classes) and then hands its arguments, unchanged, to lm-eval's own CLI in the same process.
 
     gattn lm-eval run --model hf --model_args pretrained=RUN/final,dtype=float32 --tasks TASK --device cpu
     python -m gated_attention.cli.lm_eval --model hf ...   # the same, with lm-eval's legacy form (no `run`)
 
 (Under `gattn`, the first word must be an lm-eval subcommand, `run`, `ls` or `validate`: gattn's argument parser
-would otherwise read `--model` as one of its own options.) From Python: `import gated_attention` first, then call
+would otherwise read `--model` as one of its own options.) From Python: `import gated_attention.modeling` first, then call
 `lm_eval.simple_evaluate(model="hf", model_args="pretrained=DIR", ...)`. The exported checkpoint (`RUN/final`)
 already holds the tokenizer. Local tasks: `--include_path DIR` with a task YAML whose `dataset_path: json` reads a
 local JSONL file; set HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 to guarantee nothing is fetched.
@@ -36,7 +36,7 @@ def lm_eval_main(argv: list[str]) -> int:
     except ImportError as exc:
         raise ValueError(f"lm-evaluation-harness is not installed ({exc}); install the extra: pip install -e '.[eval]'") \
             from None
-    import gated_attention  # noqa: F401  registers model_type gated_qwen3 with the Auto classes lm-eval uses
+    import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
 
     old = sys.argv
     sys.argv = ["lm-eval", *argv]

@@ -7,11 +7,8 @@ from ..util import errors as E  # argparse types: numbers and paths checked wher
 import json
 import tempfile
 
-import torch
-
-from ..mechanisms import MECHANISMS
 from ..gates import ALIASES, GATES
-from ..presets import PRESETS, added_params, model_config, param_report
+from ..presets import PRESETS, added_params, model_config, param_report  # (sizing a model imports transformers)
 
 
 def configure_gates(parser):
@@ -21,6 +18,8 @@ def configure_gates(parser):
 
 
 def rows(shape: str) -> list[dict]:
+    from ..mechanisms import MECHANISMS
+
     out = []
     base = model_config(shape)
     for name, spec in GATES.items():
@@ -60,9 +59,9 @@ def configure_demo(parser):
 
 
 def run_demo(args) -> int:
+    import torch
     from transformers import AutoModelForCausalLM
 
-    import gated_attention  # noqa: F401  (registers the Auto classes)
     from ..modeling import GatedQwen3ForCausalLM
 
     print("gate variants:", ", ".join(GATES))

@@ -22,13 +22,14 @@ def checkpointing_arg(text: str) -> str:
 def configure_plan(parser: argparse.ArgumentParser) -> None:
     from ..train.config import ACTIVATION_CHECKPOINTING
     from ..train.train_presets import TRAIN_PRESETS
-    from ..train.plan import DEFAULTS
+    from ..train.plan_hardware import DEFAULTS
 
     parser.add_argument("--preset", required=True, choices=list(TRAIN_PRESETS),
                         help="training preset to plan (the paper's: paper-dense-28l, paper-dense-48l, paper-moe-15a2b)")
     parser.add_argument("--gate", default=None, help="gate variant (see `gattn gates`); default: the preset's")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a TrainConfig or model.* field as `gattn train --set` does; repeatable")
+                        help="override a training setting (`gattn settings` lists them) or a model.* field as `gattn "
+                             "train --set` does; repeatable")
     parser.add_argument("--gpus", type=E.positive_int, default=DEFAULTS["gpus"],
                         help=f"GPUs (ranks) the run uses (default {DEFAULTS['gpus']})")
     parser.add_argument("--gpu-memory", type=E.positive_float, default=DEFAULTS["gpu_memory_gb"], metavar="GB",

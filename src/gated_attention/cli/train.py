@@ -10,6 +10,7 @@ from ..util import precision as P
 
 import argparse
 import json
+from dataclasses import replace
 
 from ..train.train_presets import TRAIN_PRESETS
 from ..train.overrides import run_config
@@ -22,7 +23,8 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
                              "saved run's settings")
     parser.add_argument("--gate", default=None, help="gate variant name (see `gattn gates`); default: the preset's")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a TrainConfig field (e.g. lr=1e-3) or a model field with a model. prefix "
+                        help="override a training setting (e.g. lr=1e-3; `gattn settings` lists every KEY with its "
+                             "default, choices and meaning) or a model field with a model. prefix "
                              "(e.g. model.num_hidden_layers=2); repeatable")
     parser.add_argument("--out", type=E.out_dir, required=True, help="run folder: log.jsonl, checkpoints/, final/, summary.json")
     parser.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"],
@@ -33,17 +35,53 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=E.existing_dir, default=None,
                         help="prepared corpus folder (gattn data prepare); giving one trains on it (data=corpus, also "
                              "for the tiny preset, whose default is synthetic data)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved settings and the run's memory and throughput plan (as `gattn plan` "
+                             "at this launch's world size, and whether it fits this machine), then stop: nothing is "
+                             "trained or written")
 
 
 def run_train(args) -> int:
+    cfg = run_config(args.out, args.preset, args.gate, args.sets, args.data_dir, args.resume)
+    if args.dry_run:
+        print(dry_run(cfg, args.preset or ("the saved run" if args.resume else "small")))
+        return 0
     from ..train.trainer import train
 
-    cfg = run_config(args.out, args.preset, args.gate, args.sets, args.data_dir, args.resume)
     summary = train(cfg, args.out, resume=args.resume)
     if summary:
         keys = ("final_loss", "avg_ppl", "spikes", "skipped_steps", "diverged", "tokens", "wall_time_s")
         print(json.dumps({k: summary.get(k) for k in keys}))
     return 1 if summary.get("diverged") else 0
+
+
+def dry_run(cfg, preset: str) -> str:
+    """`gattn train --dry-run`: the resolved settings (`*` where a preset or --set changed the default), the plan at
+    this launch's world size with `gattn plan`'s hardware defaults, and the trainer's own fit check on this machine."""
+    import os
+
+    import torch
+
+    from ..train.plan import check_fits, format_plan, plan
+    from ..train.settings import settings, show
+
+    lines = ["gattn train --dry-run: nothing is trained or written", "settings (* = not the TrainConfig default):"]
+    for s in settings():
+        value = getattr(cfg, s.name)
+        lines.append(f"  {'*' if value != s.default else ' '} {s.name} = {show(value) or '(empty)'}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    lines.append(format_plan(plan(cfg, gpus=world), preset))
+    device = torch.device(P.device_type(cfg.device))
+    precision = P.resolve(cfg.precision, device, cfg.dist if world > 1 else "none")
+    run = replace(cfg)
+    run.check_world(world, precision)  # what the trainer does first (micro_batch sets grad_accum for this world)
+    try:
+        here = check_fits(run, device, world, precision)
+        lines.append(f"this machine ({device.type}, {precision}): fits, ~{here['memory_per_gpu_gb']['total']:.2f} GB "
+                     f"per rank of {here['settings']['gpu_memory_gb']:.1f} GB available")
+    except E.UserError as exc:
+        lines.append(f"this machine ({device.type}, {precision}): does not fit: {exc}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- gattn eval

@@ -38,6 +38,9 @@ class Budget:
 
     help: str
     train: dict  # TrainConfig fields (model_overrides = model-config fields); budget_config copies them
+    # a rung of the default scaling ladder (`gattn lab scaling`) whose recipe - shape, steps, windows, batch - `train`
+    # goes over: derived when the budget is used (it sizes a model), so the table itself loads without torch
+    ladder_rung: str | None = None
     analysis_batches: int = 4  # val batches (of eval_batch_size windows) per domain fed to the analysis
     map_len: int = 64  # tokens shown in the attention-map plots
     data_dir: str = DEFAULT_DATA_DIR  # corpus used when --data-dir is not given (prepared automatically)
@@ -54,6 +57,10 @@ class Budget:
     # the streaming check on this run's models (`gattn lab streaming`): window = this fraction of each model's
     # training length, these sink-token counts (0 = a plain window), this many held-out sequences per model
     streaming: dict = field(default_factory=lambda: {"window_frac": 0.25, "sink_tokens": (0, 4), "sequences": 16})
+
+    def train_changes(self) -> dict:
+        """The TrainConfig changes of this budget: its ladder rung's recipe, if it names one, with `train` on top."""
+        return {**(_ladder_rung(self.ladder_rung) if self.ladder_rung else {}), **self.train}
 
 
 # Chosen by CPU experiments (the lead's notes: sink_experiments.md): a shallow, narrow model so many tokens fit the
@@ -123,7 +130,8 @@ _DEFAULT = Budget(
          "confirmation seeds (100-102), windows of 128 on the default sources with a 1024-token vocabulary "
          "(prepared automatically in data_v1k unless --data-dir is given), + the 1-seed sink lab and the streaming "
          "check",
-    train={**_ladder_rung(_RUNG), "lr": LADDER_LR, "min_lr": LADDER_LR * 0.01, "seed": CONFIRM_SEED,
+    ladder_rung=_RUNG,
+    train={"lr": LADDER_LR, "min_lr": LADDER_LR * 0.01, "seed": CONFIRM_SEED,
            "eval_every": 0, "stats_every": 0, "spike_window": 50,
            # fp32 and eager, as the ladder trains: the same numbers on either CPU kind and whatever the machine's load
            # (bf16 autocast and compile=auto decide from timings; at d=48 neither is faster)
@@ -184,7 +192,7 @@ def budget_config(budget: Budget, data_dir: str, sets: list[str] | None = None):
 
     # each run reports progress (a bar on a terminal, a line every GATTN_PROGRESS_INTERVAL s otherwise); TensorBoard
     # files are noise here. A deep copy: the budgets share their model_overrides (replace of _DEFAULT)
-    cfg = replace(train_preset("small"), **copy.deepcopy(budget.train), data="corpus", data_dir=str(data_dir),
+    cfg = replace(train_preset("small"), **copy.deepcopy(budget.train_changes()), data="corpus", data_dir=str(data_dir),
                   gate="baseline", progress=True, tensorboard=False)
     fields = model_config(cfg.model, gate="baseline").to_dict()
     cfg = apply_overrides(cfg, list(sets or []), fields)

@@ -45,11 +45,12 @@ Choices (documented here because the official code leaves them open):
   - a shared expert (Qwen2-MoE style) and runtime comparison mechanisms (`mechanism` != "none") have no external
     counterpart and fail clearly; MoE models convert only to native and qwen3-moe.
 """
-from .checkpoints import convert_checkpoint, convert_state_dict, load_dir, save_dir
-from .configs import check_native_for, config_from_native, config_to_native
-from .layouts import FORMATS, LAYOUTS, ConversionError, Layout, get_layout
-from .states import format_shapes, fused_q_rows, native_shapes, state_from_native, state_to_native, validate_state
+from ..util.lazy import lazy_exports
 
-__all__ = ["FORMATS", "LAYOUTS", "Layout", "ConversionError", "get_layout", "fused_q_rows", "config_to_native",
-           "config_from_native", "check_native_for", "native_shapes", "format_shapes", "validate_state",
-           "state_to_native", "state_from_native", "convert_state_dict", "load_dir", "save_dir", "convert_checkpoint"]
+HOMES = {**dict.fromkeys(("convert_checkpoint", "convert_state_dict", "load_dir", "save_dir"), "checkpoints"),
+         **dict.fromkeys(("check_native_for", "config_from_native", "config_to_native"), "configs"),
+         **dict.fromkeys(("FORMATS", "LAYOUTS", "ConversionError", "Layout", "get_layout"), "layouts"),
+         **dict.fromkeys(("format_shapes", "fused_q_rows", "native_shapes", "state_from_native", "state_to_native",
+                          "validate_state"), "states")}  # loaded on first use: the layouts alone need no torch
+__all__ = list(HOMES)
+__getattr__, __dir__ = lazy_exports(__name__, HOMES)

@@ -28,12 +28,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from .checkpoints import load_dir, save_dir
-from .configs import config_from_native, config_to_native
 from .layouts import UNGATED_SOURCES, ConversionError
-from .states import native_shapes, state_to_native, validate_state
+
+# torch and the converters are imported inside the functions: `gattn retrofit`'s options read INITS and
+# SOURCE_FORMATS without them
 
 INITS = ("identity", "random")
 SOURCE_FORMATS = UNGATED_SOURCES  # a new ungated Layout row is a retrofit source without an edit here
@@ -58,7 +56,9 @@ def detect_format(config: dict) -> str:
 
 def _gate_tensors(config, layer_idx: int, init: str, dtype: torch.dtype, generator: torch.Generator) -> dict:
     """The new gate parameters of one layer, keyed by their full state-dict names."""
-    from ..gates import build_gate
+    import torch
+
+    from ..gate_layer import build_gate
 
     gate = build_gate(config.gate, config)
     prefix = f"model.layers.{layer_idx}.self_attn.gate."
@@ -80,8 +80,12 @@ def retrofit_state(config: dict, state: dict, gate: str, init: str = "identity",
                    src_format: str = "auto") -> tuple[dict, dict]:
     """In memory: an ungated (config.json dict, state dict) -> the native (config.json dict, state dict) with `gate`
     added. Existing tensors are passed through unchanged (same objects)."""
+    import torch
+
     from ..configuration import GatedQwen3Config
     from ..gates import Source, canonical_name, get_gate
+    from .configs import config_from_native, config_to_native
+    from .states import native_shapes, state_to_native, validate_state
 
     if init not in INITS:
         raise ValueError(f"unknown retrofit init {init!r}; valid: {', '.join(INITS)}")
@@ -118,6 +122,8 @@ def retrofit_checkpoint(src: str | Path, dst: str | Path, gate: str, init: str =
                         src_format: str = "auto", overwrite: bool = False) -> Path:
     """Read the ungated checkpoint dir SRC, add `gate`, write the native checkpoint DST atomically (with SRC's
     tokenizer and generation files). Returns DST."""
+    from .checkpoints import load_dir, save_dir
+
     config, state = load_dir(src)
     out_config, out_state = retrofit_state(config, state, gate, init, seed, src_format)
     return save_dir(dst, out_config, out_state, src=src, overwrite=overwrite)

@@ -22,7 +22,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from gated_attention.util.io import atomic_dir, json_dumps, locks_output, read_json_object
-from gated_attention.rope import compute_rope_parameters
 
 METHODS = ("default", "linear", "dynamic", "yarn")
 
@@ -30,6 +29,8 @@ METHODS = ("default", "linear", "dynamic", "yarn")
 def extended_config(config: dict, method: str = "yarn", factor: float = 4.0, rope_theta: float | None = None,
                     original_max_position_embeddings: int | None = None) -> dict:
     """A copy of an HF config dict with rope_parameters (and max_position_embeddings) set for the extension."""
+    from gated_attention.rope import compute_rope_parameters  # torch: imported here, `gattn extend`'s options need none
+
     if method not in METHODS:
         raise ValueError(f"unknown extension method {method!r}; valid: {', '.join(METHODS)}")
     old = config.get("rope_parameters")
@@ -142,7 +143,6 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
     cfg = apply_overrides(cfg, list(sets))
 
     def load_extended(_cfg, vocab_size):
-        import gated_attention  # noqa: F401  (registers the model classes)
         from gated_attention.modeling import GatedQwen3ForCausalLM
 
         model = GatedQwen3ForCausalLM.from_pretrained(extended, dtype=torch.float32)

@@ -27,7 +27,7 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+# torch is imported inside the functions that run a model: the budgets (`gattn longctx`'s options) load without it
 
 from gated_attention import experiment
 from gated_attention.longctx import ruler
@@ -229,17 +229,19 @@ def ppl_by_position(model, data_dir: str, length: int, batches: int, batch_size:
     return res["pos_loss"]
 
 
-@torch.no_grad()
 def answer_nll(model, tokenizer, sample: dict) -> float:
     """Mean NLL (nats/token) of the sample's answer (ruler.completion) after its prompt, teacher-forced.
 
     A continuous companion to the string-match score: a small model that never gets a key exactly right still shows
     how much of the answer it can recall, and how that recall degrades with length.
     """
+    import torch
+
     prompt = ruler.encode(tokenizer, sample["prompt"])
     answer = list(tokenizer.tokenizer.encode(ruler.completion(sample), add_special_tokens=False))
     ids = torch.tensor([prompt + answer], device=next(model.parameters()).device)  # (1, T)
-    logits = model(input_ids=ids[:, :-1], logits_to_keep=len(answer)).logits[0]  # (A, V)
+    with torch.no_grad():
+        logits = model(input_ids=ids[:, :-1], logits_to_keep=len(answer)).logits[0]  # (A, V)
     return float(torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(answer):]))
 
 
@@ -272,7 +274,8 @@ def eval_stage(model_dir: Path, out_json: Path, b: Budget, lengths: list[int], d
 
 
 def _evaluate(model_dir: Path, b: Budget, lengths: list[int], data_dir: str, seed: int, log) -> dict:
-    import gated_attention  # noqa: F401  (registers the model classes)
+    import torch
+
     from gated_attention.data import Corpus
     from gated_attention.modeling import GatedQwen3ForCausalLM
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
+# torch is imported inside the functions that run a model: the task tables load without it
 
 from gated_attention.data.ruler_tasks import *  # noqa: F401,F403  (the task API, re-exported)
 from gated_attention.data.ruler_tasks import (METRICS, NEEDS_CORPUS, NO_CORPUS_TASKS, _fit, _spec, decode,  # noqa: F401
@@ -24,17 +24,19 @@ def _first_line(text: str) -> str:
     return text.strip().split("\n")[0]
 
 
-@torch.no_grad()
 def predict(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
     """Greedy continuation of `prompt` with the KV cache (model.generate), decoded without special tokens."""
+    import torch
+
     ids = torch.tensor([encode(tokenizer, prompt)], device=next(model.parameters()).device)  # (1, T)
     pad = getattr(tokenizer, "pad_token_id", None)
     if pad is None:
         pad = getattr(tokenizer, "eos_token_id", None)
     if pad is None:
         pad = getattr(getattr(model, "generation_config", None), "eos_token_id", None) or 0
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, use_cache=True, pad_token_id=pad)  # (1, T + new)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, use_cache=True, pad_token_id=pad)  # (1, T + new)
     return decode(tokenizer, out[0, ids.shape[1]:].tolist())
 
 
@@ -115,9 +117,11 @@ def evaluate_folder(folder, out, tasks: list[str], lengths: list[int], samples: 
                     device: str = "cpu", dtype: str = "float32", echo=print) -> dict:
     """`gattn ruler DIR`: RULER scores by task and length of an HF checkpoint folder (model + tokenizer), written to
     OUT/ruler.json and OUT/ruler.png; `echo` gets one line per scored cell. Returns the result."""
+    import torch
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import gated_attention  # noqa: F401  (registers the gated model classes with the Auto factories)
+    import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
     from gated_attention.util.io import atomic_write_json, check_hf_dir
     from gated_attention.util.progress import Progress
 

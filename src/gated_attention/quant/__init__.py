@@ -1,6 +1,8 @@
 """Quantization as functions applied to a built model (the `quant` extra, torchao): the schemes' fake-quant math
 (schemes.py) and how a scheme meets the gate (policies.py: all / keep-gate / split-gate). The model never changes."""
-from .policies import POLICIES, quantize_model
-from .schemes import SCHEMES, awq_scales, quantize_activation, quantize_weight
+from ..util.lazy import lazy_exports
 
-__all__ = ["SCHEMES", "POLICIES", "quantize_model", "quantize_weight", "quantize_activation", "awq_scales"]
+HOMES = {**dict.fromkeys(("POLICIES", "quantize_model"), "policies"),
+         **dict.fromkeys(("SCHEMES", "awq_scales", "quantize_activation", "quantize_weight"), "schemes")}
+__all__ = list(HOMES)
+__getattr__, __dir__ = lazy_exports(__name__, HOMES)  # the names load on first use; the tables need no torch

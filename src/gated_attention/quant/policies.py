@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import copy
 
-import torch
-from torch import nn
+# torch is imported inside the functions: the policy names (`gattn lab quant`'s options) load without it
 
 from .schemes import SCHEMES, awq_scales, quantize_activation, quantize_weight
 
@@ -28,19 +27,23 @@ Q_SUFFIX = ".self_attn.q_proj"
 
 def _targets(model) -> dict[str, nn.Linear]:
     """Every nn.Linear but the LM head, by module name."""
+    from torch import nn
+
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and not n.endswith("lm_head")}
 
 
-@torch.no_grad()
 def _calibration_inputs(model, names, batches) -> dict[str, torch.Tensor]:
     """The inputs each named linear sees on `batches` (token id tensors), stacked (N, in)."""
+    import torch
+
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     modules = dict(model.named_modules())
     hooks = [modules[n].register_forward_pre_hook(lambda m, a, n=n: seen[n].append(a[0].reshape(-1, a[0].shape[-1])))
              for n in names]
     try:
-        for ids in batches:
-            model(ids)
+        with torch.no_grad():
+            for ids in batches:
+                model(ids)
     finally:
         for h in hooks:
             h.remove()
@@ -49,6 +52,8 @@ def _calibration_inputs(model, names, batches) -> dict[str, torch.Tensor]:
 
 def quantize_model(model, scheme: str, policy: str = "all", calibration=None):
     """A fake-quantized copy of `model` under `scheme` and `policy`. `calibration`: token-id batches (awq-int4 only)."""
+    import torch
+
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
     if policy not in POLICIES:

@@ -14,7 +14,7 @@ and it quantizes with torchao's int4 primitive.
 """
 from __future__ import annotations
 
-import torch
+# torch is imported inside the functions: the scheme names (`gattn lab quant`'s options) load without it
 
 SCHEMES = ("int8-weight", "w8a8-tensor", "w8a8-row", "int4-weight", "nvfp4", "mxfp4", "awq-int4")
 GROUP = 128  # int4 group size along the input dim (torchao's default)
@@ -22,6 +22,8 @@ AWQ_GRID = 20  # alpha in {0, 1/20, ..., 19/20} (AWQ's grid)
 
 
 def _affine(w: torch.Tensor, block: tuple[int, int], bits: int, symmetric: bool) -> torch.Tensor:
+    import torch
+
     from torchao.quantization.quant_primitives import (MappingType, choose_qparams_affine, dequantize_affine,
                                                        quantize_affine)
 
@@ -54,6 +56,8 @@ def int4_groups(w: torch.Tensor, group: int = GROUP) -> torch.Tensor:
 
 
 def nvfp4(w: torch.Tensor) -> torch.Tensor:
+    import torch
+
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
 
     w = w.float()
@@ -62,6 +66,8 @@ def nvfp4(w: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp4(w: torch.Tensor) -> torch.Tensor:
+    import torch
+
     from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 
     scale, data = to_mx(w.float().contiguous(), torch.float4_e2m1fn_x2, 32)
@@ -95,6 +101,8 @@ def padded(fn, w: torch.Tensor, block: int) -> torch.Tensor:
     and cut back — a short last block, what an engine that pads K with zeros computes (the padded weights meet zero
     activations). Zeros change no block's scale: symmetric formats scale by amax, torchao's asymmetric int4 always
     keeps 0 in its range."""
+    import torch
+
     n = w.shape[-1]
     if n % block == 0:
         return fn(w)

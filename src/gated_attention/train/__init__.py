@@ -12,7 +12,7 @@ __all__ = ["TrainConfig", "TRAIN_PRESETS", "train_preset", "apply_overrides", "t
 
 
 def train(*args, **kwargs):
-    """trainer.train, imported on first call (the loop pulls in torch.distributed, tqdm, the data layer; the\n    config alone does not). Importing any part of the package still imports gated_attention/__init__, i.e.\n    transformers and the model, which registers the Auto classes."""
+    """trainer.train, imported on first call (the loop pulls in torch.distributed, tqdm, the data layer; the\n    config alone does not)."""
     from .trainer import train as _train
 
     return _train(*args, **kwargs)

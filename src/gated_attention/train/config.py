@@ -3,7 +3,8 @@ stored under older names read through RENAMED_KEYS).
 
 Its other jobs each have their own home: the presets in train/train_presets.py, the `--set key=value` parser (and a
 command's settings from its arguments) in train/overrides.py, the rule of which settings make two runs different
-(resume, reuse) in train/resume_rule.py.
+(resume, reuse) in train/resume_rule.py. The comment beside each field below, with its `#` continuation lines, is
+the setting's meaning as `gattn settings` shows it (train/settings.py reads it), and a `# --- name` line opens a group.
 """
 from __future__ import annotations
 
@@ -74,9 +75,9 @@ class TrainConfig:
     wsd_decay_shape: str = "linear"  # WSD decay: "linear" or "sqrt" (1 - sqrt(progress))
     weight_decay: float = 0.1  # applied to matrices only (see wd_on_embeddings)
     wd_on_embeddings: bool = False  # decaying embeddings hurts rare tokens; off by default
-    beta1: float = 0.9
+    beta1: float = 0.9  # AdamW's first-moment (momentum) decay
     beta2: float = 0.95  # 0.95 rather than 0.999: the usual LLM choice, less prone to late spikes
-    eps: float = 1e-8
+    eps: float = 1e-8  # AdamW's epsilon, added to the root of the second moment
     grad_clip: float = 1.0  # global-norm clip; 0 disables clipping (the norm is still measured)
     # --- numerics and speed
     precision: str = "auto"  # "auto", "bf16" (autocast), "bf16-params" (bf16 weights, fp32 master), "fp32": util/precision.py

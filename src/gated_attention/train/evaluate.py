@@ -52,7 +52,6 @@ def evaluate_folder(folder, data_dir: str | None = None, seq_len: int | None = N
     result to `out` (strict JSON, atomically) when given; returns it."""
     from pathlib import Path
 
-    import gated_attention  # noqa: F401  (registers the model with the Auto classes)
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     from ..util.errors import UserError

@@ -44,7 +44,6 @@ def check_attn_implementation(name: str, device: torch.device) -> None:
 
 
 def build_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
-    import gated_attention  # noqa: F401
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     if cfg.init_from:

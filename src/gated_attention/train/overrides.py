@@ -7,6 +7,7 @@ Model-config fields are overridden with a `model.` prefix (`model.num_hidden_lay
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -94,8 +95,11 @@ def apply_overrides(cfg: TrainConfig, sets: list[str], model_fields: dict | None
                 raise ValueError(f"--set {key}={text!r}: {exc}; give a value of the field's type") from None
             continue
         if key not in names or key == "model_overrides":
-            raise ValueError(f"--set {key}: unknown training setting; valid: {', '.join(n for n in names if n != 'model_overrides')}"
-                             " (model-config fields take a 'model.' prefix)")
+            valid = [n for n in names if n != "model_overrides"]
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f"did you mean `{close[0]}`? " if close else ""
+            raise ValueError(f"--set {key}: unknown training setting; {hint}valid: {', '.join(valid)} (`gattn "
+                             "settings` explains each; model-config fields take a 'model.' prefix)")
         try:
             changes[key] = _convert(text, hints[key], key)
         except (ValueError, json.JSONDecodeError) as exc:

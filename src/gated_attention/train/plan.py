@@ -88,6 +88,7 @@ from torch import nn
 
 from . import fsdp_policy as FP
 from .config import TrainConfig, accum_for
+from . import plan_hardware
 from .dist import unsharded_accumulation
 from .plan_activations import (  # noqa: F401 - the activation model, re-exported: plan.activation_bytes, ...
     activation_bytes, checkpointed_layers, layer_activation_bytes, layer_kept_bytes, recompute_share,
@@ -96,8 +97,6 @@ from .plan_activations import (  # noqa: F401 - the activation model, re-exporte
 GB = 1e9
 GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB), NCCL buffers and caching-allocator slack per GPU
 CPU_OVERHEAD_GB = 0.5  # a rank's RSS after importing torch + transformers + this package (0.47-0.48 GB, docs/scale.md)
-DEFAULTS = {"gpus": 8, "gpu_memory_gb": 80.0, "gpu_tflops": 989.0, "mfu": 0.4,  # one 8 x H100-80GB node, dense bf16
-            "bandwidth_gbs": 50.0}  # a collective's bus bandwidth per GPU: one 400 Gb/s NIC (across nodes)
 JSON_KEYS = ("params_total", "params_activated", "flops_per_token", "memory_per_gpu_gb", "fits", "tokens_per_s",
              "days")  # the contract (issue 30); more keys follow them
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead", "eval",
@@ -110,7 +109,6 @@ EVAL_KEYS = ("params", "optimizer", "buffers", "overhead", "eval")  # held while
 
 def meta_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
     """The model `cfg` trains, built on the meta device: every parameter has its shape and dtype, none has storage."""
-    import gated_attention  # noqa: F401  (registers the Auto classes)
     from gated_attention.modeling import GatedQwen3ForCausalLM
 
     from .model_setup import apply_trainable, build_model_config
@@ -319,10 +317,10 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
          activation_checkpointing: str | None = None, seq_len: int | None = None, micro_batch: int | None = None,
          precision: str | None = None, vocab_size: int | None = None, device: str = "cuda",
          bandwidth_gbs: float | None = None) -> dict:
-    """The plan of training `cfg` on `gpus` GPUs (defaults: DEFAULTS and the config's own settings); the JSON
-    object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed)."""
-    hw = _hardware(gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_tflops=gpu_tflops, mfu=mfu,
-                   bandwidth_gbs=bandwidth_gbs)
+    """The plan of training `cfg` on `gpus` GPUs (defaults: plan_hardware.DEFAULTS and the config's own settings);
+    the JSON object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed)."""
+    hw = plan_hardware.assumed(gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_tflops=gpu_tflops, mfu=mfu,
+                               bandwidth_gbs=bandwidth_gbs)
     gpus, gpu_memory_gb, gpu_tflops, mfu, bandwidth_gbs = (hw[k] for k in ("gpus", "gpu_memory_gb", "gpu_tflops",
                                                                             "mfu", "bandwidth_gbs"))
     changes = {k: v for k, v in (("dist", dist), ("activation_checkpointing", activation_checkpointing),
@@ -414,19 +412,6 @@ def _step_time(comm: dict, compute_s: float) -> None:
     a2a_s = comm["all_to_all_seconds"]
     comm["compute_seconds"] = compute_s
     comm["step_seconds"] = max(compute_s, comm["seconds"] - a2a_s) + a2a_s
-
-
-def _hardware(**given) -> dict:
-    """The hardware figures a plan assumes: each one given, else DEFAULTS', checked."""
-    from ..util.errors import check_number
-
-    hw = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
-    check_number("bandwidth_gbs", hw["bandwidth_gbs"], min=0.0, min_open=True)
-    check_number("gpus", hw["gpus"], kind=int, min=1)
-    check_number("gpu_memory_gb", hw["gpu_memory_gb"], min=0.0, min_open=True)
-    check_number("gpu_tflops", hw["gpu_tflops"], min=0.0, min_open=True)
-    check_number("mfu", hw["mfu"], min=0.0, max=1.0, min_open=True)
-    return hw
 
 
 def _split_batch(cfg: TrainConfig, gpus: int, micro_batch: int | None, resolved: str) -> tuple[int, int]:

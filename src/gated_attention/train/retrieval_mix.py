@@ -6,7 +6,7 @@ long-context task format at all (`gattn longctx`). Imports only the task generat
 from __future__ import annotations
 
 import numpy as np
-import torch
+# torch is imported inside the functions that build batches: DEFAULT_MIX_TASKS and the checks load without it
 
 from ..data import ruler_tasks
 
@@ -54,6 +54,8 @@ def mix_retrieval(batch: torch.Tensor, tokenizer, fraction: float, seed: int, st
     `tokenizer`, whose encode should add <|bos|>, see BosTokenizer), then <|eos|>, then the replaced corpus row's own
     tokens to fill the length, so every position stays an ordinary next-token target (no padding, no loss mask).
     """
+    import torch
+
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"retrieval fraction {fraction} must be in [0, 1]")
     B, T1 = batch.shape

@@ -9,6 +9,7 @@ enters: config dataclasses' `validate()`, argparse `type=` functions below, file
 from __future__ import annotations
 
 import argparse
+import difflib
 import errno
 import math
 import os
@@ -73,11 +74,21 @@ def handle(cmd: str, exc: BaseException) -> int:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse with a one-line error (`gattn CMD: error: ...; see --help`) instead of usage + error, exit 2."""
+    """argparse with a one-line error (`gattn CMD: error: ...; see --help`) instead of usage + error, exit 2, and
+    "did you mean" for a mistyped choice (a preset, a lab, any option with choices)."""
 
     def error(self, message: str):  # noqa: D401 - argparse API
         print(f"{self.prog}: error: {message}; see `{self.prog} --help`", file=sys.stderr)
         raise SystemExit(2)
+
+    def _check_value(self, action, value):  # argparse's one check of a value against `choices` (subcommands too)
+        choices = action.choices
+        if choices is None or value in choices or not isinstance(value, str):
+            return super()._check_value(action, value)
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+        if not close:
+            return super()._check_value(action, value)
+        raise argparse.ArgumentError(action, f"invalid choice {value!r} (did you mean `{close[0]}`?)")
 
 
 # ------------------------------------------------------------------------------------------------ numbers

@@ -37,7 +37,8 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 
-import torch
+# torch is imported inside the functions that compute: `add_argument` and `check` serve argparse tables, which the
+# `gattn` command builds without torch (its --help answers at once)
 
 PRECISIONS = ("auto", "bf16", "bf16-params", "fp32")  # what a user may ask for
 RESOLVED = ("bf16", "bf16-params", "fp32")  # what a run computes in (resolved_precision)
@@ -59,6 +60,8 @@ def check(precision: str, what: str = "precision") -> str:
 
 
 def _device(device) -> torch.device:
+    import torch
+
     if device is None or (isinstance(device, str) and device == "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
@@ -70,6 +73,8 @@ def device_type(device=None) -> str:
 
 
 def _time_gemm(a: torch.Tensor, b: torch.Tensor, bf16: bool) -> float:
+    import torch
+
     t0 = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         a @ b
@@ -81,6 +86,8 @@ def _measure_cpu_speedup() -> float:
 
     Timed on one thread: a multi-threaded GEMM on a loaded machine waits for its slowest thread, so one preempted
     thread can make either side look many times slower; the per-thread kernel is what decides the ratio."""
+    import torch
+
     g = torch.Generator().manual_seed(0)
     a = torch.randn(_GEMM_N, _GEMM_N, generator=g)
     b = torch.randn(_GEMM_N, _GEMM_N, generator=g)
@@ -155,6 +162,8 @@ def resolve(precision: str = "auto", device=None, dist: str = "none") -> str:
             _warn_if_slow(precision, dev)
         return precision
     if dev.type == "cuda":
+        import torch
+
         if not torch.cuda.is_bf16_supported():
             return "fp32"
         return "bf16-params" if dist == "fsdp" else "bf16"
@@ -209,6 +218,8 @@ def numerics(resolved: str, device=None):
     """The context a forward (and its backward) runs in for a resolved precision ('auto' is resolved first): bf16
     autocast for "bf16", nothing for "fp32" and "bf16-params" (its parameters are bf16 themselves), plus the bf16
     GEMM emulation wherever bf16 GEMMs happen on a CPU without bf16 units."""
+    import torch
+
     dev = _device(device)
     if resolved == "auto":
         resolved = resolve(resolved, dev)
@@ -226,6 +237,8 @@ def numerics(resolved: str, device=None):
 
 def param_dtype(resolved: str) -> torch.dtype:
     """The dtype a run's compute parameters are in: bf16 for "bf16-params", else fp32 (autocast casts per GEMM)."""
+    import torch
+
     return torch.bfloat16 if check(resolved) == "bf16-params" else torch.float32
 
 
@@ -256,4 +269,6 @@ def add_argument(parser, *, default: str | None = "auto", flag: str = "--precisi
 
 def dtype_of(resolved: str) -> torch.dtype:
     """torch dtype of a resolved precision (weights of a bench or an inference run)."""
+    import torch
+
     return {"bf16": torch.bfloat16, "bf16-params": torch.bfloat16, "fp32": torch.float32}[check(resolved)]

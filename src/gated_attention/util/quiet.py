@@ -8,6 +8,7 @@ torchrun ranks) started after the call inherit them; a variable the user set exp
 from __future__ import annotations
 
 import os
+import sys
 
 _ENV = {
     "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # huggingface_hub's tqdm (transformers' bars follow it at import)
@@ -19,6 +20,7 @@ def quiet_dependencies() -> None:
     """Turn the dependencies' progress bars and chatter off for this process and the processes it starts."""
     for key, value in _ENV.items():
         os.environ.setdefault(key, value)
-    from transformers.utils import logging as hf_logging
+    if "transformers" in sys.modules:  # an already-imported transformers read the variable at import only
+        from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # an already-imported transformers read the variable at import only
+        hf_logging.disable_progress_bar()

@@ -7,10 +7,11 @@ models, their data and every measurement), retrofit_report.py (learning curves a
 re-exported here: `from gated_attention.labs import retrofit; retrofit.run_lab(retrofit.RetrofitLabConfig(starts=[...]),
 out)`.
 """
-from .retrofit_lab import KEYS, RetrofitLabConfig, aggregate, measure_start, plan_for, run_lab, target_check, train_unit
-from .recipes import CONTROL, DEFAULT_RECIPES, RECIPES, REST_LR, Recipe, get_recipe
-from .starts import Start, resolve_starts
+from ...util.lazy import lazy_exports
 
-__all__ = ["CONTROL", "DEFAULT_RECIPES", "KEYS", "RECIPES", "REST_LR", "Recipe", "RetrofitLabConfig", "Start",
-           "aggregate", "get_recipe", "measure_start", "plan_for", "resolve_starts", "run_lab", "target_check",
-           "train_unit"]
+HOMES = {**dict.fromkeys(("KEYS", "RetrofitLabConfig", "aggregate", "measure_start", "plan_for", "run_lab",
+                          "target_check", "train_unit"), "retrofit_lab"),
+         **dict.fromkeys(("CONTROL", "DEFAULT_RECIPES", "RECIPES", "REST_LR", "Recipe", "get_recipe"), "recipes"),
+         **dict.fromkeys(("Start", "resolve_starts"), "starts")}  # loaded on first use: the settings need no torch
+__all__ = sorted(HOMES)
+__getattr__, __dir__ = lazy_exports(__name__, HOMES)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-import torch
-from torch import nn
+# torch is imported inside the functions that touch a model: the recipes' names and settings (`gattn lab retrofit`'s
+# options) load without it
 
 REST_LR = 0.1  # the "lower LR" of the pretrained weights (x --lr) in every recipe that trains them, and the control's
 GATE_PARAM = ".self_attn.gate."  # the gate's parameters (train.model_setup.apply_trainable uses the same rule)
@@ -186,6 +186,8 @@ class GradTap:
 
 def first_token_attention(tap: GradTap) -> torch.Tensor:
     """Differentiable mean attention on key 0 over layers, heads, rows and queries t >= 1 (a scalar)."""
+    import torch
+
     from gated_attention.analysis.attention_sinks import key_probs_chunked
 
     per_layer = []
@@ -202,6 +204,8 @@ def first_token_attention(tap: GradTap) -> torch.Tensor:
 
 def mean_gate_score(tap: GradTap) -> torch.Tensor:
     """Differentiable mean gate score over layers (each layer's mean over rows, tokens, heads and channels)."""
+    import torch
+
     per_layer = [tap.data[(layer, "gate")].float().mean() for layer in tap.layers() if (layer, "gate") in tap.data]
     if not per_layer:
         raise ValueError("the model emitted no gate score: gate_l1 needs a gate with a score")
@@ -210,6 +214,8 @@ def mean_gate_score(tap: GradTap) -> torch.Tensor:
 
 def extra_loss(recipe: Recipe, tap: GradTap | None, active: bool) -> tuple[torch.Tensor | None, dict]:
     """The recipe's extra loss terms for one forward (None when none applies) and their values for the log."""
+    import torch
+
     if tap is None or not active:
         return None, {}
     terms, log = [], {}

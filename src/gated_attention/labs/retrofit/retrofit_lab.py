@@ -17,7 +17,7 @@ measurements in fp32. The gate seed of the `random` init is the unit's seed.
 
 Layout of OUT: runs/<start>/start.json (the starting model's measurements, cached), runs/<start>/<recipe>/seed<k>/
 (result.json, model/ = the retrofitted model, the trainer's run files — checkpoints/ and final/ while training —, loadable with AutoModelForCausalLM after
-`import gated_attention`), lab.json, report.md, report.html, plots/. Finished units are reused, a killed unit
+`import gated_attention.modeling`), lab.json, report.md, report.html, plots/. Finished units are reused, a killed unit
 continues from its last checkpoint, other settings in an existing OUT stop the job naming them (experiment.cache).
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ...experiment.stats import mean_std, spread
 from ...experiment.verdicts import Threshold
 from ...util.io import locks_output
 from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
-from .starts import Start, resolve_starts
+# starts.py (the models and their measurement: torch) is imported where a start is loaded or measured
 
 # the per-seed scalars lab.json aggregates (mean/std over seeds); the first eight are the issue's contract
 KEYS = ("sink_before", "sink_after", "skill_before", "skill_after", "gate_dormant", "gate_active",
@@ -301,7 +301,7 @@ def train_unit(job: tuple) -> dict:
     from .recipes import param_groups, set_phase
 
     cfg_d, start_d, name, recipe_d, seed, unit_dir = job
-    cfg, start, recipe = RetrofitLabConfig(**cfg_d), Start(**start_d), recipe_from_dict(recipe_d)
+    cfg, start, recipe = RetrofitLabConfig(**cfg_d), S.Start(**start_d), recipe_from_dict(recipe_d)
     unit_dir = Path(unit_dir)
     key = _unit_key(cfg, start, name, recipe_d, seed)
     done = cache.load(unit_dir / "result.json", key, inputs=INPUTS)
@@ -470,6 +470,8 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     precision, line = decide(cfg.precision, "cpu")  # the lab's one decision: every unit (its job's config) carries it
+    from .starts import resolve_starts
+
     starts = resolve_starts(cfg.starts, cfg.data_dir, cfg.seq_len, log)
     names = [CONTROL] + [r for r in cfg.recipes if r != CONTROL]
     befores = {}

@@ -315,7 +315,7 @@ def heldout_loss(model_dir: Path, data_dir: str, files: list[str], seq_len: int,
     import torch
     import torch.nn.functional as F
 
-    import gated_attention  # noqa: F401
+    import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
     from gated_attention import data
     from gated_attention.data.tokenizer import text_to_tokens
     from gated_attention.modeling import GatedQwen3ForCausalLM

@@ -26,7 +26,7 @@ import math
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-import torch
+# torch is imported inside the methods that compute: the task's settings (a lab budget's defaults) load without it
 
 BOS = 0
 
@@ -59,6 +59,8 @@ class BackcopyTask:
     def transition(self) -> torch.Tensor:
         """P (V+1, V+1) float64 over model ids; row/column 0 (BOS) unused: BOS never follows and is never followed
         by the chain. Rows of normal tokens are Dirichlet(alpha) over the normal tokens."""
+        import torch
+
         g = torch.Generator().manual_seed(self.seed)
         gam = torch._standard_gamma(torch.full((self.vocab, self.vocab), float(self.alpha), dtype=torch.float64),
                                     generator=g)  # (V, V) gamma draws -> Dirichlet rows
@@ -70,6 +72,8 @@ class BackcopyTask:
     @cached_property
     def stationary(self) -> torch.Tensor:
         """pi (V+1,) of the plain chain (power iteration; pi[BOS] = 0)."""
+        import torch
+
         P = self.transition[1:, 1:]
         pi = torch.full((self.vocab,), 1.0 / self.vocab, dtype=torch.float64)
         for _ in range(2000):
@@ -83,12 +87,16 @@ class BackcopyTask:
     @cached_property
     def trigger_ids(self) -> torch.Tensor:
         """(k,) model ids of the trigger tokens: the k most frequent under pi (ties broken by id)."""
+        import torch
+
         order = sorted(range(1, self.model_vocab), key=lambda i: (-float(self.stationary[i]), i))
         return torch.tensor(sorted(order[: self.triggers]), dtype=torch.long)
 
     @cached_property
     def is_trigger(self) -> torch.Tensor:
         """(V+1,) bool lookup table."""
+        import torch
+
         t = torch.zeros(self.model_vocab, dtype=torch.bool)
         t[self.trigger_ids] = True
         return t
@@ -96,11 +104,15 @@ class BackcopyTask:
     @cached_property
     def row_entropy(self) -> torch.Tensor:
         """(V+1,) entropy in nats of each row of P (0 for BOS)."""
+        import torch
+
         P = self.transition
         return -(P * torch.log(P.clamp_min(1e-300))).sum(1)
 
     def sample(self, batch_size: int, seed: int) -> torch.Tensor:
         """(B, T+1) token ids, a pure function of (task, batch_size, seed)."""
+        import torch
+
         g = torch.Generator().manual_seed(int(seed))
         B, n = batch_size, self.seq_len + 1
         out = torch.empty(B, n, dtype=torch.long)
@@ -128,6 +140,8 @@ class BackcopyTask:
     def masks(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         """Query-position masks (B, T) bool of model inputs (B, T): active = trigger queries (their next token is a
         backcopy), dormant = every other query but BOS's (their next token is a bigram draw)."""
+        import torch
+
         trig = self.is_trigger[inputs]
         not_bos = torch.ones_like(trig)
         not_bos[:, 0] = False
