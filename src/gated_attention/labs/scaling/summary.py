@@ -148,7 +148,8 @@ def summarize(lab, sizes: list[dict], tuning: dict, confirm: dict, best: dict, l
                           "seeds_needed": d["seeds_needed"] if d["verdict"] == V.INCONCLUSIVE else None,
                           "bits_per_byte": d["bits_per_byte"], "ln_k": o["ln_k"], "ln_k_ci": [o["ci_low"], o["ci_high"]],
                           "multiplier": o["verdict"], "trend": trends[v]["verdict"],
-                          "change_across_ladder": trends[v]["change"]}
+                          "change_across_ladder": trends[v]["change"],
+                          "undecided_by_budget": _undecided(o["verdict"], deltas, v, design)}
     confirm_seeds = sorted({r["seed"] for r in conf})
     return {"budget": lab.budget, "protocol": lab.protocol,
             "seeds": {"tuning": list(lab.tuning_seeds), "confirm": confirm_seeds},
@@ -164,6 +165,18 @@ def summarize(lab, sizes: list[dict], tuning: dict, confirm: dict, best: dict, l
                                 "(weighted least squares) against δ (verdict.py)",
                         "per_variant": per_variant, "text": verdict_text(per_variant)},
             "cpu_s_runs": sum(r.get("cpu_s") or 0.0 for r in runs)}
+
+
+def _undecided(verdict: str, deltas: list[dict], v: str, design: dict) -> str | None:
+    """What the budget could not decide: with an inconclusive multiplier, the sizes whose planned pairs hit the cap
+    and the pairs their measured spread would need (80 % power)."""
+    if verdict != V.INCONCLUSIVE:
+        return None
+    capped = [s for s, row in (design.get("per_size") or {}).items() if row.get("capped")]
+    need = {d["size"]: (d.get("pairs_needed") or {}).get("n") for d in deltas if d["variant"] == v}
+    parts = [f"{s} needs ~{need[s]} pairs" for s in need if need[s] and need[s] > (design["n_planned"].get(s) or 0)]
+    head = f"capped at {design['n_cap']} pairs at {', '.join(capped)}" if capped else "not capped"
+    return f"{head}; {'; '.join(parts) or 'the spread measured decides no size'}"
 
 
 def _mean(vals):
@@ -199,7 +212,8 @@ def verdict_text(per_variant: dict) -> str:
         ci = x["ci"]
         iv = f" [{ci[0]:+.4f}, {ci[1]:+.4f}]" if ci[0] is not None else ""
         bpb = x["bits_per_byte"]["mean"]
-        parts.append(f"{canonical_name(v)}: ln k {_fmt(x['ln_k'], 3)}{kci} — {x['multiplier']}; at {x['size']} Δ "
+        more = f" ({x['undecided_by_budget']})" if x.get("undecided_by_budget") else ""
+        parts.append(f"{canonical_name(v)}: ln k {_fmt(x['ln_k'], 3)}{kci} — {x['multiplier']}{more}; at {x['size']} Δ "
                      f"{_fmt(x['delta'])}{iv} nats ({_fmt(bpb)} bits/byte) — {x['gain']}; across the ladder: "
                      f"{x['trend']}")
     return "; ".join(parts)
