@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -377,17 +376,15 @@ def test_restart_across_two_nodes_meets_in_one_round(tmp_path, reference_fsdp):
     two nodes' workers waited under attempt_1 and attempt_0 until the store timed out and the job failed."""
     import socket
 
-    from harness import KILL_HOOKS
-
     with socket.socket() as s:  # a free port for the rendezvous (the first agent to bind it hosts the store)
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     out, trace = tmp_path / "run", tmp_path / "trace.txt"
     sets = sum((["--set", x] for x in SETS + ["dist=fsdp", "collective_timeout_s=60"]), [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=two-nodes", "--max-restarts=1", str(KILL_HOOKS), "train",
-           "--preset", "tiny", "--out", str(out), *sets, "--resume", "auto"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GATTN_TEST_STEP_TRACE": str(trace), "LOGLEVEL": "INFO"}  # agents'
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *sets, "--resume", "auto", kill_hooks=True,
+                        nproc=1, max_restarts=1, nodes=(2, f"localhost:{port}"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GATTN_TEST_STEP_TRACE": str(trace),
+           "LOGLEVEL": "INFO"}  # torchrun's agents log why they restart at INFO
     nodes = [{**env, "GATTN_TEST_KILL_AT_STEP": "4"},  # whichever rank this node's worker gets
              {**env, "GATTN_TEST_STALL_AT_STEP": "4", "GATTN_TEST_FAULT_ONCE": str(tmp_path / "stalled")}]
     procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

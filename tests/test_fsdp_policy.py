@@ -102,11 +102,13 @@ def test_hsdp_all_reduces_across_replicas_once_per_step(measured, name, tmp_path
     cfg.validate().check_world(1, "fp32")
     with first_step_grads(trainer) as want:
         trainer._train_step(trainer._setup(cfg, tmp_path, D.DistInfo(), "fp32"), 0)
+    worst = 0.0
     for rank in measured:
         got = rank[name]["grads"]
         assert set(got) == set(want)
-        worst = max(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want)
-        assert worst < 1e-5, worst
+        worst = max(worst, *(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want))
+    assert worst < 1e-5, worst
+    print(f"{name}: max relative gradient difference from one process {worst:.2e}")  # for docs/scale.md (-s)
 
 
 def test_held_gathered_through_probes_and_evaluation_trains_like_one_process(tmp_path):
