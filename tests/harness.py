@@ -9,7 +9,8 @@
   write_text_domains(src, domains)           the same texts as --extra sources (folders of files, JSONL files)
   run_gattn(*args, env=..., kill_hooks=...)  `python -m gated_attention.cli ...` in a subprocess (CompletedProcess)
   gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
-  torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine)
+  torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine; or one
+                                             agent of several as nodes, nodes=(N, endpoint))
   torchrun_train(out, sets, env=..., ...)    `gattn train --preset tiny` under torchrun, through tests/kill_hooks.py
   log_losses(run)                            the per-step losses of a trainer run folder (its log.jsonl)
   traced_gattn(*args, root=..., trace=...)   run_gattn through tests/kill_hooks.py, recording the steps every trainer
@@ -148,12 +149,15 @@ def gattn_argv(*args, kill_hooks: bool = False) -> list[str]:
 
 
 def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False, script: str | Path | None = None,
-                  max_restarts: int = 0) -> list[str]:
+                  max_restarts: int = 0, nodes: tuple[int, str] | None = None) -> list[str]:
     """`gattn ARGS` under torchrun: nproc ranks on this machine (--standalone), each the command of gattn_argv; with
     `script`, each rank runs that test script with ARGS instead; max_restarts: torchrun restarts every worker that
-    many times after one fails."""
+    many times after one fails. nodes=(N, "HOST:PORT"): this command is one of N nodes (one agent each, started
+    separately) meeting in a c10d rendezvous at that endpoint instead of --standalone."""
     ranks = [str(script), *map(str, args)] if script is not None else gattn_argv(*args, kill_hooks=kill_hooks)[1:]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    launch = ["--standalone"] if nodes is None else [f"--nnodes={nodes[0]}", "--rdzv-backend=c10d",
+                                                     f"--rdzv-endpoint={nodes[1]}", "--rdzv-id=gattn-test"]
+    return [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}", *ranks]
 
 

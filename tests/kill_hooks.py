@@ -19,6 +19,9 @@ GATTN_TEST_RAISE_AT_STEP=N      raise RuntimeError("injected failure at step N o
 GATTN_TEST_STALL_AT_STEP=N      sleep STALL_S right after step N (a hung node: alive, in no collective).
 Faults fire only in a torchrun's first attempt (TORCHELASTIC_RESTART_COUNT unset or 0): the workers torchrun
 --max-restarts restarts run clean.
+GATTN_TEST_FAULT_ONCE=FILE      ... and only in the first process that starts with this FILE (it creates it): for a
+                                node's workers that torchrun restarts without counting a restart (another node
+                                failed), whose TORCHELASTIC_RESTART_COUNT stays 0.
 GATTN_TEST_HASH_TRACE=FILE      append "RANK CALLER PATH" to FILE for every checkpoint file this rank hashes (CALLER:
                                 "verify" on resume, "_record" when a manifest is written).
 GATTN_TEST_STEP_TRACE=FILE      append "RUN_FOLDER STEP" (absolute path) to FILE after every finished step of every run
@@ -51,7 +54,7 @@ def install() -> None:
     trace = os.environ.get("GATTN_TEST_STEP_TRACE")
     rank = os.environ.get("RANK", "0")
     faulty = (os.environ.get("GATTN_TEST_FAULT_RANK", rank) == rank
-              and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
+              and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and _first_process())
     if not faulty:
         kill_step = raise_step = stall_step = -1
     if kill_step >= 0 or raise_step >= 0 or stall_step >= 0 or trace:
@@ -132,6 +135,18 @@ def install() -> None:
 
 STALL_S = 300.0  # GATTN_TEST_STALL_AT_STEP: far past the tests' time limits
 WRITE_DELAY_S = 3.0  # GATTN_TEST_DELAY_CKPT_WRITE: far longer than the tests' few tiny steps and a commit take
+
+
+def _first_process() -> bool:
+    """Whether faults are armed in this process: always, or with GATTN_TEST_FAULT_ONCE=FILE where this creates FILE."""
+    once = os.environ.get("GATTN_TEST_FAULT_ONCE")
+    if not once:
+        return True
+    try:
+        os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _count_saves(trainer, kill: int, delay: int) -> None:

@@ -366,6 +366,49 @@ def test_resume_auto_survives_a_torchrun_restart(tmp_path, reference_dir):
     assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
 
 
+def test_restart_across_two_nodes_meets_in_one_round(tmp_path, reference_fsdp):
+    """Two torchrun agents on this host as two nodes (c10d rendezvous, --nnodes=2 --nproc_per_node=1,
+    --max-restarts=1, the same `--resume auto` command, dist=fsdp). After step 4 (checkpoint at 3) one node's worker
+    is SIGKILLed while the other node's sleeps in no collective, as a rank waiting on a dead NCCL peer would: its
+    agent restarts it because a node rejoins (a membership change), which torchrun does not count, so its worker
+    starts again with TORCHELASTIC_RESTART_COUNT 0 while the killed node's has 1. The new workers agree on one
+    round of the process group (dist._round_prefix) and the run ends with the losses of one process. Before, the
+    two nodes' workers waited under attempt_1 and attempt_0 until the store timed out and the job failed."""
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous (the first agent to bind it hosts the store)
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    out, trace = tmp_path / "run", tmp_path / "trace.txt"
+    sets = sum((["--set", x] for x in SETS + ["dist=fsdp", "collective_timeout_s=60"]), [])
+    cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *sets, "--resume", "auto", kill_hooks=True,
+                        nproc=1, max_restarts=1, nodes=(2, f"localhost:{port}"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GATTN_TEST_STEP_TRACE": str(trace),
+           "LOGLEVEL": "INFO"}  # torchrun's agents log why they restart at INFO
+    nodes = [{**env, "GATTN_TEST_KILL_AT_STEP": "4"},  # whichever rank this node's worker gets
+             {**env, "GATTN_TEST_STALL_AT_STEP": "4", "GATTN_TEST_FAULT_ONCE": str(tmp_path / "stalled")}]
+    procs = [subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for e in nodes]
+    texts = []
+    for p in procs:
+        try:
+            texts.append(p.communicate(timeout=400)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            texts.append(p.communicate()[0])
+    killed, survivor = texts
+    assert [p.returncode for p in procs] == [0, 0], (killed[-3000:], survivor[-3000:])
+    # the survivor's agent restarted its worker for the membership change (its restart count stayed 0), and no
+    # worker failed in the new round (one failed round more would also end at step 6, on a restart of its own)
+    assert "Detected 1 new nodes" in survivor and "Worker group FAILED" not in survivor, survivor[-3000:]
+    assert killed.count("Worker group FAILED") == 1, killed[-3000:]
+    steps = [int(line.rsplit(" ", 1)[1]) for line in trace.read_text().splitlines()]
+    assert steps.count(0) == 2 and steps.count(3) == 4  # step 0 once per rank; steps 3-5 again after the restart
+    assert losses(out) == pytest.approx(reference_fsdp, abs=1e-5)
+
+
 @pytest.mark.parametrize("policy", [None, pytest.param("auto", marks=pytest.mark.slow)])  # the opt-in policy: -m slow
 def test_fsdp_accumulation_holds_a_shard_of_the_gradients(tmp_path, policy):
     """2 ranks, dist=fsdp, grad_accum 4, measured (tests/fsdp_accum.py): the bytes of tensors a rank holds after each

@@ -1,7 +1,8 @@
 """FSDP2's gather policy (train/fsdp_policy.py) at 2 ranks on CPU (gloo): the all-gathers each shard group runs per
 training step, counted, equal what the policy predicts by hand and what `gattn plan` counts; every policy ends with
 the default's weights exactly; and a run under the policy that holds the most gathered, with a probe forward and an
-evaluation between steps, trains like one process."""
+evaluation between steps, trains like one process. HSDP's all-reduces across replicas, counted the same way: once
+per step under gradient accumulation."""
 from __future__ import annotations
 
 import json
@@ -36,6 +37,8 @@ RUNS = {
     "prefetch2": ("fsdp_prefetch:2", (2, [4, 4, 4, 2])),  # when, not how often
     "checkpointed": ("activation_checkpointing:full", (2, [4, 4, 4, 2])),  # the recompute gathers nothing more
 }
+# HSDP 2x1 (2 replicas of a one-rank shard group) under each accumulation policy, in the same torchrun job
+HSDP_RUNS = {"hsdp": "dp_replicate:2", "hsdp-whole-grads": "dp_replicate:2,accum_grads:auto"}
 
 
 def config(sets: str):
@@ -47,7 +50,7 @@ def config(sets: str):
 def measured(tmp_path_factory) -> list[dict]:
     """Each rank's record of the RUNS, trained one after another in one torchrun job (tests/fsdp_gathers.py)."""
     tmp = tmp_path_factory.mktemp("gathers")
-    runs = [f"{name}={sets}" for name, (sets, _) in RUNS.items()]
+    runs = [f"{name}={sets}" for name, (sets, _) in RUNS.items()] + [f"{n}={sets}" for n, sets in HSDP_RUNS.items()]
     cmd = torchrun_argv(tmp / "runs", tmp / "res", *runs, "--", *SHARED,
                         script=Path(__file__).with_name("fsdp_gathers.py"))
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
@@ -79,6 +82,33 @@ def test_no_policy_changes_the_weights(measured):
             ref = rank["whole-grads" if "whole-grads" in name else "default"]["weights"]
             got = rank[name]["weights"]
             assert set(got) == set(ref) and [k for k in ref if not torch.equal(got[k], ref[k])] == [], name
+
+
+@pytest.mark.parametrize("name", list(HSDP_RUNS))
+def test_hsdp_all_reduces_across_replicas_once_per_step(measured, name, tmp_path):
+    """HSDP 2x1 with 2 micro-batches: FSDP2 all-reduces each group's gradient shard across the replicas once per step
+    (5 groups: 4 layers and the root), not once per micro-batch (10 before: the trainer never set
+    set_requires_all_reduce(False) on the first micro-batch); with sharded accumulation the shard sums the
+    micro-batches first. Plain FSDP2 has no replica dim. The first step's gradients equal one process's (float
+    summation order)."""
+    from gated_attention.train import dist as D
+    from gated_attention.train import trainer
+    from fsdp_gathers import first_step_grads, run_config
+
+    for rank in measured:
+        assert rank[name]["all_reduces"] == [{"dp_replicate": 5}] * 2, rank[name]["all_reduces"]
+        assert rank["default"]["all_reduces"] == [{}] * 2
+    cfg = run_config(SHARED, "")  # the same run in this process: no replicas, no wrapper
+    cfg.validate().check_world(1, "fp32")
+    with first_step_grads(trainer) as want:
+        trainer._train_step(trainer._setup(cfg, tmp_path, D.DistInfo(), "fp32"), 0)
+    worst = 0.0
+    for rank in measured:
+        got = rank[name]["grads"]
+        assert set(got) == set(want)
+        worst = max(worst, *(float((got[k] - want[k]).abs().max() / want[k].abs().max()) for k in want))
+    assert worst < 1e-5, worst
+    print(f"{name}: max relative gradient difference from one process {worst:.2e}")  # for docs/scale.md (-s)
 
 
 def test_held_gathered_through_probes_and_evaluation_trains_like_one_process(tmp_path):

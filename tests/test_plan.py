@@ -194,7 +194,8 @@ def test_expert_parallel_and_hsdp_equal_a_hand_computation():
     grad_accum 2, 10 GB/s: at rest the same 1/shard-group share as FSDP2; a layer gathers 1/E of its experts; the
     experts' collectives run over their own world / (R E) ranks; every MoE layer all-to-alls k rows of d per token
     out and back in forward and backward (and the recompute), (E-1)/E of them leaving the rank; HSDP all-reduces
-    each rank's gradient shard across the replicas; the all-to-all adds to the step, the rest overlaps compute."""
+    each rank's gradient shard across the replicas once per step (not per micro-batch); the all-to-all adds to the
+    step, the rest overlaps compute."""
     d, I, E, k, L, T = 32, 32, 8, 2, 2, 32
     moe = lambda *sets: tiny_cfg("model=tiny-moe", "dist=fsdp", "batch_size=8", "grad_accum=2",  # noqa: E731
                                  "reshard_after_forward=always", *sets)  # every group gathered twice per micro-batch
@@ -211,7 +212,7 @@ def test_expert_parallel_and_hsdp_equal_a_hand_computation():
         dense, f, fe = total - experts, (S - 1) / S, (S // ep - 1) / (S // ep)
         assert c["all_gather_gb"] * 1e9 == pytest.approx(2 * 2 * 4 * (dense * f + experts / ep * fe))
         assert c["reduce_gb"] * 1e9 == pytest.approx(2 * 4 * (dense * f + experts / ep * fe))
-        assert c["all_reduce_gb"] * 1e9 == pytest.approx(2 * 2 * 4 * total / S * (R - 1) / R)
+        assert c["all_reduce_gb"] * 1e9 == pytest.approx(2 * 4 * total / S * (R - 1) / R)  # once, 2 (R-1)/R
         a2a = 2 * L * tokens * k * d * 4 * 4 * (ep - 1) / ep  # 2 micro-batches, 4 passes, fp32
         assert c["all_to_all_gb"] * 1e9 == pytest.approx(a2a)
         assert c["step_seconds"] == pytest.approx(max(c["compute_seconds"], c["seconds"] - a2a / 10e9) + a2a / 10e9)

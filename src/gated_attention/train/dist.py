@@ -80,20 +80,64 @@ def _timeout(seconds: float) -> dict:
 
 
 def _init_group(backend: str, timeout_s: float = 0.0) -> None:
-    """init_process_group from torchrun's environment. In a worker that torchrun --max-restarts restarted, the
-    group's keys go under a prefix of their own (the restart count): torchrun shares its rendezvous store with the
-    workers and keeps it across restarts, so without one the new workers read the addresses the dead ones published
-    (gloo: `connectFullMesh ... Connection refused`; NCCL: a stale unique id; pytorch/pytorch#135712)."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    """init_process_group from torchrun's environment. Under torchrun the group's keys go under a prefix of this
+    rendezvous round's own (`_round_prefix`): torchrun's agents share one store with their workers and keep it
+    across restarts, so without one the new workers read the addresses the dead ones published (gloo:
+    `connectFullMesh ... Connection refused`; NCCL: a stale unique id; pytorch/pytorch#135712)."""
     kw = _timeout(timeout_s)
-    if attempt == "0":
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # not launched by torchrun: a store of its own
         dist.init_process_group(backend=backend, **kw)
         return
+    from torch.distributed.constants import default_pg_timeout
     from torch.distributed.rendezvous import rendezvous
 
-    store, rank, world = next(rendezvous("env://"))
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"gattn/attempt_{attempt}", store), rank=rank,
-                            world_size=world, **kw)
+    store, rank, world = next(rendezvous("env://", **kw))  # the store's waits: the run's timeout, else torch's
+    limit = kw.get("timeout", default_pg_timeout).total_seconds()
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(_round_prefix(store, rank, world, limit), store),
+                            rank=rank, world_size=world, **kw)
+
+
+def _round_prefix(store, rank: int, world: int, limit_s: float) -> str:
+    """The store prefix of this round of workers, the same on every rank and new in every round: "gattn/round_N".
+
+    Why not torchrun's TORCHELASTIC_RESTART_COUNT: each node's agent counts its own restarts, and a restart because
+    another node's worker failed (a membership change) is not counted, so after one failure the nodes' workers hold
+    different counts (2 nodes, one worker SIGKILLed: its node's new worker has 1, the other node's 0, and the two
+    wait on different keys until the store times out; tests/test_distributed.py). The rendezvous round all agents
+    share is not passed to the workers (torch 2.13 exports RANK, GROUP_RANK, the sizes, MASTER_ADDR/PORT, the
+    restart count, the run id) and lives in the rendezvous backend's own store, not the one the workers get. A
+    counter every rank increments would drift for good once a worker died before incrementing it, and a value
+    agreed over the process group comes too late: the group's own set-up is what reads the stale keys.
+
+    So the round is agreed through the store, on keys no earlier round wrote: every round's workers start after the
+    previous round's are all gone (each agent stops its workers before it rejoins the rendezvous), and rank 0 is one
+    new process per round. Rank 0 draws N from a counter; every other rank appends a fresh random nonce to a join
+    list, reads N from the key its nonce names (only rank 0 of this round writes it) and counts itself in under
+    round N. Rank 0 answers each rank's latest nonce until all of this round's ranks are counted in; answers to a
+    dead worker's nonce are never read."""
+    import time
+    import uuid
+
+    if rank != 0:
+        nonce = uuid.uuid4().hex
+        store.append("gattn/joins", f"{rank}:{nonce} ")
+        n = int(store.get(f"gattn/welcome/{nonce}"))  # waits for rank 0, up to the store's timeout
+        store.add(f"gattn/round_{n}/joined", 1)
+        return f"gattn/round_{n}"
+    n = store.add("gattn/rounds", 1)
+    deadline, answered = time.monotonic() + limit_s, {}
+    while store.add(f"gattn/round_{n}/joined", 0) < world - 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank 0 waited {limit_s:.0f} s for the other {world - 1} ranks to join round {n} "
+                               f"of the process group; {store.add(f'gattn/round_{n}/joined', 0)} did")
+        if store.check(["gattn/joins"]):
+            latest = dict(entry.split(":") for entry in store.get("gattn/joins").decode().split())  # rank -> nonce
+            for r, nonce in latest.items():
+                if answered.get(r) != nonce:
+                    store.set(f"gattn/welcome/{nonce}", str(n))
+                    answered[r] = nonce
+        time.sleep(0.02)
+    return f"gattn/round_{n}"
 
 
 _ENDED_A_GROUP = False  # teardown ended a process group cleanly in this process (exit_process acts only then)

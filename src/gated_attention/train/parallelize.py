@@ -57,6 +57,7 @@ class Parallel:
     gather: FP.GatherPolicy | None = None  # FSDP2's gather policy (fsdp_policy.gather_policy); None in other modes
     mixed: object = None  # MasterWeights under bf16-params in one process
     ddp: nn.Module | None = None  # the DDP wrapper (its forward syncs gradients); None in every other mode
+    replicas: int = 1  # HSDP's replicas (dp_replicate) under FSDP2: the gradients' all-reduce across them
 
     def forward(self, **kwargs):
         """The training forward: through DDP's wrapper where there is one (its hooks all-reduce the gradients)."""
@@ -68,12 +69,17 @@ class Parallel:
 
     def micro_batch(self, last: bool):
         """A context for one micro-batch's forward and backward: DDP all-reduces only on the last micro-batch; FSDP2
-        reduce-scatters every micro-batch unless the plan chose whole gradients until the last, and with
-        keep_gathered frees the gathered parameters only after the last backward (fsdp_policy.micro_batch)."""
+        reduce-scatters every micro-batch unless the plan chose whole gradients until the last, all-reduces across
+        HSDP's replicas only on the last, and with keep_gathered frees the gathered parameters only after the last
+        backward (fsdp_policy.micro_batch)."""
         if self.ddp is not None and not last:
             return self.ddp.no_sync()
         if self.sharded:
-            self.model.set_requires_gradient_sync(last or not self.unsharded_accum)
+            self.model.set_requires_gradient_sync(last or not self.unsharded_accum)  # sets the all-reduce flag too
+            if self.replicas > 1:
+                # after the line above, which sets both: a reduce-scatter per micro-batch keeps the shard's sum over
+                # the micro-batches (FSDP2's partial reduce output) and the replicas all-reduce it once, at the last
+                self.model.set_requires_all_reduce(last)
             FP.micro_batch(self.model, self.gather, last)
         return nullcontext()
 
@@ -124,4 +130,4 @@ def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materia
         materialize(model)
     return Parallel(model=model, master=master if mixed is not None else model, speed=speed, layers=layers,
                     info=info, unsharded_accum=unsharded_accum, gather=gather, mixed=mixed,
-                    ddp=wrapped if wrapped is not model else None)
+                    ddp=wrapped if wrapped is not model else None, replicas=cfg.dp_replicate if sharded else 1)

@@ -58,12 +58,14 @@
     decoder layer but the last - forward, and again in backward - and once for the last layer and the root; twice
     for every group with reshard_after_forward=always, once with never, once per step with keep_gathered) in the
     compute dtype and reduce-scatters fp32 gradients once per micro-batch (or once per step where whole gradients
-    are kept), each moving (S-1)/S of the tensor over a shard group of S = N / R ranks; HSDP then all-reduces each rank's gradient shard across the R replicas (2 (R-1)/R); under EP the routed
-    experts' gathers and reductions run over their own N / (R E) ranks, and every MoE layer all-to-alls each token's
-    k rows of d activations out to their experts and back, in forward, backward and the recompute (`all_to_all`:
-    (E-1)/E of them leave the rank under balanced routing; not overlapped: it adds to the step); DDP all-reduces the
-    fp32 gradients once per step (2 (N-1)/N); none in one process. One bandwidth for all (HSDP's shard groups and
-    EP's groups are meant to live inside a node, where NVLink is several times faster: the time is an upper bound);
+    are kept), each moving (S-1)/S of the tensor over a shard group of S = N / R ranks; HSDP then all-reduces each
+    rank's gradient shard across the R replicas once per step (2 (R-1)/R; the shard sums the micro-batches'
+    reduce-scatters first); under EP the routed experts' gathers and reductions run over their own N / (R E) ranks,
+    and every MoE layer all-to-alls each token's k rows of d activations out to their experts and back, in forward,
+    backward and the recompute (`all_to_all`: (E-1)/E of them leave the rank under balanced routing; not
+    overlapped: it adds to the step); DDP all-reduces the fp32 gradients once per step (2 (N-1)/N); none in one
+    process. One bandwidth for all (HSDP's shard groups and EP's groups are meant to live inside a node, where
+    NVLink is several times faster: the time is an upper bound);
   - tokens_per_s: the global batch's tokens over the step time, the larger of the compute time (FLOPs at mfu *
     gpu_tflops on every GPU) and the communication time (FSDP2 and DDP overlap the two; the larger one bounds the
     step) plus EP's all-to-all time, and days to the recipe's token budget (steps x global batch x seq_len) at that
@@ -286,7 +288,7 @@ def comm_per_step(sz: dict, *, world: int, dist: str, precision: str, grad_accum
     if dist == "fsdp" and world > 1:
         gather, count = _gathered(sz, gathers, pd=pd, f=f, fe=fe, ep=ep)
         reduce = reductions * 4 * ((Pt - Et) * f + Et / ep * fe)
-        all_reduce = reductions * 2 * 4 * Pt / shard * (replicate - 1) / replicate  # HSDP: shards across replicas
+        all_reduce = 2 * 4 * Pt / shard * (replicate - 1) / replicate  # HSDP: the shards across replicas, once
     elif dist == "ddp" and world > 1:
         gather, reduce = 0.0, 2 * 4 * Pt * f
     else:
