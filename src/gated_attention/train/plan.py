@@ -53,12 +53,13 @@
       total       the larger of one training step (params + grads + optimizer + activations + loss + stats +
                   buffers + overhead, less the smaller of the fused loss's temporaries, which live in the forward,
                   and FSDP2's unsharded gradients, `backward_buffers`, which live in the backward) and evaluation
-                  (params + optimizer + buffers - backward_buffers + overhead + eval);
+                  (params + optimizer + buffers - backward_buffers + overhead + eval). MoE layers' dispatch
+                  buffers (each routed token's copy in and out of its expert, the experts' hidden activations) are
+                  in `activations` (saved per routed slot, and one layer's worth again as the backward's working
+                  memory), not a part of their own;
       margin      on a GPU, MARGIN_FRACTION of its memory kept free for the caching allocator's reserve and
                   fragmentation: `fits` is total + margin <= the GPU's memory, and the `auto` decisions (whole
-                  gradients, parameters kept gathered) engage only where they leave it free. MoE layers' dispatch buffers (each routed token's copy in and out
-                  of its expert, the experts' hidden activations) are in `activations` (saved per routed slot, and
-                  one layer's worth again as the backward's working memory), not a part of their own;
+                  gradients, parameters kept gathered) engage only where they leave it free.
   - communication per step (`comm_per_step`): bytes one GPU moves and their time, each collective's α-β cost on
     the machine's two levels (train/plan_comm.py: NVLink inside a node, the network across nodes, where each group's
     ranks sit): FSDP2 all-gathers each group's parameters as the gather policy says (train.fsdp_policy:

@@ -46,7 +46,8 @@ def _divisors(n: int) -> list[int]:
 def layouts(cfg: TrainConfig, gpus: int, num_experts: int) -> list[Layout]:
     """The candidates (module docstring) for `gpus` ranks; the config's own choice of each setting first."""
     per_rank = cfg.batch_size // gpus if cfg.batch_size % gpus == 0 else 0
-    micro = _divisors(per_rank) if per_rank else []
+    own = cfg.micro_batch or (per_rank // cfg.grad_accum if per_rank and per_rank % cfg.grad_accum == 0 else 0)
+    micro = sorted(_divisors(per_rank), key=lambda m: m != own) if per_rank else []
     ckpt = sorted(CHECKPOINTING, key=lambda c: c != cfg.activation_checkpointing)
     out = []
     for dist in ("fsdp", "ddp") if gpus > 1 else ("fsdp",):
