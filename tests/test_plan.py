@@ -19,11 +19,13 @@ from gated_attention import cli
 from gated_attention.presets import param_report
 from gated_attention.train import plan as PL
 from gated_attention.train.config import accum_for
+from gated_attention.train.plan_comm import Topology
 from gated_attention.train.train_presets import train_preset
 from gated_attention.train.overrides import apply_overrides
 from harness import torchrun_argv
 
 PAPER = ("paper-dense-28l", "paper-dense-48l", "paper-moe-15a2b")
+FLAT_10 = Topology(nvlink_gbs=10.0, network_gbs=10.0, nvlink_us=0.0, network_us=0.0)  # one bandwidth, no latency
 
 
 def plan_json(*args) -> dict:
@@ -170,7 +172,7 @@ def test_loss_stats_eval_and_communication_equal_a_hand_computation():
     # micro-batch (forward, backward), the last layer and the root (embedding, final norm) once (the default gather
     # policy: test_gather_policy_equals_a_hand_computation), and reduce-scatters the gradients once per micro-batch,
     # each moving half of the tensor; DDP all-reduces once per step
-    fs = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu", bandwidth_gbs=10.0, mfu=0.5,
+    fs = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu", topo=FLAT_10, mfu=0.5,
                  gpu_tflops=1e-6)
     c = fs["comm_per_step"]
     root = V * d + d
@@ -181,10 +183,11 @@ def test_loss_stats_eval_and_communication_equal_a_hand_computation():
     assert c["seconds"] == pytest.approx((gathered + 8 * total / 2) / 10e9)
     assert c["compute_seconds"] == pytest.approx(4 * T * fs["flops_per_token"] / (0.5 * 1e-6 * 1e12 * 2))
     assert fs["tokens_per_s"] == pytest.approx(4 * T / max(c["seconds"], c["compute_seconds"]))
-    slow = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu", bandwidth_gbs=1e-6)
+    slow = PL.plan(tiny_cfg("dist=fsdp", "grad_accum=2"), gpus=2, device="cpu",
+                   topo=Topology(nvlink_gbs=1e-6, network_gbs=1e-6))
     assert slow["comm_per_step"]["step_seconds"] == slow["comm_per_step"]["seconds"]  # communication bounds it
     assert slow["days"] == pytest.approx(slow["token_budget"] / (4 * T / slow["comm_per_step"]["seconds"]) / 86400)
-    dd = PL.plan(tiny_cfg("dist=ddp"), gpus=2, device="cpu", bandwidth_gbs=10.0)["comm_per_step"]
+    dd = PL.plan(tiny_cfg("dist=ddp"), gpus=2, device="cpu", topo=FLAT_10)["comm_per_step"]
     assert dd["all_gather_gb"] == 0 and dd["reduce_gb"] * 1e9 == pytest.approx(2 * 4 * total / 2)
     assert PL.plan(tiny_cfg(), gpus=1, device="cpu")["comm_per_step"]["seconds"] == 0
 
@@ -199,12 +202,12 @@ def test_expert_parallel_and_hsdp_equal_a_hand_computation():
     d, I, E, k, L, T = 32, 32, 8, 2, 2, 32
     moe = lambda *sets: tiny_cfg("model=tiny-moe", "dist=fsdp", "batch_size=8", "grad_accum=2",  # noqa: E731
                                  "reshard_after_forward=always", *sets)  # every group gathered twice per micro-batch
-    base = PL.plan(moe(), gpus=4, device="cpu", bandwidth_gbs=10.0)
+    base = PL.plan(moe(), gpus=4, device="cpu", topo=FLAT_10)
     total, experts = base["params_total"], L * E * 3 * d * I  # gate_up (E, 2I, d) + down (E, d, I) per layer
     tokens = 1 * T  # 8 sequences / 4 ranks / 2 micro-batches
     for sets, R, ep in (([], 1, 1), (["expert_parallel=2"], 1, 2), (["expert_parallel=4"], 1, 4),
                         (["dp_replicate=2"], 2, 1), (["dp_replicate=2", "expert_parallel=2"], 2, 2)):
-        p = PL.plan(moe(*sets), gpus=4, device="cpu", bandwidth_gbs=10.0, mfu=0.5, gpu_tflops=1e-3)
+        p = PL.plan(moe(*sets), gpus=4, device="cpu", topo=FLAT_10, mfu=0.5, gpu_tflops=1e-3)
         S = 4 // R
         m, c, s = p["memory_per_gpu_gb"], p["comm_per_step"], p["settings"]
         assert (s["dp_replicate"], s["expert_parallel"], s["experts_per_rank"]) == (R, ep, E // ep)
@@ -415,8 +418,8 @@ def test_checkpointing_modes_equal_a_hand_computation():
         fl = PL.flops_per_token(dense, PL.sizes(PL.meta_model(tiny_cfg()))["matmul_activated"], T)
         assert p["hardware_flops_per_token"] == p["flops_per_token"] + round(extra * fl["forward"]), mode
     a2a = lambda mode: PL.all_to_all_bytes(moe, tokens=T, precision="fp32", ep=2, checkpointing=mode)  # noqa: E731
-    one_pass = L * T * k * d * 4 / 2
-    assert [a2a(m) / one_pass for m in ("none", "full", "selective", "every:2")] == [4, 6, 6, 5]
+    assert {a2a(m)[0] for m in ("none", "full", "selective", "every:2")} == {T * k * d * 4}  # one exchange's bytes
+    assert [a2a(m)[1] / L for m in ("none", "full", "selective", "every:2")] == [4, 6, 6, 5]  # exchanges per layer
 
 
 def test_checkpointing_modes_order_the_paper_presets_activations():

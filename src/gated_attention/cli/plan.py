@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 
 from ..util import errors as E
 from ..util import precision as P
@@ -23,6 +24,7 @@ def configure_plan(parser: argparse.ArgumentParser) -> None:
     from ..train.config import ACTIVATION_CHECKPOINTING
     from ..train.train_presets import TRAIN_PRESETS
     from ..train.plan_hardware import DEFAULTS
+    from ..train.plan_comm import DEFAULT_TOPOLOGY
 
     parser.add_argument("--preset", required=True, choices=list(TRAIN_PRESETS),
                         help="training preset to plan (the paper's: paper-dense-28l, paper-dense-48l, paper-moe-15a2b)")
@@ -38,11 +40,25 @@ def configure_plan(parser: argparse.ArgumentParser) -> None:
                         help=f"peak dense bf16 TFLOP/s of one GPU (default {DEFAULTS['gpu_tflops']:g}: H100 SXM)")
     parser.add_argument("--mfu", type=E.positive_float, default=DEFAULTS["mfu"], metavar="F",
                         help=f"model FLOPs utilisation to assume, in (0, 1] (default {DEFAULTS['mfu']:g})")
-    parser.add_argument("--bandwidth-gbs", type=E.positive_float, default=DEFAULTS["bandwidth_gbs"], metavar="GB/S",
-                        help="interconnect bandwidth one GPU's collectives achieve, GB/s (bus bandwidth; default "
-                             f"{DEFAULTS['bandwidth_gbs']:g}: one 400 Gb/s NIC per GPU, across nodes; NVLink inside "
-                             "one node reaches several times more): the communication time per step that `days` "
-                             "includes")
+    t = DEFAULT_TOPOLOGY
+    parser.add_argument("--gpus-per-node", type=E.positive_int, default=t.gpus_per_node, metavar="G",
+                        help=f"GPUs in one node (default {t.gpus_per_node}): collectives among them use NVLink, "
+                             "the rest the network")
+    parser.add_argument("--nvlink-gbs", type=E.positive_float, default=t.nvlink_gbs, metavar="GB/S",
+                        help=f"NVLink bandwidth per GPU per direction inside a node (default {t.nvlink_gbs:g}: H100 "
+                             "SXM's NVLink 4, 900 GB/s both ways)")
+    parser.add_argument("--network-gbs", type=E.positive_float, default=t.network_gbs, metavar="GB/S",
+                        help=f"network bandwidth per GPU per direction across nodes (default {t.network_gbs:g}: "
+                             "one InfiniBand NDR 400 Gb/s NIC per GPU)")
+    parser.add_argument("--nvlink-latency-us", type=E.nonneg_float, default=t.nvlink_us, metavar="US",
+                        help=f"latency of one collective step over NVLink, µs (default {t.nvlink_us:g})")
+    parser.add_argument("--network-latency-us", type=E.nonneg_float, default=t.network_us, metavar="US",
+                        help=f"latency of one collective step across nodes, µs (default {t.network_us:g})")
+    parser.add_argument("--recommend", action="store_true",
+                        help="also search the layouts (dist fsdp/hsdp/ddp, dp_replicate, expert_parallel, "
+                             "accum_grads, keep_gathered, activation checkpointing, micro-batch; same global batch) "
+                             "and print the one with the least planned step time that fits with the memory margin "
+                             "free, as --set settings (--json: the `recommended` object)")
     parser.add_argument("--dist", choices=("ddp", "fsdp"), default=None, help="default: the preset's")
     parser.add_argument("--activation-checkpointing", type=checkpointing_arg, default=None,
                         metavar="|".join(ACTIVATION_CHECKPOINTING),
@@ -61,12 +77,24 @@ def configure_plan(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args) -> int:
     from ..train.overrides import config_from_args
-    from ..train.plan import format_plan, plan
+    from ..train.plan import format_plan, model_shapes, plan
+    from ..train.plan_comm import topology
+    from ..train.recommend import format_recommendation, recommend
     from ..util.io import json_dumps
 
     cfg = config_from_args(args.preset, args.gate, args.sets, None)
-    result = plan(cfg, gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpu_tflops=args.gpu_tflops, mfu=args.mfu,
-                  dist=args.dist, activation_checkpointing=args.activation_checkpointing, seq_len=args.seq_len,
-                  micro_batch=args.micro_batch, precision=args.precision, bandwidth_gbs=args.bandwidth_gbs)
-    print(json_dumps(result, indent=1) if args.json else format_plan(result, args.preset))
+    topo = topology(gpus_per_node=args.gpus_per_node, nvlink_gbs=args.nvlink_gbs, network_gbs=args.network_gbs,
+                    nvlink_us=args.nvlink_latency_us, network_us=args.network_latency_us)
+    machine = dict(gpu_memory_gb=args.gpu_memory, gpu_tflops=args.gpu_tflops, mfu=args.mfu, topo=topo,
+                   precision=args.precision)
+    shapes = model_shapes(cfg)
+    result = plan(cfg, gpus=args.gpus, dist=args.dist, activation_checkpointing=args.activation_checkpointing,
+                  seq_len=args.seq_len, micro_batch=args.micro_batch, shapes=shapes, **machine)
+    text = format_plan(result, args.preset)
+    if args.recommend:
+        base = cfg if args.seq_len is None else replace(cfg, seq_len=args.seq_len)
+        result["recommended"] = recommend(base, gpus=args.gpus, shapes=shapes if args.seq_len is None else None,
+                                          **machine)
+        text += "\n" + format_recommendation(result["recommended"], result)
+    print(json_dumps(result, indent=1) if args.json else text)
     return 0

@@ -12,17 +12,22 @@
       params      the stored weights: fp32 (4 B); bf16-params in one process adds the bf16 compute copy (2 B,
                   train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters); with
                   replicas (HSDP, dp_replicate=R) over the N / R ranks of a shard group, and so grads and optimizer;
-                  expert parallelism (expert_parallel=E) stores the same share (E ranks x the experts' own FSDP2
-                  over the other N / (R E) of the shard group);
+                  the routed experts' fused (E, ., .) tensors are sharded on their expert dimension (FSDP2's
+                  Shard(0), what the trainer applies, with expert parallelism too: E_l = E / expert_parallel local
+                  experts over the experts' own FSDP2 group of N / (R expert_parallel) ranks), so a rank stores
+                  ceil(E_l / group) whole experts - more than its 1 / group share where the group outnumbers the
+                  experts (`expert_share`: padding; Shard(1) would store 1 / group);
       grads       fp32 gradients of the trainable parameters by the accumulation policy
                   (train.dist.unsharded_accumulation, which the trainer follows): FSDP2 reduce-scattering every
                   micro-batch holds the sharded fp32 output (4 B / N); keeping whole gradients until the last
                   micro-batch (accum_grads=auto, only where that fits) holds them whole plus the sharded output
-                  (4 B + 4 B / N); DDP and one process hold them whole (4 B);
+                  (4 B + 4 B / N; whole for this rank's parameters: under expert parallelism its own E_l experts);
+                  DDP and one process hold them whole (4 B);
       optimizer   AdamW's two fp32 moments (8 B per trainable parameter, / N under FSDP2);
       activations what the forward saves for backward for one micro-batch of micro_batch x seq_len tokens, plus one
                   layer's worth of backward working memory (the formula: `activation_bytes`, calibrated against the
-                  tensors autograd actually saves - tests/test_plan.py counts them); with full activation
+                  tensors autograd actually saves - tests/test_plan.py counts them; under expert parallelism the
+                  MoE layers' routed rows with plan_activations.ROUTED_ALLOWANCE for imbalance); with full activation
                   checkpointing every layer keeps only its input (every:N: every N-th layer), with selective its
                   input and its GEMM and attention outputs (`selective_layer_bytes`), and one layer is recomputed
                   at a time;
@@ -40,36 +45,40 @@
                   where the compute dtype differs from the stored one; the plain loss (fast=false): its fp32 (b, T, V)
                   logits and their gradient;
       stats       the stats step's snapshot of the trainable parameters (fp32, this rank's shards; stats_every > 0);
-      overhead    the runtime itself: CUDA context, NCCL and allocator slack on a GPU (GPU_OVERHEAD_GB); the
-                  imported libraries on a CPU (CPU_OVERHEAD_GB, measured: docs/scale.md);
+      overhead    the runtime itself: CUDA context and NCCL on a GPU (GPU_OVERHEAD_GB); the imported libraries on
+                  a CPU (CPU_OVERHEAD_GB, measured: docs/scale.md);
       eval        evaluation's transients: eval_batch_size x seq_len x V logits in the compute dtype, their fp32
                   copy and cross-entropy's fp32 log-softmax (the (4, 4096, 151,936) batch of the paper presets:
                   ~25 GB); evaluation runs between steps, with no gradients and no graph;
       total       the larger of one training step (params + grads + optimizer + activations + loss + stats +
                   buffers + overhead, less the smaller of the fused loss's temporaries, which live in the forward,
                   and FSDP2's unsharded gradients, `backward_buffers`, which live in the backward) and evaluation
-                  (params + optimizer + buffers - backward_buffers + overhead + eval), compared with the GPU's
-                  memory for `fits`. MoE layers' dispatch buffers (each routed token's copy in and out
-                  of its expert, the experts' hidden activations) are in `activations` (saved per routed slot, and
-                  one layer's worth again as the backward's working memory), not a part of their own;
-  - communication per step (`comm`): bytes one GPU moves and their time at `bandwidth_gbs` (a collective's bus
-    bandwidth): FSDP2 all-gathers each group's parameters as the gather policy says (train.fsdp_policy:
+                  (params + optimizer + buffers - backward_buffers + overhead + eval). MoE layers' dispatch
+                  buffers (each routed token's copy in and out of its expert, the experts' hidden activations) are
+                  in `activations` (saved per routed slot, and one layer's worth again as the backward's working
+                  memory), not a part of their own;
+      margin      on a GPU, MARGIN_FRACTION of its memory kept free for the caching allocator's reserve and
+                  fragmentation: `fits` is total + margin <= the GPU's memory, and the `auto` decisions (whole
+                  gradients, parameters kept gathered) engage only where they leave it free.
+  - communication per step (`comm_per_step`): bytes one GPU moves and their time, each collective's α-β cost on
+    the machine's two levels (train/plan_comm.py: NVLink inside a node, the network across nodes, where each group's
+    ranks sit): FSDP2 all-gathers each group's parameters as the gather policy says (train.fsdp_policy:
     all_gathers_per_step, also `all_gathers`, the collectives' count: by default twice per micro-batch for every
     decoder layer but the last - forward, and again in backward - and once for the last layer and the root; twice
     for every group with reshard_after_forward=always, once with never, once per step with keep_gathered) in the
     compute dtype and reduce-scatters fp32 gradients once per micro-batch (or once per step where whole gradients
     are kept), each moving (S-1)/S of the tensor over a shard group of S = N / R ranks; HSDP then all-reduces each
-    rank's gradient shard across the R replicas once per step (2 (R-1)/R; the shard sums the micro-batches'
-    reduce-scatters first); under EP the routed experts' gathers and reductions run over their own N / (R E) ranks,
-    and every MoE layer all-to-alls each token's k rows of d activations out to their experts and back, in forward,
-    backward and the recompute (`all_to_all`: (E-1)/E of them leave the rank under balanced routing; not
-    overlapped: it adds to the step); DDP all-reduces the fp32 gradients once per step (2 (N-1)/N); none in one
-    process. One bandwidth for all (HSDP's shard groups and EP's groups are meant to live inside a node, where
-    NVLink is several times faster: the time is an upper bound);
-  - tokens_per_s: the global batch's tokens over the step time, the larger of the compute time (FLOPs at mfu *
-    gpu_tflops on every GPU) and the communication time (FSDP2 and DDP overlap the two; the larger one bounds the
-    step) plus EP's all-to-all time, and days to the recipe's token budget (steps x global batch x seq_len) at that
-    speed.
+    rank's gradient shard across the R replicas (2 (R-1)/R, one rank per shard group: across nodes where a shard
+    group fills one); under EP the routed experts' gathers and reductions run over their own N / (R E) ranks, and
+    every MoE layer all-to-alls each token's k rows of d activations out to their experts and back, in forward,
+    backward and the recompute (`all_to_all_bytes`: (E-1)/E of them leave the rank under balanced routing; not
+    overlapped: it adds to the step); DDP all-reduces the fp32 gradients once per step in 25 MiB buckets;
+    none in one process;
+  - tokens_per_s: the global batch's tokens over the step time, the larger of the compute time (the FLOPs the GPUs
+    run, recompute included, at mfu * gpu_tflops on every GPU) and the communication time (FSDP2 and DDP overlap the
+    two; the larger one bounds the step) plus EP's all-to-all time, and days to the recipe's token budget (steps x
+    global batch x seq_len) at that speed; `mfu`: the model FLOPs of a step over its time at the GPUs' peak (below
+    the assumed one where recompute or communication costs time).
 
 The formulas model this project's trainer (the fused fast path by default, sdpa's flash kernel that keeps no T x T
 matrix, FSDP2 with one group per decoder layer); docs/scale.md compares them with the peak memory measured on this
@@ -94,11 +103,14 @@ from . import plan_hardware
 from .dist import unsharded_accumulation
 from .plan_activations import (  # noqa: F401 - the activation model, re-exported: plan.activation_bytes, ...
     activation_bytes, checkpointed_layers, layer_activation_bytes, layer_kept_bytes, recompute_share,
-    selective_layer_bytes, GATE_COEF, LAYER_COEF, REST_COEF)
+    selective_layer_bytes, GATE_COEF, LAYER_COEF, REST_COEF, ROUTED_ALLOWANCE)
+from .plan_comm import Topology, comm_per_step, topology
 
 GB = 1e9
-GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB), NCCL buffers and caching-allocator slack per GPU
+GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB) and NCCL's buffers per GPU
+MARGIN_FRACTION = 0.08  # of a GPU's memory, kept free for the caching allocator's reserve and fragmentation
 CPU_OVERHEAD_GB = 0.5  # a rank's RSS after importing torch + transformers + this package (0.47-0.48 GB, docs/scale.md)
+DEFAULTS = plan_hardware.DEFAULTS  # one 8 x H100-80GB node (its own module: the CLI shows it without torch)
 JSON_KEYS = ("params_total", "params_activated", "flops_per_token", "memory_per_gpu_gb", "fits", "tokens_per_s",
              "days")  # the contract (issue 30); more keys follow them
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead", "eval",
@@ -191,44 +203,63 @@ def _resolved(precision: str, dist: str) -> str:
     return precision
 
 
+def expert_share(config, n: int, ep: int = 1, shard_dim: int = 0) -> float:
+    """The share of the routed experts' weights one rank of a shard group of `n` ranks stores (module docstring:
+    params): with `ep`-way expert parallelism E_l = E / ep experts over the experts' own n / ep ranks; on the expert
+    dimension (shard_dim 0, FSDP2's Shard(0), what the trainer does) each rank holds ceil(E_l / (n / ep)) whole
+    experts - padding where the group outnumbers them; on dimension 1 (Shard(1)) 1 / n of them."""
+    E = config.num_experts or 0
+    if n <= 1 or not E:
+        return 1.0 / max(n, 1)
+    if shard_dim == 1:
+        return 1.0 / n
+    return math.ceil((E // ep) / (n // ep)) / E
+
+
 def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpointing: str, tokens: int,
            fused_loss: bool = True, device: str = "cuda", unsharded_grads: bool = False, stats: bool = False,
-           eval_tokens: int = 0, replicate: int = 1, ep: int = 1, gathered_layers: int = 2) -> dict:
+           eval_tokens: int = 0, replicate: int = 1, ep: int = 1, gathered_layers: int = 2, expert_shard: int = 0,
+           gpu_memory_gb: float = 0.0) -> dict:
     """Bytes per rank by part (module docstring), in GB. unsharded_grads: FSDP2 keeps whole gradients across the
     micro-batches (train.dist.unsharded_accumulation said so); gathered_layers: decoder layers FSDP2 holds gathered at
     once (train.fsdp_policy.peak_gathered_layers). replicate (HSDP): the state is sharded over a shard
     group of world / replicate ranks; ep: the routed experts are sharded over ep ranks x the experts' own FSDP2 over
-    the rest of the shard group (the same 1 / shard group at rest), and a layer's gathered experts are 1 / ep of
-    them."""
-    P, Pt = sz["total"], sz["trainable"]
+    the rest of the shard group (`expert_share`, on dimension `expert_shard`), and a layer's gathered experts are
+    1 / ep of them; gpu_memory_gb: the device's memory, of which a GPU keeps MARGIN_FRACTION free (`margin`)."""
+    P, Pt, X, Xt = sz["total"], sz["trainable"], sz["experts"], sz["experts_trainable"]
     sharded = dist == "fsdp" and world > 1
     one_process = world == 1
     n = world // replicate if sharded else 1
+    share = expert_share(config, n, ep, expert_shard)
+    held, held_t = (P - X) / n + X * share, (Pt - Xt) / n + Xt * share  # what this rank stores
+    whole_t = Pt - Xt * (1 - 1 / ep)  # this rank's whole gradients: under EP its own experts' only
     pd = 2 if precision == "bf16-params" else 4  # the dtype forward/backward see the parameters in
-    params = 4 * P / n + (2 * P if precision == "bf16-params" and one_process else 0)
-    grads = 4 * Pt / n + (4 * Pt if sharded and unsharded_grads else 0)
-    optimizer = 8 * Pt / n
+    params = 4 * held + (2 * P if precision == "bf16-params" and one_process else 0)
+    grads = 4 * held_t + (4 * whole_t if sharded and unsharded_grads else 0)
+    optimizer = 8 * held_t
     backward_only = 0.0  # of the buffers, what exists only in the backward (FSDP2's unsharded gradients)
     if sharded:  # root group unsharded all step, the layers held gathered; in the backward their unsharded grads
         layer = sz["layer_max"] - sz["layer_experts_max"] * (1 - 1 / ep)  # EP gathers only this rank's experts
-        every_layer = P - sz["root"] - sz["experts"] * (1 - 1 / ep)
+        every_layer = P - sz["root"] - X * (1 - 1 / ep)
         backward_only = sz["root"] * pd + layer * (pd + 4)  # the root's and one layer's gradient (+ fp32 reduce input)
         buffers = sz["root"] * pd + min(gathered_layers * layer, every_layer) * pd + backward_only
     elif dist == "ddp" and not one_process:
         buffers = 4 * Pt  # gradient buckets (gradient_as_bucket_view=False: a copy of every gradient, all run long)
     else:
         buffers = 0.0
-    act = activation_bytes(config, tokens, precision, checkpointing, fused_loss)["total"]
+    routed = ROUTED_ALLOWANCE if ep > 1 else 1.0  # a rank computes the rows routed to its experts: not balanced
+    act = activation_bytes(config, tokens, precision, checkpointing, fused_loss, routed)["total"]
     overhead = (GPU_OVERHEAD_GB if device == "cuda" else CPU_OVERHEAD_GB) * GB
     parts = {"params": params, "grads": grads, "optimizer": optimizer, "activations": act,
              "loss": loss_temporaries(config, tokens, precision, fused_loss),
-             "stats": 4 * Pt / n if stats else 0.0, "buffers": buffers, "overhead": overhead,
+             "stats": 4 * held_t if stats else 0.0, "buffers": buffers, "overhead": overhead,
              "eval": eval_bytes(config, eval_tokens, precision)}
     # the fused loss's temporaries live in the forward (it computes its gradients there), FSDP2's unsharded gradients
     # in the backward: a step holds the larger of the two, never both; evaluation has no backward
     apart = min(parts["loss"], backward_only) if fused_loss else 0.0
     parts["total"] = max(sum(parts[k] for k in STEP_KEYS) - apart, sum(parts[k] for k in EVAL_KEYS) - backward_only)
     parts["backward_buffers"] = backward_only
+    parts["margin"] = MARGIN_FRACTION * gpu_memory_gb * GB if device == "cuda" else 0.0
     return {k: v / GB for k, v in parts.items()}
 
 
@@ -256,123 +287,122 @@ def eval_bytes(config, tokens: int, precision: str) -> float:
     return tokens * config.vocab_size * (lb + (4 if lb != 4 else 0) + 4)
 
 
-def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpointing: str) -> float:
-    """Bytes one rank sends by all-to-all per micro-batch of `tokens` tokens under expert parallelism (module
-    docstring: comm): in every MoE layer each token's k rows of d activations go out to their experts' ranks and
-    come back (dispatch + combine), again for their gradients in backward, and once more where activation
-    checkpointing recomputes the forward; (ep - 1) / ep of the rows leave the rank under balanced routing."""
+def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpointing: str) -> tuple[float, int]:
+    """(bytes one rank sends in one all-to-all, such exchanges per micro-batch of `tokens` tokens) under expert
+    parallelism (module docstring: comm): in every MoE layer each token's k rows of d activations go out to their
+    experts' ranks and come back (dispatch + combine), again for their gradients in backward, and once more where
+    activation checkpointing recomputes the forward; (ep - 1) / ep of the rows leave the rank under balanced
+    routing."""
     if ep <= 1 or not config.num_experts:
-        return 0.0
+        return 0.0, 0
     moe = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
     replayed = set(checkpointed_layers(config, checkpointing))  # "selective" too: it keeps no collective's output
     ab = 4 if precision == "fp32" else 2  # the activations' dtype (bf16 under autocast and bf16-params)
     passes = sum(4 + (2 if i in replayed else 0) for i in moe)
-    return tokens * config.num_experts_per_tok * config.hidden_size * ab * passes * (ep - 1) / ep
+    return tokens * config.num_experts_per_tok * config.hidden_size * ab, passes
 
 
-def comm_per_step(sz: dict, *, world: int, dist: str, precision: str, grad_accum: int,
-                  unsharded_grads: bool, bandwidth_gbs: float, gathers: dict, replicate: int = 1, ep: int = 1,
-                  all_to_all: float = 0.0) -> dict:
-    """Bytes one GPU moves per optimizer step and their time at `bandwidth_gbs` (module docstring: comm).
-    `gathers`: FSDP2's all-gathers of each group per step (fsdp_policy.all_gathers_per_step); `all_to_all`: expert
-    parallelism's bytes per micro-batch (`all_to_all_bytes`)."""
-    Pt = sz["trainable"]
-    shard = world // replicate
-    f = (shard - 1) / shard  # the share of a tensor a collective over the shard group moves
-    pd = 2 if precision == "bf16-params" else 4
-    Et = sz["experts_trainable"] if ep > 1 else 0
-    efsdp = shard // ep
-    fe = (efsdp - 1) / efsdp  # the experts' own FSDP2 group under EP
-    reductions = 1 if unsharded_grads else grad_accum
-    all_reduce, count = 0.0, 0
-    if dist == "fsdp" and world > 1:
-        gather, count = _gathered(sz, gathers, pd=pd, f=f, fe=fe, ep=ep)
-        reduce = reductions * 4 * ((Pt - Et) * f + Et / ep * fe)
-        all_reduce = 2 * 4 * Pt / shard * (replicate - 1) / replicate  # HSDP: the shards across replicas, once
-    elif dist == "ddp" and world > 1:
-        gather, reduce = 0.0, 2 * 4 * Pt * f
-    else:
-        gather = reduce = 0.0
-    a2a = grad_accum * all_to_all
-    total = gather + reduce + all_reduce + a2a
-    return {"all_gather_gb": gather / GB, "all_gathers": count, "reduce_gb": reduce / GB,
-            "all_reduce_gb": all_reduce / GB,
-            "all_to_all_gb": a2a / GB, "total_gb": total / GB, "bandwidth_gbs": bandwidth_gbs,
-            "seconds": total / (bandwidth_gbs * GB), "all_to_all_seconds": a2a / (bandwidth_gbs * GB)}
+def fsdp_groups(sz: dict, config, *, shard: int, ep: int) -> dict:
+    """The parameters each FSDP2 group all-gathers (plan_comm.comm_per_step): the root's, each decoder layer's own
+    and, under EP, each layer's routed experts as their group of shard / ep ranks gathers them (E_l experts padded
+    to whole rows per rank: Shard(0)); without EP the experts are in their layer's group, padded over the shard
+    group."""
+    E = config.num_experts or 0
+    per_expert = [e / E if E else 0 for e in sz["layer_experts"]]
+    group = max(1, shard // ep)
+    rows = math.ceil((E // ep) / group) * group if E else 0  # the gathered expert rows, padding included
+    padded = [x * rows for x in per_expert]
+    dense = [p - e for p, e in zip(sz["layers"], sz["layer_experts"])]
+    if ep > 1:
+        return {"root": sz["root"], "layers": dense, "experts": padded}
+    return {"root": sz["root"], "layers": [d + x for d, x in zip(dense, padded)], "experts": [0] * len(dense)}
 
 
-def _gathered(sz: dict, gathers: dict, *, pd: int, f: float, fe: float, ep: int) -> tuple[float, int]:
-    """(bytes one rank receives by FSDP2's all-gathers in a step, how many all-gathers): each group's gathers times
-    (S-1)/S of its parameters in the compute dtype; under EP a layer's experts are their own group over the
-    experts' ranks (1 / E of them, (S/E - 1)/(S/E) moved) gathered with their layer. A group over one rank
-    communicates nothing (FSDP2 skips the collective)."""
-    experts = sz["layer_experts"] if ep > 1 else [0] * len(sz["layers"])
-    moved = gathers["root"] * sz["root"] * f + sum(
-        n * ((p - e) * f + e / ep * fe) for n, p, e in zip(gathers["layers"], sz["layers"], experts))
-    count = (gathers["root"] + sum(gathers["layers"])) * (f > 0)
-    count += sum(n for n, e in zip(gathers["layers"], experts) if e) * (fe > 0)
-    return pd * moved, count
+def model_shapes(cfg: TrainConfig, vocab_size: int | None = None) -> tuple:
+    """(model config, `sizes`) of the model `cfg` trains: what every plan of it shares (`plan(shapes=...)`: the
+    layout search builds the model once)."""
+    model = meta_model(cfg, vocab_size)
+    return model.config, sizes(model)
 
 
 def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | None = None,
          gpu_tflops: float | None = None, mfu: float | None = None, dist: str | None = None,
          activation_checkpointing: str | None = None, seq_len: int | None = None, micro_batch: int | None = None,
          precision: str | None = None, vocab_size: int | None = None, device: str = "cuda",
-         bandwidth_gbs: float | None = None) -> dict:
-    """The plan of training `cfg` on `gpus` GPUs (defaults: plan_hardware.DEFAULTS and the config's own settings);
-    the JSON object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed)."""
-    hw = plan_hardware.assumed(gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_tflops=gpu_tflops, mfu=mfu,
-                               bandwidth_gbs=bandwidth_gbs)
-    gpus, gpu_memory_gb, gpu_tflops, mfu, bandwidth_gbs = (hw[k] for k in ("gpus", "gpu_memory_gb", "gpu_tflops",
-                                                                            "mfu", "bandwidth_gbs"))
+         topo: Topology | None = None, shapes: tuple | None = None) -> dict:
+    """The plan of training `cfg` on `gpus` GPUs (defaults: DEFAULTS, plan_comm.DEFAULT_TOPOLOGY and the config's own
+    settings); the JSON object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed).
+    shapes: `model_shapes(cfg)` where the caller has it (the model must be the one `cfg` builds)."""
+    hw = _hardware(gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_tflops=gpu_tflops, mfu=mfu)
+    gpus, gpu_memory_gb, gpu_tflops, mfu = (hw[k] for k in ("gpus", "gpu_memory_gb", "gpu_tflops", "mfu"))
+    topo = topo or topology()
     changes = {k: v for k, v in (("dist", dist), ("activation_checkpointing", activation_checkpointing),
                                  ("seq_len", seq_len), ("precision", precision)) if v is not None}
     cfg = replace(cfg, **changes).validate()
     mode = cfg.dist if gpus > 1 else "none"
     resolved = _resolved(cfg.precision, mode)
     accum, micro_batch = _split_batch(cfg, gpus, micro_batch, resolved)
-    model = meta_model(cfg, vocab_size)
-    config = model.config
+    config, sz = shapes or model_shapes(cfg, vocab_size)
     ep, replicate = _layout(cfg, mode, config)
-    sz = sizes(model)
     fl = flops_per_token(config, sz["matmul_activated"], cfg.seq_len)
     common = dict(world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
                   tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device,
-                  stats=cfg.stats_every > 0, eval_tokens=cfg.eval_batch_size * cfg.seq_len, replicate=replicate, ep=ep)
+                  stats=cfg.stats_every > 0, eval_tokens=cfg.eval_batch_size * cfg.seq_len, replicate=replicate, ep=ep,
+                  gpu_memory_gb=gpu_memory_gb)
     mem, unsharded, gather = _memory_decisions(cfg, sz, config, common, gpu_memory_gb, accum)
     accumulation = "unsharded" if unsharded else ("sharded" if mode == "fsdp" else "whole")
-    a2a = all_to_all_bytes(config, tokens=micro_batch * cfg.seq_len, precision=resolved, ep=ep,
-                           checkpointing=cfg.activation_checkpointing)
-    comm = comm_per_step(sz, world=gpus, dist=mode, precision=resolved, grad_accum=accum, unsharded_grads=unsharded,
-                         bandwidth_gbs=bandwidth_gbs, gathers=FP.all_gathers_per_step(gather, accum),
-                         replicate=replicate, ep=ep, all_to_all=a2a)
+    a2a, passes = all_to_all_bytes(config, tokens=micro_batch * cfg.seq_len, precision=resolved, ep=ep,
+                                   checkpointing=cfg.activation_checkpointing)
+    shard = gpus // replicate
+    comm = comm_per_step(sz, fsdp_groups(sz, config, shard=shard, ep=ep), world=gpus, dist=mode,
+                         pd=2 if resolved == "bf16-params" else 4, grad_accum=accum, unsharded_grads=unsharded,
+                         gathers=FP.all_gathers_per_step(gather, accum), topo=topo, replicate=replicate, ep=ep,
+                         all_to_all=a2a, moe_passes=passes)
     step_tokens = cfg.batch_size * cfg.seq_len
-    _step_time(comm, step_tokens * fl["model"] / (mfu * gpu_tflops * 1e12 * gpus))
+    hardware = fl["model"] + round(fl["forward"] * recompute_share(config, cfg.activation_checkpointing))
+    _step_time(comm, step_tokens * hardware / (mfu * gpu_tflops * 1e12 * gpus))
     tokens_per_s = step_tokens / comm["step_seconds"]
     budget = cfg.steps * cfg.batch_size * cfg.seq_len
-    hardware = fl["model"] + round(fl["forward"] * recompute_share(config, cfg.activation_checkpointing))
     return {"params_total": sz["total"], "params_activated": sz["activated"], "flops_per_token": fl["model"],
-            "memory_per_gpu_gb": mem, "fits": mem["total"] <= gpu_memory_gb, "tokens_per_s": tokens_per_s,
-            "days": budget / tokens_per_s / 86400,
+            "memory_per_gpu_gb": mem, "fits": mem["total"] + mem["margin"] <= gpu_memory_gb,
+            "tokens_per_s": tokens_per_s, "days": budget / tokens_per_s / 86400,
+            "mfu": tokens_per_s * fl["model"] / (gpu_tflops * 1e12 * gpus),
             "hardware_flops_per_token": hardware, "params_trainable": sz["trainable"], "token_budget": budget,
             "comm_per_step": comm,
             "settings": {"model": cfg.model, "gate": cfg.gate, "gpus": gpus, "gpu_memory_gb": gpu_memory_gb,
-                         "gpu_tflops": gpu_tflops, "mfu": mfu, "bandwidth_gbs": bandwidth_gbs, "dist": mode,
+                         "gpu_tflops": gpu_tflops, "mfu": mfu, **topo.as_dict(),
+                         "assumed_bandwidth": topo.describe(gpus), "dist": mode,
                          "precision": resolved, "eval_batch_size": cfg.eval_batch_size,
                          "stats_every": cfg.stats_every,
                          "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
                          "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
-                         "grad_accumulation": accumulation, "reshard_after_forward": cfg.reshard_after_forward,
+                         "accum_grads": cfg.accum_grads, "grad_accumulation": accumulation,
+                         "reshard_after_forward": cfg.reshard_after_forward,
                          "fsdp_prefetch": cfg.fsdp_prefetch, "keep_gathered": gather.keep_gathered,
                          "gathered_layers": FP.peak_gathered_layers(gather) if mode == "fsdp" else 0,
                          "dp_replicate": replicate, "expert_parallel": ep,
                          "experts_per_rank": (config.num_experts or 0) // ep,
+                         "expert_sharding": _expert_sharding(config, mode, shard, ep),
+                         "memory_margin_fraction": MARGIN_FRACTION if device == "cuda" else 0.0,
+                         "routed_allowance": ROUTED_ALLOWANCE if ep > 1 else 1.0,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
+
+
+def _expert_sharding(config, mode: str, shard: int, ep: int) -> str:
+    """How the plan stores the routed experts (module docstring: params), in words."""
+    E = config.num_experts or 0
+    if not E or mode != "fsdp" or shard <= 1:
+        return "none" if not E else "whole"
+    group, local = shard // ep, E // ep
+    rows = math.ceil(local / group)
+    padded = f"padded: {rows} whole expert(s) per rank, not {local / group:.3g}" if rows * group > local else \
+        f"{rows} per rank"
+    return f"Shard(0): {local} expert(s) over {group} rank(s), {padded}"
 
 
 def _memory_decisions(cfg: TrainConfig, sz: dict, config, common: dict, gpu_memory_gb: float, accum: int):
     """(memory by part, whole gradients across micro-batches?, the gather policy): the trainer's two memory
-    decisions, each by its one function, in this order: whole gradients only where they fit
+    decisions, each by its one function, in this order: whole gradients only where they fit with the margin free
     (dist.unsharded_accumulation), then parameters kept gathered across the micro-batches only where that fits
     beside everything else (fsdp_policy.gather_policy, keep_gathered=auto)."""
     def policy(keep: str, **room) -> FP.GatherPolicy:
@@ -381,14 +411,16 @@ def _memory_decisions(cfg: TrainConfig, sz: dict, config, common: dict, gpu_memo
 
     common = {**common, "gathered_layers": FP.peak_gathered_layers(policy("false"))}
     mem = memory(sz, config, **common)
-    unsharded = unsharded_accumulation(cfg.accum_grads, common["dist"], common["world"], accum, 4 * sz["trainable"],
-                                       (gpu_memory_gb - mem["total"]) * GB)
+    whole = memory(sz, config, **{**common, "unsharded_grads": True})
+    unsharded = unsharded_accumulation(cfg.accum_grads, common["dist"], common["world"], accum,
+                                       (whole["total"] - mem["total"]) * GB,
+                                       (gpu_memory_gb - mem["margin"] - mem["total"]) * GB)
     if unsharded:
         common["unsharded_grads"] = True
-        mem = memory(sz, config, **common)
+        mem = whole
     kept = memory(sz, config, **{**common, "gathered_layers": config.num_hidden_layers})
     gather = policy(cfg.keep_gathered, extra_bytes=(kept["total"] - mem["total"]) * GB,
-                    spare_bytes=(gpu_memory_gb - mem["total"]) * GB)
+                    spare_bytes=(gpu_memory_gb - mem["margin"] - mem["total"]) * GB)
     return (kept if gather.keep_gathered else mem), unsharded, gather
 
 
@@ -410,10 +442,16 @@ def _layout(cfg: TrainConfig, mode: str, config) -> tuple[int, int]:
 
 def _step_time(comm: dict, compute_s: float) -> None:
     """The step's time into `comm`: FSDP2's collectives overlap the compute (the larger bounds the step); EP's
-    all-to-all sits on the critical path (the experts wait for their rows), so it adds."""
+    all-to-all sits on the critical path (the experts wait for their rows), so it adds. compute_s: the FLOPs the
+    GPUs run, recompute included, at the assumed utilisation."""
     a2a_s = comm["all_to_all_seconds"]
     comm["compute_seconds"] = compute_s
     comm["step_seconds"] = max(compute_s, comm["seconds"] - a2a_s) + a2a_s
+
+
+def _hardware(**given) -> dict:
+    """The hardware figures a plan assumes: each one given, else DEFAULTS', checked (plan_hardware.assumed)."""
+    return plan_hardware.assumed(**given)
 
 
 def _split_batch(cfg: TrainConfig, gpus: int, micro_batch: int | None, resolved: str) -> tuple[int, int]:
@@ -448,6 +486,9 @@ def format_plan(p: dict, preset: str) -> str:
         lines.append(f"    {key:<12} {m[key]:8.2f}{note}")
     verdict = "fits" if p["fits"] else f"does NOT fit {s['gpu_memory_gb']:g} GB"
     lines.append(f"    {'total':<12} {m['total']:8.2f}   {verdict} (the larger of a training step and evaluation)")
+    if m["margin"]:
+        lines.append(f"    {'margin':<12} {m['margin']:8.2f}   kept free ({s['memory_margin_fraction']:.0%} of the GPU: the "
+                     "caching allocator's reserve; `fits` and the auto policies leave it)")
     budget = p["token_budget"]
     tokens = f"{budget / 1e9:,.1f} B" if budget >= 1e9 else f"{budget / 1e6:,.2f} M"
     c = p["comm_per_step"]
@@ -455,7 +496,8 @@ def format_plan(p: dict, preset: str) -> str:
         shard = s["gpus"] // s["dp_replicate"]
         lines.append(f"  layout          {s['dp_replicate']} replica(s) x {shard} shard(s)"
                      + (f"; experts over {s['expert_parallel']} ranks ({s['experts_per_rank']} per rank), "
-                        f"all-to-all {c['all_to_all_gb']:.3g} GB per GPU per step" if s["expert_parallel"] > 1 else "")
+                        f"all-to-all {c['all_to_all_gb']:.3g} GB per GPU per step, routed rows x "
+                        f"{s['routed_allowance']:g} for imbalance" if s["expert_parallel"] > 1 else "")
                      + (f"; {c['all_reduce_gb']:.3g} GB all-reduced across replicas" if s["dp_replicate"] > 1 else ""))
     if s["dist"] == "fsdp":
         prefetch = f"{s['fsdp_prefetch']} layer(s) ahead" if s["fsdp_prefetch"] else "implicit"
@@ -463,10 +505,18 @@ def format_plan(p: dict, preset: str) -> str:
                      f"{'kept across the micro-batches' if s['keep_gathered'] else 'not kept across micro-batches'}: "
                      f"{c['all_gathers']} all-gathers per step ({c['all_gather_gb']:.3g} GB), "
                      f"{s['gathered_layers']} layer(s) gathered at once")
-    lines.append(f"  step            {c['compute_seconds']:.3g} s compute at MFU {s['mfu']:g}, {c['seconds']:.3g} s "
-                 f"communication ({c['total_gb']:.3g} GB per GPU at {c['bandwidth_gbs']:g} GB/s): "
+        if s["expert_sharding"] not in ("none", "whole"):
+            lines.append(f"  experts         {s['expert_sharding']} (the trainer's FSDP2 placement; Shard(1) would "
+                         "not pad)")
+    lines.append(f"  assumed bandwidth: {s['assumed_bandwidth']}")
+    parts = ", ".join(f"{name} {c[key + '_seconds']:.3g}" for name, key in (
+        ("all-gather", "all_gather"), ("reduce-scatter", "reduce"), ("all-reduce", "all_reduce"),
+        ("all-to-all", "all_to_all")) if c[key + "_seconds"])
+    lines.append(f"  step            {c['compute_seconds']:.3g} s compute at {s['mfu']:g} of peak, {c['seconds']:.3g} s "
+                 f"communication ({c['total_gb']:.3g} GB per GPU{': ' + parts + ' s' if parts else ''}): "
                  f"{c['step_seconds']:.3g} s (the larger; the all-to-all adds)")
-    lines.append(f"  speed           {p['tokens_per_s']:,.0f} tokens/s; {tokens} tokens in {p['days']:.3g} days")
+    lines.append(f"  speed           {p['tokens_per_s']:,.0f} tokens/s, MFU {p['mfu']:.1%}; {tokens} tokens in "
+                 f"{p['days']:.3g} days")
     return "\n".join(lines)
 
 

@@ -17,6 +17,11 @@ LAYER_COEF = {  # precision -> bytes per token per unit of (d, q, kv, f, H, KV, 
     "bf16": (22, 14, 12, 8, 8, 4, 8),
 }
 GATE_COEF = {"fp32": (4, 4), "bf16-params": (2, 4), "bf16": (2, 4)}  # G1 gate: bytes per (score width g, q)
+# Under expert parallelism a rank computes the rows its experts are sent, which the router does not balance exactly
+# (routing is not capped: train/expert_parallel.py); the plan allows its MoE layers' routed rows this factor over the
+# balanced k per token - the capacity factor 1.25 of GShard / Switch Transformer (Lepikhin et al. 2020, Fedus et
+# al. 2021) as an allowance, not a cap.
+ROUTED_ALLOWANCE = 1.25
 REST_COEF = {"fp32": (12, 4), "bf16-params": (8, 2), "bf16": (10, 4)}  # final norm + loss input: per (d, D), + 12
 
 
@@ -28,13 +33,15 @@ def _gate_width(config) -> int:
     return spec.score_width(d, H, KV, D) if spec is not None and spec.source.value == "input" else 0
 
 
-def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, fused: bool = True) -> dict:
+def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, fused: bool = True,
+                           routed: float = 1.0) -> dict:
     """What decoder layer `layer_idx` saves for backward over a micro-batch of `tokens` tokens (LAYER_COEF; a G1
     gate adds its logits and the gated output): `per_token` x tokens, plus `weights`, the weight-sized tensors a
     forward keeps (the fast path's concatenated q/k/v/gate weight; under autocast the bf16 copy of every weight it
     cast). An MoE layer replaces the SwiGLU's 4f by the router's logits and probabilities (8 B per expert) and, per
     routed slot (k per token), the token's copy in and out of its expert (2d) and the expert's gate/up/act/product
-    (4I), plus 32 B of indices and weights."""
+    (4I), plus 32 B of indices and weights; `routed` scales the routed slots (ROUTED_ALLOWANCE under expert
+    parallelism, where a rank computes the rows its experts receive, not its own tokens' k)."""
     d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
     q, kv, f = H * D, KV * D, config.intermediate_size
     g = _gate_width(config)
@@ -46,7 +53,7 @@ def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, 
         per_token += GATE_COEF[precision][0] * g + GATE_COEF[precision][1] * q
     if moe:
         k, E, I = config.num_experts_per_tok, config.num_experts, config.moe_intermediate_size
-        per_token += 8 * E + k * ((2 * d + 4 * I) * ab + 32) + 8
+        per_token += 8 * E + round(routed * k * ((2 * d + 4 * I) * ab + 32)) + 8
         ffn_weights = 3 * d * I * E + d * E  # autocast casts the fused expert tensors whole, and the router
     else:
         per_token += cf * f
@@ -59,7 +66,7 @@ def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, 
     return {"per_token": per_token, "tokens": tokens, "weights": weights, "total": per_token * tokens + weights}
 
 
-def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str) -> int:
+def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str, routed: float = 1.0) -> int:
     """What decoder layer `layer_idx` keeps under `activation_checkpointing=selective` (model_setup.SELECTIVE_SAVES)
     over `tokens` tokens: its input (the residual stream's dtype) and the outputs of its GEMMs and attention kernel,
     per token: the fused q/k/v(/G1 gate) projection q + 2kv + g, o_proj d, the attention output q and its fp32
@@ -76,7 +83,7 @@ def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str) -
     if config.is_moe_layer(layer_idx):
         k, I = config.num_experts_per_tok, config.moe_intermediate_size
         s = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-        elements += k * (2 * I + d) + (2 * s + d + 1 if s else 0)
+        elements += round(routed * k * (2 * I + d)) + (2 * s + d + 1 if s else 0)
         per_token += 4 * config.num_experts  # the router GEMM runs in fp32
     else:
         elements += 2 * config.intermediate_size + d
@@ -90,16 +97,18 @@ def checkpointed_layers(config, checkpointing: str) -> list[int]:
     return [] if kind == "none" else list(range(0, config.num_hidden_layers, every))
 
 
-def activation_bytes(config, tokens: int, precision: str, checkpointing: str, fused_loss: bool = True) -> dict:
+def activation_bytes(config, tokens: int, precision: str, checkpointing: str, fused_loss: bool = True,
+                     routed: float = 1.0) -> dict:
     """Saved activations of a micro-batch of `tokens` tokens: `saved_layers` (what every layer keeps through the
     forward, `layer_kept_bytes`, plus, under checkpointing, the largest checkpointed layer's activations: one layer
     is recomputed at a time), `rest` (the final norm and the loss: the fused loss computes its gradients in the
     forward and keeps its fp32 (V, d) head gradient; the plain loss keeps fp32 logits), and `working`: the backward's
-    own memory, estimated as one layer's activations and two gradients of the residual stream."""
+    own memory, estimated as one layer's activations and two gradients of the residual stream. `routed`: the MoE
+    layers' routed rows per token slot (layer_activation_bytes)."""
     L, d, V, D = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.head_dim
-    layers = [layer_activation_bytes(config, i, tokens, precision, fused_loss)["total"] for i in range(L)]
+    layers = [layer_activation_bytes(config, i, tokens, precision, fused_loss, routed)["total"] for i in range(L)]
     recomputed = checkpointed_layers(config, checkpointing)
-    saved = sum(layer_kept_bytes(config, i, tokens, precision, checkpointing, fused_loss) for i in range(L))
+    saved = sum(layer_kept_bytes(config, i, tokens, precision, checkpointing, fused_loss, routed) for i in range(L))
     saved += max((layers[i] for i in recomputed), default=0)
     cd, cD = REST_COEF[precision]
     rest = tokens * (cd * d + cD * D + 12)
@@ -109,14 +118,14 @@ def activation_bytes(config, tokens: int, precision: str, checkpointing: str, fu
 
 
 def layer_kept_bytes(config, layer_idx: int, tokens: int, precision: str, checkpointing: str,
-                     fused_loss: bool = True) -> int:
+                     fused_loss: bool = True, routed: float = 1.0) -> int:
     """What decoder layer `layer_idx` keeps from its forward until its backward under `checkpointing`: everything
     it saves (`layer_activation_bytes`) when it is not checkpointed, its input alone (the residual stream's dtype)
     under full checkpointing, its input and GEMM / attention outputs under "selective" (`selective_layer_bytes`)."""
     if layer_idx not in checkpointed_layers(config, checkpointing):
-        return layer_activation_bytes(config, layer_idx, tokens, precision, fused_loss)["total"]
+        return layer_activation_bytes(config, layer_idx, tokens, precision, fused_loss, routed)["total"]
     if checkpointing_mode(checkpointing)[0] == "selective":
-        return selective_layer_bytes(config, layer_idx, tokens, precision)
+        return selective_layer_bytes(config, layer_idx, tokens, precision, routed)
     return tokens * config.hidden_size * (2 if precision == "bf16-params" else 4)
 
 

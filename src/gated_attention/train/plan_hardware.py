@@ -1,10 +1,9 @@
-"""The hardware a plan (train/plan.py) assumes where it is not told: one 8 x H100-80GB node, and the check of the
-figures a user gives. Its own module because `gattn plan`'s options show these defaults and the parser is built
+"""The hardware a plan (train/plan.py) assumes where it is not told: one 8 x H100-80GB node (the links between
+GPUs: plan_comm.py), and the check of the figures a user gives. Its own module because `gattn plan`'s options show these defaults and the parser is built
 without torch, which the planner imports."""
 from __future__ import annotations
 
-DEFAULTS = {"gpus": 8, "gpu_memory_gb": 80.0, "gpu_tflops": 989.0, "mfu": 0.4,  # one 8 x H100-80GB node, dense bf16
-            "bandwidth_gbs": 50.0}  # a collective's bus bandwidth per GPU: one 400 Gb/s NIC (across nodes)
+DEFAULTS = {"gpus": 8, "gpu_memory_gb": 80.0, "gpu_tflops": 989.0, "mfu": 0.4}  # one 8 x H100-80GB node, dense bf16
 
 
 def assumed(**given) -> dict:
@@ -12,7 +11,6 @@ def assumed(**given) -> dict:
     from ..util.errors import check_number
 
     hw = {k: DEFAULTS[k] if v is None else v for k, v in given.items()}
-    check_number("bandwidth_gbs", hw["bandwidth_gbs"], min=0.0, min_open=True)
     check_number("gpus", hw["gpus"], kind=int, min=1)
     check_number("gpu_memory_gb", hw["gpu_memory_gb"], min=0.0, min_open=True)
     check_number("gpu_tflops", hw["gpu_tflops"], min=0.0, min_open=True)
