@@ -33,13 +33,16 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=E.existing_dir, default=None,
                         help="prepared corpus folder (gattn data prepare); giving one trains on it (data=corpus, also "
                              "for the tiny preset, whose default is synthetic data)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start the run in --out even when that folder holds other files (it is refused "
+                             "otherwise): the run's files replace those of the same names, the rest are kept")
 
 
 def run_train(args) -> int:
     from ..train.trainer import train
 
     cfg = run_config(args.out, args.preset, args.gate, args.sets, args.data_dir, args.resume)
-    summary = train(cfg, args.out, resume=args.resume)
+    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     if summary:
         keys = ("final_loss", "avg_ppl", "spikes", "skipped_steps", "diverged", "tokens", "wall_time_s")
         print(json.dumps({k: summary.get(k) for k in keys}))
