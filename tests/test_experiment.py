@@ -107,7 +107,7 @@ def test_train_or_reuse_trains_then_reuses(tmp_path, fake_trainer):
     lines = []
     assert runs.train_or_reuse(cfg, tmp_path / "run", lines.append, "[t]")["trained"]
     assert runs.train_or_reuse(cfg, tmp_path / "run", lines.append, "[t]")["trained"]
-    assert fake_trainer == [{"resume": False}]
+    assert fake_trainer == [{"resume": False, "overwrite": True}]
     assert lines[-1] == f"[t] {cfg.gate}: reuse finished run {tmp_path / 'run'}"
 
 
@@ -121,7 +121,7 @@ def test_train_or_reuse_resumes_an_interrupted_run(tmp_path, fake_trainer, monke
     (run / "train_config.json").write_text(json.dumps(cfg.to_dict()))
     monkeypatch.setattr(checkpoint, "latest_checkpoint", lambda d: Path(d) / "checkpoints" / "step_00000004")
     runs.train_or_reuse(cfg, run, lambda m: None, step_hook=print)
-    assert fake_trainer == [{"resume": True, "step_hook": print}]
+    assert fake_trainer == [{"resume": True, "overwrite": True, "step_hook": print}]
 
 
 def test_train_or_reuse_refuses_other_settings(tmp_path, fake_trainer):

@@ -484,15 +484,21 @@ def analyze_folder(model_dir, out, text: str | None = None, domain: str | None =
     n_layers = getattr(model.config, "num_hidden_layers", None)
     if layers_to_plot and n_layers and any(not 0 <= i < n_layers for i in layers_to_plot):
         raise ValueError(f"--layers-to-plot must be in 0..{n_layers - 1}")
+    from ..data.tokenizer import check_vocab_fits
+
+    rows = model.get_input_embeddings().num_embeddings
     tok = load_tokenizer(model_dir, data_dir)
     if text:
+        check_vocab_fits(len(tok), rows, f"the tokenizer of {tok.name_or_path}", str(model_dir))
         ids = tok(Path(text).read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
     elif not data_dir:
         raise ValueError("--domain needs --data-dir (the prepared corpus directory)")
     else:
         from ..data import Corpus
 
-        ids = Corpus(data_dir).tokens(domain, "val")
+        corpus = Corpus(data_dir)
+        check_vocab_fits(corpus.vocab_size, rows, f"the corpus {data_dir}", str(model_dir))
+        ids = corpus.tokens(domain, "val")
     windows = token_batches(ids, seq_len, batch_size, batches, bos_id(tok) if bos else None)
     cfg = AnalysisConfig(sink_eps=sink_eps, map_len=map_len, map_layers=tuple(layers_to_plot) if layers_to_plot else None)
     result = {"model": str(model_dir), **analyze_model(model, windows, cfg, kind)}

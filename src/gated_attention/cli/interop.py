@@ -53,10 +53,11 @@ def configure_export(parser) -> None:
 
 
 def run_export(args) -> int:
-    from ..interop.checkpoints import load_model
+    from ..interop.checkpoints import check_checkpoint_dir, load_model
     from ..interop.gguf_export import export_gguf
     from ..interop.gguf_vocab import find_tokenizer_json
 
+    check_checkpoint_dir(args.src)  # a folder that is no model says so, not that its tokenizer is missing
     tokenizer = find_tokenizer_json(args.tokenizer or args.src)
     model = load_model(args.src, args.src_format)
     summary = export_gguf(model, args.out, tokenizer, args.outtype, args.gate_type, overwrite=args.overwrite)

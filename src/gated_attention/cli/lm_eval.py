@@ -56,7 +56,24 @@ def run_lm_eval(args) -> int:
     if not argv or argv[0] not in LM_EVAL_SUBCOMMANDS:
         raise ValueError("start with an lm-eval subcommand: gattn lm-eval run --model hf --model_args pretrained=DIR "
                          "--tasks TASK ... (or use: python -m gated_attention.cli.lm_eval --model hf ...)")
+    check_local_model(argv)
     return lm_eval_main(argv)
+
+
+def check_local_model(argv: list[str]) -> None:
+    """`pretrained=DIR` in --model_args naming a local folder: checked as a model folder first (config.json, intact
+    weights), so a wrong folder is one line here rather than lm-eval's traceback from the model hub."""
+    from pathlib import Path
+
+    from ..util.io import check_hf_dir
+
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--model_args" and i + 1 < len(argv) else \
+            arg.split("=", 1)[1] if arg.startswith("--model_args=") else None
+        for item in (value or "").split(","):
+            key, _, path = item.partition("=")
+            if key.strip() == "pretrained" and Path(path).is_dir():
+                check_hf_dir(path, "model folder (pretrained=)")
 
 
 if __name__ == "__main__":

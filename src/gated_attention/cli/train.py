@@ -39,6 +39,9 @@ def configure_train(parser: argparse.ArgumentParser) -> None:
                         help="print the resolved settings and the run's memory and throughput plan (as `gattn plan` "
                              "at this launch's world size, and whether it fits this machine), then stop: nothing is "
                              "trained or written")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start the run in --out even when that folder holds other files (it is refused "
+                             "otherwise): the run's files replace those of the same names, the rest are kept")
 
 
 def run_train(args) -> int:
@@ -48,7 +51,7 @@ def run_train(args) -> int:
         return 0
     from ..train.trainer import train
 
-    summary = train(cfg, args.out, resume=args.resume)
+    summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
     if summary:
         keys = ("final_loss", "avg_ppl", "spikes", "skipped_steps", "diverged", "tokens", "wall_time_s")
         print(json.dumps({k: summary.get(k) for k in keys}))

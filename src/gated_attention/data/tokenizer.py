@@ -89,6 +89,18 @@ def get_tokenizer(data_dir: str | os.PathLike = "data"):
     return PreTrainedTokenizerFast.from_pretrained(str(d))
 
 
+def check_vocab_fits(data_vocab: int, model_vocab: int, data: str, model: str) -> None:
+    """Raise one UserError line when token ids of a `data_vocab`-token tokenizer (`data`: a corpus or tokenizer, named
+    in the message) can index past a model's `model_vocab` embedding rows: text tokenized for another model. A
+    larger model vocabulary is fine (embedding rows are often padded)."""
+    if data_vocab > model_vocab:
+        from ..util.errors import UserError
+
+        raise UserError(f"{data} has a {data_vocab}-token vocabulary but the model {model} has {model_vocab} "
+                        "embedding rows, so its tokens do not fit the model; use the model's own tokenizer (the "
+                        "corpus it was trained on, or one prepared with its tokenizer)")
+
+
 def encode(tok, text: str) -> list[int]:
     """Token ids of text (no special tokens added) under the documented invalid-Unicode policy."""
     text, n = clean_text(text)

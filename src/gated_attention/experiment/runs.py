@@ -97,7 +97,8 @@ def train_or_reuse(cfg, run_dir: str | Path, log: Log = print, tag: str = "[run]
              if v is not None}
     if resolved_precision is not None:
         given["resolved_precision"] = resolved_precision
-    return trainer.train(cfg, run_dir, resume=resume, **given)  # plain call without plug-ins (tests replace train)
+    # overwrite: run_dir is this job's own folder (it may hold the unit's key beside the run)
+    return trainer.train(cfg, run_dir, resume=resume, overwrite=True, **given)  # tests replace trainer.train
 
 
 def _init_worker(threads: int, bf16_speedup: float | None = None) -> None:

@@ -31,8 +31,10 @@ def convert_state_dict(config: dict, state: dict, src_format: str, dst_format: s
     return config_from_native(ncfg, dst_format), state_from_native(nstate, ncfg, dst_format)
 
 
-def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
-    """(config.json dict, state dict) from a checkpoint directory; safetensors only, pickles refused."""
+def check_checkpoint_dir(path: str | os.PathLike) -> Path:
+    """`path` as a checkpoint directory: it exists, is a folder and holds config.json; else one ConversionError line
+    naming what is missing (a training run folder is pointed to its final/ model). Cheap: reads no weights, so a
+    command checks it before anything else it needs (export's tokenizer)."""
     path = Path(path)
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
@@ -41,9 +43,19 @@ def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
         raise ConversionError(f"{path} is a file; pass the checkpoint directory (config.json + *.safetensors)")
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        if (path / "final" / "config.json").is_file():
+            raise ConversionError(f"{path} has no config.json: it is a training run folder, not a model; pass its "
+                                  f"model, {path / 'final'}")
+        raise ConversionError(f"{path} has no config.json, so it is not a model checkpoint; pass a checkpoint folder "
+                              "(config.json + *.safetensors, e.g. a run's final/)")
+    return path
+
+
+def load_dir(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(config.json dict, state dict) from a checkpoint directory; safetensors only, pickles refused."""
+    path = check_checkpoint_dir(path)
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ConversionError(f"{path} has no config.json")
     try:
         config = read_json_object(cfg_file, "config", "pass a checkpoint folder written by save_pretrained")
         if (path / "state" / ".metadata").is_file():  # a sharded training checkpoint (dist=fsdp): DCP shards

@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
-from gated_attention.util.io import atomic_dir, json_dumps, locks_output, read_json_object
+from gated_attention.util.io import atomic_dir, check_hf_dir, json_dumps, locks_output, read_json_object
 
 METHODS = ("default", "linear", "dynamic", "yarn")
 
@@ -74,8 +74,7 @@ def extend_checkpoint(src_dir, dst_dir, method: str = "yarn", factor: float = 4.
     """Write an extended copy of the checkpoint in `src_dir` to `dst_dir`; returns the new config dict."""
     src, dst = Path(src_dir), Path(dst_dir)
     cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise FileNotFoundError(f"{cfg_path} not found: SRC must be an HF checkpoint directory")
+    check_hf_dir(src, "source checkpoint")  # config.json parses, weights present and intact: else one line, no copy
     if src.resolve() == dst.resolve():
         raise ValueError("--out must differ from the source checkpoint (the source is kept untouched)")
     if dst.exists() and any(dst.iterdir()) and not overwrite:
@@ -152,7 +151,7 @@ def finetune_checkpoint(src_dir, dst_dir, steps: int, seq_len: int, method: str 
         return model
 
     resume = run_dir.exists() and latest_checkpoint(run_dir) is not None
-    summary = train(cfg, run_dir, resume=resume, model_factory=load_extended)
+    summary = train(cfg, run_dir, resume=resume, model_factory=load_extended, overwrite=True)  # holds extended/
     if summary.get("diverged"):
         raise ValueError(f"fine-tuning diverged ({summary.get('stop_reason')}); lower lr with --set lr=...")
     final = run_dir / "final"

@@ -122,13 +122,21 @@ def evaluate_folder(folder, out, tasks: list[str], lengths: list[int], samples: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
+    from gated_attention.data.tokenizer import check_vocab_fits
+    from gated_attention.util.errors import UserError
     from gated_attention.util.io import atomic_write_json, check_hf_dir
     from gated_attention.util.progress import Progress
 
     check_hf_dir(folder)  # a folder, config.json parses, weights present and intact (else one line)
     corpus = Path(haystack_file).read_text(encoding="utf-8") if haystack_file else None
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as exc:  # no tokenizer files beside the weights (transformers' long message)
+        raise UserError(f"{folder} holds no tokenizer ({type(exc).__name__}); save the model's tokenizer into it "
+                        "(a run's final/ has it; `tokenizer.save_pretrained(DIR)`)") from None
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device)
+    check_vocab_fits(len(tokenizer), model.get_input_embeddings().num_embeddings, f"the tokenizer in {folder}",
+                     str(folder))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     prog = Progress(len(tasks) * len(lengths), "ruler", "cell", heartbeat=True)

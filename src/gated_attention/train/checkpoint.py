@@ -252,13 +252,27 @@ def load_files(ckpt: Path, rank: int) -> tuple[dict | None, dict, dict | None]:
 
 # ---------------------------------------------------------------- what a run resumes from
 
-def resume_decision(out: Path, resume: bool | str, cfg_path: Path, want: dict) -> bool | str:
+# what marks a folder as a training run folder: the settings the trainer writes first, or its checkpoints
+RUN_MARKERS = ("train_config.json", "checkpoints")
+
+
+def is_run_dir(out: Path) -> bool:
+    return any((out / m).exists() for m in RUN_MARKERS)
+
+
+def resume_decision(out: Path, resume: bool | str, cfg_path: Path, want: dict, overwrite: bool = False
+                    ) -> bool | str:
     """Rank 0: check the run folder against the request; returns what to do: False (start), True (resume from the
     newest valid checkpoint, an error if none is valid) or "auto" (resume from it, start if none is valid; a
     checkpoint that fails verification is moved aside as corrupt-step_N, with a warning, never deleted). Every rank
-    then verifies the checkpoints together (newest_valid)."""
+    then verifies the checkpoints together (newest_valid). A new run goes only into a new or empty folder or a run
+    folder (RUN_MARKERS), or with `overwrite` into any folder: a folder of other files is the user's."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; choose a folder for the run")
+    if resume is not True and not overwrite and out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
+        raise UserError(f"--out {out} already holds files and is not a training run folder (no train_config.json "
+                        "or checkpoints/); choose a new or empty --out, or pass --overwrite to train into it "
+                        "(its files of the same names are replaced, others kept)")
     out.mkdir(parents=True, exist_ok=True)
     clean_stale(out)
     any_ckpt = latest_checkpoint(out)
@@ -301,3 +315,19 @@ def newest_valid(out: Path, info) -> Path | None:
             return path
         D.on_rank0(info, lambda: set_aside(path, reason))  # a failed rename on rank 0 stops every rank
     return None
+
+
+def failed_before_checkpoint(out: Path, made: bool) -> str | None:
+    """Rank 0, after a run failed: None where `out` holds a checkpoint or a final model (it resumes as usual);
+    else what was done, for the error line: a folder this run created with no step logged is removed (nothing in it
+    was trained, nor anyone's before), any other is kept as it is, which rerunning the command starts over."""
+    if list_checkpoints(out) or (out / "final").exists() or not out.is_dir():
+        return None
+    log = out / "log.jsonl"
+    if made and not (log.is_file() and log.stat().st_size):
+        shutil.rmtree(out, ignore_errors=True)
+        if not out.exists():
+            return f"nothing was trained, so {out}, which this run created, was removed"
+        return f"nothing was trained; {out}, which this run created, could not be removed completely: delete it"
+    return (f"no checkpoint was written, so {out} holds no trained state (only this run's settings and log); "
+            "rerunning the command starts over from step 0, or delete it")

@@ -97,3 +97,23 @@ def make_source(cfg, model_vocab_size: int | None = None):
 
         source = RetrievalMixSource(source, cfg.retrieval_mix, cfg.retrieval_tasks)
     return source
+
+
+# a budget past this many passes over the training tokens mostly memorises them: `gattn train` says so
+MANY_EPOCHS = 4.0
+
+
+def epochs_note(cfg, source) -> str | None:
+    """One line when the run's token budget (steps x batch x seq_len) is more than MANY_EPOCHS passes over the
+    training tokens of `source`'s corpus (the domains it trains on), else None (also for sources without a corpus)."""
+    corpus = getattr(source, "corpus", None)
+    if corpus is None:
+        return None
+    domains = getattr(source, "train_domains", None) or corpus.domains
+    have = sum(corpus.num_tokens(d, "train") for d in domains)
+    budget = cfg.steps * cfg.batch_size * cfg.seq_len
+    if have <= 0 or budget <= MANY_EPOCHS * have:
+        return None
+    return (f"warning: the run's {budget:,} training tokens are {budget / have:.1f} epochs of the corpus's {have:,} "
+            f"({corpus.data_dir}): the model will mostly memorise it; pass --data-dir with a larger corpus (`gattn "
+            "data prepare --extra ...`) or fewer --set steps=")

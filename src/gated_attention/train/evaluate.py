@@ -81,7 +81,13 @@ def evaluate_folder(folder, data_dir: str | None = None, seq_len: int | None = N
     if max_pos and seq_len > max_pos:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower --seq-len "
                         "(or extend the model first with `gattn extend`)")
-    res = domain_losses(model, make_source(cfg, model.config.vocab_size), seq_len=seq_len, max_batches=batches,
+    source = make_source(cfg, model.config.vocab_size)
+    if cfg.data == "corpus":  # synthetic tokens are drawn from the model's own vocabulary
+        from ..data.tokenizer import check_vocab_fits
+
+        check_vocab_fits(source.vocab_size, model.get_input_embeddings().num_embeddings,
+                         f"the corpus {cfg.data_dir or 'data'}", str(model_dir))
+    res = domain_losses(model, source, seq_len=seq_len, max_batches=batches,
                         batch_size=batch_size, device=device, precision=precision, positions=True)
     if not res["losses"]:  # otherwise "Avg PPL nan" and exit 0
         raise UserError(f"no validation window of {seq_len} tokens in any domain of the corpus; lower --seq-len")

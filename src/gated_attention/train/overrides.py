@@ -173,8 +173,11 @@ def _comparable(key: str, value):
 
 def check_model(cfg: TrainConfig) -> None:
     """Build the model config now (cheap), so a bad model.* override fails before anything is written."""
-    if cfg.init_from:
-        return  # the checkpoint's config.json decides; checked when it is loaded
+    if cfg.init_from:  # the checkpoint's config.json decides (checked against the run when loaded): a model folder?
+        from ..util.io import check_hf_dir
+
+        check_hf_dir(cfg.init_from, "init_from")
+        return
     from gated_attention.presets import model_config
 
     from ..util.errors import UserError

@@ -129,7 +129,9 @@ def meta_model(cfg: TrainConfig, vocab_size: int | None = None) -> nn.Module:
 
     if cfg.init_from:
         from gated_attention.configuration import GatedQwen3Config
+        from gated_attention.util.io import check_hf_dir
 
+        check_hf_dir(cfg.init_from, "init_from")  # not a model folder: one line, not the default config's plan
         config = GatedQwen3Config.from_pretrained(cfg.init_from, **cfg.model_overrides)
     else:
         config = build_model_config(cfg, vocab_size)

@@ -37,7 +37,7 @@ from . import checkpoint as ckpt_mod
 from . import dist as D
 from . import saving
 from .config import TrainConfig
-from .data_source import make_source
+from .data_source import epochs_note, make_source
 from .evaluate import domain_losses
 from .logs import close_logs, log_step, open_logs, summary as run_summary, truncate_log
 from .state import HookState, RunState, full_state, has_state, load_meta, run_state, save_hf_sharded
@@ -58,7 +58,7 @@ from ..util.precision import check_resolved, decide, gemm_mode, numerics
 # ---------------------------------------------------------------- the loop
 
 def train(cfg: TrainConfig, out_dir: str | Path, resume: bool | str = False, model_factory=None, step_hook=None,
-          plugins: Plugins | None = None, resolved_precision: str | None = None) -> dict:
+          plugins: Plugins | None = None, resolved_precision: str | None = None, overwrite: bool = False) -> dict:
     """Train per `cfg` into `out_dir`; returns the summary (also written to out_dir/summary.json on rank 0).
 
     resume: False starts a new run (an error where out_dir holds checkpoints); True continues from the newest valid
@@ -70,14 +70,26 @@ def train(cfg: TrainConfig, out_dir: str | Path, resume: bool | str = False, mod
     given as keywords (Plugins.step_hook / Plugins.model_factory; giving one both ways is an error).
     resolved_precision: the calling command's decision for cfg.precision (util.precision.decide, one of RESOLVED),
     taken as it is; None: this call is the command (`gattn train`), which decides here and logs it.
+    overwrite: start a new run in a folder that holds other files (refused otherwise: checkpoint.resume_decision).
+    A run that fails before its first checkpoint leaves its folder removed (it created it and trained nothing) or
+    as it is, to start over; the error says which (checkpoint.failed_before_checkpoint).
     restore_step_hook reloads a step hook's state from a finished run."""
     plugins = (plugins or Plugins()).with_aliases(step_hook=step_hook, model_factory=model_factory)
     cfg.validate()
     info = D.setup(cfg.device, cfg.dist, cfg.collective_timeout_s)
+    out, began = Path(out_dir), {}
     try:
         with ExitStack() as stack:  # one writer per run folder: a second process stops with the holder's PID
-            D.on_rank0(info, lambda: bool(stack.enter_context(lock_dir(out_dir, "gattn train"))))
-            summary = _train(cfg, Path(out_dir), resume, info, plugins, resolved_precision)
+            # rank 0, holding the lock: does this call create the folder (so nothing in it is anyone else's)?
+            made = D.on_rank0(info, lambda: bool(stack.enter_context(lock_dir(out, "gattn train")))
+                              and not out.exists())
+            try:
+                summary = _train(cfg, out, resume, info, plugins, resolved_precision, overwrite, began)
+            except BaseException as exc:
+                note = ckpt_mod.failed_before_checkpoint(out, made) if began.get("fresh") and info.is_main else None
+                if note:  # still locked: no other process is in the folder being removed
+                    exc.add_note(note)  # the CLI's one error line carries it (util.errors.handle)
+                raise
     except BaseException:
         D.teardown(failed=True)  # no barrier: a peer may be waiting in a collective this rank will never join
         raise
@@ -119,9 +131,15 @@ class _Run:
 
 
 def _train(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo, plugins: Plugins,
-           resolved_precision: str | None = None) -> dict:
-    latest, precision = _check_run_dir(cfg, out, resume, info, resolved_precision)
+           resolved_precision: str | None = None, overwrite: bool = False, began: dict | None = None) -> dict:
+    latest, precision, decided = _check_run_dir(cfg, out, resume, info, resolved_precision, overwrite)
+    if began is not None:
+        began["fresh"] = latest is None  # the folder is checked and the run starts from step 0
     run = _setup(cfg, out, info, precision, plugins)
+    # said once the run is set up, so a run that cannot start prints only its error line
+    for note in (decided, epochs_note(cfg, run.source)) if info.is_main else ():
+        if note:
+            print(f"gattn train: {note}", file=sys.stderr, flush=True)
     _restore(run, latest)  # None: a new run
     if run.st["step"] == 0:
         begin_step_hook(plugins.step_hook, run.model)  # a fresh run: the hook sees the model as built (a curve's step 0)
@@ -142,16 +160,18 @@ def _train(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo, pl
 # ---------------------------------------------------------------- setup and resume
 
 def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo,
-                   resolved_precision: str | None = None) -> tuple[Path | None, str]:
+                   resolved_precision: str | None = None, overwrite: bool = False
+                   ) -> tuple[Path | None, str, str | None]:
     """The run's precision, its folder checked against `resume`, its settings written; returns (the checkpoint to
-    resume from — the newest VALID one — or None, the resolved precision). Each decision is rank 0's, broadcast: an
-    error there stops every rank."""
+    resume from — the newest VALID one — or None, the resolved precision, the line saying how this command decided
+    it or None). Each decision is rank 0's, broadcast: an error there stops every rank."""
     cfg.check_world(info.world_size)
     # rank 0's measurement decides for every rank (two ranks timing a GEMM under load could disagree)
-    precision = D.on_rank0(info, lambda: _decide_precision(cfg, info, resolved_precision))
+    precision, decided = D.on_rank0(info, lambda: _decide_precision(cfg, info, resolved_precision))
     cfg.check_world(info.world_size, precision)
     want = {**cfg.to_dict(), "resolved_precision": precision}
-    wanted = D.on_rank0(info, lambda: ckpt_mod.resume_decision(out, resume, out / "train_config.json", want))
+    wanted = D.on_rank0(info, lambda: ckpt_mod.resume_decision(out, resume, out / "train_config.json", want,
+                                                               overwrite))
     D.on_rank0(info, lambda: atomic_write_text(out / "train_config.json", json_dumps(want, indent=1)))
     latest = ckpt_mod.newest_valid(out, info) if wanted else None
     if wanted and latest is None:
@@ -163,16 +183,14 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
                   flush=True)
     elif wanted == "auto" and info.is_main:
         print(f"gattn train: --resume auto: resuming from {latest}", file=sys.stderr, flush=True)
-    return latest, precision
+    return latest, precision, decided
 
 
-def _decide_precision(cfg: TrainConfig, info: D.DistInfo, resolved_precision: str | None) -> str:
-    """The caller's decision (`resolved_precision`, checked), or this command's, logged (util.precision.decide)."""
+def _decide_precision(cfg: TrainConfig, info: D.DistInfo, resolved_precision: str | None) -> tuple[str, str | None]:
+    """(the caller's decision, checked, None) or (this command's, the line that logs it) (util.precision.decide)."""
     if resolved_precision is not None:  # the command decided (and logged) it where the run was configured
-        return check_resolved(resolved_precision, "resolved_precision")
-    precision, line = decide(cfg.precision, info.device, cfg.dist if info.distributed else "none")
-    print(f"gattn train: {line}", file=sys.stderr, flush=True)
-    return precision
+        return check_resolved(resolved_precision, "resolved_precision"), None
+    return decide(cfg.precision, info.device, cfg.dist if info.distributed else "none")
 
 
 def _setup(cfg: TrainConfig, out: Path, info: D.DistInfo, precision: str, plugins: Plugins = Plugins()) -> _Run:

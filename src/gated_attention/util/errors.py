@@ -2,7 +2,8 @@
 
 `UserError` (a ValueError) means "the input or the environment is wrong, not the code": the `gattn` entry point
 prints it as ONE line, `gattn CMD: error: <problem>; <fix>`, and exits with status 2 (GATTN_DEBUG=1 adds the
-traceback). Library code raises it (or a plain ValueError, which the CLI treats the same) at the place a value
+traceback); notes added to the exception (`exc.add_note`, e.g. what a failed run left in its folder) join that
+line after a "; ". Library code raises it (or a plain ValueError, which the CLI treats the same) at the place a value
 enters: config dataclasses' `validate()`, argparse `type=` functions below, file readers in `io.py`. Anything else
 (TypeError, RuntimeError, ...) is a bug and still raises with its traceback.
 """
@@ -68,7 +69,8 @@ def handle(cmd: str, exc: BaseException) -> int:
         import traceback
 
         traceback.print_exception(exc, file=sys.stderr)
-    msg = " ".join(str(msg).split())  # exactly one line
+    notes = [str(n) for n in getattr(exc, "__notes__", ())]  # what the failure left behind (e.g. a run folder)
+    msg = " ".join("; ".join([str(msg), *notes]).split())  # exactly one line
     print(f"gattn {cmd}: error: {msg}", file=sys.stderr)
     return 2
 

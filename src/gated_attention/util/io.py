@@ -9,7 +9,8 @@ Temp files get the user's umask (mkstemp alone would make them 0600) and are rem
   "nan"}}` (key -> "nan" / "inf" / "-inf"; a list element is recorded under the list's key).
 - Strict JSON in: `read_json` turns a missing file, a folder, bad UTF-8 or bad JSON into one UserError line.
 - Folder locks: `lock_dir(path)` — an exclusive OS lock (fcntl.flock) held while a command writes `path`; a second
-  process gets a UserError naming the holder's PID. Every command that writes an output folder takes it in the
+  process gets a UserError naming the holder's PID. The lock file is removed when the command ends, however it ends
+  (only a killed process leaves one, which the next command locks and removes). Every command that writes an output folder takes it in the
   library, the same way: its entry point is decorated `@locks_output("out", "gattn CMD")` (compare, each lab,
   longctx, extend; the trainer locks its run folder itself, rank 0 only), never in the CLI.
 - HF checkpoint folders: `hf_weight_files` finds the weights the way transformers does (`model.safetensors`, else the
@@ -324,6 +325,31 @@ def lock_dir(path: str | os.PathLike, cmd: str = "gattn") -> Iterator[Path]:
         except (FileExistsError, NotADirectoryError):
             raise UserError(f"cannot create output folder {Path(path)}: a file is in the way; choose another path") \
                 from None
+        fd = _flock_linked(lp, path, cmd)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with _held_guard:
+            _held[key] = [fd, 1]
+    try:
+        yield lp
+    finally:
+        with _held_guard:
+            entry = _held[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _held[key]
+                # unlinked while still held, so no finished run leaves its lock file behind; a process that opened
+                # this file meanwhile finds it unlinked once it gets the lock, and retries on a new one
+                with contextlib.suppress(OSError):
+                    os.unlink(lp)
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
+                os.close(entry[0])
+
+
+def _flock_linked(lp: Path, path, cmd: str) -> int:
+    """An fd of lock file `lp` holding its exclusive flock, the file still linked at `lp` (a previous holder unlinks
+    it before releasing: a lock won on the unlinked file would exclude nobody, so it is dropped and taken again)."""
+    while True:
         fd = os.open(lp, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -338,20 +364,13 @@ def lock_dir(path: str | os.PathLike, cmd: str = "gattn") -> Iterator[Path]:
                             f"({exc.strerror or exc}, lock {lp}); mount it with flock support (Lustre: -o flock; "
                             "NFS: with its lock service) or choose an output folder on a filesystem that has it "
                             "(docs/scale.md: filesystem assumptions)") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        with _held_guard:
-            _held[key] = [fd, 1]
-    try:
-        yield lp
-    finally:
-        with _held_guard:
-            entry = _held[key]
-            entry[1] -= 1
-            if entry[1] == 0:
-                del _held[key]
-                fcntl.flock(entry[0], fcntl.LOCK_UN)
-                os.close(entry[0])
+        try:
+            linked = os.path.samestat(os.fstat(fd), os.stat(lp))
+        except FileNotFoundError:
+            linked = False
+        if linked:
+            return fd
+        os.close(fd)
 
 
 def locks_output(where: str | Callable[..., Any], cmd: str):

@@ -132,6 +132,13 @@ def _text(model_dir: Path, label: str, data_dir: str | None) -> QuantModel:
     if not corpus:
         raise ValueError(f"--models {model_dir}: no train_config.json names its corpus; pass --data-dir (a corpus "
                          f"prepared in the model's vocabulary)")
+    from gated_attention.data import Corpus
+    from gated_attention.data.tokenizer import check_vocab_fits
+    from gated_attention.util.io import check_hf_dir
+
+    check_hf_dir(model_dir, "--models folder")  # weights present and intact, before any model is measured
+    if conf.get("vocab_size"):
+        check_vocab_fits(Corpus(corpus).vocab_size, int(conf["vocab_size"]), f"the corpus {corpus}", str(model_dir))
     v = _gate(conf)
     return QuantModel(label=label, path=str(model_dir), kind="text", variant=v,
                       arm=v if conf.get("mechanism") in (None, "none") else conf["mechanism"],

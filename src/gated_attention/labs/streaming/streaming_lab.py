@@ -73,9 +73,11 @@ class Entry:
 
 
 def _text_entry(model_dir: Path, label: str) -> Entry:
-    """A trainer run's final/ (or any HF folder): its corpus and length from the run's train_config.json."""
-    from gated_attention.util.io import read_json_object
+    """A trainer run's final/ (or any HF folder, checked: config.json, intact weights): its corpus and length from
+    the run's train_config.json."""
+    from gated_attention.util.io import check_hf_dir, read_json_object
 
+    check_hf_dir(model_dir, "--models folder")  # before the lab starts: a broken folder is its one error line
     tc = next((p for p in (model_dir / "train_config.json", model_dir.parent / "train_config.json") if p.is_file()),
               None)
     conf = read_json_object(tc, "train config") if tc else {}
@@ -205,10 +207,33 @@ def _load(entry: Entry, cfg: StreamingConfig):
 
         seqs = text_data(cfg.text, load_tokenizer(entry.path, data_dir), cfg.sequences, seq_len)
     else:
-        if not data_dir:
-            raise ValueError(f"{entry.path}: no train_config.json names its corpus; pass --data-dir or --text")
         seqs = corpus_data(data_dir, cfg.sequences, seq_len)
     return model, seqs, None, seq_len
+
+
+def _check_data(entry: Entry, cfg: StreamingConfig) -> None:
+    """Before anything is measured: a text model's corpus (or tokenizer, with --text) is named and in its vocabulary
+    (else one line naming both sizes)."""
+    if entry.kind != "text":
+        return
+    from gated_attention.data.tokenizer import check_vocab_fits
+    from gated_attention.util.io import read_json_object
+
+    rows = read_json_object(entry.path / "config.json", "model config").get("vocab_size")
+    data_dir = cfg.data_dir or entry.data_dir
+    if cfg.text:
+        from gated_attention.analysis.analyze import load_tokenizer
+
+        tok = load_tokenizer(entry.path, data_dir)
+        if rows:
+            check_vocab_fits(len(tok), int(rows), f"the tokenizer of {tok.name_or_path}", str(entry.path))
+        return
+    if not data_dir:
+        raise ValueError(f"{entry.path}: no train_config.json names its corpus; pass --data-dir or --text")
+    if rows:
+        from gated_attention.data import Corpus
+
+        check_vocab_fits(Corpus(data_dir).vocab_size, int(rows), f"the corpus {data_dir}", str(entry.path))
 
 
 def _measure_key(e: Entry, cfg: StreamingConfig) -> dict:
@@ -238,6 +263,8 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     t0, c0 = time.perf_counter(), time.process_time()
     entries = resolve_models(cfg.models)
+    for e in entries:
+        _check_data(e, cfg)
     log(f"[streaming] {len(entries)} model(s), window {cfg.window}, sink tokens {cfg.sink_tokens} -> {out}")
     models = {}
     for e in entries:
