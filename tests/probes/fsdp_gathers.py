@@ -3,7 +3,8 @@ another in the same ranks, through the trainer's own setup and step (trainer._se
 record for every step how many all-gathers FSDP2 ran for each shard group (its foreach_all_gather, counted where
 FSDPParamGroup.unshard calls it), and the weights after the last step.
 
-    torchrun --nproc_per_node=2 tests/fsdp_gathers.py OUT_DIR RESULT NAME=KEY:VALUE,KEY:VALUE [NAME=...] [-- SET ...]
+    torchrun --nproc_per_node=2 tests/probes/fsdp_gathers.py OUT_DIR RESULT NAME=KEY:VALUE,KEY:VALUE [NAME=...] \
+        [-- SET ...]
 
 Each NAME=... is a run with those settings on top of the shared ones (the `--set`s after `--`). Writes
 RESULT.rankN.pt: {NAME: {"gathers": [{group: count} per step], "keep_gathered": the plan's decision,
