@@ -148,7 +148,7 @@ sys.exit(0 if abs(last(a["losses"]) - last(b["losses"])) < 0.05 and diff < 0.25 
 EOF
 
 # 5. FSDP2 (one rank) + accumulation + compile + activation checkpointing, and a torchrun restart with --resume auto:
-# the same run uninterrupted, then SIGKILLed after step 5 (checkpoint at 4; tests/kill_hooks.py) and restarted by
+# the same run uninterrupted, then SIGKILLed after step 5 (checkpoint at 4; tests/probes/kill_hooks.py) and restarted by
 # torchrun --max-restarts=1 with the same command line; both must log the same losses (bf16 on a GPU: within 2e-2)
 FSDP_SETS=(--set gate=sdpa_elementwise --set device=cuda --set data=synthetic --set model=1.7b-28l
   --set model.num_hidden_layers=2 --set model.vocab_size=32768 --set seq_len=1024 --set batch_size=8
@@ -156,7 +156,7 @@ FSDP_SETS=(--set gate=sdpa_elementwise --set device=cuda --set data=synthetic --
   --set compile=true --set steps=8 --set ckpt_every=4 --set warmup_steps=2 --set eval_batches=1
   --set eval_batch_size=1 --set stats_every=0 --set progress=false --set tensorboard=false --set seed=3)
 FSDP_CMD=(env TRITON_INTERPRET=0 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 --max-restarts=1
-  tests/kill_hooks.py train --preset small "${FSDP_SETS[@]}" --resume auto)  # first launch and restart alike
+  tests/probes/kill_hooks.py train --preset small "${FSDP_SETS[@]}" --resume auto)  # first launch and restart alike
 rm -rf "$WORK/fsdp_full" "$WORK/fsdp_restart"
 part fsdp_full 50 "${FSDP_CMD[@]}" --out "$WORK/fsdp_full"
 # the restarted run also runs the gather policy and selective checkpointing (issue 38): the layers' parameters kept

@@ -7,7 +7,8 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+TESTS = pathlib.Path(__file__).resolve().parent.parent / "tests"
+sys.path[:0] = [str(TESTS), str(TESTS / "support")]  # the test module and the harness it imports
 import test_convert_llama as T
 from gated_attention.interop import convert_checkpoint
 torch.set_num_threads(1)

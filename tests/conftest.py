@@ -1,4 +1,8 @@
-"""Shared fixtures (the plain functions behind them live in tests/harness.py, importable as `harness`)."""
+"""Shared fixtures (the plain functions behind them live in tests/support/harness.py, importable as `harness`).
+
+tests/ holds the test files; tests/support/ the helpers they import by module name (`harness`, `memprobe`,
+`_extras`, the independent references), put on sys.path here; tests/probes/ the scripts tests run as their own
+processes (under torchrun or as `gattn`'s entry point), imported as `probes.NAME` where a test also calls into one."""
 from __future__ import annotations
 
 import os
@@ -24,7 +28,9 @@ from pathlib import Path
 
 import pytest
 
-import harness
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))  # the helpers, by module name
+
+import harness  # noqa: E402
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import ac_probe
 from gated_attention.train import fastpath
 from gated_attention.train import plan as PL
 from gated_attention.train.train_presets import tiny
@@ -25,6 +24,7 @@ from gated_attention.train.monitors import decoder_layers
 from gated_attention.train.trainer import train
 from gated_attention.util.errors import UserError
 from harness import tiny_lm, torchrun_argv
+from probes import ac_probe
 
 
 MODES = ("full", "selective", "every:2")  # every checkpointing mode, each against "none"

@@ -283,11 +283,11 @@ def test_every_job_names_its_changed_setting_test():
 
 def test_tests_build_models_and_processes_through_the_harness():
     """No test constructs a causal LM itself (ours or a stock transformers one) or spells a `gattn` / torchrun command
-    line: tests/harness.py's build_lm / tiny_lm / stock_lm and run_gattn / gattn_argv / torchrun_argv do, seeded,
-    perturbed and launched the one way (loading a model with from_pretrained is fine)."""
+    line: tests/support/harness.py's build_lm / tiny_lm / stock_lm and run_gattn / gattn_argv / torchrun_argv do,
+    seeded, perturbed and launched the one way (loading a model with from_pretrained is fine)."""
     bad = []
-    for path in sorted((REPO / "tests").glob("*.py")):
-        if path.name in ("harness.py", Path(__file__).name):
+    for path in sorted((REPO / "tests").rglob("*.py")):  # the test files, tests/support/ and tests/probes/
+        if path in (REPO / "tests" / "support" / "harness.py", Path(__file__).resolve()):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Call):

@@ -1,6 +1,6 @@
 """ARCHITECTURE.md matches the tree: every file path, module, function and class it cites in backticks exists.
 
-- a path (`train/config.py`, `tests/kill_hooks.py`, `labs/`): a file or folder of the repository or of
+- a path (`train/config.py`, `tests/probes/kill_hooks.py`, `labs/`): a file or folder of the repository or of
   src/gated_attention/; in the layer table a bare file name (`config.py` in the train row) must be in that row's
   folders;
 - a dotted name (`presets.model_config`, `train.resume_rule.changed_settings`, `cli/__init__.main`): a module of the
@@ -141,7 +141,8 @@ def _cited() -> list[tuple[str, list[Path] | None]]:
 
 def test_the_checker_tells_names_from_values():
     defined = _defined()
-    assert _check("train/config.py", None, defined) is None and _check("tests/kill_hooks.py", None, defined) is None
+    assert _check("train/config.py", None, defined) is None
+    assert _check("tests/probes/kill_hooks.py", None, defined) is None
     assert _check("train/lab.py", None, defined) and _check("report.py", [PKG / "labs"], defined)
     assert _check("backcopy.py", [PKG / "labs"], defined) is None and _check("kill_hooks.py", None, defined) is None
     assert _check("presets.model_config", None, defined) is None

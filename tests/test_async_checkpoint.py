@@ -74,8 +74,8 @@ def final_weights(run: Path) -> dict:
 def test_async_run_equals_a_blocking_one(tmp_path, blocking):
     """Every checkpoint (weights, AdamW moments, counters and spike window, each rank's RNG), every loss and the final
     weights equal the blocking run's bit for bit, although the first save's write starts 3 s late (a slow disk:
-    tests/kill_hooks.py) while steps 2-3 train on: a save holds the state of its own step (one that did not copy it
-    at staging, or wrote meta.json at the commit, would differ) and the save of step 4 waits for that write before
+    tests/probes/kill_hooks.py) while steps 2-3 train on: a save holds the state of its own step (one that did not copy
+    it at staging, or wrote meta.json at the commit, would differ) and the save of step 4 waits for that write before
     it commits it (one that did not would hash a folder without shards, which fails verification)."""
     out = tmp_path / "run"
     p = torchrun_train(out, ASYNC, {"GATTN_TEST_DELAY_CKPT_WRITE": "1"})
@@ -91,8 +91,8 @@ def test_async_run_equals_a_blocking_one(tmp_path, blocking):
 
 def test_sigkill_while_an_async_save_is_in_flight(tmp_path, blocking):
     """Rank 1 SIGKILLed right after the save of step 4 returned to the loop, its shard write still in flight (it
-    starts 3 s late: tests/kill_hooks.py): step 4 is no checkpoint — only an uncommitted temporary folder without
-    DCP's .metadata —, step 2 (saved asynchronously, committed at the save of step 4) is; the rerun resumes from
+    starts 3 s late: tests/probes/kill_hooks.py): step 4 is no checkpoint — only an uncommitted temporary folder
+    without DCP's .metadata —, step 2 (saved asynchronously, committed at the save of step 4) is; the rerun resumes from
     step 2, trains steps 2-5 again and ends with the blocking run's losses, checkpoints and final weights. A save
     committed at once (renamed before the loop goes on) would leave a step_00000004 here."""
     out, trace = tmp_path / "run", tmp_path / "steps.txt"

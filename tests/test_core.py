@@ -17,7 +17,7 @@ VARIANTS = list(GATES)
 BACKENDS = ["eager", "sdpa"]
 
 
-tiny_model = tiny_lm  # the shared harness builder (tests/harness.py)
+tiny_model = tiny_lm  # the shared harness builder (tests/support/harness.py)
 
 
 @pytest.mark.parametrize("gate", VARIANTS)

@@ -69,12 +69,29 @@ def test_eos_pads_finished_rows_and_stops_like_generate(which):
     assert out.shape[1] == 8 and out.tolist() == ref.tolist()
 
 
+def _ranks(model, seq, prompt_len):
+    """(B, n) rank of each generated token among its step's logits (0 = the argmax), each step's logits from a plain
+    forward over the whole prefix (no cache: an oracle independent of generate_fast's incremental path)."""
+    with torch.no_grad():
+        logits = model(input_ids=seq[:, :-1]).logits[:, prompt_len - 1:].float()  # (B, n, V): step t predicts t + 1
+    chosen = logits.gather(-1, seq[:, prompt_len:, None])  # (B, n, 1)
+    return (logits > chosen).sum(-1)  # logits strictly above the chosen one
+
+
 def test_sampling_is_seeded_and_respects_top_k():
     model = tiny("sdpa_elementwise")
     x = torch.randint(0, 128, (2, 4), generator=torch.Generator().manual_seed(4))
     a = generate_fast(model, x, 10, do_sample=True, top_k=5, generator=torch.Generator().manual_seed(0))
     b = generate_fast(model, x, 10, do_sample=True, top_k=5, generator=torch.Generator().manual_seed(0))
     assert a.tolist() == b.tolist()
+    # top_k=5: every sampled token is among its step's 5 highest logits. A high temperature flattens the distribution
+    # so the check has teeth: the same sampling without top_k leaves the top 5 (positive control), and with top_k=5
+    # it still picks tokens other than the argmax (not greedy in disguise).
+    hot = dict(do_sample=True, temperature=3.0, stop_at_eos=False)
+    k5 = _ranks(model, generate_fast(model, x, 24, top_k=5, **hot, generator=torch.Generator().manual_seed(1)), 4)
+    free = _ranks(model, generate_fast(model, x, 24, **hot, generator=torch.Generator().manual_seed(1)), 4)
+    assert int(k5.max()) < 5 and int((k5 > 0).sum()) > 5, k5
+    assert int(free.max()) >= 5, free
     one = generate_fast(model, x, 10, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(0))
     assert one.tolist() == generate_fast(model, x, 10).tolist()  # top-1 sampling is greedy
     nucleus = generate_fast(model, x, 10, do_sample=True, top_p=1e-6, generator=torch.Generator().manual_seed(0))

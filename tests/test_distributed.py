@@ -17,6 +17,7 @@ from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.trainer import train
 from harness import log_losses as losses, run_gattn, torchrun_argv, torchrun_train as torchrun
 
+PROBES = Path(__file__).with_name("probes")  # the scripts the torchrun ranks run
 SETS = ["steps=6", "precision=fp32", "stats_every=3", "ckpt_every=3", "seed=1"]
 
 
@@ -95,7 +96,7 @@ def test_fsdp_sharded_from_birth_equals_the_one_process_build(tmp_path, sets):
     from gated_attention.train.model_setup import build_model
 
     out = tmp_path / "gathered.pt"
-    script = Path(__file__).with_name("fsdp_birth.py")
+    script = PROBES / "fsdp_birth.py"
     cmd = torchrun_argv(out, *sum((["--set", s] for s in sets + ["seed=3"]), []), script=script)
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -123,10 +124,10 @@ def test_fsdp_sharded_from_birth_equals_the_one_process_build(tmp_path, sets):
 def test_one_init_stream_in_every_mode(tmp_path):
     """The same seed gives the same initial weights in one process, under DDP and under FSDP2 (2 ranks each): the
     trainer builds on the meta device in every mode and fills from one init stream (train/meta_init.py). Gathered
-    from each run's own model before its first step (tests/init_probe.py) and compared exactly."""
+    from each run's own model before its first step (tests/probes/init_probe.py) and compared exactly."""
     import sys
 
-    script = Path(__file__).with_name("init_probe.py")
+    script = PROBES / "init_probe.py"
     sets = ["--set", "seed=3", "--set", "gate=sdpa_elementwise"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     got = {}
@@ -178,7 +179,7 @@ def test_fsdp_init_from_is_read_shard_by_shard(tmp_path):
     saved.save_pretrained(tmp_path / "ckpt")
     out = tmp_path / "gathered.pt"
     cmd = torchrun_argv(out, "--set", "gate=sdpa_elementwise", "--set", f"init_from={tmp_path / 'ckpt'}",
-                        script=Path(__file__).with_name("fsdp_birth.py"))
+                        script=PROBES / "fsdp_birth.py")
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = torch.load(out, weights_only=True)
@@ -197,8 +198,8 @@ PEAK_MODEL = ["gate=sdpa_elementwise", "model.hidden_size=512", "model.intermedi
 # 4-rank peak-memory row (49 s on a 2-core AVX2 CPU) runs with `pytest -m slow`
 @pytest.mark.parametrize("source", ["init", pytest.param("init_from", marks=pytest.mark.slow)])
 def test_no_rank_ever_holds_the_whole_model(tmp_path, source):
-    """dist=fsdp at 4 ranks, measured per rank: the peak RSS growth (the mark reset first, tests/memprobe.py) while
-    the model is built and filled from the init stream, and while final/ is written from the shards, stays well
+    """dist=fsdp at 4 ranks, measured per rank: the peak RSS growth (the mark reset first, tests/support/memprobe.py)
+    while the model is built and filled from the init stream, and while final/ is written from the shards, stays well
     below the whole model's bytes; from an init_from checkpoint, the bytes each rank reads from the safetensors file
     (counted at safe_open) are about its quarter. A rank that materialised, read or gathered the whole model fails.
 
@@ -216,7 +217,7 @@ def test_no_rank_ever_holds_the_whole_model(tmp_path, source):
         sets = ["gate=sdpa_elementwise", f"init_from={tmp_path / 'ckpt'}"]  # the checkpoint's own shape
     out = tmp_path / "peaks.pt"
     cmd = torchrun_argv(out, "--peak", *sum((["--set", s] for s in sets), []), nproc=4,
-                        script=Path(__file__).with_name("fsdp_birth.py"))
+                        script=PROBES / "fsdp_birth.py")
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     ranks = torch.load(out, weights_only=True)["ranks"]
@@ -411,13 +412,13 @@ def test_restart_across_two_nodes_meets_in_one_round(tmp_path, reference_fsdp):
 
 @pytest.mark.parametrize("policy", [None, pytest.param("auto", marks=pytest.mark.slow)])  # the opt-in policy: -m slow
 def test_fsdp_accumulation_holds_a_shard_of_the_gradients(tmp_path, policy):
-    """2 ranks, dist=fsdp, grad_accum 4, measured (tests/fsdp_accum.py): the bytes of tensors a rank holds after each
-    micro-batch beyond what it held when the step began. By default (accum_grads=sharded: reduce-scatter every
+    """2 ranks, dist=fsdp, grad_accum 4, measured (tests/probes/fsdp_accum.py): the bytes of tensors a rank holds after
+    each micro-batch beyond what it held when the step began. By default (accum_grads=sharded: reduce-scatter every
     micro-batch) ~1/2 of the whole fp32 gradients from the first micro-batch on; accum_grads=auto, where the plan says
     whole gradients fit (this host: a tiny model), the whole gradients until the last micro-batch reduce-scatters
     them. Before the fix every run held the whole gradients (ratio 1.02 where this asserts < 0.65)."""
     sets = ["--set", "grad_accum=4"] + (["--set", f"accum_grads={policy}"] if policy else [])
-    cmd = torchrun_argv(tmp_path / "run", tmp_path / "res", *sets, script=Path(__file__).with_name("fsdp_accum.py"))
+    cmd = torchrun_argv(tmp_path / "run", tmp_path / "res", *sets, script=PROBES / "fsdp_accum.py")
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     for rank in (0, 1):
@@ -465,10 +466,10 @@ def test_each_rank_hashes_its_own_checkpoint_files(tmp_path):
 
 @pytest.mark.slow  # 22 s: compile=auto, which no other default test uses
 def test_compile_auto_is_decided_once_for_every_rank(tmp_path):
-    """compile=auto with rank-dependent step timings (tests/compile_agree.py: rank 0 times 100 s steps, rank 1
+    """compile=auto with rank-dependent step timings (tests/probes/compile_agree.py: rank 0 times 100 s steps, rank 1
     0.01 s): rank 0's decision (compile) holds on both ranks. Before, each rank decided from its own timings: rank 0
     compiled and rank 1 stayed eager."""
-    cmd = torchrun_argv(tmp_path / "run", tmp_path / "res", script=Path(__file__).with_name("compile_agree.py"))
+    cmd = torchrun_argv(tmp_path / "run", tmp_path / "res", script=PROBES / "compile_agree.py")
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = [json.loads((tmp_path / f"res.rank{r}.json").read_text()) for r in (0, 1)]

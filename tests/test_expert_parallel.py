@@ -21,7 +21,7 @@ from harness import run_gattn, torchrun_argv
 # a tiny MoE (8 experts, top-2) with both router losses on, so the global-batch balance loss and the z-loss train too
 SETS = ["model=tiny-moe", "model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001", "steps=6",
         "precision=fp32", "compile=false", "stats_every=3", "ckpt_every=2", "seed=1", "dist=fsdp"]
-PROBE = Path(__file__).with_name("ep_probe.py")
+PROBE = Path(__file__).with_name("probes") / "ep_probe.py"
 
 
 def _sets(sets: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """`gattn export --to gguf` (interop/gguf_export.py): the file's layout read back with gguf-py, its meaning checked by an
-independent numpy forward of llama.cpp's graph (tests/gguf_reference.py), and — where the `serve` extra
+independent numpy forward of llama.cpp's graph (tests/support/gguf_reference.py), and — where the `serve` extra
 (llama-cpp-python) is installed — the real engine: logits equal to ours at f32 on real text, greedy generations and
 tokenization identical, for elementwise and headwise gates, identity-init gates and the ungated model."""
 from __future__ import annotations

@@ -48,11 +48,11 @@ def config(sets: str):
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> list[dict]:
-    """Each rank's record of the RUNS, trained one after another in one torchrun job (tests/fsdp_gathers.py)."""
+    """Each rank's record of the RUNS, trained one after another in one torchrun job (tests/probes/fsdp_gathers.py)."""
     tmp = tmp_path_factory.mktemp("gathers")
     runs = [f"{name}={sets}" for name, (sets, _) in RUNS.items()] + [f"{n}={sets}" for n, sets in HSDP_RUNS.items()]
     cmd = torchrun_argv(tmp / "runs", tmp / "res", *runs, "--", *SHARED,
-                        script=Path(__file__).with_name("fsdp_gathers.py"))
+                        script=Path(__file__).with_name("probes") / "fsdp_gathers.py")
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return [torch.load(tmp / f"res.rank{r}.pt", weights_only=True) for r in (0, 1)]

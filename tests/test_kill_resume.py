@@ -3,12 +3,12 @@ the middle of one unit and run again, trains only what the kill lost and ends wi
 run.
 
 Each case is one command line (tiny models, few steps), the unit to kill (its trainer run folder) and the step to
-kill it after. For each: an uninterrupted run (the reference), then the same command killed there (tests/kill_hooks.py)
-and rerun. Checked: the kill landed mid-unit after a checkpoint; the rerun trained the killed unit from that
-checkpoint to its end, the units the killed process had finished not at all, and the units it had not reached in
-full (the step traces of kill_hooks.py); the command's output figures (compare.json / lab.json without wall or CPU
-times, which a rerun measures anew) equal the reference's exactly. Every process runs with one thread in fp32
-(GATTN_BF16_SPEEDUP < 1: "auto" resolves alike in every process), so equal means bitwise-equal training.
+kill it after. For each: an uninterrupted run (the reference), then the same command killed there
+(tests/probes/kill_hooks.py) and rerun. Checked: the kill landed mid-unit after a checkpoint; the rerun trained the
+killed unit from that checkpoint to its end, the units the killed process had finished not at all, and the units it had
+not reached in full (the step traces of kill_hooks.py); the command's output figures (compare.json / lab.json without
+wall or CPU times, which a rerun measures anew) equal the reference's exactly. Every process runs with one thread in
+fp32 (GATTN_BF16_SPEEDUP < 1: "auto" resolves alike in every process), so equal means bitwise-equal training.
 
 A lab joins by one more KillCase row."""
 from __future__ import annotations

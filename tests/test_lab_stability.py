@@ -278,9 +278,27 @@ def test_small_budget_end_to_end(small_lab):
         mine = [r for r in runs if r["variant"] == v and r["qk_norm"] is False]
         assert lab["lr_sensitivity"][v]["off"] == pytest.approx(stability_lab.lr_sensitivity(mine))
     assert lab["instability"]["checked"] is True and {"on", "off"} <= set(lab["instability"])
+    # the verdict is the claims-table rule applied to this lab's own numbers, recomputed here from runs and intervals
+    # (the rule on hand-made labs, every branch: tests/test_compare_claims.py)
     from gated_attention.compare import claims
+    from gated_attention.labs.stability import verdict as V
 
-    assert claims.stability_verdict(lab)["verdict"] in (claims.REPRODUCED, claims.NOT_AT_SCALE)
+    def apart(good, bad, lower_is_better):  # two intervals that do not touch, `good` wholly on the good side
+        return bool(good and bad) and (good[1] < bad[0] if lower_is_better else good[0] > bad[1])
+
+    failed = any(r["spikes"] or r["diverged"] for r in runs if r["variant"] == "baseline") or any(
+        lab["instability"][k]["gap_at_highest_lr"] >= V.FAILURE_GAP.value for k in ("on", "off"))
+    assert lab["instability"]["reached"] is failed
+    b, g = lab["settings"]["baseline"]["on"], lab["settings"]["sdpa_elementwise"]["on"]  # QK-norm on: the paper's
+    measures = [(g["max_stable_lr"]["interval"], b["max_stable_lr"]["interval"], False),
+                (g["lr_sensitivity_interval"], b["lr_sensitivity_interval"], True),
+                (g["spikes"]["interval"], b["spikes"]["interval"], True)]
+    won = any(apart(gi, bi, low) for gi, bi, low in measures)
+    lost = any(apart(bi, gi, low) for gi, bi, low in measures)
+    rule_thresholds = (margin == V.CONVERGED_MARGIN.value and lab["instability"]["margin"] == V.FAILURE_GAP.value
+                       and lab["config"]["bootstrap"]["level"] == V.INTERVAL_LEVEL.value)
+    want = claims.REPRODUCED if failed and won and not lost and rule_thresholds else claims.NOT_AT_SCALE
+    assert claims.stability_verdict(lab)["verdict"] == want, (failed, won, lost, rule_thresholds)
     for f in ("report.md", "report.html", "plots/loss_vs_lr_qk_on.png", "plots/loss_vs_lr_qk_off.png",
               "plots/max_attention_logit_vs_lr.png"):
         assert (out / f).stat().st_size > 0, f

@@ -315,7 +315,7 @@ def saved_bytes(cfg) -> tuple[int, object, int]:
     """Bytes of the unique non-parameter storages autograd saves in one training forward of `cfg` (the trainer's
     model, fast path, precision and checkpointing) and, under activation_checkpointing=selective, the op outputs its
     cache holds (ac_probe.sac_cache), the model config, and the tokens it ran on."""
-    from ac_probe import sac_cache
+    from probes.ac_probe import sac_cache
     from gated_attention.train import fastpath
     from gated_attention.train.mixed_precision import MasterWeights
     from gated_attention.train.model_setup import apply_activation_checkpointing, build_model

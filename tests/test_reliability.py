@@ -26,7 +26,7 @@ from gated_attention.train.train_presets import tiny
 from gated_attention.train.overrides import apply_overrides
 from gated_attention.train.trainer import train
 from harness import gattn_argv, run_gattn, torchrun_argv
-from kill_hooks import nan_at_steps
+from probes.kill_hooks import nan_at_steps
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "gated_attention"
 TINY = ["--preset", "tiny", "--set", "steps=4", "--set", "ckpt_every=2", "--set", "eval_batches=1"]

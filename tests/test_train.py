@@ -16,7 +16,7 @@ from gated_attention.train.monitors import SpikeDetector
 from gated_attention.train.model_setup import param_groups
 from gated_attention.train.trainer import train
 from harness import build_lm, run_gattn
-from kill_hooks import nan_at_steps
+from probes.kill_hooks import nan_at_steps
 
 
 def losses(run: Path) -> list[float]:

@@ -15,8 +15,8 @@ only then deletes the old one. A write that fails (a full disk) removes its temp
 checkpoint intact. Files are read back with `torch.load(weights_only=True)` (tensors and plain containers only, no
 pickle code) and JSON: nothing from a run folder can execute code.
 
-Tests kill a run inside a checkpoint write (after state.pt, before the rename) with tests/kill_hooks.py, which wraps
-`write_files`; nothing here knows about it.
+Tests kill a run inside a checkpoint write (after state.pt, before the rename) with tests/probes/kill_hooks.py, which
+wraps `write_files`; nothing here knows about it.
 """
 from __future__ import annotations
 

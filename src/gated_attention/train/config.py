@@ -37,7 +37,7 @@ CHOICES = {  # setting -> (its allowed values, the hint of its error)
 }
 RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
 # settings stored under an older name (train_config.json, a lab's lab.json): old -> new, or None for a retired one
-RENAMED_KEYS = {"inject_nan_steps": None}  # fault injection moved to the tests' hooks (tests/kill_hooks.py)
+RENAMED_KEYS = {"inject_nan_steps": None}  # fault injection moved to the tests' hooks (tests/probes/kill_hooks.py)
 
 
 @dataclass

@@ -11,10 +11,11 @@
   gattn_argv(*args, kill_hooks=...)          the same command line, for subprocess.Popen
   torchrun_argv(*args, nproc=2, ...)         the same command under torchrun (nproc ranks on this machine; or one
                                              agent of several as nodes, nodes=(N, endpoint))
-  torchrun_train(out, sets, env=..., ...)    `gattn train --preset tiny` under torchrun, through tests/kill_hooks.py
+  torchrun_train(out, sets, env=..., ...)    `gattn train --preset tiny` under torchrun, through
+                                             tests/probes/kill_hooks.py
   log_losses(run)                            the per-step losses of a trainer run folder (its log.jsonl)
-  traced_gattn(*args, root=..., trace=...)   run_gattn through tests/kill_hooks.py, recording the steps every trainer
-                                             run of the command trained ({run folder under root: [steps]}); with
+  traced_gattn(*args, root=..., trace=...)   run_gattn through tests/probes/kill_hooks.py, recording the steps every
+                                             trainer run of the command trained ({run folder under root: [steps]}); with
                                              kill_in / kill_at, SIGKILLed after that step of that unit (kill tests)
   assert_matches_reference(fast, ref, ...)   a fast path against its plain reference: outputs AND input gradients
   assert_modules_match(fast, ref, run, ...)  two modules (a fast path and its reference): outputs, every parameter's
@@ -138,12 +139,13 @@ def prepare_text_corpus(out: str | Path, domains: dict[str, Sequence[str] | Sequ
     return str(out)
 
 
-KILL_HOOKS = Path(__file__).with_name("kill_hooks.py")  # `gattn` + GATTN_TEST_KILL_* fault injection (test-only)
+# `gattn` + GATTN_TEST_KILL_* fault injection (test-only)
+KILL_HOOKS = Path(__file__).resolve().parents[1] / "probes" / "kill_hooks.py"
 
 
 def gattn_argv(*args, kill_hooks: bool = False) -> list[str]:
     """The command line of `gattn ARGS` as a separate Python process (for subprocess.Popen); kill_hooks runs it
-    through tests/kill_hooks.py, whose GATTN_TEST_KILL_* variables SIGKILL it at a chosen point."""
+    through tests/probes/kill_hooks.py, whose GATTN_TEST_KILL_* variables SIGKILL it at a chosen point."""
     runner = [str(KILL_HOOKS)] if kill_hooks else ["-m", "gated_attention.cli"]
     return [sys.executable, *runner, *map(str, args)]
 
@@ -164,7 +166,7 @@ def torchrun_argv(*args, nproc: int = 2, kill_hooks: bool = False, script: str |
 def torchrun_train(out: str | Path, sets: Sequence[str], env: dict | None = None, resume: bool = False,
                    nproc: int = 2) -> subprocess.CompletedProcess:
     """`gattn train --preset tiny --out OUT --set S ...` under torchrun (nproc ranks, one thread each), through
-    tests/kill_hooks.py (its GATTN_TEST_* variables in `env` inject faults), with --resume if `resume`."""
+    tests/probes/kill_hooks.py (its GATTN_TEST_* variables in `env` inject faults), with --resume if `resume`."""
     cmd = torchrun_argv("train", "--preset", "tiny", "--out", out, *sum((["--set", s] for s in sets), []),
                         *(["--resume"] if resume else []), nproc=nproc, kill_hooks=True)
     return subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True,

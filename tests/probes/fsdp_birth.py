@@ -2,10 +2,10 @@
 FSDP2, each rank fills its shards; train/meta_init.py), then gather it and save the full state dict (rank 0) with
 each rank's share of the parameters' elements.
 
-    torchrun --nproc_per_node=2 tests/fsdp_birth.py OUT.pt [--set KEY=VALUE ...]
+    torchrun --nproc_per_node=2 tests/probes/fsdp_birth.py OUT.pt [--set KEY=VALUE ...]
 
-With --peak (no gather): each rank's peak RSS growth (tests/memprobe.py) while building and filling the model, and
-while writing it as an HF folder from the shards into OUT.pt's folder (final/, state.save_hf_sharded), the bytes
+With --peak (no gather): each rank's peak RSS growth (tests/support/memprobe.py) while building and filling the model,
+and while writing it as an HF folder from the shards into OUT.pt's folder (final/, state.save_hf_sharded), the bytes
 of checkpoint tensors it asked safetensors for (init_from: every get_slice / get_tensor result, counted), its
 shard's bytes and the whole model's; OUT.pt then holds {"ranks": [{build, save, read, local, whole}, ...]}.
 """
@@ -126,6 +126,9 @@ def count_reads() -> list:
 
 
 if __name__ == "__main__":
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # memprobe (tests/support/)
     main()
     from gated_attention.train.dist import exit_process
 

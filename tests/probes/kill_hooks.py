@@ -1,6 +1,7 @@
 """Run `gattn` with SIGKILL fault injection, for the crash/resume tests (test-only code, kept out of the package).
 
-    python tests/kill_hooks.py train ...          (also as the script of `torchrun ... tests/kill_hooks.py train ...`)
+    python tests/probes/kill_hooks.py train ...
+    torchrun ... tests/probes/kill_hooks.py train ...   (as the script of each rank)
 
 GATTN_TEST_KILL_AT_STEP=N       SIGKILL right after step N (0-based) is finished: logged, step hook run, and
                                 checkpointed if due.

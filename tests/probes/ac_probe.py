@@ -4,7 +4,7 @@ torch.utils.checkpoint's selective caching mode keeps for the recompute (found a
 stores them in, which autograd's hooks never see); unique storages, parameters (sharded or gathered) excluded.
 Imported by tests/test_activation_checkpointing.py, and run under torchrun by it for FSDP2 at 2 ranks (gloo):
 
-    torchrun --nproc_per_node=2 tests/ac_probe.py OUT.json
+    torchrun --nproc_per_node=2 tests/probes/ac_probe.py OUT.json
 
 Each rank builds the tiny model the trainer's way (fast path, activation checkpointing, then FSDP2 per layer and at the
 root) with the layer forward compiled (aot_eager: the trainer's tracing without a C++ build) either before wrapping
@@ -125,7 +125,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])  # harness
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # harness (tests/support/)
     main()
     from gated_attention.train.dist import exit_process
 

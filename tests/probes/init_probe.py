@@ -2,7 +2,7 @@
 saves, from its begin(model) (a fresh run, before the first step), the model's weights as the trainer built them —
 gathered under FSDP2 — to OUT.pt (rank 0).
 
-    [torchrun --nproc_per_node=2] tests/init_probe.py OUT.pt RUN_DIR [--set KEY=VALUE ...]
+    [torchrun --nproc_per_node=2] tests/probes/init_probe.py OUT.pt RUN_DIR [--set KEY=VALUE ...]
 """
 from __future__ import annotations
 

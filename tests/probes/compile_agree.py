@@ -2,7 +2,7 @@
 disagree (faked: rank 0 sees 100 s steps, every other rank 0.01 s), so each rank's own rule would decide differently.
 Writes RESULT_PREFIX.rankN.json: that rank's speed record (compiled or not, the decision line).
 
-    torchrun --nproc_per_node=2 tests/compile_agree.py OUT_DIR RESULT_PREFIX
+    torchrun --nproc_per_node=2 tests/probes/compile_agree.py OUT_DIR RESULT_PREFIX
 
 The compile cost is taken as 30 s flat (COMPILE_COST_STEPS=0) so a 100 s step pays within the run's few steps, and
 the layers compile with the aot_eager backend (the same tracing, no C++ build).

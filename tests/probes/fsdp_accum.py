@@ -3,7 +3,7 @@ micro-batch's backward in the second step, how many bytes of tensors this rank h
 step began (grads were None then, the optimizer state already existed; the activations are freed by the end of a
 backward, so the difference is the gradients this rank keeps while it accumulates).
 
-    torchrun --nproc_per_node=2 tests/fsdp_accum.py OUT_DIR RESULT_PREFIX [--set KEY=VALUE ...]
+    torchrun --nproc_per_node=2 tests/probes/fsdp_accum.py OUT_DIR RESULT_PREFIX [--set KEY=VALUE ...]
 
 Writes RESULT_PREFIX.rankN.json: {"whole_grad_bytes": fp32 bytes of every trainable parameter's whole gradient,
 "held": [bytes after micro-batch 1, 2, ...], "accumulation": the plan's policy}.

@@ -3,7 +3,7 @@ parallelism (the mesh, apply_expert_parallel and train.dist.wrap as train/parall
 expert_parallel=E, dp_replicate=R) against the same model in this process unsharded, on the same global batch (each
 rank its rows, as the trainer splits them).
 
-    torchrun --nproc_per_node=N tests/ep_probe.py OUT.json [--set KEY=VALUE ...]
+    torchrun --nproc_per_node=N tests/probes/ep_probe.py OUT.json [--set KEY=VALUE ...]
 
 Every rank builds the model from the same seed (the one-process reference, fp32), then a second copy is wrapped (in
 the run's precision: fp32, or bf16-params as FSDP2's MixedPrecisionPolicy). Rank 0

@@ -5,7 +5,8 @@ foreach_all_gather, counted where FSDPParamGroup.unshard calls it) and how many 
 mesh dim (HSDP's across replicas: torch.distributed.all_reduce, which FSDP2's foreach_reduce calls), the first
 step's gradients and the weights after the last step.
 
-    torchrun --nproc_per_node=2 tests/fsdp_gathers.py OUT_DIR RESULT NAME=KEY:VALUE,KEY:VALUE [NAME=...] [-- SET ...]
+    torchrun --nproc_per_node=2 tests/probes/fsdp_gathers.py OUT_DIR RESULT NAME=KEY:VALUE,KEY:VALUE [NAME=...] \
+        [-- SET ...]
 
 Each NAME=... is a run with those settings on top of the shared ones (the `--set`s after `--`). Writes
 RESULT.rankN.pt: {NAME: {"gathers": [{group: count} per step], "all_reduces": [{mesh dim: count} per step],
