@@ -367,6 +367,7 @@ def test_resume_auto_survives_a_torchrun_restart(tmp_path, reference_dir):
     assert all(torch.allclose(got[k], want[k], atol=1e-5) for k in want)
 
 
+@pytest.mark.slow  # ~20 s of two torchrun agents: the slow run (pytest -m slow)
 def test_restart_across_two_nodes_meets_in_one_round(tmp_path, reference_fsdp):
     """Two torchrun agents on this host as two nodes (c10d rendezvous, --nnodes=2 --nproc_per_node=1,
     --max-restarts=1, the same `--resume auto` command, dist=fsdp). After step 4 (checkpoint at 3) one node's worker

@@ -93,7 +93,7 @@ def test_hsdp_all_reduces_across_replicas_once_per_step(measured, name, tmp_path
     summation order)."""
     from gated_attention.train import dist as D
     from gated_attention.train import trainer
-    from fsdp_gathers import first_step_grads, run_config
+    from probes.fsdp_gathers import first_step_grads, run_config
 
     for rank in measured:
         assert rank[name]["all_reduces"] == [{"dp_replicate": 5}] * 2, rank[name]["all_reduces"]

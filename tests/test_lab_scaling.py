@@ -177,12 +177,13 @@ def test_sweep_extends_past_an_edge_until_the_best_is_interior(tiny_corpus, tmp_
     assert all(b["at_edge"] is False for per in res["lr_basin"].values() for b in per.values())
 
 
-QUICK = ["--budget", "quick", "--variants", "baseline", "sdpa_elementwise", "--lrs", "0.01", "0.02", "--jobs", "1"]
+QUICK = ["--budget", "quick", "--variants", "baseline", "sdpa_elementwise", "--lrs", "0.01", "0.02", "--max-pairs", "2",
+         "--jobs", "1"]
 
 
 @pytest.fixture(scope="module")
 def quick_lab(tiny_corpus, tmp_path_factory):
-    """The quick ladder (2 variants, the baseline's 2 LRs + extensions on seed 0, 2 pilot pairs, at most 3), with a
+    """The quick ladder (2 variants, the baseline's 2 LRs + extensions on seed 0, 2 pilot pairs, at most 2), with a
     held-out text, trained once."""
     from gated_attention.cli import main
 

@@ -165,6 +165,7 @@ def test_every_mismatch_is_one_line_and_exit_2(kit, tmp_path, capsys, case):
     only_line(capsys, argv(kit, out)[0], *needles)
 
 
+@pytest.mark.slow  # a real process (~11 s); the fuzz above checks the same line in-process
 def test_the_reported_vocab_mismatch_in_a_real_process(kit, tmp_path):
     """The first report: a tiny-preset model analysed on a prepared corpus ended in a 55-line IndexError."""
     p = run_gattn("analyze", kit["small_vocab"], "--domain", "prose", "--data-dir", kit["corpus"], "--seq-len", "32",
