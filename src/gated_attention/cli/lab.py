@@ -224,6 +224,11 @@ def configure_scaling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", action="store_true",
                         help="print the ladder (parameters, tokens, FLOPs per size and the units' total FLOPs) "
                              "and exit without training")
+    parser.add_argument("--recipe-pilot", default=None, metavar="SIZE",
+                        help="instead of the ladder: train every arm at this size under each candidate recipe "
+                             "(beta2 0.99, 10 %% warm-up, fan-in init, batch x2) on pilot seeds 200, 201, ... and "
+                             "adopt one only if it halves the within-arm spread of the final loss (blind to Δ); "
+                             "writes OUT/recipe_pilot.json")
     P.add_argument(parser, default="fp32", note="; fp32 by default: the same numbers on either CPU kind")
 
 
@@ -243,6 +248,13 @@ def run_scaling(args) -> int:
                        jobs=args.jobs if args.jobs is not None else default_jobs()).validate()
     if args.plan:
         print(sl.plan_text(lab))
+        return 0
+    if args.recipe_pilot:
+        from ..labs.scaling import recipe_pilot as rp
+
+        res = sl.recipe_pilot(lab, args.recipe_pilot, log=lambda m: print(m, file=sys.stderr, flush=True))
+        print(rp.text_table(res))
+        print(f"written: {Path(args.out) / 'recipe_pilot.json'}  ({res['cpu_s'] / 60:.1f} core-minutes in units)")
         return 0
     res = sl.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(scaling_report.text_table(res))

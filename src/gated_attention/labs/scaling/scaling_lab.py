@@ -427,12 +427,17 @@ def plan_text(lab: LabConfig, vocab: int | None = None) -> str:
 
 # ---------------------------------------------------------------- the lab
 
-def _stage(points: list[tuple], lab: LabConfig, ctx: dict, log) -> dict[tuple, dict]:
-    """Run (or reuse) units (variant, size, lr, seed), lab.jobs at a time; point -> result."""
+def _stage(points: list[tuple], lab: LabConfig, ctx: dict, log, recipe: tuple | None = None) -> dict[tuple, dict]:
+    """Run (or reuse) units (variant, size, lr, seed), lab.jobs at a time; point -> result. recipe: (name, cfg ->
+    cfg) for the recipe pilot (its units' folders end in `_r-<name>` unless the name is `current`)."""
     tasks = []
     for v, s, lr, seed in points:
         cfg = train_config(lab, ctx["data_dir"], v, ctx["size"][s], ctx["info"][s], lr, seed, ctx["precision"])
-        tasks.append((cfg.to_dict(), str(ctx["out"] / "runs" / unit_name(v, s, lr, seed)), lab.heldout,
+        name = unit_name(v, s, lr, seed)
+        if recipe is not None:
+            cfg = recipe[1](cfg)
+            name += "" if recipe[0] == "current" else f"_r-{recipe[0]}"
+        tasks.append((cfg.to_dict(), str(ctx["out"] / "runs" / name), lab.heldout,
                       lab.spec.curve_points, lab.accept_code_change))
     done = sum((Path(d) / "result.json").exists() for d, *_ in (t[1:] for t in tasks))
     if len(tasks) > done:
@@ -511,25 +516,47 @@ def register_design(lab: LabConfig, out: Path, sizes: list[dict], tuning: dict, 
     return json.loads(path.read_text())
 
 
+def _context(lab: LabConfig, log) -> tuple[dict, str]:
+    """What every stage needs: the corpus (prepared if missing), the precision, OUT, the sizes and their rows."""
+    from gated_attention import data
+    from gated_attention.util.precision import decide
+
+    precision, line = decide(lab.precision, "cpu")
+    data_dir = ensure_corpus(lab.data_dir or lab.spec.data_dir, lab.spec.vocab_size, log, tag="[scaling]")
+    vocab = data.Corpus(data_dir).vocab_size
+    out = Path(lab.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    sizes = [size_info(lab.spec, s, vocab, lab.tpp()) for s in lab.rungs()]
+    return {"data_dir": str(data_dir), "precision": precision, "out": out, "vocab": vocab,
+            "size": {s.name: s for s in lab.rungs()}, "info": {i["name"]: i for i in sizes}}, line
+
+
+@locks_output("lab.out", "gattn lab scaling --recipe-pilot")
+def recipe_pilot(lab: LabConfig, size: str, log=print) -> dict:
+    """The recipe pilot at one size (recipe_pilot.py): OUT/recipe_pilot.json. Its LR comes from the ladder's tuning
+    sweep at that size in OUT (run here if missing)."""
+    from .recipe_pilot import run_recipe_pilot
+
+    names = [s.name for s in lab.spec.sizes]
+    if size not in names:
+        raise ValueError(f"--recipe-pilot {size}: the {lab.budget} ladder's sizes are {', '.join(names)}")
+    lab = replace(lab, sizes=(size,)).validate()
+    ctx, line = _context(lab, log)
+    log(f"[scaling] recipe pilot at {size}, {line} -> {ctx['out']}")
+    return run_recipe_pilot(lab, size, ctx, _stage, sweep, log)
+
+
 @locks_output("lab.out", "gattn lab scaling")
 def run_lab(lab: LabConfig, log=print) -> dict:
     """Tuning sweep, pilot, registered design, confirmation, then lab.json, report.md, report.html and plots."""
     from . import scaling_report
     from .summary import summarize
-    from gated_attention import data
-    from gated_attention.util.precision import decide
 
     lab.validate()
     t0 = time.perf_counter()
-    precision, line = decide(lab.precision, "cpu")
-    spec = lab.spec
-    data_dir = ensure_corpus(lab.data_dir or spec.data_dir, spec.vocab_size, log, tag="[scaling]")
-    vocab = data.Corpus(data_dir).vocab_size
-    out = Path(lab.out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    sizes = [size_info(spec, s, vocab, lab.tpp()) for s in lab.rungs()]
-    ctx = {"data_dir": str(data_dir), "precision": precision, "out": out,
-           "size": {s.name: s for s in lab.rungs()}, "info": {i["name"]: i for i in sizes}}
+    ctx, line = _context(lab, log)
+    spec, out, data_dir, precision, vocab = lab.spec, ctx["out"], ctx["data_dir"], ctx["precision"], ctx["vocab"]
+    sizes = list(ctx["info"].values())
     base = next(v for v in lab.variants if canonical_name(v) == "none")
     log(f"[scaling] {len(lab.variants)} variants x {len(sizes)} sizes ({sizes[0]['params_non_embedding']:,}-"
         f"{sizes[-1]['params_non_embedding']:,} non-embedding parameters, {lab.tpp():g} tokens each), protocol "
