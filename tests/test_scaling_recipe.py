@@ -14,25 +14,39 @@ from gated_attention.labs.scaling import recipe_pilot as rp
 from gated_attention.labs.scaling import scaling_lab as sl
 
 
-def _unit_cfg(tiny_corpus, variant="baseline", lr=0.01, seed=200):
+def _unit_cfg(tiny_corpus, recipe="current", lr=0.01, seed=200):
     lab = sl.LabConfig(budget="quick", data_dir=str(tiny_corpus))
     size = lab.spec.sizes[-1]
     info = sl.size_info(lab.spec, size, 1024, lab.tpp())
-    return sl.train_config(lab, str(tiny_corpus), variant, size, info, lr, seed, "fp32"), size
+    return sl.train_config(lab, str(tiny_corpus), "baseline", size, info, lr, seed, "fp32", recipe), size
 
 
 def test_each_recipe_changes_what_it_says(tiny_corpus):
     cfg, size = _unit_cfg(tiny_corpus)
-    b2 = rp.apply_recipe(cfg, rp.RECIPES["beta2-0.99"], size.hidden)
+    b2, _ = _unit_cfg(tiny_corpus, "beta2-0.99")
     assert b2.beta2 == 0.99 and b2.to_dict() | {"beta2": cfg.beta2} == cfg.to_dict()
-    wu = rp.apply_recipe(cfg, rp.RECIPES["warmup-10"], size.hidden)
+    wu, _ = _unit_cfg(tiny_corpus, "warmup-10")
     assert wu.warmup_steps == max(5, round(0.10 * cfg.steps)) and wu.steps == cfg.steps
-    big = rp.apply_recipe(cfg, rp.RECIPES["batch-x2"], size.hidden)
+    big, _ = _unit_cfg(tiny_corpus, "batch-x2")
     assert big.batch_size == 2 * cfg.batch_size
     assert abs(big.steps * big.batch_size - cfg.steps * cfg.batch_size) <= big.batch_size  # the same tokens
     assert big.lr == pytest.approx(cfg.lr * math.sqrt(2)) and big.min_lr == pytest.approx(cfg.min_lr * math.sqrt(2))
-    same = rp.apply_recipe(cfg, rp.RECIPES["current"], size.hidden)
-    assert same.to_dict() == cfg.to_dict()
+    fan, _ = _unit_cfg(tiny_corpus, "init-fan-in")
+    assert fan.to_dict() | {"model_overrides": cfg.model_overrides} == cfg.to_dict()
+
+
+def test_the_budgets_recipe_reaches_every_unit(tiny_corpus):
+    """The default ladder trains under the recipe its pilot adopted, the quick one under the base recipe; --recipe
+    overrides either, and the unit's folder names the recipe."""
+    assert sl.BUDGETS["default"].recipe == "init-fan-in" and sl.BUDGETS["quick"].recipe == "current"
+    lab = sl.LabConfig(budget="quick", data_dir=str(tiny_corpus), recipe="init-fan-in").validate()
+    size = lab.spec.sizes[0]
+    cfg = sl.train_config(lab, str(tiny_corpus), "baseline", size, sl.size_info(lab.spec, size, 1024, 2.0), 0.01, 100,
+                          "fp32")
+    assert cfg.model_overrides["initializer_range"] == pytest.approx(1 / math.sqrt(size.hidden))
+    assert sl.unit_name("baseline", "d8l1", 0.01, 100, lab.recipe_name()).endswith("_s100_r-init-fan-in")
+    with pytest.raises(ValueError, match="unknown --recipe"):
+        sl.LabConfig(recipe="bigger").validate()
 
 
 def test_fan_in_init_sets_the_weights_std(tiny_corpus):
@@ -43,10 +57,9 @@ def test_fan_in_init_sets_the_weights_std(tiny_corpus):
     from gated_attention.modeling import GatedQwen3ForCausalLM
     from gated_attention.presets import model_config
 
-    cfg, size = _unit_cfg(tiny_corpus)
     stds = {}
     for name in ("current", "init-fan-in"):
-        c = rp.apply_recipe(cfg, rp.RECIPES[name], size.hidden)
+        c, size = _unit_cfg(tiny_corpus, name)
         torch.manual_seed(0)
         model = GatedQwen3ForCausalLM(model_config(c.model, gate="none", vocab_size=1024, **c.model_overrides))
         w = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if n.endswith("proj.weight")])

@@ -224,6 +224,10 @@ def configure_scaling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", action="store_true",
                         help="print the ladder (parameters, tokens, FLOPs per size and the units' total FLOPs) "
                              "and exit without training")
+    parser.add_argument("--recipe", default=None, choices=list(sl.RECIPES),
+                        help="train every unit under this change of the base recipe (default: the budget's; "
+                             "default and gpu: init-fan-in, adopted by the recipe pilot; quick: current): "
+                             + "; ".join(f"{k}: {r.help}" for k, r in sl.RECIPES.items()).replace("%", "%%"))
     parser.add_argument("--recipe-pilot", default=None, metavar="SIZE",
                         help="instead of the ladder: train every arm at this size under each candidate recipe "
                              "(beta2 0.99, 10 %% warm-up, fan-in init, batch x2) on pilot seeds 200, 201, ... and "
@@ -244,7 +248,7 @@ def run_scaling(args) -> int:
                        tokens_per_param=args.tokens_per_param, lrs=tuple(args.lrs) if args.lrs else None,
                        heldout=tuple(args.heldout), sets=tuple(args.sets), data_dir=args.data_dir,
                        sizes=tuple(args.sizes) if args.sizes else None,
-                       precision=args.precision,
+                       precision=args.precision, recipe=args.recipe,
                        jobs=args.jobs if args.jobs is not None else default_jobs()).validate()
     if args.plan:
         print(sl.plan_text(lab))

@@ -7,14 +7,16 @@ confirm seed, so a seed that chose the recipe never counts in the comparison the
 (the ladder's tuning sweep at that size, reused from OUT). The current recipe runs on the same seeds. A recipe is
 adopted only if its pooled within-arm sd is at most ADOPT_RATIO of the current recipe's: a rule fixed in advance and
 blind to Δ (no arm is compared with another; only the spread within each arm counts). Writes
-OUT/recipe_pilot.json; its units live beside the ladder's in OUT/runs/ (suffix `_r-<recipe>`).
+OUT/recipe_pilot.json; its units live beside the ladder's in OUT/runs/ (suffix `_r-<recipe>`). Candidates are
+changes of the base recipe (`current`), whatever recipe the budget has adopted. An adopted recipe becomes a budget's
+`recipe` (scaling_lab.py), or any ladder's with --recipe.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...experiment.provenance import provenance
@@ -49,20 +51,24 @@ RECIPES: dict[str, Recipe] = {
 }
 
 
-def apply_recipe(cfg, recipe: Recipe, hidden: int, warmup_min: int = 5):
-    """The unit's TrainConfig under `recipe` (cfg: the current recipe's, for the same variant, LR and seed)."""
-    cfg = replace(cfg, **dict(recipe.fields))
+def recipe_changes(changes: dict, recipe: Recipe, hidden: int, warmup_min: int = 5) -> dict:
+    """The ladder's TrainConfig changes (scaling_lab.recipe) under `recipe`, for a model of width `hidden`; the LR
+    scale the recipe asks for is lr_scale(recipe)."""
+    c = {**changes, **dict(recipe.fields)}
     if recipe.batch_mult > 1:
-        steps = max(20, math.ceil(cfg.steps / recipe.batch_mult))
-        scale = math.sqrt(recipe.batch_mult)
-        cfg = replace(cfg, batch_size=cfg.batch_size * recipe.batch_mult, steps=steps, lr=cfg.lr * scale,
-                      min_lr=cfg.min_lr * scale, ckpt_every=max(1, steps // 4),
-                      warmup_steps=max(warmup_min, round(cfg.warmup_steps / recipe.batch_mult)))
+        steps = max(20, math.ceil(c["steps"] / recipe.batch_mult))
+        c.update(batch_size=c["batch_size"] * recipe.batch_mult, steps=steps, ckpt_every=max(1, steps // 4),
+                 warmup_steps=max(warmup_min, round(c["warmup_steps"] / recipe.batch_mult)))
     if recipe.warmup_frac is not None:
-        cfg = replace(cfg, warmup_steps=max(warmup_min, round(recipe.warmup_frac * cfg.steps)))
+        c["warmup_steps"] = max(warmup_min, round(recipe.warmup_frac * c["steps"]))
     if recipe.init_fan_in:
-        cfg = replace(cfg, model_overrides={**cfg.model_overrides, "initializer_range": 1 / math.sqrt(hidden)})
-    return cfg.validate()
+        c["model_overrides"] = {**c["model_overrides"], "initializer_range": 1 / math.sqrt(hidden)}
+    return c
+
+
+def lr_scale(recipe: Recipe) -> float:
+    """The factor on the swept LR: the square root of the batch multiplier."""
+    return math.sqrt(recipe.batch_mult)
 
 
 def judge(sd: dict[str, float | None]) -> tuple[str | None, str]:
@@ -95,11 +101,10 @@ def run_recipe_pilot(lab, size_name: str, ctx: dict, stage, sweep, log) -> dict:
     for v in lab.variants:
         swept = v if lab.protocol == "tuned" else base
         lr_for[v] = V.lr_basin(tuned_losses(tuning, swept, size_name, lab.tuning_seeds))["best_lr"]
-    hidden = ctx["size"][size_name].hidden
     rows, sd = [], {}
     for name, recipe in RECIPES.items():
         points = [(v, size_name, lr_for[v], k) for k in seeds for v in lab.variants]
-        res = stage(points, lab, ctx, log, recipe=(name, lambda c, r=recipe: apply_recipe(c, r, hidden)))
+        res = stage(points, lab, ctx, log, recipe=name)
         per_arm = {v: [res[(v, size_name, lr_for[v], k)]["val_loss"] for k in seeds] for v in lab.variants}
         pooled, df = D.pooled_within_sd(per_arm)
         finite = [x for vals in per_arm.values() for x in vals if math.isfinite(x)]

@@ -48,6 +48,7 @@ from ...gates import DEFAULT_VARIANTS, canonical_name
 from ...util.io import atomic_write_json, locks_output, read_jsonl, to_strict
 from . import design as D
 from . import verdict as V
+from .recipe_pilot import RECIPES, lr_scale, recipe_changes
 from .summary import tuned_losses, unit_name
 
 
@@ -96,14 +97,18 @@ class ScalingBudget:
     curve_points: int = 16  # points of the training-loss curve kept per run
     data_dir: str = "data_v1k"  # the corpus when --data-dir is not given (prepared automatically)
     vocab_size: int = 1024
+    recipe: str = "current"  # a change of the recipe above (recipe_pilot.RECIPES), adopted by a recipe pilot
 
 
 _DEFAULT = ScalingBudget(
     help="4 widths (24, 32, 48, 72; 2 layers, heads of 8, FFN 3d) = 15k-135k non-embedding parameters (8.9x), "
-         "20 tokens per non-embedding parameter (0.3M-2.7M tokens), the baseline's LR tuned on seed 0 over "
-         "4e-3..3.2e-2 (extended past an edge), then 4 pilot pairs and up to 10 planned confirm pairs per size at "
-         "that shared LR, fp32, eager (docs/experiments/scaling.md gives its measured cost)",
-    sizes=ladder((24, 32, 48, 72), head_dim=8), lrs=(4e-3, 8e-3, 1.6e-2, 3.2e-2))
+         "20 tokens per non-embedding parameter (0.3M-2.7M tokens), weights initialised with std 1/sqrt(width) "
+         "(the recipe pilot's choice), the baseline's LR tuned on seed 0 over 4e-3..3.2e-2 (extended past an edge), "
+         "then 4 pilot pairs and up to 10 planned confirm pairs per size at that shared LR, fp32, eager "
+         "(docs/experiments/scaling.md gives its measured cost)",
+    sizes=ladder((24, 32, 48, 72), head_dim=8), lrs=(4e-3, 8e-3, 1.6e-2, 3.2e-2),
+    # adopted by the recipe pilot at d32l2 (within-arm sd 0.020 vs 0.112 nats under N(0, 0.02): 0.18x, the bar 0.5x)
+    recipe="init-fan-in")
 
 BUDGETS: dict[str, ScalingBudget] = {
     "quick": replace(
@@ -112,7 +117,7 @@ BUDGETS: dict[str, ScalingBudget] = {
              "spanning 8.8x, 4 LRs, 2 pilot pairs and at most 3, 2 tokens per parameter, windows of 32 (seconds "
              "per run)",
         sizes=ladder((8, 12, 16, 24), head_dim=4, layers=lambda d: 1), lrs=(5e-3, 1e-2, 2e-2, 4e-2),
-        pilot_pairs=2, max_pairs=3,
+        pilot_pairs=2, max_pairs=3, recipe="current",  # CI's figures stay those of the base recipe
         tokens_per_param=2.0, max_extensions=1, seq_len=32, batch_size=4, eval_batches=2, eval_batch_size=4,
         curve_points=8),
     "default": _DEFAULT,
@@ -158,6 +163,7 @@ class LabConfig:
     data_dir: str | None = None
     jobs: int = 1
     precision: str = "fp32"  # fp32 by default: the same numbers on either CPU kind (bf16 ~60x slower on AVX2)
+    recipe: str | None = None  # None = the budget's (recipe_pilot.RECIPES names them)
 
     def validate(self) -> "LabConfig":
         from gated_attention.util.precision import check
@@ -209,7 +215,12 @@ class LabConfig:
             if key in _LAB_SETTINGS or key.startswith("model."):
                 raise ValueError(f"--set {key}: the lab sets it per unit (use {_LAB_SETTINGS.get(key, 'the budget')})")
         check(self.precision, "--precision")
+        if self.recipe_name() not in RECIPES:
+            raise ValueError(f"unknown --recipe {self.recipe!r}; valid: {', '.join(RECIPES)}")
         return self
+
+    def recipe_name(self) -> str:
+        return self.recipe or self.spec.recipe
 
     @property
     def spec(self) -> ScalingBudget:
@@ -265,29 +276,34 @@ def size_info(spec: ScalingBudget, size: Size, vocab: int, tokens_per_param: flo
             "tokens": steps * per_step, "flops": float(fpt) * steps * per_step, "flops_per_token": fpt}
 
 
-def recipe(spec: ScalingBudget, size: Size, info: dict) -> dict:
-    """The TrainConfig fields one rung trains with, besides gate, LR and seed (the same recipe at every size; `gattn
-    compare`'s default budget trains a rung of the default ladder with it)."""
+def recipe(spec: ScalingBudget, size: Size, info: dict, name: str | None = None) -> dict:
+    """The TrainConfig fields one rung trains with, besides gate, LR and seed: the same recipe at every size, under
+    the named change of it (default: the budget's; `gattn compare`'s default budget trains a rung of the default
+    ladder with it). The swept LR is multiplied by lr_scale(RECIPES[name])."""
     steps = info["steps"]
-    return dict(steps=steps, warmup_steps=max(5, round(spec.warmup_frac * steps)), schedule="cosine",
+    base = dict(steps=steps, warmup_steps=max(5, round(spec.warmup_frac * steps)), schedule="cosine",
                 weight_decay=spec.weight_decay, seq_len=spec.seq_len, batch_size=spec.batch_size,
                 eval_batches=spec.eval_batches, eval_batch_size=spec.eval_batch_size, ckpt_every=max(1, steps // 4),
                 model_overrides=size.overrides(spec.ffn_mult))
+    return recipe_changes(base, RECIPES[name or spec.recipe], size.hidden)
 
 
 def train_config(lab: LabConfig, data_dir: str, variant: str, size: Size, info: dict, lr: float, seed: int,
-                 precision: str):
-    """The TrainConfig of one unit: the `small` preset with the ladder's shape and recipe, eager (compile=auto decides
-    from a timing: a unit's numbers would depend on the machine's load)."""
+                 precision: str, recipe_name: str | None = None):
+    """The TrainConfig of one unit: the `small` preset with the ladder's shape and recipe (the lab's, or recipe_name
+    for the recipe pilot), eager (compile=auto decides from a timing: a unit's numbers would depend on the machine's
+    load)."""
     from gated_attention.presets import model_config
     from gated_attention.train.train_presets import train_preset
     from gated_attention.train.overrides import apply_overrides
 
     b = lab.spec
+    name = recipe_name or lab.recipe_name()
+    lr = lr * lr_scale(RECIPES[name])
     cfg = replace(
         train_preset("small"), data="corpus", data_dir=str(data_dir), gate=variant, seed=seed, lr=lr,
         min_lr=lr * b.min_lr_frac, precision=precision, eval_every=0, stats_every=0, tensorboard=False,
-        progress=True, compile="false", **recipe(b, size, info))
+        progress=True, compile="false", **recipe(b, size, info, name))
     if lab.sets:
         cfg = apply_overrides(cfg, list(lab.sets), model_config(cfg.model, gate=variant).to_dict())
     return cfg.validate()
@@ -427,16 +443,14 @@ def plan_text(lab: LabConfig, vocab: int | None = None) -> str:
 
 # ---------------------------------------------------------------- the lab
 
-def _stage(points: list[tuple], lab: LabConfig, ctx: dict, log, recipe: tuple | None = None) -> dict[tuple, dict]:
-    """Run (or reuse) units (variant, size, lr, seed), lab.jobs at a time; point -> result. recipe: (name, cfg ->
-    cfg) for the recipe pilot (its units' folders end in `_r-<name>` unless the name is `current`)."""
+def _stage(points: list[tuple], lab: LabConfig, ctx: dict, log, recipe: str | None = None) -> dict[tuple, dict]:
+    """Run (or reuse) units (variant, size, lr, seed), lab.jobs at a time; point -> result. recipe: a recipe's name
+    for the recipe pilot (default: the lab's)."""
     tasks = []
     for v, s, lr, seed in points:
-        cfg = train_config(lab, ctx["data_dir"], v, ctx["size"][s], ctx["info"][s], lr, seed, ctx["precision"])
-        name = unit_name(v, s, lr, seed)
-        if recipe is not None:
-            cfg = recipe[1](cfg)
-            name += "" if recipe[0] == "current" else f"_r-{recipe[0]}"
+        cfg = train_config(lab, ctx["data_dir"], v, ctx["size"][s], ctx["info"][s], lr, seed, ctx["precision"],
+                           recipe)
+        name = unit_name(v, s, lr, seed, recipe or lab.recipe_name())
         tasks.append((cfg.to_dict(), str(ctx["out"] / "runs" / name), lab.heldout,
                       lab.spec.curve_points, lab.accept_code_change))
     done = sum((Path(d) / "result.json").exists() for d, *_ in (t[1:] for t in tasks))
@@ -540,7 +554,7 @@ def recipe_pilot(lab: LabConfig, size: str, log=print) -> dict:
     names = [s.name for s in lab.spec.sizes]
     if size not in names:
         raise ValueError(f"--recipe-pilot {size}: the {lab.budget} ladder's sizes are {', '.join(names)}")
-    lab = replace(lab, sizes=(size,)).validate()
+    lab = replace(lab, sizes=(size,), recipe="current").validate()  # candidates change the base recipe
     ctx, line = _context(lab, log)
     log(f"[scaling] recipe pilot at {size}, {line} -> {ctx['out']}")
     return run_recipe_pilot(lab, size, ctx, _stage, sweep, log)

@@ -20,8 +20,9 @@ from . import design as D
 from . import verdict as V
 
 
-def unit_name(variant: str, size: str, lr: float, seed: int) -> str:
-    return f"{variant}_{size}_lr{lr:g}_s{seed}"
+def unit_name(variant: str, size: str, lr: float, seed: int, recipe: str = "current") -> str:
+    """A unit's folder under OUT/runs: `_r-<recipe>` marks a recipe other than the base one (recipe_pilot.py)."""
+    return f"{variant}_{size}_lr{lr:g}_s{seed}" + ("" if recipe == "current" else f"_r-{recipe}")
 
 
 def tuned_losses(results: dict[tuple, dict], v: str, s: str, seeds) -> dict[float, float]:
@@ -65,7 +66,7 @@ def summarize(lab, sizes: list[dict], tuning: dict, confirm: dict, best: dict, l
                          "bits_per_byte": bits_per_byte(r, bpt, vocab), "heldout_loss": r.get("heldout_loss"),
                          "diverged": r.get("diverged"), "failed": failed(r), "spikes": r.get("spikes"),
                          "cpu_s": r.get("cpu_s_this_process"), "curve": r.get("curve"),
-                         "model_dir": str(Path("runs") / unit_name(v, s, lr, k) / "final")})
+                         "model_dir": str(Path("runs") / unit_name(v, s, lr, k, lab.recipe_name()) / "final")})
     conf = [r for r in runs if r["role"] == "confirm"]
     failures = [{k: r[k] for k in ("variant", "size", "lr", "seed", "val_loss", "diverged")} | {"counted_as": imputed}
                 for r in conf if r["failed"]]
