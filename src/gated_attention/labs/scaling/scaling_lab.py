@@ -595,7 +595,8 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     lab_json["config"] = {**asdict(lab), "lrs": list(lab.grid()), "seeds": lab.seeds,
                           "tokens_per_param": lab.tpp(), "params_counted": "non-embedding (ungated model)",
                           "data_dir": str(data_dir), "resolved_precision": precision,
-                          "recipe": {k: v for k, v in asdict(spec).items() if k not in ("help", "sizes", "lrs")}}
+                          "recipe": {k: v for k, v in asdict(spec).items() if k not in ("help", "sizes", "lrs")},
+                          "recipe_name": lab.recipe_name(), "recipe_help": RECIPES[lab.recipe_name()].help}
     lab_json["provenance"] = provenance()
     lab_json["provenance"]["units_reused_from_other_code"] = sum(
         1 for r in {**tuning, **confirm}.values() if r.get("reused_from_code"))

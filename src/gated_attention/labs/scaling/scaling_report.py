@@ -206,7 +206,8 @@ def write(lab: dict, out: Path) -> None:
         ("p", f"Budget `{lab['budget']}`, {c['tokens_per_param']:g} tokens per {c['params_counted']} parameter, "
               f"protocol **{lab['protocol']}** ({_PROTOCOL[lab['protocol']]}); tuning seeds {lab['seeds']['tuning']} "
               f"(LR sweep over {c['lrs']}, extended past an edge), confirm seeds {lab['seeds']['confirm']} (never a "
-              f"tuning seed), precision {c['resolved_precision']}, corpus `{c['data_dir']}`; {lab['cpu_s_runs']:.0f} "
+              f"tuning seed), recipe `{c.get('recipe_name') or c.get('recipe', {}).get('recipe', 'current')}`, "
+              f"precision {c['resolved_precision']}, corpus `{c['data_dir']}`; {lab['cpu_s_runs']:.0f} "
               f"CPU-s in the units trained by this and earlier invocations' processes; commit "
               f"{(lab.get('provenance') or {}).get('commit')}, {(lab.get('provenance') or {}).get('cpu')}."),
         ("p", f"Failures (counted at ln(vocabulary), never dropped): {len(lab['failures'])}."),
