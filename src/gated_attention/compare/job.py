@@ -114,11 +114,11 @@ def _ladder_rung(name: str) -> dict:
 
 
 # The main job's LM setting is the default scaling ladder's d48l2 rung (a 2-layer d=48 model, 60k non-embedding
-# parameters, 20 tokens per parameter) under the ladder's protocol: every arm at the baseline's best LR of the tuning
-# seed's sweep there (seed 0: 0.002/0.004/0.008/0.016/0.032 -> 4.234/4.129/4.304/4.203/4.203 nats, docs/experiments/
-# scaling.md), and its own seeds are confirmation seeds (100, 101, 102), never the tuning seed.
+# parameters, 20 tokens per parameter, the ladder's recipe with fan-in init) under the ladder's protocol: every arm at
+# the baseline's best LR of the tuning seed's sweep there (seed 0: 0.004/0.008/0.016/0.032 -> 4.291/4.075/3.969/4.094
+# nats, docs/experiments/scaling.md), and its own seeds are confirmation seeds (100, 101, 102), never the tuning seed.
 _RUNG = "d48l2"
-LADDER_LR = 4e-3
+LADDER_LR = 1.6e-2
 CONFIRM_SEED = 100  # the first of the main job's seeds: the ladder's fresh confirm seeds start here too
 # The baseline's loss drop per e-fold of compute at d48l2 (nats), which turns Δ into ln k when no scaling lab is given:
 # alpha * A * C^-alpha of the default ladder's baseline fit, L = 75.94 C^-0.1059 (docs/experiments/scaling_default).
