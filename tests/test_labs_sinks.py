@@ -331,11 +331,11 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     """--qk-norm/--beta2/--adam-eps/--weight-decay/--decay-frac/--alpha land in the config, the model and AdamW."""
     import argparse
 
-    from gated_attention.cli.lab import configure_sinks, sinks_config
     from gated_attention.labs.sinks import sink_lab
+    from gated_attention.labs.sinks.study import STUDY, sinks_config
 
     p = argparse.ArgumentParser()
-    configure_sinks(p)
+    STUDY.configure(p)
     args = p.parse_args(["--budget", "small", "--qk-norm", "off", "--beta2", "0.99", "--adam-eps", "1e-6",
                          "--weight-decay", "0.5", "--decay-frac", "0", "--alpha", "0.2", "--variants", "baseline"])
     cfg = sinks_config(args)
@@ -378,11 +378,11 @@ def test_units_stored_under_the_old_knob_names_are_still_read(tmp_path):
 def test_help_states_the_budgets_true_defaults():
     import argparse
 
-    from gated_attention.cli.lab import configure_sinks
     from gated_attention.labs.sinks.sink_lab import BUDGETS
+    from gated_attention.labs.sinks.study import STUDY
 
     p = argparse.ArgumentParser()
-    configure_sinks(p)
+    STUDY.configure(p)
     helps = {a.dest: " ".join(a.help.split()) for a in p._actions if a.help}
     d = BUDGETS["default"].config
     assert f"{d.lr:g} with --budget default" in helps["lr"] or helps["lr"].endswith(f"(default {d.lr:g})")

@@ -17,7 +17,7 @@ step at which backcopy CE first falls below 0.5. Headline numbers (lab.json's pe
 *backcopy head*: the (layer, head) with the largest attention on the previous token from trigger queries (in the
 default 1-layer 1-head model, the only head); the residual peak is the largest over layers.
 
-The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
+The command is `gattn lab sinks` (study.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
 unit's settings under "key", its measurements) and the finished model as a Hugging Face folder (config.json,
 model.safetensors, generation_config.json: `GatedQwen3ForCausalLM.from_pretrained(run_dir)` loads it; `load_run(run_dir)`
 returns it with its task and lab settings), + the trainer's run files (train_config.json, log.jsonl, summary.json; checkpoints/ and final/ while running); then lab.json, report.md, report.html, plots/.
@@ -36,7 +36,7 @@ from pathlib import Path
 from .backcopy import BackcopyTask
 from ...experiment import cache
 from ...util.io import locks_output
-from ...experiment.runs import run_units
+from ...experiment.study import Recorder, finish_unit, run_pending
 from ...experiment.stats import mean_std
 from ...gates import DEFAULT_VARIANTS
 
@@ -353,60 +353,38 @@ class _BatchCE:
         return {"backcopy_ce": bc}
 
 
-class _UnitRecorder:
-    """The unit's step hook: the learning curve (measure() every eval_every steps, from step 0), the trailing
-    training CEs and the time-to-skill step, CPU and wall time; its state rides in the trainer's checkpoints."""
+class _UnitRecorder(Recorder):
+    """The unit's step hook (experiment.study.Recorder): the learning curve (measure() every eval_every steps, from
+    step 0), the trailing training CEs and the time-to-skill step, CPU and wall time."""
 
     def __init__(self, cfg: SinkLabConfig, variant: str, seed: int, task: BackcopyTask):
+        super().__init__(cfg.eval_every, cfg.steps, bc=[], losses=[], skill=None)
         self.cfg, self.variant, self.seed, self.task = cfg, variant, seed, task
         self.eval_seqs = task.eval_set(cfg.eval_size)
         self.batch_ce = _BatchCE(self)
-        self.state = {"curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0, "cpu": 0.0}
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def observe(self, loss: float, bc: float) -> None:
-        st = self.state
-        st["losses"] = (st["losses"] + [loss])[-SKILL_WINDOW:]
-        st["bc"] = (st["bc"] + [bc])[-SKILL_WINDOW:]
+        self.trail("losses", loss, SKILL_WINDOW)
+        self.trail("bc", bc, SKILL_WINDOW)
 
-    def wall_s(self) -> float:
-        return self.state["wall"] + time.perf_counter() - self._t0
-
-    def cpu_s(self) -> float:
-        return self.state["cpu"] + time.process_time() - self._c0
-
-    def record(self, step: int, model) -> dict:
+    def point(self, step: int, model) -> dict:
         m = measure(model, self.task, self.eval_seqs)
         losses = self.state["losses"]
-        self.state["curve"].append({"step": step, **{k: m[k] for k in METRICS if k in m},
-                                    "null_attention_dormant": m["null_attention_dormant"],
-                                    "train_loss": sum(losses) / len(losses) if losses else None})
         _log(f"{self.variant} seed {self.seed}: step {step}/{self.cfg.steps}  backcopy CE {_f(m['backcopy_ce'])}  "
              f"bigram CE {_f(m['bigram_ce'])} (floor {_f(m['bigram_ce_floor'])})  BOS attn dormant "
              f"{_f(m['bos_attention_dormant'])}  gate dormant/active {_f(m['gate_dormant'])}/"
              f"{_f(m['gate_active'])}  ({self.wall_s():.0f}s)")
-        return m
+        return {"step": step, **{k: m[k] for k in METRICS if k in m},
+                "null_attention_dormant": m["null_attention_dormant"],
+                "train_loss": sum(losses) / len(losses) if losses else None}
 
-    def begin(self, model) -> None:
-        self.record(0, model)
-
-    def __call__(self, steps_done: int, model) -> str | None:
+    def after_step(self, steps_done: int, model) -> None:
         from .metrics import trailing_mean
 
         st = self.state  # a non-finite step never gets here: the unit's max_bad_steps=1 stops the run first
         if st["skill"] is None and len(st["bc"]) == SKILL_WINDOW and \
                 trailing_mean(st["bc"], SKILL_WINDOW)[-1] < SKILL_CE:
             st["skill"] = steps_done - 1
-        if steps_done % self.cfg.eval_every == 0 or steps_done == self.cfg.steps:
-            self.record(steps_done, model)
-        return None
-
-    def state_dict(self) -> dict:
-        return {**self.state, "wall": self.wall_s(), "cpu": self.cpu_s()}
-
-    def load_state_dict(self, st: dict) -> None:
-        self.state = dict(st)
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
 
 def unit_train_config(cfg: SinkLabConfig, variant: str, seed: int, precision: str):
@@ -467,12 +445,7 @@ def train_unit(job: tuple) -> dict:
               "resolved_precision": summary.get("resolved_precision")}
     for f in (unit_dir / "final").iterdir():  # the unit folder is the model's HF folder (load_run, from_pretrained)
         shutil.copy2(f, unit_dir / f.name)
-    out = cache.save(unit_dir / "result.json", key, result)  # the "finished" marker, written last
-    # the lab needs the model, not the optimizer state: the checkpoints go once result.json holds the figures (a
-    # kill before leaves a finished run, reused with its recorder restored from the final checkpoint)
-    shutil.rmtree(unit_dir / "checkpoints", ignore_errors=True)
-    shutil.rmtree(unit_dir / "final", ignore_errors=True)
-    return out
+    return finish_unit(unit_dir, key, result)  # the lab needs the model, not the optimizer state
 
 
 def _f(v, d: int = 3) -> str:
@@ -525,8 +498,7 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
             + ", ".join(f"{j[1]} seed {j[2]}" for j in pending))
         cfg = replace(cfg, variants=[v for v in cfg.variants if any(r["variant"] == v for r in results)])
     else:
-        fresh = iter(run_units(train_unit, pending, jobs=jobs, log=log))
-        results = [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))]
+        results = run_pending(train_unit, jobs_list, [done[i] for i in range(len(jobs_list))], jobs, log)
     return write_lab(cfg, out, results, precision, started=t0)
 
 

@@ -22,7 +22,6 @@ whole LR curves. The checkpoints and exported model of a finished run are delete
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -30,11 +29,12 @@ from pathlib import Path
 
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
+from ...experiment.study import Recorder, finish_unit
 from ...gates import DEFAULT_VARIANTS, canonical_name
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from .verdict import CONVERGED_MARGIN, FAILURE_GAP
-from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, to_strict
+from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, renamed, to_strict
 
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
 EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the edge of stability (--seed-lrs edge)
@@ -319,17 +319,22 @@ def stored_run(run_dir: str | Path, cfg_dict: dict) -> dict | None:
     return cache.load(Path(run_dir) / "result.json", cfg_dict, diff=setting_differences)
 
 
-class RunRecorder:
-    """What one run records beside the trainer's log, as a trainer step hook with state (so it resumes with the run's
-    checkpoints, train.trainer.train): the validation loss at init (measured by `factory` on the trainer's own fresh
-    model), the StabilityProbe records of the trainer's probe forwards, and the run's CPU and wall seconds over all
-    the processes that trained it."""
+class RunRecorder(Recorder):
+    """What one run records beside the trainer's log, as the study's step hook (its state resumes with the run's
+    checkpoints): the validation loss at init (measured by `factory` on the trainer's own fresh model), the
+    StabilityProbe records of the trainer's probe forwards, and the run's CPU and wall seconds (no curve: the
+    trainer's log holds it)."""
 
     def __init__(self):
-        self.init_loss: float | None = None
-        self.records: list[dict] = []  # the probe's own list (shared with a bf16-params twin: updated in place)
-        self.prior_cpu_s = self.prior_wall_s = 0.0  # spent by earlier processes (a killed run's)
-        self._c0, self._t0 = time.process_time(), time.perf_counter()
+        super().__init__(every=0, steps=0, init_loss=None, probes=[])
+
+    @property
+    def init_loss(self) -> float | None:
+        return self.state["init_loss"]
+
+    @property
+    def records(self) -> list[dict]:
+        return self.state["probes"]  # the probe's own list (shared with a bf16-params twin: updated in place)
 
     def factory(self, c, vocab):
         """The trainer's own model, evaluated once before training (the loss at init), then probed."""
@@ -344,30 +349,17 @@ class RunRecorder:
         model = init_model(c, vocab, torch.device("cpu"))  # the trainer's one init stream at c.seed
         res = domain_losses(model, make_source(c), seq_len=c.seq_len, max_batches=c.eval_batches,
                             batch_size=c.eval_batch_size, device=torch.device("cpu"), precision=c.precision)
-        self.init_loss = _mean_val(res["losses"])
+        self.state["init_loss"] = _mean_val(res["losses"])
         probe = StabilityProbe(model)
         probe.records = self.records
         probe.attach()
         return model
 
-    def __call__(self, steps_done: int, model) -> None:
-        return None  # records come from the probe; never stops the run
-
-    def cpu_s(self) -> float:
-        return self.prior_cpu_s + time.process_time() - self._c0
-
-    def wall_s(self) -> float:
-        return self.prior_wall_s + time.perf_counter() - self._t0
-
-    def state_dict(self) -> dict:
-        return {"init_loss": self.init_loss, "probes": list(self.records), "cpu_s": self.cpu_s(),
-                "wall_s": self.wall_s()}
-
     def load_state_dict(self, st: dict) -> None:
-        self.init_loss = st["init_loss"]
-        self.records[:] = st["probes"]
-        self.prior_cpu_s, self.prior_wall_s = float(st["cpu_s"]), float(st["wall_s"])
-        self._c0, self._t0 = time.process_time(), time.perf_counter()
+        probes = self.records
+        st = renamed(st, {"cpu_s": "cpu", "wall_s": "wall"})  # a checkpoint from before the shared recorder
+        super().load_state_dict({"curve": [], **st, "probes": probes})
+        probes[:] = st["probes"]
 
 
 def train_run(task: tuple) -> dict:
@@ -392,11 +384,7 @@ def train_run(task: tuple) -> dict:
     result = {**run_metrics(summary, log, rec.records, rec.init_loss, cfg.warmup_steps),
               "wall_s": rec.wall_s(), "cpu_s": rec.cpu_s(), "curve": _curve(log, rec.records, cfg.stats_every)}
     # strict JSON (io): a non-finite metric is null, named in the run's "nonfinite" {metric: "nan" | "inf" | "-inf"}
-    result = cache.save(out / "result.json", cfg_dict, result)
-    # the lab needs the numbers, not the weights: removed once result.json holds them (a kill before leaves a
-    # finished run that is reused, its recorder restored from the final checkpoint)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    shutil.rmtree(out / "final", ignore_errors=True)
+    result = finish_unit(out, cfg_dict, result)  # the lab needs the numbers, not the weights
     loss = result["final_loss"]
     print(f"[stability] {out.name}: loss {'-' if loss is None else f'{loss:.3f}'} (init {result['loss_at_init']:.3f})"
           f"{' DIVERGED' if result['diverged'] else ''}  spikes {result['spikes']}  max attn logit "
