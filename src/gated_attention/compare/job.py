@@ -483,9 +483,9 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
 
         sink_cfg = sink_lab_config(b, variants, sink_lab_changes, base.precision)
         # the sink lab's loop runs on the CPU: it shares the decision when the LM runs do too
-        sink_precision = precision if device_type(base.device) == "cpu" else decide(sink_cfg.precision, "cpu")[0]
+        sink_precision = precision if device_type(base.device) == "cpu" else decide(sink_cfg.train.precision, "cpu")[0]
         sink_units = sinks.unit_jobs(sink_cfg, out / "sink_lab", sink_precision)
-        log(f"[compare] sink lab ({b.sink_lab} budget, {sink_cfg.seeds} seed(s), {sink_cfg.steps} steps) -> "
+        log(f"[compare] sink lab ({b.sink_lab} budget, {sink_cfg.seeds} seed(s), {sink_cfg.train.steps} steps) -> "
             f"{out / 'sink_lab'}")
     jobs = jobs or experiment.default_jobs()
     tasks = schedule_units(out, cfgs, b, precision, sink_units)

@@ -4,7 +4,6 @@ cli/lab.py builds the subcommand from STUDY without importing torch."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from pathlib import Path
 
 from ...experiment.study import Option, Study, options
@@ -50,23 +49,30 @@ def _knob(dest: str, kw: dict, text: str) -> Option:
     kw = dict(kw)
     flag = kw.pop("flag", "--" + dest.replace("_", "-"))
     extra = {"dest": dest} if flag != "--" + dest.replace("_", "-") else {}
-    return Option((flag,), text, {**kw, **extra, "default": None}, lambda b, d=dest: getattr(b.config, d))
+    return Option((flag,), text, {**kw, **extra, "default": None}, lambda b, d=dest: _stored(b)[d])
+
+
+def _stored(budget) -> dict:
+    """A budget's settings under their stored names (the options')."""
+    from .sink_lab import SinkLabConfig, with_changes
+
+    return with_changes(SinkLabConfig(), budget.changes).settings()
 
 
 def _options() -> list[Option]:
     task = [Option(("--" + dest.replace("_", "-"),), "task: " + text, {"type": kind, "default": None},
-                   lambda b, f=field: b.config.task[f]) for dest, (field, kind, text) in TASK_OPTIONS.items()]
+                   lambda b, f=field: _stored(b)["task"][f]) for dest, (field, kind, text) in TASK_OPTIONS.items()]
     return [
         options.out("runs/lab/sinks", "runs/<variant>/seed<k>/ (result.json + the finished model as a from_pretrained "
                     "folder), lab.json, report.md, report.html, plots/"),
         options.budget(_budgets()),
         options.variants("gate names (`gattn gates`) and baseline mechanisms (sink_logits, bondarenko_gate, "
-                         "clipped_softmax, forgetting, ...)", shown=lambda b: b.config.variants),
+                         "clipped_softmax, forgetting, ...)", shown=lambda b: _stored(b)["variants"]),
         *[_knob(d, *_KNOBS[d]) for d in ("layers", "heads", "steps")],
         options.seeds("seeds 0..N-1 per variant: model init and data order, the same for every variant",
-                      shown=lambda b: b.config.seeds),
+                      shown=lambda b: _stored(b)["seeds"]),
         *[_knob(d, *_KNOBS[d]) for d in ("lr", "gate_init")],
-        options.precision(None, "; measurements always run in fp32", shown=lambda b: b.config.precision),
+        options.precision(None, "; measurements always run in fp32", shown=lambda b: _stored(b)["precision"]),
         *[_knob(d, kw, text) for d, (kw, text) in _KNOBS.items() if d not in ("layers", "heads", "steps", "lr",
                                                                              "gate_init")],
         *task,
@@ -87,7 +93,7 @@ def sinks_config(args):
         over["task"] = {**cfg.task, **task}
     if "qk_norm" in over:
         over["qk_norm"] = over["qk_norm"] == "on"
-    return replace(cfg, **over).validate()
+    return cfg.changed(**over).validate()
 
 
 def _run(args) -> int:
