@@ -17,13 +17,13 @@ def _options() -> list[Option]:
         options.budget(S.BUDGETS),
         options.variants("gate variants (names from `gattn gates`)", S.DEFAULT_VARIANTS),
         Option(("--lrs",), "peak learning rates of the grid (default: the budget's; default "
-               f"{' '.join(f'{x:g}' for x in S.BUDGETS['default'].lrs)})",
+               f"{' '.join(f'{x:g}' for x in S.budget_settings('default')['lrs'])})",
                {"nargs": "+", "type": float, "default": None, "metavar": "LR"}),
         Option(("--qk-norm",), "train with QK-norm on, off, or both (default both)",
                {"default": "both", "choices": list(S.QK_SETTINGS)}),
         Option(("--steps",), "optimizer steps per run (default: the budget's; every run sees the same tokens)",
                {"type": int, "default": None}),
-        options.seeds(f"seeds per setting (default: the budget's, {S.BUDGETS['default'].seeds} for default); >= 3 "
+        options.seeds(f"seeds per setting (default: the budget's, {S.budget_settings('default')['seeds']} for default); >= 3 "
                       "gives bootstrap intervals worth reading"),
         Option(("--seed-lrs",), "where seeds 1.. run: every LR (all: whole curves per seed, which the intervals need; "
                "the default of every budget but shallow) or only the last stable LR and the first LR past the edge "
