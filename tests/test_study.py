@@ -1,10 +1,12 @@
 """experiment/study.py on its own: a lab's generated options (each budget's value stated in the help), the shared
 step-hook Recorder (curve every N steps and at the last, trailing windows, CPU and wall time carried over a resume
-through its state), finish_unit and run_pending. The labs' own tests run each lab through it end to end."""
+through its state), finish_unit and Units. The labs' own tests run each lab through it end to end."""
 from __future__ import annotations
 
 import argparse
 import json
+
+import pytest
 
 from gated_attention.experiment import cache, study
 from gated_attention.experiment.study import Budget, Option, Recorder, Study, options
@@ -97,8 +99,11 @@ def test_finish_unit_stores_the_result_and_drops_the_trainer_folders(tmp_path):
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "final").exists()
 
 
-def test_run_pending_runs_only_the_unfinished_units_in_order():
+def test_units_train_only_the_unfinished_ones_and_keep_unit_order():
     ran = []
-    got = study.run_pending(lambda u: ran.append(u) or u * 2, [1, 2, 3, 4], [None, "kept", None, "kept too"], 1,
-                            print)
-    assert got == [2, "kept", 6, "kept too"] and ran == [1, 3]
+    units = study.Units(lambda u: ran.append(u) or u * 2, [1, 2, 3, 4], [None, "kept", None, "kept too"])
+    assert units.pending() == [1, 3]
+    assert units.run(1, print) == [2, "kept", 6, "kept too"] and ran == [1, 3]
+    assert units.results(["a", "b"]) == ["a", "kept", "b", "kept too"]  # fresh results from another job's pool
+    with pytest.raises(ValueError, match="more fresh results"):
+        units.results(["a", "b", "c"])

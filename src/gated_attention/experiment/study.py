@@ -16,10 +16,11 @@ A lab is a study plus its own science. The study part, here:
                 the last), from step 0; trailing windows of per-step values; the unit's CPU and wall time over every
                 process that trained it; its state rides in the trainer's checkpoints, so a killed unit resumes with
                 its records
+  Units         a study's planned units (finished ones read once), trained by Units.run or, several studies' at
+                once, in one pool by the job that plans them (`gattn compare`)
   finish_unit   a finished unit's result.json (its key and figures: cache.save, the "finished" marker, written
                 last) and the removal of the trainer's checkpoints and final/ (the lab keeps figures, not optimizer
                 state)
-  run_pending   every unit of a lab through experiment.run_units, the finished ones reused without a worker
 
 A lab keeps only what it measures, how it aggregates, its verdict and its report; its units train through
 experiment.runs.train_or_reuse (the one resume policy) with a Recorder as the step hook.
@@ -205,9 +206,28 @@ def finish_unit(unit_dir: str | Path, key: dict, result: dict) -> dict:
     return out
 
 
-def run_pending(fn: Callable, units: list, done: list, jobs: int, log) -> list:
-    """[done[i] if finished else fn(units[i])]: the pending units through run_units (`jobs` at a time), the
-    finished ones as stored (no worker started for them)."""
-    pending = [u for u, d in zip(units, done) if d is None]
-    fresh = iter(run_units(fn, pending, jobs=jobs, log=log))
-    return [d if d is not None else next(fresh) for d in done]
+@dataclass
+class Units:
+    """A study's planned units: fn(unit) trains (or reuses) one and returns its result; done[i] is unit i's stored
+    result, None while it is still to train. A job that trains several studies' units in one pool (`gattn compare`)
+    takes each study's pending() and hands its fresh results back through results()."""
+
+    fn: Callable
+    units: list
+    done: list
+
+    def pending(self) -> list:
+        return [u for u, d in zip(self.units, self.done) if d is None]
+
+    def results(self, fresh: list) -> list:
+        """Every unit's result in unit order: the stored ones as they were, the pending ones from `fresh` (in the
+        order pending() gave them)."""
+        it = iter(fresh)
+        out = [d if d is not None else next(it) for d in self.done]
+        if next(it, None) is not None:
+            raise ValueError("more fresh results than pending units")
+        return out
+
+    def run(self, jobs: int, log) -> list:
+        """Train the pending units through run_units (`jobs` at a time, none for a finished one); every result."""
+        return self.results(run_units(self.fn, self.pending(), jobs=jobs, log=log))

@@ -36,7 +36,7 @@ from pathlib import Path
 from .backcopy import BackcopyTask
 from ...experiment import cache
 from ...util.io import locks_output
-from ...experiment.study import Budget, Recorder, finish_unit, run_pending
+from ...experiment.study import Budget, Recorder, Units, finish_unit
 from ...experiment.stats import mean_std
 from ...gates import DEFAULT_VARIANTS
 
@@ -503,19 +503,19 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- the lab
 
-def unit_jobs(cfg: SinkLabConfig, out: str | Path, precision: str) -> tuple[list[tuple], dict[int, dict | None]]:
-    """Every variant x seed unit of the lab as a `train_unit` job, seed-major (an interrupted lab has every variant
-    at its first seeds, not some variants at none), and the finished ones' results by index (None = still to train).
-    precision: the command's decision for cfg.precision (util.precision.decide): each job's config carries it, so no
-    unit (in a worker process or not) decides again. `gattn compare` trains the pending ones in its own worker pool
-    next to its LM variants."""
+def unit_jobs(cfg: SinkLabConfig, out: str | Path, precision: str) -> Units:
+    """Every variant x seed unit of the lab as a `train_unit` job (cfg settings, variant, seed, unit dir), seed-major
+    (an interrupted lab has every variant at its first seeds, not some variants at none), with the finished ones'
+    results. precision: the command's decision for the precision (util.precision.decide): each job's config carries
+    it, so no unit (in a worker process or not) decides again. `gattn compare` trains the pending ones in its own
+    worker pool next to its LM variants."""
     from gated_attention.util.precision import check_resolved
 
     out = Path(out)
     unit = cfg.changed(precision=check_resolved(precision))
     jobs_list = [(unit.settings(), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
                  for v in cfg.variants]
-    return jobs_list, {i: _stored_unit(j[3], unit, j[1], j[2]) for i, j in enumerate(jobs_list)}
+    return Units(train_unit, jobs_list, [_stored_unit(j[3], unit, j[1], j[2]) for j in jobs_list])
 
 
 @locks_output("out", "gattn lab sinks")  # one writer per lab folder (its worker processes write inside)
@@ -529,21 +529,21 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     from gated_attention.util.precision import decide
 
     precision, line = decide(cfg.train.precision, "cpu")  # the lab's one decision: every unit trains in it
-    jobs_list, done = unit_jobs(cfg, out, precision)
-    log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.train.steps} steps each, "
+    units = unit_jobs(cfg, out, precision)
+    pending = units.pending()  # finished units need no worker
+    log(f"{len(units.units)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.train.steps} steps each, "
         f"{jobs} at a time, {line} -> {out}")
-    pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
-    if len(pending) < len(jobs_list):
-        log(f"reusing {len(jobs_list) - len(pending)} finished model(s)")
+    if len(pending) < len(units.units):
+        log(f"reusing {len(units.units) - len(pending)} finished model(s)")
     if report_only:
-        results = [r for r in done.values() if r is not None]
+        results = [r for r in units.done if r is not None]
         if not results:
             raise ValueError(f"--report-only: no finished model in {out}/runs with these settings")
         log(f"--report-only: {len(pending)} unfinished model(s) left out: "
             + ", ".join(f"{j[1]} seed {j[2]}" for j in pending))
         cfg = replace(cfg, variants=[v for v in cfg.variants if any(r["variant"] == v for r in results)])
     else:
-        results = run_pending(train_unit, jobs_list, [done[i] for i in range(len(jobs_list))], jobs, log)
+        results = units.run(jobs, log)
     return write_lab(cfg, out, results, precision, started=t0)
 
 
