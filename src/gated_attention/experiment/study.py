@@ -22,8 +22,9 @@ A lab is a study plus its own science. The study part, here:
                 last) and the removal of the trainer's checkpoints and final/ (the lab keeps figures, not optimizer
                 state)
 
-A lab keeps only what it measures, how it aggregates, its verdict and its report; its units train through
-experiment.runs.train_or_reuse (the one resume policy) with a Recorder as the step hook.
+Beside these, a lab's own code is what it measures, its unit function (training through
+experiment.runs.train_or_reuse, the one resume policy, with a Recorder as the step hook), how it aggregates, its
+verdict and its report.
 """
 from __future__ import annotations
 
