@@ -11,7 +11,7 @@ import sys
 # keys whose values are times, or the folders the runs lived in: they differ between any two runs of the same code
 VOLATILE = {"wall_time_s", "wall_s", "cpu_s", "cpu_time_s", "cpu_s_runs", "started", "finished", "timestamp",
             "provenance", "out", "data_dir", "models", "starts", "model_dir", "path", "dir", "source", "elapsed_s",
-            "fingerprint"}
+            "fingerprint", "train_wall_time_s", "timings_s"}
 
 
 def diff(a, b, path: str = "", ignore: frozenset = frozenset()) -> list[str]:
