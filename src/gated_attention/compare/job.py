@@ -377,12 +377,12 @@ def _stderr(msg: str) -> None:
 def _unit(task: tuple, log=_stderr):
     """One model of the job, in a worker process or in-process: ("lm", (cfg, run_dir, budget, resolved precision))
     trains (or reuses / resumes) an LM variant in the job's precision and analyses it -> (summary, analysis);
-    ("sink", job) trains one sink-lab unit (its job carries the decided precision too)."""
+    ("sink", job) trains one unit of the sink study (its job carries the decided precision too)."""
     kind, payload = task
     if kind == "sink":
-        from gated_attention.labs.sinks import sink_lab
+        from gated_attention.labs.sinks import train_unit
 
-        return sink_lab.train_unit(payload)
+        return train_unit(payload)
     cfg, run_dir, budget, precision = payload
     summary = experiment.train_or_reuse(cfg, run_dir, log, "[compare]", resolved_precision=precision)
     if "_seed" in run_dir.name:  # seeds 1.. add to the perplexity measure only; the analysis is seed 0's
@@ -415,18 +415,15 @@ def run_name(variant: str, seed: int) -> str:
     return variant if seed == 0 else f"{variant}_seed{seed}"
 
 
-def schedule_units(out: Path, cfgs: dict, budget: Budget, precision: str, sink_units: tuple | None = None
+def schedule_units(out: Path, cfgs: dict, budget: Budget, precision: str, sink_units=None
                    ) -> list[tuple]:
     """The job's models still to train as `_unit` tasks, longest first: the LM runs (cfgs: run name -> its
-    validated TrainConfig; precision: the job's resolved one), then the sink lab's pending units (sink_units:
-    sink_lab.unit_jobs' (jobs, done); short ones that fill the second core while the last LM variant trains).
-    Finished ones need no worker."""
+    validated TrainConfig; precision: the job's resolved one), then the sink study's pending units (sink_units: its
+    experiment.study.Units; short ones that fill the second core while the last LM variant trains). Finished ones need
+    no worker."""
     tasks = [("lm", (cfg, out / "runs" / name, budget, precision)) for name, cfg in cfgs.items()
              if not experiment.is_finished(out / "runs" / name)]
-    if sink_units is not None:
-        jobs_list, done = sink_units
-        tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
-    return tasks
+    return tasks + [("sink", j) for j in (sink_units.pending() if sink_units is not None else [])]
 
 
 @locks_output("out", "gattn compare")  # one writer per output folder
@@ -483,9 +480,9 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
 
         sink_cfg = sink_lab_config(b, variants, sink_lab_changes, base.precision)
         # the sink lab's loop runs on the CPU: it shares the decision when the LM runs do too
-        sink_precision = precision if device_type(base.device) == "cpu" else decide(sink_cfg.precision, "cpu")[0]
+        sink_precision = precision if device_type(base.device) == "cpu" else decide(sink_cfg.train.precision, "cpu")[0]
         sink_units = sinks.unit_jobs(sink_cfg, out / "sink_lab", sink_precision)
-        log(f"[compare] sink lab ({b.sink_lab} budget, {sink_cfg.seeds} seed(s), {sink_cfg.steps} steps) -> "
+        log(f"[compare] sink lab ({b.sink_lab} budget, {sink_cfg.seeds} seed(s), {sink_cfg.train.steps} steps) -> "
             f"{out / 'sink_lab'}")
     jobs = jobs or experiment.default_jobs()
     tasks = schedule_units(out, cfgs, b, precision, sink_units)
@@ -546,11 +543,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     lab = None
     t = time.perf_counter()
     if sink_lab:  # every unit is trained by now: this aggregates them and writes the lab's report
-        jobs_list, done = sink_units
-        fresh = iter(r for t, r in zip(tasks, results) if t[0] == "sink")
-        lab = sinks.write_lab(sink_cfg, out / "sink_lab",
-                              [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))],
-                              sink_precision)
+        fresh = [r for t, r in zip(tasks, results) if t[0] == "sink"]
+        lab = sinks.write_lab(sink_cfg, out / "sink_lab", sink_units.results(fresh), sink_precision)
         result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
     timings["sink_lab_report"], t = time.perf_counter() - t, time.perf_counter()
     if streaming:
