@@ -110,6 +110,9 @@ def test_every_rule_at_its_thresholds():
     assert syn(b_sink=0.29, b_ce=0.2, g_sink=0.01, g_ce=0.2) == C.NOT_AT_SCALE
     mact = lambda *g: _claim(_rows(mact=(100.0, *g)), "Massive activations reduced")
     assert mact(50.0, 50.0) == C.REPRODUCED and mact(50.0, 51.0) == C.PARTLY and mact(50.0, 100.0) == C.NOT_AT_SCALE
+    # nothing massive in the baseline (< 100, Sun et al. 2024): halved is "partly", merely lower is nothing
+    small = lambda b, *g: _claim(_rows(mact=(b, *g)), "Massive activations reduced")
+    assert small(99.0, 49.0, 49.0) == C.PARTLY and small(1.7, 1.7, 1.6) == C.NOT_AT_SCALE
     gate = lambda g, **k: _claim(_rows(gate=g), "Sparse, query-dependent gate scores", _lab(**k))
     # sparse = every mean gate <= 0.2 (between the paper's sink-free 0.172 and its sink-keeping 0.221, Table 4)
     assert gate((0.2, 0.15), gd=0.3, ga=0.6) == C.REPRODUCED  # dormant at exactly half the active gate

@@ -17,10 +17,11 @@ from ..experiment.pages import fmt
 from ..util.io import atomic_write_text, json_dumps, read_json_object, save_png
 
 # (column title, over-seeds key, decimals); the paper's Table 4 columns that we can measure first
-TABLE4 = [("Params", "params", None), ("Avg PPL", "avg_ppl", 2), ("Val loss (nats)", "val_loss", 3),
-          ("Mean gate", "gate_mean", 3), ("Gate < 0.1", "gate_near_zero", 2), ("M-Act", "m_act", 2),
-          ("F-Attn", "f_attn", 3), ("Loss spikes", "spikes", 1), ("F-Attn max layer", "f_attn_max_layer", 3),
-          ("uniform F-Attn", "uniform_f_attn", 3), ("Sink rate", "sink_rate", 2)]
+TABLE4 = [("Params", "params", None), ("Avg PPL", "avg_ppl", 2), ("Mean gate", "gate_mean", 3),
+          ("M-Act", "m_act", 2), ("F-Attn", "f_attn", 3), ("Loss spikes", "spikes", 1),
+          ("Val loss (nats)", "val_loss", 3), ("Gate < 0.1", "gate_near_zero", 2),
+          ("F-Attn max layer", "f_attn_max_layer", 3), ("uniform F-Attn", "uniform_f_attn", 3),
+          ("Sink rate", "sink_rate", 2)]
 MORE = [("tokens", "tokens", 0), ("train s", "train_wall_time_s", 0), ("final loss", "final_loss_avg10", 3),
         ("max |attn out|", "max_abs_attn_output", 2), ("max |ffn out|", "max_abs_ffn_output", 2),
         ("mean |Y| pre gate", "mean_abs_y_pre_gate", 3), ("mean |Y| post gate", "mean_abs_y_post_gate", 3),
@@ -285,6 +286,24 @@ def readme_excerpt(result: dict) -> str:
     """The claims table as the README quotes it (claim, this run in short, verdict), from a compare.json."""
     rows = [[c["claim"], c.get("summary") or c["this_run"], c["verdict"]] for c in result.get("claims") or []]
     return pages.md_table(["Claim", "This run", "Verdict"], rows)
+
+
+# the README's excerpt sits between these lines; the first names the compare.json it is generated from
+EXCERPT_BEGIN = "<!-- claims excerpt, generated from {path} (python scripts/readme_excerpt.py rewrites it) -->"
+EXCERPT_END = "<!-- end of the claims excerpt -->"
+
+
+def splice_excerpt(readme: str, root: str | Path) -> str:
+    """The README's text with its claims excerpt regenerated from the compare.json its begin line names (a path
+    relative to the repository root `root`); unchanged text when the excerpt is current."""
+    import re
+
+    pattern = re.escape(EXCERPT_BEGIN).replace(re.escape("{path}"), "(?P<path>[^ ]+)")
+    m = re.search(pattern + r"\n(?P<body>.*?)\n" + re.escape(EXCERPT_END), readme, flags=re.S)
+    if m is None:
+        raise ValueError(f"no claims excerpt in the README (a line {EXCERPT_BEGIN!r} ... {EXCERPT_END!r})")
+    table = readme_excerpt(read_json_object(Path(root) / m["path"], "compare.json"))
+    return readme[:m.start("body")] + table + readme[m.end("body"):]
 
 
 # ---------------------------------------------------------------- re-rendering from compare.json

@@ -458,7 +458,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     independent units, trained `jobs` at a time (default min(2, cores)) in worker processes of cores/jobs threads
     (experiment.run_units), longest first, so the sink lab's short models fill the core the last LM variant leaves
     free; each LM unit also runs its analysis. jobs=1: one after another in this process, with all its threads."""
-    from . import claims, compare_report, seeds
+    from . import claims, compare_report
+    from . import seeds as S
     from ..experiment.provenance import provenance
     t0 = time.perf_counter()
     if seeds is not None and seeds < 1:
@@ -523,8 +524,8 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     for v in variants:  # the first seed's figures at the top level (as before seeds), every seed's under by_seed
         rows[v] = {**seed_rows[v]["0"], "by_seed": seed_rows[v], "lr": cfgs[v].lr,
                    "val_loss_by_seed": {str(k): seed_losses[v][k] for k in sorted(seed_losses[v])}}
-        rows[v]["over_seeds"] = seeds.summarize(rows[v])
-        m = lambda key, d: compare_report.fmt(seeds.mean(rows[v], key), d)  # noqa: E731
+        rows[v]["over_seeds"] = S.summarize(rows[v])
+        m = lambda key, d: compare_report.fmt(S.mean(rows[v], key), d)  # noqa: E731
         log(f"[compare] {v} (mean over {n_seeds} seed(s)): Avg PPL {m('avg_ppl', 3)}  F-Attn {m('f_attn', 3)}  "
             f"M-Act {m('m_act', 1)}  gate {m('gate_mean', 3)}  spikes {m('spikes', 1)}")
     from ..gates import canonical_name
