@@ -207,10 +207,11 @@ def main(argv=None) -> dict:
     ids = torch.randint(0, model_config(args.preset, **shape).vocab_size, (args.batch, args.seq))
     fns, meta, probes = {}, {}, {}
     multiples = [int(n) for n in args.ffn_multiple.split(",")]
-    runs = [(c, n) for c in configs for n in (multiples if CONFIGS[c][1] else [0])]
+    shrunk = [c for c in configs if CONFIGS[c][1] and CONFIGS[c][0] != "baseline"]  # the configs an alignment changes
+    runs = [(c, n) for c in configs for n in (multiples if c in shrunk else [0])]
     for base_label, multiple in runs:
         gate, parity = CONFIGS[base_label]
-        label = base_label if len(multiples) == 1 or not parity else f"{base_label}@{multiple}"
+        label = f"{base_label}@{multiple}" if len(multiples) > 1 and base_label in shrunk else base_label
         torch.manual_seed(0)
         cfg = model_config(args.preset, gate, match_params=parity, ffn_multiple=multiple or None, **shape)
         ours = GatedQwen3ForCausalLM(cfg).train()
