@@ -275,25 +275,19 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
             for s in range(0, n, chunk):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]  # (c, d), (c,)
-                logits = hc @ w.t()  # (c, V) in the compute dtype; the log-sum-exp in fp32, as transformers does
+                logits = (hc @ w.t()).float()  # (c, V): fp32 only for the log-sum-exp, as transformers does
                 valid = tc != ignore_index
                 safe = torch.where(valid, tc, torch.zeros_like(tc))
-                w_tok = valid.to(torch.float32) / denom  # (c,) per-token weight; ignored tokens contribute nothing
-                if logits.dtype == torch.float32:  # in place: no second (c, V) fp32 tensor
-                    picked = logits.gather(1, safe[:, None]).squeeze(1)  # (c,)
-                    top = logits.amax(dim=-1)  # (c,)
-                    # one exp pass serves both the loss (log of its row sum) and the gradient (the softmax itself)
-                    e = logits.sub_(top[:, None]).exp_()  # (c, V) = exp(logit - max), in place
-                    z = e.sum(dim=-1)  # (c,)
-                    nll, scale = top + z.log() - picked, w_tok / z
-                else:  # one fused pass from the logits to fp32 log-probabilities, no fp32 copy of the logits first
-                    lsm = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # (c, V)
-                    del logits
-                    nll, scale = -lsm.gather(1, safe[:, None]).squeeze(1), w_tok
-                    e = lsm.exp_() if want_grad else None  # (c, V) softmax, in place
-                total = total + torch.where(valid, nll, torch.zeros_like(nll)).sum()
+                picked = logits.gather(1, safe[:, None]).squeeze(1)  # (c,)
+                top = logits.amax(dim=-1)  # (c,)
+                # one exp pass serves both the loss (log of its row sum) and the gradient (the softmax itself)
+                e = logits.sub_(top[:, None]).exp_()  # (c, V) = exp(logit - max), in place
+                z = e.sum(dim=-1)  # (c,)
+                lse = top + z.log()
+                total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
                 if want_grad:
-                    e.mul_(scale[:, None])  # softmax * weight, one pass
+                    w_tok = valid.to(e.dtype) / denom  # (c,) per-token weight; ignored tokens contribute nothing
+                    e.mul_((w_tok / z)[:, None])  # softmax * weight, one pass
                     e.scatter_add_(1, safe[:, None], -w_tok[:, None])  # (softmax - onehot) * weight
                     g = e.to(compute_dtype)  # (c, V)
                     grad_h[s:s + chunk] = g @ w
