@@ -47,6 +47,9 @@ class TrainConfig:
     gate: str = "none"  # gate registry name; "none" (alias "baseline") is the ungated model
     model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
     init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
+    ffn_multiple: int = 0  # a gated dense model's FFN, shrunk to parameter parity, is rounded to a multiple of this
+    # (halved while the 0.1 % parity needs: presets.parity_width); 0 = the model preset's own (128 for the 1.7B
+    # shapes, 1 = the exact width for the CPU shapes)
     trainable: str = "all"  # "all" parameters, or only the "gates" (cheap fine-tuning of a retrofitted gate)
     # --- data
     data: str = "corpus"  # "corpus" (gattn data prepare output), "synthetic" (built-in Markov tokens, for tests) or
@@ -164,7 +167,8 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
                      "keep_checkpoints", "eval_batches", "eval_batch_size", "expert_parallel", "dp_replicate"):
             check_number(name, getattr(self, name), kind=int, min=1)
-        for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch", "fsdp_prefetch"):
+        for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch", "fsdp_prefetch",
+                     "ffn_multiple"):
             check_number(name, getattr(self, name), kind=int, min=0)
         check_number("lr", self.lr, min=0.0, min_open=True)
         for name in ("min_lr", "weight_decay", "grad_clip", "spike_delta", "spike_noise_k"):
