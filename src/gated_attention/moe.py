@@ -212,6 +212,11 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_g
 class MoeRouter(nn.Module):
     """Softmax over all experts, then top-k; optional renormalisation of the k weights (HF Qwen3MoeTopKRouter math)."""
 
+    # Its weight stays fp32 under bf16-params too (FSDP2 gathers it in fp32: train/dist.py; the one-process bf16 twin
+    # keeps it: train/mixed_precision.py): the fp32 GEMM below would otherwise multiply bf16-rounded weights, and a
+    # rounded router flips near-tied top-k choices. The weight is (E, d): a few KB per layer.
+    keeps_fp32_params = True
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()
         self.top_k = top_k
