@@ -99,7 +99,11 @@ class MoEBalanceState:
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass (a forward run there is a recomputation)."""
+    """True while autograd runs a backward pass (a forward run there is a recomputation). False while torch.compile
+    traces: the check guards eager recomputation (a traced graph replays no Python), and its int result would break
+    the graph."""
+    if torch.compiler.is_compiling():
+        return False
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
 
@@ -196,8 +200,14 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_grouped_mm: bool | None = None):
-    """Rows of x sorted by group, `counts[g]` rows per group; w (G, K, M) -> (N, M). One mm per group as fallback."""
+    """Rows of x sorted by group, `counts[g]` rows per group; w (G, K, M) -> (N, M). One mm per group as fallback
+    (it reads the group sizes on the host: a sync, and a graph break under torch.compile)."""
     if use_grouped_mm is None:
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.bfloat16:
+            # the GEMM runs in bf16 under autocast anyway; cast here so the grouped kernel (bf16-only on CUDA and
+            # under torch.compile) takes fp32 weights and activations instead of the host-synced fallback
+            x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
         use_grouped_mm = _grouped_mm_usable(x, w)
     if use_grouped_mm:
         offs = counts.cumsum(0).to(torch.int32)  # (G,) end row of each group
