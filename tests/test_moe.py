@@ -486,3 +486,26 @@ def test_block_traces_without_graph_breaks_under_bf16_autocast(shared):
             counts[autocast] = torch._dynamo.explain(block)(torch.randn(2, 8, 32)).graph_break_count
     torch._dynamo.reset()
     assert counts[True] == 0 and counts[False] >= 2, counts
+
+
+def test_recorded_exchange_is_computed_once_and_replayed_in_order():
+    """An expert-parallel dispatch's exchange (`recorded`): computed and kept in a checkpoint's recorded forward,
+    taken from the record, in call order, by its recompute, which calls nothing (no second all-to-all of counts, no
+    second host read); outside a checkpoint computed every time."""
+    from gated_attention.moe import RoutingRecord, recorded, routing_record, routing_replay
+
+    calls = []
+
+    def compute(tag):
+        return lambda: calls.append(tag) or (tag, [len(calls)])
+
+    record = RoutingRecord()
+    with routing_record(record):
+        first, second = recorded(compute("a")), recorded(compute("b"))
+    assert calls == ["a", "b"] and len(record.exchanges) == 2
+    with routing_replay(record):
+        assert (recorded(compute("x")), recorded(compute("y"))) == (first, second)
+    assert calls == ["a", "b"]
+    recorded(compute("c"))
+    recorded(compute("c"))
+    assert calls == ["a", "b", "c", "c"] and len(record.exchanges) == 2

@@ -95,7 +95,9 @@ class _ExactRecompute:
 
         self.function = function
         self.emulated = emulating()  # the numerics the forward runs in (checked when the layer is called)
-        self.routing: list = []
+        from .moe import RoutingRecord
+
+        self.routing = RoutingRecord()
         self.calls = 0
 
     def __call__(self, *args, **kwargs):

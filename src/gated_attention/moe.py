@@ -22,7 +22,8 @@ Losses (stored on the block after each forward, collected by `collect_aux_loss(m
     (no host sync in the forward, which would stall FSDP2's prefetch): they are read only when logged.
   * Activation-checkpoint recompute replays the forward exactly: the checkpointed layer's forward records each MoE
     block's routing (expert indices and the global counts its loss used) and the recompute inside backward reuses
-    them (`routing_record` / `routing_replay`, driven by `modeling.exact_checkpoint`) instead of deciding again. So
+    them (`routing_record` / `routing_replay`, driven by `modeling.exact_checkpoint`) instead of deciding again
+    (under expert parallelism each dispatch's exchanged counts and split sizes too: `recorded`). So
     the recomputed graph is the forward's even where a GEMM rounds differently on a second run, a micro-batch is
     never counted twice, and the stored loss is not overwritten.
   * router z-loss = mean over tokens of logsumexp(router logits)^2 (ST-MoE), local.
@@ -108,12 +109,22 @@ def _in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
+class RoutingRecord(list):
+    """One checkpointed call's record: an entry (top_i, global counts, global tokens) per MoE block call, in call
+    order, and in `exchanges` what each expert-parallel dispatch exchanged before its all-to-all (`recorded`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.exchanges: list = []
+
+
 class _Routing(threading.local):
     """What the MoE blocks of the running checkpointed forward record, or its recompute replays (per thread: a CUDA
     backward runs on autograd's device thread, and the record is set and read within one call there)."""
     mode: str | None = None  # None | "record" | "replay"
-    entries: list | None = None  # one (top_i, global counts, global tokens) per MoE block call, in call order
+    entries: list | None = None  # a RoutingRecord (or a plain list: no exchanges kept)
     next: int = 0
+    next_exchange: int = 0
 
 
 _ROUTING = _Routing()
@@ -121,12 +132,25 @@ _ROUTING = _Routing()
 
 @contextmanager
 def _routing(mode: str, entries: list):
-    saved = (_ROUTING.mode, _ROUTING.entries, _ROUTING.next)
-    _ROUTING.mode, _ROUTING.entries, _ROUTING.next = mode, entries, 0
+    saved = (_ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange)
+    _ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange = mode, entries, 0, 0
     try:
         yield
     finally:
-        _ROUTING.mode, _ROUTING.entries, _ROUTING.next = saved
+        _ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange = saved
+
+
+def recorded(compute):
+    """`compute()` (an expert-parallel dispatch's exchange of counts and its host read of the split sizes), kept in a
+    recorded forward's RoutingRecord and taken from it in the recompute, which so exchanges and reads nothing again."""
+    mode, exchanges = _ROUTING.mode, getattr(_ROUTING.entries, "exchanges", None)
+    if mode == "replay" and exchanges is not None:
+        _ROUTING.next_exchange += 1
+        return exchanges[_ROUTING.next_exchange - 1]
+    value = compute()
+    if mode == "record" and exchanges is not None:
+        exchanges.append(value)
+    return value
 
 
 def routing_record(entries: list):

@@ -9,7 +9,8 @@ Applied to a built model (the model itself stays single-device code, moe.py):
   * the module's forward becomes `_dispatch_compute_combine`: the router's choice is made on this rank's tokens as
     before; the (token, slot) rows are sorted by expert once (as the grouped path does; sorted by expert is sorted by
     destination rank), the per-expert counts are exchanged (one small all-to-all, then one host read of both split
-    sizes together, as every all-to-all dispatcher needs), the rows go to their experts' ranks (torch's functional,
+    sizes together, as every all-to-all dispatcher needs; an activation checkpoint's recompute reuses the forward's,
+    moe.recorded), the rows go to their experts' ranks (torch's functional,
     autograd-aware all-to-all, whose backward sends the gradients back), are regrouped from
     source-rank-major to local-expert-major, and run through the same grouped matmuls (moe.grouped_matmul: one
     torch._grouped_mm or one mm per expert) on the local experts; the outputs return by the reverse all-to-all and are
@@ -42,7 +43,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from ..moe import MoeExperts, expert_counts, grouped_matmul, moe_blocks
+from ..moe import MoeExperts, expert_counts, grouped_matmul, moe_blocks, recorded
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # MoeExperts' fused per-expert tensors, sharded on dim 0
 
@@ -103,10 +104,14 @@ def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, t
     order = torch.argsort(flat_e, stable=True)  # (N*k,) sorted position -> flat (token, slot): by expert = by rank
     counts = expert_counts(flat_e, experts.num_experts)  # (E,)
     xs = h[order // k]  # (N*k, d)
-    with torch.no_grad():  # got[s * E_l + j] = rows rank s sends to local expert j
-        got = funcol.all_to_all_single(counts, None, None, group).view(ep, n_local)  # (ep, E_l)
-    # rows to each rank and from each: the split sizes, read on the host together (one sync per layer)
-    send, recv = torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist()  # (2, ep)
+
+    def exchange():
+        with torch.no_grad():  # got[s * E_l + j] = rows rank s sends to local expert j
+            got = funcol.all_to_all_single(counts, None, None, group).view(ep, n_local)  # (ep, E_l)
+        # rows to each rank and from each: the split sizes, read on the host together (one sync per layer)
+        return (got, *torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist())  # sizes (2, ep)
+
+    got, send, recv = recorded(exchange)  # a checkpoint's recompute reuses its forward's: no second sync
     xr = funcol.all_to_all_single_autograd(xs, recv, send, group)  # (R, d) source-rank-major, expert-sorted inside
     # regroup by local expert, sources in rank order inside each (so an expert's rows are the global batch's order)
     local_e = torch.repeat_interleave(torch.arange(n_local, device=got.device).repeat(ep), got.reshape(-1))  # (R,)
