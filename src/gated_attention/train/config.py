@@ -35,7 +35,9 @@ CHOICES = {  # setting -> (its allowed values, the hint of its error)
     "reshard_after_forward": (RESHARD_AFTER_FORWARD, f"use one of {', '.join(RESHARD_AFTER_FORWARD)}"),
     "device": (("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
 }
-RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
+# written beside the settings in train_config.json; not TrainConfig fields (the world size: an MoE run's micro-batch
+# layout, train/resume_rule.py)
+RUN_RECORD_KEYS = ("resolved_precision", "world_size")
 # settings stored under an older name (train_config.json, a lab's lab.json): old -> new, or None for a retired one
 RENAMED_KEYS = {"inject_nan_steps": None}  # fault injection moved to the tests' hooks (tests/probes/kill_hooks.py)
 
@@ -110,6 +112,9 @@ class TrainConfig:
     # each layer keeps its GEMM and attention outputs and recomputes only the cheap ops between them (norms, RoPE,
     # gates, SwiGLU); "every:N": "full" on every N-th layer (0, N, 2N, ...), the others keep everything (docs/scale.md)
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
+    gc_every: int = 50  # Python's automatic garbage collection off during training, a full collection every N steps
+    # on every rank at the same step instead (train/runtime.py): a collection left automatic pauses one rank at a
+    # time and the others wait for it in the next collective; 50 is torchtitan's; 0 = Python's automatic collection
     # --- monitoring
     eval_every: int = 0  # per-domain validation every N steps (0 = only at the end)
     eval_batches: int = 4  # validation batches per domain
@@ -168,7 +173,7 @@ class TrainConfig:
                      "keep_checkpoints", "eval_batches", "eval_batch_size", "expert_parallel", "dp_replicate"):
             check_number(name, getattr(self, name), kind=int, min=1)
         for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch", "fsdp_prefetch",
-                     "ffn_multiple"):
+                     "ffn_multiple", "gc_every"):
             check_number(name, getattr(self, name), kind=int, min=0)
         check_number("lr", self.lr, min=0.0, min_open=True)
         for name in ("min_lr", "weight_decay", "grad_clip", "spike_delta", "spike_noise_k"):
