@@ -21,7 +21,7 @@ import pytest
 
 import _extras
 from gated_attention.cli import main
-from harness import build_lm, torchrun_argv
+from harness import build_lm, gattn_argv, torchrun_argv
 
 pytestmark = pytest.mark.xdist_group("docs_tasks")  # the tasks share one folder, built in page order
 
@@ -75,8 +75,9 @@ def run(command: str, cwd: Path) -> str | None:
             os.chdir(old)
         return None if code == 0 else f"`{command}` exited {code}"
     if words[0] == "torchrun":
-        assert words[words.index("-m") + 1] == "gated_attention.cli", command
-        args = words[words.index("-m") + 2:]
+        start = words.index("-m")
+        assert words[start:start + 2] == gattn_argv()[1:], f"`{command}`: torchrun of another program"
+        args = words[start + 2:]
         argv = torchrun_argv(*args, *tiny(args), nproc=2)
     elif words[0] == "python":
         argv = [sys.executable, *words[1:]]
