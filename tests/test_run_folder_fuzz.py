@@ -191,3 +191,63 @@ def test_every_damage_resumes_or_is_one_line(finished, tmp_path, capsys):
     assert not failures, f"{len(failures)} of {len(outcomes) + len(failures)} cases:\n\n" + "\n\n".join(failures)
     # the damage reached the run: some is survived (an older checkpoint resumes), some refused with its line
     assert {"resumed", "refused"} <= set(outcomes.values()), outcomes
+
+
+# ------------------------------------------------------------------------------------------------ verification
+
+def _checkpoint_of(tmp_path: Path, size: int) -> Path:
+    """A checkpoint folder with a `size`-byte state.pt (random bytes) and its manifest."""
+    from gated_attention.train import checkpoint as ckpt_mod
+
+    ck = tmp_path / "step_00000001"
+    ck.mkdir()
+    (ck / "state.pt").write_bytes(random.Random(0).randbytes(size))
+    (ck / "meta.json").write_text("{}")
+    ckpt_mod.write_manifest(ck)
+    return ck
+
+
+def test_resume_verification_reads_sizes_and_sampled_pieces(tmp_path, monkeypatch):
+    """verify() checks every size and, of a file of many pieces, the first, the last and SAMPLED drawn ones — not the
+    whole file —; verify(full=True) every piece. Damage at either end is always caught; in the middle, by the full
+    check (and by a sampled one only when a drawn piece covers it)."""
+    from gated_attention.train import checkpoint as ckpt_mod
+
+    pieces = 12
+    ck = _checkpoint_of(tmp_path, pieces * ckpt_mod.PIECE + 5)  # 13 pieces: the last one 5 bytes
+    read = []
+    real = ckpt_mod._piece_hash
+    monkeypatch.setattr(ckpt_mod, "_piece_hash", lambda fh, i, step: read.append((fh.name, i)) or real(fh, i, step))
+    assert ckpt_mod.verify(ck) is None
+    state = [i for name, i in read if name.endswith("state.pt")]
+    assert len(state) == ckpt_mod.SAMPLED + 2 and {0, pieces} <= set(state)  # 6 of 13 pieces read
+    read.clear()
+    assert ckpt_mod.verify(ck, full=True) is None
+    assert sorted(i for name, i in read if name.endswith("state.pt")) == list(range(pieces + 1))
+
+    data = bytearray((ck / "state.pt").read_bytes())
+    for where, piece in ((0, 0), (len(data) - 1, pieces), (5 * ckpt_mod.PIECE + 7, 5)):
+        damaged = bytearray(data)
+        damaged[where] ^= 0xFF  # one flipped byte, the size unchanged
+        (ck / "state.pt").write_bytes(bytes(damaged))
+        assert ckpt_mod.verify(ck, full=True) == f"state.pt piece {piece} of {pieces + 1} does not match the manifest " \
+                                                 "(corrupt)"
+        if piece != 5:
+            assert "does not match" in (ckpt_mod.verify(ck) or "")
+    (ck / "state.pt").write_bytes(bytes(data[:-1]))
+    assert "truncated" in ckpt_mod.verify(ck)
+
+
+def test_a_version_1_manifest_still_verifies(tmp_path):
+    """Checkpoints written before per-piece hashes (one SHA-256 per file) verify by that hash."""
+    import hashlib
+
+    from gated_attention.train import checkpoint as ckpt_mod
+
+    ck = _checkpoint_of(tmp_path, 1000)
+    files = {n: {"size": (ck / n).stat().st_size, "sha256": hashlib.sha256((ck / n).read_bytes()).hexdigest()}
+             for n in ("state.pt", "meta.json")}
+    (ck / "manifest.json").write_text(json.dumps({"version": 1, "files": files}))
+    assert ckpt_mod.verify(ck) is None
+    (ck / "state.pt").write_bytes(b"x" * 1000)
+    assert "checksum does not match" in ckpt_mod.verify(ck)
