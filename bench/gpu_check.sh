@@ -3,12 +3,14 @@
 # (H100/H200 class):
 #   1. the kernel tests WITHOUT Triton's interpreter (tests/test_triton_attention.py with TRITON_INTERPRET=0: the same
 #      forward/gradient checks as on CPU, on the GPU with the compiled kernels, plus bf16 at the GPU's own tiles);
-#   2. the paper's 28-layer recipe on this GPU beside its plan: `bench/bench_plan.py run --preset paper-dense-28l`
-#      (G1 elementwise, the recipe's FSDP2 setting at world size 1 = the one-process path, bf16-params, activation
+#   2. the paper's 28-layer recipe on this machine's GPUs beside its plan: `bench/bench_plan.py run --preset
+#      paper-dense-28l` under torchrun, one rank per GPU (NGPUS, default every visible GPU; NCCL, chosen by the
+#      device), so the recipe's FSDP2 setting runs as FSDP2 even on one GPU (G1 elementwise, bf16-params, activation
 #      checkpointing, seq 4096, micro-batch 1; the triton_gated kernel if part 1 passed, else sdpa; a global batch of
 #      PAPER_BATCH sequences for PAPER_STEPS steps, synthetic tokens): tokens/s, MFU (over the GPU's nominal dense
-#      bf16 peak) and peak memory (torch.cuda.max_memory_allocated / reserved) next to `gattn plan`'s prediction for the
-#      same setting -> $OUT/paper_28l/rank0.json;
+#      bf16 peak) and each rank's peak memory of every step (torch.cuda.max_memory_allocated / reserved, read before
+#      the trainer's log line resets them) next to `gattn plan`'s prediction for the same setting ->
+#      $OUT/paper_28l/rank<r>.json;
 #   3. bench/bench_kernel.py: fused gated kernel vs the ungated kernel vs SDPA (flash) + the separate gate, forward and
 #      forward+backward, bf16, D=128, T = 1k..16k -> bench/results/kernel.json;
 #   4. a short training run with the kernel (`gattn train --set attn_implementation=triton_gated`, a 4-layer model of
@@ -96,18 +98,20 @@ part kernel_tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovi
 IMPL=triton_gated
 if [ "$DRY" = 0 ] && ! grep -q "kernel_tests: ok" "$SUMMARY"; then IMPL=sdpa; say "(kernel tests failed: part 2 uses sdpa)"; fi
 
-# 2. the paper's 28-layer recipe on one GPU, measured beside gattn plan's prediction for the same setting
+# 2. the paper's 28-layer recipe on this machine's GPUs (one torchrun rank each), measured beside gattn plan's
+# prediction for the same setting
+NGPUS=${NGPUS:-$("$PY" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 PAPER_SETS=(--set gate=sdpa_elementwise --set device=cuda --set data=synthetic --set attn_implementation=$IMPL
   --set batch_size="$PAPER_BATCH" --set steps="$PAPER_STEPS" --set warmup_steps=2 --set eval_batches=1
   --set eval_batch_size=1 --set ckpt_every=0 --set stats_every=0 --set compile=false --set progress=false
   --set tensorboard=false)
 if [ "$DRY" = 1 ]; then  # the settings parse, and the plan of them (CPU, meta device: seconds)
-  "$PY" -m gated_attention.cli plan --preset paper-dense-28l --gpus 1 --gpu-memory 141 --gpu-tflops 989 \
+  "$PY" -m gated_attention.cli plan --preset paper-dense-28l --gpus "$NGPUS" --gpu-memory 141 --gpu-tflops 989 \
     "${PAPER_SETS[@]}" | tee -a "$SUMMARY" || { say "-- plan of the paper part: FAILED"; failed=1; }
 fi
 rm -rf "$WORK/paper_28l" "$OUT/paper_28l"
-part paper_28l 120 env TRITON_INTERPRET=0 "$PY" bench/bench_plan.py run --preset paper-dense-28l \
-  --out "$WORK/paper_28l" "${PAPER_SETS[@]}"
+part paper_28l 120 env TRITON_INTERPRET=0 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPUS" \
+  bench/bench_plan.py run --preset paper-dense-28l --out "$WORK/paper_28l" "${PAPER_SETS[@]}"
 if [ "$DRY" = 0 ]; then mkdir -p "$OUT/paper_28l"; cp "$WORK"/paper_28l/rank*.json "$OUT/paper_28l/" 2>/dev/null; fi
 
 # 3. kernel timings: fused gated vs ungated kernel vs SDPA flash + separate gate, bf16, D=128
