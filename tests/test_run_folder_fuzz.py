@@ -230,8 +230,8 @@ def test_resume_verification_reads_sizes_and_sampled_pieces(tmp_path, monkeypatc
         damaged = bytearray(data)
         damaged[where] ^= 0xFF  # one flipped byte, the size unchanged
         (ck / "state.pt").write_bytes(bytes(damaged))
-        assert ckpt_mod.verify(ck, full=True) == f"state.pt piece {piece} of {pieces + 1} does not match the manifest " \
-                                                 "(corrupt)"
+        want = f"state.pt piece {piece} of {pieces + 1} does not match the manifest (corrupt)"
+        assert ckpt_mod.verify(ck, full=True) == want
         if piece != 5:
             assert "does not match" in (ckpt_mod.verify(ck) or "")
     (ck / "state.pt").write_bytes(bytes(data[:-1]))

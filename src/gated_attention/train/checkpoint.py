@@ -16,8 +16,8 @@ without reading it whole: every size, and of each file its first and last piece 
 or its first or last piece; damage confined to the middle of a large file is caught with the probability that a
 drawn piece covers it — the load that follows reads every byte, and `verify(full=True)` checks every piece.
 `--resume` verifies the newest and falls back to the newest valid one, warning which were skipped. Re-saving an
-existing step renames the old copy aside, puts the new one in place, and only then deletes the old one. A write that fails (a full disk) removes its temp folder and leaves every previous
-checkpoint intact. Files are read back with `torch.load(weights_only=True)` (tensors and plain containers only, no
+existing step renames the old copy aside, puts the new one in place, and only then deletes the old one. A write
+that fails (a full disk) removes its temp folder and leaves every previous checkpoint intact. Files are read back with `torch.load(weights_only=True)` (tensors and plain containers only, no
 pickle code) and JSON: nothing from a run folder can execute code.
 
 Tests kill a run inside a checkpoint write (after state.pt, before the rename) with tests/probes/kill_hooks.py, which
