@@ -23,7 +23,9 @@
 #      micro-batches (keep_gathered=true), prefetches two layers and checkpoints selectively, which change no loss.
 #      What one GPU cannot show: NCCL between ranks (two processes cannot share one GPU under NCCL), the
 #      reduce-scatter's real traffic, memory at N > 1 shards; the CPU tests (tests/test_distributed.py, gloo, 2 ranks)
-#      cover the multi-rank logic, docs/scale.md says what is validated.
+#      cover the multi-rank logic, docs/scale.md says what is validated;
+#   6. with >= 2 GPUs: bench/parallel_check.py, both paper presets shrunk to 2 layers as FSDP2, HSDP and EP under
+#      torchrun with NCCL, each beside its plan (per-step peak memory of every rank, tokens/s, MFU, collective time).
 # Each part has its own time limit, cut to what is left of TOTAL_LIMIT; the script goes on after a failed part and
 # exits 1 if any failed.
 # Needs: a python with a CUDA build of torch, Triton and the project's dependencies: the GPU machine's own `python3`
@@ -187,6 +189,23 @@ ok = (len(full) == len(restarted) == 8 and all(math.isfinite(x) for x in full) a
       and rec["restarted_parallel"].get("keep_gathered") is True)
 sys.exit(0 if ok else 1)
 EOF
+
+# 6. on >= 2 GPUs: both paper presets shrunk to 2 layers in their parallel layouts (FSDP2, HSDP, EP), each under
+# torchrun with NCCL beside its plan: every rank's peak memory of every step, tokens/s, MFU, time in collectives
+# (bench/parallel_check.py; its CPU/gloo runs are tests/test_bench_plan.py)
+if [ "$NGPUS" -ge 2 ]; then
+  PAR_N=$((NGPUS / 2 * 2))
+  rm -rf "$WORK/parallel"
+  part parallel 240 env TRITON_INTERPRET=0 "$PY" bench/parallel_check.py --nproc "$PAR_N" --device cuda \
+    --set attn_implementation=$IMPL --out "$WORK/parallel"
+  if [ "$DRY" = 0 ]; then
+    mkdir -p "$OUT/parallel"; cp "$WORK/parallel/parallel_check.json" "$OUT/parallel/" 2>/dev/null
+    for d in "$WORK"/parallel/*/; do mkdir -p "$OUT/parallel/$(basename "$d")"; cp "$d"rank*.json "$d"log.txt \
+      "$OUT/parallel/$(basename "$d")/" 2>/dev/null; done
+  fi
+else
+  say "-- parallel: skipped (one GPU: FSDP2/HSDP/EP across ranks need >= 2; NGPUS=$NGPUS)"
+fi
 
 [ "$DRY" = 0 ] && [ "${KEEP_WORK:-0}" != 1 ] && rm -rf "$WORK"
 say "== done in ${SECONDS}s; results: $SUMMARY, $OUT/paper_28l/rank0.json, bench/results/kernel.json, $OUT/train_compare.json, $OUT/fsdp_compare.json"
