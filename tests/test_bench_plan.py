@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from harness import torchrun_argv
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench" / "bench_plan.py"
 SETS = ["--set", "steps=4", "--set", "ckpt_every=2", "--set", "eval_batches=1", "--set", "stats_every=0"]
@@ -42,9 +44,8 @@ def test_one_process_with_periodic_checkpoints(tmp_path):
 
 
 def test_two_ranks_under_torchrun_with_gloo(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(BENCH), "run", "--preset", "tiny", *SETS, "--set", "dist=fsdp", "--out", str(tmp_path)],
-                       env=ENV, capture_output=True, text=True, timeout=600)
+    cmd = torchrun_argv("run", "--preset", "tiny", *SETS, "--set", "dist=fsdp", "--out", tmp_path, script=BENCH)
+    p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     recs = _ranks(tmp_path, 2)
     assert {r["dist"] for r in recs} == {"fsdp"} and [r["rank"] for r in recs] == [0, 1]
