@@ -290,8 +290,10 @@ def commit(out_dir: str | Path, step: int, keep: int) -> Path:
     _fsync_dir(root)
     if old is not None:
         _remove(old)
-    for _, stale in list_checkpoints(out_dir)[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
+    for _, stale in list_checkpoints(out_dir)[:-keep]:  # renamed out of the checkpoints first: a kill during the
+        doomed = root / f".tmp-rotated-{stale.name}"  # delete leaves a temporary folder (removed at the next start),
+        os.rename(stale, doomed)  # never a half-deleted step_N
+        _remove(doomed)
     return final
 
 
