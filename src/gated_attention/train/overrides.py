@@ -134,17 +134,21 @@ def run_config(out: str, preset: str | None = None, gate: str | None = None, set
     from pathlib import Path
 
     from ..util.errors import UserError
-    from ..util.io import read_json_object
+    from .checkpoint import check_layout, saved_settings
 
-    saved = Path(out) / "train_config.json"
+    folder = Path(out)
+    if resume and folder.is_dir():
+        check_layout(folder)
+    # train_config.json, or where it is missing or damaged the settings in the newest intact checkpoint
+    saved = saved_settings(folder) if resume and folder.is_dir() else None
     if resume == "auto":
-        resume = saved.exists()
-    if resume and not saved.exists() and not (Path(out) / "checkpoints").is_dir():
+        resume = saved is not None
+    if resume and saved is None and not (folder / "checkpoints").is_dir():
         raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
                         "a new run there")
-    if not (resume and saved.exists() and preset is None):
+    if not (resume and saved is not None and preset is None):
         return config_from_args(preset or "small", gate, list(sets), data_dir)
-    cfg = TrainConfig.from_dict(read_json_object(saved, "saved run settings", "restore it or use a new --out"))
+    cfg = TrainConfig.from_dict(saved)
     for flag, key, value in (("--gate", "gate", gate), ("--data-dir", "data_dir", data_dir)):
         if value is not None and _comparable(key, value) != _comparable(key, getattr(cfg, key)):
             raise UserError(f"--resume with {flag} {value} but the saved run has {key}={getattr(cfg, key)!r}; drop "

@@ -176,7 +176,7 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
     wanted = D.on_rank0(info, lambda: ckpt_mod.resume_decision(out, resume, out / "train_config.json", want,
                                                                overwrite))
     D.on_rank0(info, lambda: atomic_write_text(out / "train_config.json", json_dumps(want, indent=1)))
-    latest = ckpt_mod.newest_valid(out, info) if wanted else None
+    latest = ckpt_mod.newest_valid(out, info, want) if wanted else None
     if wanted and latest is None:
         if wanted != "auto":  # the same on every rank: every rank stops
             raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
@@ -252,15 +252,26 @@ def _restore(run: _Run, latest: Path | None) -> None:
         if shared is None:  # DCP: each rank reads its shards, whatever the world size that wrote it
             D.on_every_rank(info, lambda: parts.weights.load_sharded(latest / ckpt_mod.SHARDED))
         else:
-            parts.weights.load_state_dict(shared)
-        parts.load_meta(meta, latest)
+            _loading(latest, lambda: parts.weights.load_state_dict(shared))
+        _loading(latest, lambda: parts.load_meta(meta, latest))
         if rng is not None:  # None: this rank did not exist in the run that wrote it
-            parts.rng.load_state_dict(rng)
+            _loading(latest, lambda: parts.rng.load_state_dict(rng))
         if info.is_main:
             truncate_log(run.log_path, run.st["step"])
     elif info.is_main and run.log_path.exists():
         run.log_path.unlink()  # a fresh run (no checkpoint yet) starts a fresh log
     D.barrier(info)
+
+
+def _loading(ckpt: Path, load) -> None:
+    """load(): a part of checkpoint `ckpt` into the run; contents that verified but are not what this run holds (a
+    file written by hand or by another program, with its manifest) are one line, not a traceback."""
+    try:
+        load()
+    except (KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
+        raise UserError(f"checkpoint {ckpt} holds contents this run cannot load ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}); delete it to resume from an older one") \
+            from None
 
 
 def _state(run: _Run) -> RunState:
