@@ -318,7 +318,8 @@ def saved_bytes(cfg) -> tuple[int, object, int]:
     from probes.ac_probe import sac_cache
     from gated_attention.train import fastpath
     from gated_attention.train.mixed_precision import MasterWeights
-    from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
+    from gated_attention.train.activation_checkpoint import apply_activation_checkpointing
+    from gated_attention.train.model_setup import build_model
     from gated_attention.train.monitors import decoder_layers
     from gated_attention.util.precision import numerics
 

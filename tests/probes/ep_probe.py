@@ -25,7 +25,8 @@ def main() -> None:
     from gated_attention.train.overrides import apply_overrides
     from gated_attention.train.train_presets import tiny
     from gated_attention.train.expert_parallel import apply_expert_parallel, local_expert_numel
-    from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
+    from gated_attention.train.activation_checkpoint import apply_activation_checkpointing
+    from gated_attention.train.model_setup import build_model
     from gated_attention.train.monitors import decoder_layers
 
     out, sets = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]

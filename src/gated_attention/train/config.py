@@ -18,7 +18,7 @@ from ..util.io import renamed
 
 TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.apply_trainable)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "every:N")  # train.model_setup.apply_activation_checkpointing
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "every:N")  # train.activation_checkpoint
 ACCUM_GRADS = ("sharded", "auto")  # train.dist.unsharded_accumulation
 RESHARD_AFTER_FORWARD = ("default", "always", "never")  # train.fsdp_policy (torchtitan's policy names)
 SAMPLERS = ("random", "epoch")  # corpus batch samplers (train.data_source.CorpusSource)

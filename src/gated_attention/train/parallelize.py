@@ -38,7 +38,7 @@ from torch import nn
 from . import dist as D
 from . import fastpath
 from . import fsdp_policy as FP
-from .model_setup import apply_activation_checkpointing
+from .activation_checkpoint import apply_activation_checkpointing
 from .monitors import decoder_layers
 
 
