@@ -115,8 +115,8 @@ def test_numbers_equal_a_hand_computation():
 
 def test_gradients_follow_the_accumulation_policy():
     """Under FSDP2 with grad_accum > 1 the plan counts the gradients the trainer holds, by the trainer's own policy
-    function (train.dist.unsharded_accumulation): sharded (4 B / N) by default; accum_grads=auto plans whole ones plus
-    the sharded output (4 B + 4 B / N) only where those fit the GPU's memory, at the byte."""
+    function (train.memory_decision.unsharded_accumulation): sharded (4 B / N) by default; accum_grads=auto plans
+    whole ones plus the sharded output (4 B + 4 B / N) only where those fit the GPU's memory, at the byte."""
     Pt = PL.plan(tiny_cfg(), gpus=1, device="cpu")["params_trainable"]
     cfg = tiny_cfg("dist=fsdp", "grad_accum=2")  # 4 sequences = 2 ranks x 2 micro-batches of 1
     sh = PL.plan(cfg, gpus=2, gpu_memory_gb=1e3, device="cpu")

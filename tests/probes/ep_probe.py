@@ -32,12 +32,12 @@ def main() -> None:
     out, sets = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
     cfg = apply_overrides(tiny(), ["model=tiny-moe", "dist=fsdp", "precision=fp32"] + sets)
     info = D.setup("cpu", "fsdp")
-    cfg.check_world(info.world_size)
+    dims = cfg.check_world(info.world_size)
     torch.manual_seed(cfg.seed)
     ref = build_model(cfg, None).train()
     model = copy.deepcopy(ref)
     apply_activation_checkpointing(decoder_layers(model), cfg.activation_checkpointing)  # the recompute replays EP
-    meshes = D.device_meshes(info, cfg.dp_replicate, cfg.expert_parallel)  # as train/parallelize.py steps 5-6
+    meshes = D.device_meshes(info, dims)  # as train/parallelize.py steps 5-6
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
     model = D.wrap(model, info, decoder_layers(model), cfg.precision, meshes)  # bf16-params: FSDP2's mixed precision
