@@ -125,6 +125,12 @@ def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materia
     with the memory unknown, so no `auto` decision engages."""
     sharded = info.distributed and info.mode == "fsdp"
     dims = ParallelDims.of(cfg, info.world_size)
+    count = len(decoder_layers(model))
+    if memory is None:
+        memory, _ = decide(cfg, layers=count, mode=info.mode, world=info.world_size, grad_accum=cfg.grad_accum)
+    if len(memory.gather.reshard_layers) != count:  # its gather policy names each decoder layer's group
+        raise ValueError(f"the memory decision was made for {len(memory.gather.reshard_layers)} decoder layers but "
+                         f"the model has {count}: plan the model this run builds")
     if materialize is not None and not sharded:  # 1.
         materialize(model)
     master, mixed = model, None
@@ -134,11 +140,6 @@ def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materia
         mixed = MasterWeights(model)
         model = mixed.compute
     layers = decoder_layers(model)
-    if memory is None:
-        memory, _ = decide(cfg, layers=len(layers), mode=info.mode, world=info.world_size, grad_accum=cfg.grad_accum)
-    if len(memory.gather.reshard_layers) != len(layers):
-        raise ValueError(f"the memory decision was made for {len(memory.gather.reshard_layers)} decoder layers but "
-                         f"the model has {len(layers)}: plan the model this run builds")
     speed = fastpath.prepare(cfg, model, layers, info.device, precision)  # 3.
     apply_activation_checkpointing(layers, memory.activation_checkpointing)  # 4.
     meshes = D.device_meshes(info, dims) if sharded else None
