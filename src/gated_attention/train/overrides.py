@@ -186,7 +186,7 @@ def check_model(cfg: TrainConfig) -> None:
 
     from ..util.errors import UserError
 
-    from .expert_parallel import check_experts
+    from .parallel_dims import ParallelDims
 
     try:
         config = model_config(cfg.model, gate=cfg.gate, ffn_multiple=cfg.ffn_multiple or None, **cfg.model_overrides)
@@ -195,4 +195,4 @@ def check_model(cfg: TrainConfig) -> None:
         if not named:
             raise
         raise UserError(f"--set model.{named[0]}: {exc}") from None
-    check_experts(config.num_experts or 0, cfg.expert_parallel)  # E must give each rank whole experts
+    ParallelDims.of(cfg, num_experts=config.num_experts or 0)  # E must give each rank whole experts
