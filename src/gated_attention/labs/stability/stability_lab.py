@@ -30,7 +30,7 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
 from ...experiment.study import Budget, Recorder, finish_unit
-from ...gates import DEFAULT_VARIANTS, canonical_name
+from ...gates import DEFAULT_VARIANTS, canonical_name, check_variants
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from .verdict import CONVERGED_MARGIN, FAILURE_GAP
@@ -131,20 +131,9 @@ class LabConfig:
     train: dict = field(default_factory=dict)
 
     def validate(self) -> "LabConfig":
-        from gated_attention.gates import GATES, canonical_name
-
         if self.budget not in BUDGETS:
             raise ValueError(f"unknown --budget {self.budget!r}; valid: {', '.join(BUDGETS)}")
-        bad = []
-        for v in self.variants:
-            try:
-                canonical_name(v)
-            except ValueError:
-                bad.append(v)
-        if bad:
-            raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)} (see `gattn gates`)")
-        if len(set(self.variants)) != len(self.variants) or not self.variants:
-            raise ValueError(f"--variants must list distinct gate names, got {list(self.variants)}")
+        check_variants(self.variants)
         if self.qk_norm not in QK_SETTINGS:
             raise ValueError(f"--qk-norm {self.qk_norm!r}; use on, off or both")
         if self.seed_lrs not in (None, "edge", "all"):
