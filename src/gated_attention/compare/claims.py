@@ -261,6 +261,9 @@ def ppl_claim(rows: dict, measure: dict | None = None, scaling_dir=None) -> dict
                 [_f(_m(rows["baseline"], "val_loss")), " / ".join(_f(_m(rows[v], "val_loss")) for v in _gated(rows))])
             + " nats")
     summary = "Δ val loss " + ", ".join(f"{_short(v)} {_iv(d)}" for v, d in deltas.items()) + " nats"
+    bpb = m.get("delta_bits_per_byte") or {}
+    if all(bpb.get(v) and bpb[v].get("mean") is not None for v in deltas):
+        summary += " (" + " / ".join(f"{bpb[v]['mean']:+.3f}" for v in deltas) + " bits/byte)"
     if m.get("ln_k"):
         summary += "; ln k " + ", ".join(f"{_short(v)} {_iv(x, 2)}" for v, x in m["ln_k"].items())
     lab = scaling_evidence(scaling_dir)
