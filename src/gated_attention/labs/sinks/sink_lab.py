@@ -60,7 +60,7 @@ class SinkLabConfig:
     variants: list = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # BackcopyTask fields; T=64: a dormant query late in a long sequence can spread over many keys almost for free (the
     # copied values average out), so the full BOS sink pays only where few keys precede it: at T=128 the baseline's
-    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (docs/experiments/sink_lab.md, issue 20)
+    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (results/sink_lab.md, issue 20)
     task: dict = field(default_factory=lambda: BackcopyTask(seq_len=64).to_dict())
     layers: int = 1  # 1-3: the task needs one head; more layers show where the sink moves
     heads: int = 1  # query (= KV) heads per layer
@@ -72,7 +72,7 @@ class SinkLabConfig:
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
     steps: int = 800  # at lr 1e-2 the gated models solve the backcopy in ~100 steps, the baseline in ~150-200
     batch_size: int = 32
-    lr: float = 1e-2  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (docs/experiments/sink_lab.md)
+    lr: float = 1e-2  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (results/sink_lab.md)
     min_lr: float = 1e-3
     warmup_steps: int = 50
     schedule: str = "wsd"  # wsd | cosine (train.schedule): the sink grows while the LR is high; a cosine decay
