@@ -4,6 +4,7 @@
 # and the C++ build tools (cmake, g++) that the `serve` extra's llama-cpp-python compiles llama.cpp with.
 # GATTN_LARGE_SOURCES=1 adds the opt-in large sources (not in the default corpus; ~140 MB download, ~1.3 GB of text):
 #   linux-source-6.1 (kernel_c, kernel_doc: GPL-2) and dict-gcide (gcide: GPL-2-or-later); see data/large_sources.py.
+# GATTN_BROWSER=1 adds chromium (headless), which scripts/check_report_render.py renders the reports with.
 # Idempotent: exits at once when all are installed; runs `apt-get update` only when a package is not yet known to apt.
 # Needs root (or sudo). On a non-Debian system it says so and exits 1; `gattn data prepare` then skips those sources.
 set -euo pipefail
@@ -11,6 +12,9 @@ set -euo pipefail
 PACKAGES=(r-cran-janeaustenr bible-kjv python3.11-doc cmake g++)
 if [ "${GATTN_LARGE_SOURCES:-0}" = 1 ]; then
     PACKAGES+=(linux-source-6.1 dict-gcide)
+fi
+if [ "${GATTN_BROWSER:-0}" = 1 ]; then  # headless Chromium for scripts/check_report_render.py (optional)
+    PACKAGES+=(chromium)
 fi
 
 if ! command -v dpkg-query >/dev/null 2>&1 || ! command -v apt-get >/dev/null 2>&1; then

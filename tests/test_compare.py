@@ -310,6 +310,12 @@ def test_seeds_give_the_perplexity_row_its_measure(tiny_corpus, tmp_path):
     for v in ("baseline", "sdpa_elementwise"):
         assert (out / "runs" / v / "final").exists() and (out / "runs" / f"{v}_seed1" / "final").exists()
         assert set(res["rows"][v]["val_loss_by_seed"]) == {"0", "1"}
+        # every seed's model is analysed; the report's figures are their means (compare/seeds.py)
+        by = res["rows"][v]["by_seed"]
+        assert set(by) == {"0", "1"} and all(0.0 < by[k]["f_attn"] < 1.0 for k in by)
+        assert res["rows"][v]["over_seeds"]["f_attn"]["mean"] == pytest.approx((by["0"]["f_attn"] + by["1"]["f_attn"]) / 2)
+        assert res["rows"][v]["over_seeds"]["f_attn"]["per_seed"] == [by["0"]["f_attn"], by["1"]["f_attn"]]
+    assert set(res["plot_data"]["loss"]["baseline"]) == {"0", "1"} and "sdpa_elementwise" in res["plot_data"]["gates"]
     cfg0 = json.loads((out / "runs" / "baseline" / "train_config.json").read_text())
     cfg1 = json.loads((out / "runs" / "baseline_seed1" / "train_config.json").read_text())
     assert cfg1["seed"] == cfg0["seed"] + 1

@@ -11,7 +11,7 @@ from gated_attention.compare import claims as C
 
 
 def _rows(base_ppl=20.0, g_ppl=(18.0, 18.5), f=(0.08, 0.025, 0.026), u=0.024, mact=(300.0, 100.0, 120.0),
-          gate=(0.3, 0.4)):
+          gate=(0.1, 0.15)):
     rows = {"baseline": {"avg_ppl": base_ppl, "f_attn": f[0], "uniform_f_attn": u, "m_act": mact[0],
                          "gate_mean": None, "spikes": 0, "f_attn_max_layer": 0.2}}
     for i, v in enumerate(C.GATED):
@@ -110,10 +110,22 @@ def test_every_rule_at_its_thresholds():
     assert syn(b_sink=0.29, b_ce=0.2, g_sink=0.01, g_ce=0.2) == C.NOT_AT_SCALE
     mact = lambda *g: _claim(_rows(mact=(100.0, *g)), "Massive activations reduced")
     assert mact(50.0, 50.0) == C.REPRODUCED and mact(50.0, 51.0) == C.PARTLY and mact(50.0, 100.0) == C.NOT_AT_SCALE
+    # nothing massive in the baseline (< 100, Sun et al. 2024): halved is "partly", merely lower is nothing
+    small = lambda b, *g: _claim(_rows(mact=(b, *g)), "Massive activations reduced")
+    assert small(99.0, 49.0, 49.0) == C.PARTLY and small(1.7, 1.7, 1.6) == C.NOT_AT_SCALE
     gate = lambda g, **k: _claim(_rows(gate=g), "Sparse, query-dependent gate scores", _lab(**k))
-    assert gate((0.49, 0.3), gd=0.3, ga=0.6) == C.REPRODUCED  # dormant at exactly half the active gate
-    assert gate((0.5, 0.3), gd=0.3, ga=0.6) == C.PARTLY and gate((0.49, 0.3), gd=0.31, ga=0.6) == C.PARTLY
-    assert gate((0.5, 0.3), gd=0.31, ga=0.6) == C.NOT_AT_SCALE
+    # sparse = every mean gate <= 0.2 (between the paper's sink-free 0.172 and its sink-keeping 0.221, Table 4)
+    assert gate((0.2, 0.15), gd=0.3, ga=0.6) == C.REPRODUCED  # dormant at exactly half the active gate
+    assert gate((0.21, 0.15), gd=0.3, ga=0.6) == C.PARTLY and gate((0.2, 0.15), gd=0.31, ga=0.6) == C.PARTLY
+    assert gate((0.21, 0.15), gd=0.31, ga=0.6) == C.NOT_AT_SCALE
+    # no starting value passes: a gate at (or just below) its initial ~0.5 that does not tell queries apart
+    assert gate((0.5, 0.5), gd=0.5, ga=0.5) == C.NOT_AT_SCALE and gate((0.49, 0.45), gd=0.5, ga=0.5) == C.NOT_AT_SCALE
+    # the share of near-zero scores is shown beside the mean
+    rows = _rows(gate=(0.1, 0.15))
+    for v, share in zip(C.GATED, (0.62, 0.4)):
+        rows[v]["gate_near_zero"] = share
+    row = {r["claim"]: r for r in C.claims_table({"rows": rows}, None)}["Sparse, query-dependent gate scores"]
+    assert "below 0.1 62 % / 40 %" in row["this_run"] and row["verdict"] == C.PARTLY  # sparse; no sink task here
 
 
 def test_every_threshold_names_its_source_and_is_documented():
@@ -134,8 +146,8 @@ def test_every_threshold_names_its_source_and_is_documented():
         assert rule and ts, claim
         for t in ts:
             assert isinstance(t, Threshold) and t.kind in KINDS and t.source
-            if t.kind == "paper":
-                assert "SPEC §" in t.source, t
+            if t.kind == "paper":  # the paper by table or figure, or the section of the spec that quotes it
+                assert re.search(r"SPEC §|Qiu et al\. 2025, (Table|Fig)", t.source), t
             if t.kind == "published":
                 assert re.search(r"(19|20)\d\d", t.source), t
             assert f"| {t.name} | {t.value:g} {t.unit}".rstrip() in usage, f"docs/usage.md lacks {t.text()}"
@@ -170,10 +182,14 @@ def test_stability_and_longctx_are_read_from_disk(tmp_path):
     long = {r["claim"]: r for r in C.claims_table({"rows": _rows()}, _lab(), stab, lc)}[
         "Long context (YaRN ×4, no training)"]
     assert long["verdict"] == C.NOT_RUN and long["command"] == C.LONGCTX_CMD
-    head, cells = C.claims_cells(C.claims_table({"rows": _rows()}, None, tmp_path / "x", lc))
-    assert head[:4] == ["Claim", "Paper", "This run", "Verdict"] and head[4].startswith("Rule") and len(cells) == 8
+    table = C.claims_table({"rows": _rows()}, None, tmp_path / "x", lc)
+    head, cells = C.claims_cells(table)
+    assert head == ["Claim", "Paper", "This run", "Verdict"] and len(cells) == 8
     assert f"not run here: run `{C.STABILITY_CMD}`" in cells[5][3]
-    assert cells[0][4] == C.RULES["Lower perplexity at parameter parity"][0]
+    assert cells[5][2] == table[5]["summary"] != table[5]["this_run"]  # the first table gives the figure in short
+    head, cells = C.detail_cells(table)  # ... and the rules' table each claim's figures in full and its rule
+    assert head[2] == "Rule" and cells[5][1] == table[5]["this_run"]
+    assert cells[0][2] == C.RULES["Lower perplexity at parameter parity"][0]
 
 
 def _setting(msl, msl_iv, sens, sens_iv, spikes, spikes_iv, seeds=3):
@@ -304,9 +320,12 @@ def test_streaming_rule_branches():
     assert row(_stream([(0.1, 0.0)] * 3, {**gated, "sdpa_headwise": [0.025]}))["verdict"] == C.REPRODUCED
     # nothing to evict: no baseline cost
     assert row(_stream([(0.0, 0.0)] * 3, g3(0.0)))["verdict"] == C.NOT_AT_SCALE
-    # the sink lab is judged when it ran; the text models are reported beside it
+    # every kind of model is judged, apart; the row takes the weakest verdict and states each
     r = row(_stream([(0.018, 0.0)], g3(0.0), text=([(0.2, 0.01)], {v: [0.01] for v in C.GATED})))
     assert r["verdict"] == C.PARTLY and "text models" in r["this_run"] and "reproduced" in r["this_run"]
+    r = row(_stream([(0.2, 0.0)], g3(0.0), text=([(0.013, 0.006)], {v: [0.015] for v in C.GATED})))
+    assert r["verdict"] == C.NOT_AT_SCALE  # the sink lab's models reproduce it, the text models show the opposite
+    assert "sink lab models reproduced" in r["summary"] and "text models not at this scale" in r["summary"]
     # ... and the text models alone when the sink lab did not run
     r = row(_stream(None, None, text=([(0.2, 0.01)], {v: [0.01] for v in C.GATED})))
     assert r["verdict"] == C.REPRODUCED and r["this_run"].startswith("text models, window 64")

@@ -220,6 +220,20 @@ def test_report_renders_markdown_and_self_contained_html(tmp_path):
     assert pages.figures(plots, {"loss": "Loss"}) == [("img", "Loss", "plots/a.png"), ("img", "gates", "plots/b.png")]
 
 
+def test_html_tables_read_text_from_the_left_and_figures_from_the_right():
+    """A column of figures (numbers, intervals, per-seed lists, missing values) is right-aligned; a column with words
+    in it reads from the left; a '|' inside a markdown cell stays inside it."""
+    head = ["Variant", "F-Attn", "note", "seeds"]
+    rows = [["baseline", "0.045 [0.040, 0.050]", "no sink", "100 / 101"],
+            ["gated", "–", "a | b", "1.07×"]]
+    assert pages.numeric_columns(rows) == [False, True, False, True]
+    page = pages.html_table(head, rows)
+    assert '<th class="num">F-Attn</th>' in page and "<td>baseline</td>" in page
+    assert '<td class="num">0.045 [0.040, 0.050]</td>' in page and "<td>no sink</td>" in page
+    assert "td" in pages.CSS and ".num{text-align:right" in pages.CSS and "text-align:left" in pages.CSS
+    assert "| gated | – | a \\| b | 1.07× |" in pages.md_table(head, rows)
+
+
 def test_number_formats_and_text_table():
     assert [pages.fmt(v, 2) for v in (None, True, 1234, 1.5, float("nan"))] == ["–", "True", "1234.00", "1.50", "nan"]
     assert pages.fmt(1234, 0) == "1,234"

@@ -303,7 +303,7 @@ def test_sink_lab_models_report_bos_attention(tmp_path_factory, tmp_path):
     units = tmp_path_factory.mktemp("sinklab")
     cfg = sink_lab.budget_config("small", steps=10, eval_every=10, variants=["baseline", "sdpa_elementwise"], seeds=1)
     for v in cfg.variants:
-        sink_lab.train_unit((asdict(cfg), v, 0, str(units / "runs" / v / "seed0")))
+        sink_lab.train_unit((cfg.settings(), v, 0, str(units / "runs" / v / "seed0")))
     res = run_lab(QuantLabConfig(models=[str(units)], schemes=["int8-weight"], policies=["all", "keep-gate"],
                                  eval_windows=8, calibration_windows=4), tmp_path, log=lambda m: None)
     assert {r["model"] for r in res["results"]} == {"baseline/seed0", "sdpa_elementwise/seed0"}

@@ -36,7 +36,7 @@ def _sink_start(root, seed: int = 0, steps: int = 40, model: bool = True, varian
     unit.mkdir(parents=True)
     if model:
         build_lm(model_config_for(cfg, variant), seed=seed).save_pretrained(unit)
-    key = {**asdict(cfg), "variant": variant, "seed": seed, "format": 1}
+    key = {**cfg.settings(), "variant": variant, "seed": seed, "format": 1}
     (unit / "result.json").write_text(json.dumps({"key": key, "variant": variant, "seed": seed}))
     return unit
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ def sink_units(tmp_path_factory):
     out = tmp_path_factory.mktemp("sinklab")
     cfg = sink_lab.budget_config("small", steps=20, eval_every=20, variants=["baseline", "sdpa_elementwise"], seeds=1)
     for v in cfg.variants:
-        sink_lab.train_unit((asdict(cfg), v, 0, str(out / "runs" / v / "seed0")))
+        sink_lab.train_unit((cfg.settings(), v, 0, str(out / "runs" / v / "seed0")))
     return out
 
 

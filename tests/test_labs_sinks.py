@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -184,7 +183,7 @@ def test_baseline_mechanisms_and_gate_init_build():
     assert resolve_variant("sink_logits") == ("none", "sink_logits")
     with pytest.raises(ValueError, match="unknown variant"):
         resolve_variant("no_such_thing")
-    cfg = SinkLabConfig(gate_init="identity")
+    cfg = SinkLabConfig().changed(gate_init="identity")
     assert model_config_for(cfg, "sdpa_headwise").gate_init == "identity"
     assert model_config_for(cfg, "bondarenko_gate").mechanism == "bondarenko_gate"
 
@@ -195,7 +194,7 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
     from gated_attention.labs.sinks import sink_lab
 
     cfg = sink_lab.budget_config("small", variants=["sdpa_elementwise"], steps=40, ckpt_every=15, eval_every=20)
-    job = lambda d: (asdict(cfg), "sdpa_elementwise", 0, str(d))
+    job = lambda d: (cfg.settings(), "sdpa_elementwise", 0, str(d))
     whole = sink_lab.train_unit(job(tmp_path / "whole"))
     real = BackcopyTask.train_batch
 
@@ -213,7 +212,7 @@ def test_killed_unit_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(BackcopyTask, "train_batch", real)
     # the reuse rule (experiment.cache): a half-trained unit is not resumed, nor silently restarted, under other
     # settings; a unit finished under other settings stops the job too
-    other = (asdict(replace(cfg, lr=cfg.lr / 2)), "sdpa_elementwise", 0, str(tmp_path / "killed"))
+    other = (cfg.changed(lr=cfg.train.lr / 2).settings(), "sdpa_elementwise", 0, str(tmp_path / "killed"))
     with pytest.raises(StaleResult, match="lr: saved"):
         sink_lab.train_unit(other)
     with pytest.raises(StaleResult, match="lr: saved"):
@@ -316,7 +315,7 @@ def test_finished_models_are_loadable_hf_folders(small_lab):
     unit = out / "runs" / "baseline" / "seed1"
     assert is_run_dir(unit) and not is_run_dir(out) and not is_run_dir(out / "runs" / "baseline")
     run = load_run(unit)
-    assert (run.variant, run.seed) == ("baseline", 1) and run.task == SMALL and run.config.hidden_size == 32
+    assert (run.variant, run.seed) == ("baseline", 1) and run.task == SMALL and run.config.model["hidden_size"] == 32
     assert not run.model.training
     m = measure(run.model, run.task, run.task.eval_set(run.config.eval_size))
     for k in ("bos_attention_dormant", "backcopy_ce", "bigram_ce"):
@@ -331,15 +330,18 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
     """--qk-norm/--beta2/--adam-eps/--weight-decay/--decay-frac/--alpha land in the config, the model and AdamW."""
     import argparse
 
-    from gated_attention.cli.lab import configure_sinks, sinks_config
     from gated_attention.labs.sinks import sink_lab
+    from gated_attention.labs.sinks.study import STUDY, sinks_config
 
     p = argparse.ArgumentParser()
-    configure_sinks(p)
+    STUDY.configure(p)
     args = p.parse_args(["--budget", "small", "--qk-norm", "off", "--beta2", "0.99", "--adam-eps", "1e-6",
                          "--weight-decay", "0.5", "--decay-frac", "0", "--alpha", "0.2", "--variants", "baseline"])
     cfg = sinks_config(args)
-    assert (cfg.qk_norm, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.wsd_decay_frac) == (False, 0.99, 1e-6, 0.5, 0.0)
+    got = cfg.settings()
+    assert (got["qk_norm"], got["beta2"], got["eps"], got["weight_decay"], got["wsd_decay_frac"]) == \
+        (False, 0.99, 1e-6, 0.5, 0.0)
+    assert (cfg.train.beta2, cfg.train.eps, cfg.model["use_qk_norm"]) == (0.99, 1e-6, False)  # where each lives
     assert cfg.task["alpha"] == 0.2 and cfg.task["vocab"] == 16  # the budget's task, one field changed
     assert sink_lab.model_config_for(cfg, "baseline").use_qk_norm is False
     seen = {}
@@ -350,11 +352,11 @@ def test_optimizer_and_model_knobs_reach_the_unit(monkeypatch, tmp_path):
         return real(groups, **kw)
 
     monkeypatch.setattr(torch.optim, "AdamW", spy)
-    r = sink_lab.train_unit((asdict(replace(cfg, steps=3, eval_every=3)), "baseline", 0, str(tmp_path / "u")))
+    r = sink_lab.train_unit((cfg.changed(steps=3, eval_every=3).settings(), "baseline", 0, str(tmp_path / "u")))
     assert seen["betas"] == (0.9, 0.99) and seen["eps"] == 1e-6 and 0.5 in seen["wd"] and 0.0 in seen["wd"]
     assert r["key"]["qk_norm"] is False and r["key"]["wsd_decay_frac"] == 0.0
     with pytest.raises(ValueError, match="--decay-frac"):
-        replace(cfg, wsd_decay_frac=1.5).validate()
+        cfg.changed(wsd_decay_frac=1.5).validate()
 
 
 def test_units_stored_under_the_old_knob_names_are_still_read(tmp_path):
@@ -363,7 +365,7 @@ def test_units_stored_under_the_old_knob_names_are_still_read(tmp_path):
     from gated_attention.experiment import cache
     from gated_attention.labs.sinks import sink_lab
 
-    cfg = replace(sink_lab.SinkLabConfig(), wsd_decay_frac=0.3, eps=1e-6)
+    cfg = sink_lab.SinkLabConfig().changed(wsd_decay_frac=0.3, eps=1e-6)
     key = sink_lab._unit_key(cfg, "baseline", 0)
     old = {{"wsd_decay_frac": "decay_frac", "eps": "adam_eps"}.get(k, k): v for k, v in key.items()}
     assert sink_lab.RENAMED_KEYS == {"decay_frac": "wsd_decay_frac", "adam_eps": "eps"}
@@ -378,14 +380,41 @@ def test_units_stored_under_the_old_knob_names_are_still_read(tmp_path):
 def test_help_states_the_budgets_true_defaults():
     import argparse
 
-    from gated_attention.cli.lab import configure_sinks
-    from gated_attention.labs.sinks.sink_lab import BUDGETS
+    from gated_attention.labs.sinks.sink_lab import budget_config
+    from gated_attention.labs.sinks.study import STUDY
 
     p = argparse.ArgumentParser()
-    configure_sinks(p)
+    STUDY.configure(p)
     helps = {a.dest: " ".join(a.help.split()) for a in p._actions if a.help}
-    d = BUDGETS["default"].config
-    assert f"{d.lr:g} with --budget default" in helps["lr"] or helps["lr"].endswith(f"(default {d.lr:g})")
-    assert f"{d.steps} with --budget default" in helps["steps"]
+    d = budget_config("default")
+    assert f"{d.train.lr:g} with --budget default" in helps["lr"] or helps["lr"].endswith(f"(default {d.train.lr:g})")
+    assert f"{d.train.steps} with --budget default" in helps["steps"]
     assert "on with --budget default" in helps["compile"] and "off with --budget small" in helps["compile"]
-    assert helps["qk_norm"].endswith(f"(default {'on' if d.qk_norm else 'off'})")
+    assert helps["qk_norm"].endswith(f"(default {'on' if d.model['use_qk_norm'] else 'off'})")
+    assert helps["eval_every"].endswith(f"{d.curve_every} with --budget default)")
+
+
+def test_the_stored_names_are_one_table_that_round_trips():
+    """Every stored name (the options', units' keys', lab.json's config) reads and writes the one setting it names:
+    changing it by that name changes that setting and nothing else, and the stored form reads back the same config."""
+    from gated_attention.labs.sinks import sink_lab
+
+    base = sink_lab.budget_config("small")
+    before = base.settings()
+    assert list(before) == list(sink_lab.STORED)
+    def another(name, value):
+        if name in ("variants", "task"):
+            return ["sdpa_headwise"] if name == "variants" else {**value, "alpha": 0.7}
+        if isinstance(value, bool):
+            return not value
+        if isinstance(value, str):
+            return {"gate_init": "identity", "schedule": "cosine", "precision": "fp32"}[name]
+        return value + 1
+
+    for name, value in before.items():
+        other = another(name, value)
+        after = base.changed(**{name: other}).settings()
+        assert after == {**before, name: other}, name
+    assert sink_lab.SinkLabConfig().changed(**before).settings() == before  # the stored form reads back
+    with pytest.raises(ValueError, match="unknown sink-lab setting"):
+        base.changed(adam_eps=1e-6)  # an old name is read through RENAMED_KEYS where a stored key is, not here

@@ -298,10 +298,10 @@ def test_sink_lab_units_are_keyed_on_the_resolved_precision(cpu_kind):
     from gated_attention.labs.sinks.sink_lab import SinkLabConfig, _unit_key
 
     cfg = SinkLabConfig()
-    assert cfg.precision == "auto"
+    assert cfg.train.precision == "auto"
     cpu_kind(FAST)
     fast = _unit_key(cfg, "baseline", 0)
-    assert fast["precision"] == "bf16" and _unit_key(SinkLabConfig(precision="bf16"), "baseline", 0) == fast
+    assert fast["precision"] == "bf16" and _unit_key(cfg.changed(precision="bf16"), "baseline", 0) == fast
     cpu_kind(SLOW)
     slow = _unit_key(cfg, "baseline", 0)
     assert slow["precision"] == "fp32" and slow != fast

@@ -10,8 +10,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..util.io import save_png  # noqa: E402
+
+
+def _figure(*args, **kwargs):
+    """A figure whose panels' titles, labels and ticks each get their own room (constrained layout)."""
+    return plt.subplots(*args, layout="constrained", **kwargs)
 
 
 def _series(a: dict, key: str):
@@ -25,7 +31,7 @@ def _series(a: dict, key: str):
 
 def plot_layer_curves(analyses: dict[str, dict], path) -> Path:
     """Two panels: per-layer F-Attn (with the uniform-attention reference) and per-layer M-Act (log scale)."""
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a1, a2) = _figure(1, 2, figsize=(11, 4))
     for label, a in analyses.items():
         xs, ys = _series(a, "first_token_attention")
         a1.plot(xs, ys, marker="o", label=f"{label} (mean {a['first_token_attention']:.3f})")
@@ -36,8 +42,11 @@ def plot_layer_curves(analyses: dict[str, dict], path) -> Path:
     xs, ys = _series(first, "uniform_first_token_attention")
     if ys:
         a1.plot(xs, ys, ls="--", color="gray", label="uniform attention")
-    a1.set(xlabel="layer", ylabel="attention on first token", title="F-Attn per layer", ylim=(0, 1))
+    # from 0 to a little above the highest line, not to 1: near-uniform attention would be a flat line at the bottom
+    a1.set(xlabel="layer", ylabel="attention on first token", title="F-Attn per layer", ylim=(0, None))
     a2.set(xlabel="layer", ylabel="max |hidden state|", title="M-Act per layer", yscale="log")
+    for ax in (a1, a2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # layers are whole numbers
     a1.legend(fontsize=8)
     a2.legend(fontsize=8)
     return save_png(fig, path)
@@ -45,13 +54,14 @@ def plot_layer_curves(analyses: dict[str, dict], path) -> Path:
 
 def plot_activation_breakdown(analysis: dict, path, title: str = "") -> Path:
     """Per-layer maxima of attention output, post-attention residual, FFN output, post-FFN residual (Fig. 6 style)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _figure(figsize=(6, 4))
     for key in ("max_abs_attn_output", "max_abs_attn_residual", "max_abs_ffn_output", "max_abs_ffn_residual",
                 "max_abs_hidden"):
         xs, ys = _series(analysis, key)
         if ys and not (key == "max_abs_hidden" and _series(analysis, "max_abs_ffn_residual")[1]):
             ax.plot(xs, ys, marker=".", label=key.removeprefix("max_abs_"))
     ax.set(xlabel="layer", ylabel="max |value|", yscale="log", title=title or "massive activations by sub-block")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
     return save_png(fig, path)
 
@@ -60,7 +70,7 @@ def plot_attention_maps(analysis: dict, path, title: str = "") -> Path:
     """Head-averaged attention maps of the chosen layers (batch element 0, first n tokens)."""
     maps = analysis.get("attention_maps") or {}
     n = max(1, len(maps))
-    fig, axes = plt.subplots(1, n, figsize=(3.2 * n, 3.2), squeeze=False)
+    fig, axes = _figure(1, n, figsize=(3.2 * n + 0.8, 3.4), squeeze=False)
     for ax, (layer, m) in zip(axes[0], sorted(maps.items(), key=lambda kv: int(kv[0]))):
         im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1)
         first = sum(r[0] for r in m) / max(len(m), 1)
@@ -76,7 +86,7 @@ def plot_attention_maps(analysis: dict, path, title: str = "") -> Path:
 
 def plot_gate_histograms(analyses: dict[str, dict], path) -> Path | None:
     """Gate-score histograms summed over layers, one line per gated analysis (Fig. 3 style); None without gates."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _figure(figsize=(6, 4))
     drawn = False
     for label, a in analyses.items():
         hs = [e["gate_histogram"] for e in a["layers"] if e.get("gate_histogram")]

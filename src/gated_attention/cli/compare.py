@@ -67,6 +67,10 @@ def configure_compare(parser: argparse.ArgumentParser) -> None:
                         help="a `gattn longctx` output whose report.json \"claim\" fills the long-context row "
                              f"(default {DEFAULT_EVIDENCE['--longctx']}, 'not run here' when absent; a DIR given here "
                              "must hold such a report.json, else exit 2 before training)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="train nothing: rebuild the claims table (today's rules, the evidence folders given "
+                             "here), the plots whose data OUT/compare.json holds, report.md and report.html from "
+                             "OUT/compare.json alone (compare.json keeps its measurements and gets the new claims)")
     parser.add_argument("--jobs", type=int, default=None,
                         help="models trained at once, each in its own process with cores/N threads: the LM variants "
                              "and the sink lab's models, longest first (default: min(2, available cores); measured: "
@@ -81,6 +85,11 @@ def run_compare(args) -> int:
             setattr(args, attr, DEFAULT_EVIDENCE[flag])
         else:
             claims.require_evidence(flag, getattr(args, attr))
+    if args.report_only:
+        res = compare_report.rerender(args.out, args.stability_lab, args.longctx, args.scaling_lab)
+        print(compare_report.render_table(res))
+        print(f"report: {Path(args.out) / 'report.html'}")
+        return 0
     res = compare.run_compare(args.out, args.data_dir, args.budget, args.variants, args.sets,
                               log=lambda m: print(m, file=sys.stderr, flush=True), sink_lab=args.sink_lab,
                               stability_lab=args.stability_lab, longctx=args.longctx, jobs=args.jobs,

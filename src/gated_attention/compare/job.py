@@ -265,14 +265,27 @@ def mean_val_loss(summary: dict) -> float | None:
 
 # ---------------------------------------------------------------- the whole job
 
+def gate_share_below(analysis: dict, x: float) -> float | None:
+    """The share of the gate scores (every layer's histogram pooled) below x, to the nearest bin edge; None ungated."""
+    hs = [e["gate_histogram"] for e in analysis.get("layers", []) if e.get("gate_histogram")]
+    if not hs:
+        return None
+    edges = hs[0]["edges"]
+    below = sum(h["counts"][i] for h in hs for i in range(len(edges) - 1) if edges[i + 1] <= x + 1e-9)
+    return below / max(1, sum(sum(h["counts"]) for h in hs))
+
+
 def variant_row(name: str, summary: dict, analysis: dict, params: int) -> dict:
-    """The numbers compare.json keeps per variant (Table 4 columns first)."""
+    """The numbers compare.json keeps per variant and seed (Table 4 columns first)."""
+    from . import claims
+
     a = analysis
     return {
         "variant": name,
         "params": params,
         "avg_ppl": summary.get("avg_ppl"),
         "gate_mean": a.get("gate_mean"),
+        "gate_near_zero": gate_share_below(a, claims.NEAR_ZERO),
         "m_act": a.get("max_abs_hidden"),
         "f_attn": a.get("first_token_attention"),
         "f_attn_max_layer": max((e.get("first_token_attention") or 0.0 for e in a.get("layers", [])), default=None),
@@ -377,16 +390,14 @@ def _stderr(msg: str) -> None:
 def _unit(task: tuple, log=_stderr):
     """One model of the job, in a worker process or in-process: ("lm", (cfg, run_dir, budget, resolved precision))
     trains (or reuses / resumes) an LM variant in the job's precision and analyses it -> (summary, analysis);
-    ("sink", job) trains one sink-lab unit (its job carries the decided precision too)."""
+    ("sink", job) trains one unit of the sink study (its job carries the decided precision too)."""
     kind, payload = task
     if kind == "sink":
-        from gated_attention.labs.sinks import sink_lab
+        from gated_attention.labs.sinks import train_unit
 
-        return sink_lab.train_unit(payload)
+        return train_unit(payload)
     cfg, run_dir, budget, precision = payload
     summary = experiment.train_or_reuse(cfg, run_dir, log, "[compare]", resolved_precision=precision)
-    if "_seed" in run_dir.name:  # seeds 1.. add to the perplexity measure only; the analysis is seed 0's
-        return summary, None
     return summary, analyze_variant(run_dir, cfg, budget, analysis_batches(cfg, budget))
 
 
@@ -415,18 +426,15 @@ def run_name(variant: str, seed: int) -> str:
     return variant if seed == 0 else f"{variant}_seed{seed}"
 
 
-def schedule_units(out: Path, cfgs: dict, budget: Budget, precision: str, sink_units: tuple | None = None
+def schedule_units(out: Path, cfgs: dict, budget: Budget, precision: str, sink_units=None
                    ) -> list[tuple]:
     """The job's models still to train as `_unit` tasks, longest first: the LM runs (cfgs: run name -> its
-    validated TrainConfig; precision: the job's resolved one), then the sink lab's pending units (sink_units:
-    sink_lab.unit_jobs' (jobs, done); short ones that fill the second core while the last LM variant trains).
-    Finished ones need no worker."""
+    validated TrainConfig; precision: the job's resolved one), then the sink study's pending units (sink_units: its
+    experiment.study.Units; short ones that fill the second core while the last LM variant trains). Finished ones need
+    no worker."""
     tasks = [("lm", (cfg, out / "runs" / name, budget, precision)) for name, cfg in cfgs.items()
              if not experiment.is_finished(out / "runs" / name)]
-    if sink_units is not None:
-        jobs_list, done = sink_units
-        tasks += [("sink", j) for i, j in enumerate(jobs_list) if done[i] is None]
-    return tasks
+    return tasks + [("sink", j) for j in (sink_units.pending() if sink_units is not None else [])]
 
 
 @locks_output("out", "gattn compare")  # one writer per output folder
@@ -447,8 +455,9 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     independent units, trained `jobs` at a time (default min(2, cores)) in worker processes of cores/jobs threads
     (experiment.run_units), longest first, so the sink lab's short models fill the core the last LM variant leaves
     free; each LM unit also runs its analysis. jobs=1: one after another in this process, with all its threads."""
-    from . import claims
-    from . import compare_report
+    from . import claims, compare_report
+    from . import seeds as S
+    from ..experiment.provenance import provenance
     t0 = time.perf_counter()
     if seeds is not None and seeds < 1:
         raise ValueError(f"--seeds {seeds} must be >= 1")
@@ -483,9 +492,9 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
 
         sink_cfg = sink_lab_config(b, variants, sink_lab_changes, base.precision)
         # the sink lab's loop runs on the CPU: it shares the decision when the LM runs do too
-        sink_precision = precision if device_type(base.device) == "cpu" else decide(sink_cfg.precision, "cpu")[0]
+        sink_precision = precision if device_type(base.device) == "cpu" else decide(sink_cfg.train.precision, "cpu")[0]
         sink_units = sinks.unit_jobs(sink_cfg, out / "sink_lab", sink_precision)
-        log(f"[compare] sink lab ({b.sink_lab} budget, {sink_cfg.seeds} seed(s), {sink_cfg.steps} steps) -> "
+        log(f"[compare] sink lab ({b.sink_lab} budget, {sink_cfg.seeds} seed(s), {sink_cfg.train.steps} steps) -> "
             f"{out / 'sink_lab'}")
     jobs = jobs or experiment.default_jobs()
     tasks = schedule_units(out, cfgs, b, precision, sink_units)
@@ -499,25 +508,23 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     results = experiment.run_units(fn, tasks, jobs=jobs, log=log, threads=threads)
     trained = {t[1][1].name: r for t, r in zip(tasks, results) if t[0] == "lm"}  # run folder = run name
     timings = {"setup": t_models - t0, "models": time.perf_counter() - t_models}
-    rows, analyses, logs, seed_losses = {}, {}, {}, {}
-    for name in cfgs:  # seeds 1..: their val losses (a finished run is reused: a file read)
-        if name not in variants:
-            summary = trained[name][0] if name in trained else experiment.train_or_reuse(
-                cfgs[name], out / "runs" / name, log, "[compare]", resolved_precision=precision)
-            v, k = name.rsplit("_seed", 1)
-            seed_losses.setdefault(v, {})[int(k)] = mean_val_loss(summary)
-    for v in variants:
-        run_dir = out / "runs" / v
-        # a finished run is reused here (a file read; its analysis too, when cached)
-        summary, analysis = trained[v] if v in trained else _unit(("lm", (cfgs[v], run_dir, b, precision)), log)
-        seed_losses.setdefault(v, {})[0] = mean_val_loss(summary)
-        rows[v] = variant_row(v, summary, analysis, count_params(run_dir))
-        rows[v]["val_loss_by_seed"] = {str(k): seed_losses[v][k] for k in sorted(seed_losses[v])}
-        rows[v]["lr"] = cfgs[v].lr
-        analyses[v], logs[v] = analysis, read_jsonl(run_dir / "log.jsonl")
-        r = rows[v]
-        log(f"[compare] {v}: Avg PPL {compare_report.fmt(r['avg_ppl'], 3)}  F-Attn {compare_report.fmt(r['f_attn'], 3)}  "
-            f"M-Act {compare_report.fmt(r['m_act'], 1)}  gate {compare_report.fmt(r['gate_mean'], 3)}  spikes {r['spikes']}")
+    seed_rows, analyses, logs, seed_losses = {}, {}, {}, {}
+    for k in range(n_seeds):
+        for v in variants:  # every seed's model is analysed; a finished run is reused (a file read, its analysis too)
+            name, run_dir = run_name(v, k), out / "runs" / run_name(v, k)
+            summary, analysis = trained[name] if name in trained else _unit(
+                ("lm", (cfgs[name], run_dir, b, precision)), log)
+            seed_losses.setdefault(v, {})[k] = mean_val_loss(summary)
+            seed_rows.setdefault(v, {})[str(k)] = variant_row(v, summary, analysis, count_params(run_dir))
+            analyses.setdefault(v, {})[k], logs.setdefault(v, {})[k] = analysis, read_jsonl(run_dir / "log.jsonl")
+    rows = {}
+    for v in variants:  # the first seed's figures at the top level (as before seeds), every seed's under by_seed
+        rows[v] = {**seed_rows[v]["0"], "by_seed": seed_rows[v], "lr": cfgs[v].lr,
+                   "val_loss_by_seed": {str(k): seed_losses[v][k] for k in sorted(seed_losses[v])}}
+        rows[v]["over_seeds"] = S.summarize(rows[v])
+        m = lambda key, d: compare_report.fmt(S.mean(rows[v], key), d)  # noqa: E731
+        log(f"[compare] {v} (mean over {n_seeds} seed(s)): Avg PPL {m('avg_ppl', 3)}  F-Attn {m('f_attn', 3)}  "
+            f"M-Act {m('m_act', 1)}  gate {m('gate_mean', 3)}  spikes {m('spikes', 1)}")
     from ..gates import canonical_name
 
     base_v = next((v for v in variants if canonical_name(v) == "none"), variants[0])
@@ -537,6 +544,7 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
         "data_dir": str(data_dir),
         "train_config": base.to_dict(),
         "resolved_precision": precision,  # what every run trained in (runs are keyed on it)
+        "provenance": provenance(),  # the machine (CPU, cores, threads) and commit the report names
         "analysis": {"batches": len(batches), "batch_size": int(batches[0].shape[0]), "seq_len": base.seq_len,
                      "tokens": int(sum(x.numel() for x in batches)), "first_token": "<|bos|>"},
         "rows": rows,
@@ -546,18 +554,16 @@ def run_compare(out: str | Path, data_dir: str | Path | None = None, budget: str
     lab = None
     t = time.perf_counter()
     if sink_lab:  # every unit is trained by now: this aggregates them and writes the lab's report
-        jobs_list, done = sink_units
-        fresh = iter(r for t, r in zip(tasks, results) if t[0] == "sink")
-        lab = sinks.write_lab(sink_cfg, out / "sink_lab",
-                              [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))],
-                              sink_precision)
+        fresh = [r for t, r in zip(tasks, results) if t[0] == "sink"]
+        lab = sinks.write_lab(sink_cfg, out / "sink_lab", sink_units.results(fresh), sink_precision)
         result["sink_lab"] = sink_lab_summary(lab, out, out / "sink_lab")
     timings["sink_lab_report"], t = time.perf_counter() - t, time.perf_counter()
     if streaming:
         result["streaming"] = run_streaming_check(b, out, base.seq_len, lab, log)
     timings["streaming"], t = time.perf_counter() - t, time.perf_counter()
     result["claims"] = claims.claims_table(result, lab, stability_lab, longctx, scaling_lab)
-    plots = compare_report.make_plots(out / "plots", analyses, logs)
+    result["plot_data"] = compare_report.plot_data(analyses, logs)  # the report re-renders from compare.json alone
+    plots = compare_report.make_plots(out / "plots", result)
     result["plots"] = {k: str(p.relative_to(out)) for k, p in plots.items()}
     timings["report"] = time.perf_counter() - t
     # where this invocation's wall time went (reused runs cost nothing): setup (corpus check, precision), models

@@ -9,6 +9,10 @@ it measures, its tables); the plumbing lives here once:
              with the differing settings named (a new --out, or delete that result). load / save / cached / check.
   pages.py   the one renderer: report.md + a self-contained report.html from blocks (tables, paragraphs, figures,
              one CSS), number formats, aligned text tables
+  study.py   what every lab that trains shares, declared once: its budgets, its command-line options (each help in one
+             place; cli/lab.py builds `gattn lab NAME` from a lab's STUDY), the one step-hook Recorder of a unit
+             (curve, trailing windows, CPU and wall time, state in the checkpoints), finish_unit, Units (a
+             study's planned units, trained alone or in another job's pool)
   stats.py   aggregation over seeds (mean, sample std; one seed has std None), Wilson intervals
 
 A job, in full (the labs and compare read like this):

@@ -5,6 +5,7 @@ archive), plus the number formats and aligned text tables the commands print.
 Blocks:
   ("h2", text) | ("h3", text)        headings
   ("p", text)                        a paragraph
+  ("lead", text)                     the paragraph a report opens with (what it found), set a little larger
   ("ul", [text, ...])                a bullet list
   ("code", text)                     a preformatted block
   ("table", head, rows)              a table of strings (head: [str], rows: [[str]])
@@ -25,11 +26,14 @@ from pathlib import Path
 
 from ..util.io import atomic_write_text
 
+# text reads from the left, figures line up on the right (a cell is a figure when it is made of numbers: NUMERIC)
 CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
        "table{border-collapse:collapse;margin:1em 0;font-size:14px}"
-       "th,td{border:1px solid #bbb;padding:3px 8px;text-align:right}th{background:#eee}"
-       "td:first-child,th:first-child{text-align:left}img{max-width:100%;border:1px solid #ddd}"
-       "code{background:#f4f4f4;padding:0 3px}")
+       "th,td{border:1px solid #bbb;padding:3px 8px;text-align:left;vertical-align:top}th{background:#eee}"
+       ".num{text-align:right}img{max-width:100%;border:1px solid #ddd}"
+       "code{background:#f4f4f4;padding:0 3px}.lead{font-size:15px;line-height:1.45}")
+# a number, a missing value or a figure with its interval / per-seed list / unit sign: no words in it
+NUMERIC = re.compile(r"^\s*([–—-]|[+\-−]?[\d.,]+(e[+\-]?\d+)?([^A-Za-z]|e[+\-]?\d)*)\s*$")
 
 
 # ---------------------------------------------------------------- numbers
@@ -59,14 +63,23 @@ def fmt_mean_std(mean: float | None, std: float | None, digits: int = 3) -> str:
 # ---------------------------------------------------------------- tables
 
 def md_table(head: list[str], rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-    out += ["| " + " | ".join(r) + " |" for r in rows]
+    esc = lambda cells: " | ".join(str(c).replace("|", "\\|") for c in cells)  # noqa: E731  (a '|' in a cell)
+    out = ["| " + esc(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + esc(r) + " |" for r in rows]
     return "\n".join(out)
 
 
+def numeric_columns(rows: list[list[str]]) -> list[bool]:
+    """Which columns hold figures only (right-aligned in html); text columns read from the left."""
+    n = max((len(r) for r in rows), default=0)
+    return [bool(rows) and all(NUMERIC.match(r[i]) for r in rows if i < len(r)) for i in range(n)]
+
+
 def html_table(head: list[str], rows: list[list[str]]) -> str:
-    th = "".join(f"<th>{_inline(h)}</th>" for h in head)
-    trs = "".join("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in r) + "</tr>" for r in rows)
+    num = numeric_columns(rows)
+    cls = lambda i: ' class="num"' if i < len(num) and num[i] else ""  # noqa: E731
+    th = "".join(f"<th{cls(i)}>{_inline(h)}</th>" for i, h in enumerate(head))
+    trs = "".join("<tr>" + "".join(f"<td{cls(i)}>{_inline(c)}</td>" for i, c in enumerate(r)) + "</tr>" for r in rows)
     return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
 
 
@@ -98,9 +111,10 @@ def render(title: str, blocks: list[tuple], out_dir: str | Path) -> tuple[str, s
         if kind in ("h2", "h3"):
             md += [f"{'#' * int(kind[1])} {b[1]}", ""]
             body.append(f"<{kind}>{_inline(b[1])}</{kind}>")
-        elif kind == "p":
+        elif kind in ("p", "lead"):
             md += [b[1], ""]
-            body.append(f"<p>{_inline(b[1])}</p>")
+            cls = ' class="lead"' if kind == "lead" else ""
+            body.append(f"<p{cls}>{_inline(b[1])}</p>")
         elif kind == "ul":
             md += [f"- {x}" for x in b[1]] + [""]
             body.append("<ul>" + "".join(f"<li>{_inline(x)}</li>" for x in b[1]) + "</ul>")
@@ -117,7 +131,7 @@ def render(title: str, blocks: list[tuple], out_dir: str | Path) -> tuple[str, s
             body += [f"<h3>{_inline(b[1])}</h3>",
                      f'<img alt="{html.escape(b[1])}" src="data:image/png;base64,{data}">']
         else:
-            raise ValueError(f"unknown report block {kind!r}; valid: h2, h3, p, ul, code, table, img")
+            raise ValueError(f"unknown report block {kind!r}; valid: h2, h3, p, lead, ul, code, table, img")
     page = ("<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{CSS}</style></head><body>" + "\n".join(body)
             + "</body></html>\n")
@@ -143,11 +157,53 @@ def write(out_dir: str | Path, title: str, blocks: list[tuple]) -> tuple[Path, P
 
 def subplots(*args, **kwargs):
     """matplotlib.pyplot.subplots on the headless Agg backend: (figure, axes) for a report's plot; write it with
-    io.save_png (atomic, closes the figure)."""
+    io.save_png (atomic, closes the figure). Constrained layout by default: every panel's titles, labels and ticks get
+    their own room instead of running into the neighbouring panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    kwargs.setdefault("layout", "constrained")
     return plt.subplots(*args, **kwargs)
 
+
+def integer_ticks(ax, axis: str = "x") -> None:
+    """Whole-number ticks on an axis of counts (layers, seeds): no 'layer 0.4' on a 2-layer model."""
+    from matplotlib.ticker import MaxNLocator
+
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(MaxNLocator(integer=True))
+
+
+def _axes_texts(ax) -> list:
+    """The texts an axes draws: its titles, axis labels, the tick labels inside its view, legend and annotations."""
+    out = [ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label, *ax.texts]
+    for axis in (ax.xaxis, ax.yaxis):
+        out += [lab for tick in axis._update_ticks() for lab in (tick.label1, tick.label2) if lab.get_visible()]
+    leg = ax.get_legend()
+    if leg is not None:
+        out += [*leg.get_texts(), leg.get_title()]
+    return out
+
+
+def text_overlaps(fig) -> list[str]:
+    """Every pair of a figure's drawn texts (titles, axis and tick labels, legends, annotations, the figure's title)
+    whose boxes overlap, and every text drawn over another panel's plotting area, as 'a / b' lines; [] for a clean
+    layout. The boxes are the renderer's own after layout: what is listed is what a reader sees collide."""
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    drawn = lambda t: t.get_visible() and t.get_text().strip()  # noqa: E731
+    owned = [(ax, t, t.get_window_extent(r)) for ax in fig.axes if ax.get_visible() for t in _axes_texts(ax)
+             if drawn(t)]
+    figure_texts = {id(t): t for t in [fig._suptitle, *fig.texts] if t is not None}  # suptitle is in texts too
+    owned += [(None, t, t.get_window_extent(r)) for t in figure_texts.values() if drawn(t)]
+    out = []
+    for i, (_, a, ba) in enumerate(owned):
+        out += [f"{a.get_text()!r} / {b.get_text()!r}" for _, b, bb in owned[i + 1:] if ba.overlaps(bb)]
+    for own, t, bb in owned:
+        for ax in fig.axes:
+            area = ax.get_window_extent(r)
+            twin = own is not None and tuple(area.bounds) == tuple(own.get_window_extent(r).bounds)
+            if ax is not own and not twin and ax.get_visible() and ax.axison and bb.overlaps(area):
+                out.append(f"{t.get_text()!r} / the plotting area of {ax.get_title() or ax.get_label()!r}")
+    return out

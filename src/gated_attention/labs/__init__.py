@@ -2,7 +2,8 @@
 measured over seeds. Each lab is a folder: `<name>_lab.py` (its config and budgets, and `run_lab` / `run_streaming`,
 the entry point that writes OUT/lab.json, OUT/report.md, a self-contained OUT/report.html and OUT/plots/*.png),
 `<name>_report.py` (its tables and plots as experiment.pages blocks) and its own parts; its `__init__` re-exports the
-API. The command line is `gattn lab NAME` (cli/lab.py: one configure/run pair per lab).
+API; its `study.py` declares its command (STUDY: its options, each with its help, and how it runs;
+experiment/study.py), from which cli/lab.py builds `gattn lab NAME` without importing torch.
 
   sinks/      the Bigram-Backcopy task of Guo et al. 2024: where an idle head parks its attention (a BOS sink in
               softmax attention) and whether the G1 gate lets it switch off instead (backcopy.py the task,

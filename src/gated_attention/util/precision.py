@@ -257,14 +257,20 @@ def add_argument(parser, *, default: str | None = "auto", flag: str = "--precisi
     """The one `--precision` option of every parser (the CLI's and the benches'): the choices and what each means.
     choices: a subset of PRECISIONS, in their order, for a tool that cannot run them all (a bench workload that
     autocasts has no bf16-params)."""
+    choices, text = option_help(default, what, note, choices)
+    parser.add_argument(flag, choices=choices, default=default, help=text)
+
+
+def option_help(default: str | None = "auto", what: str = "training numerics", note: str = "",
+                choices: tuple[str, ...] = PRECISIONS) -> tuple[tuple[str, ...], str]:
+    """(choices in PRECISIONS' order, help text) of the `--precision` option (add_argument)."""
     bad = [c for c in choices if c not in PRECISIONS]
     if bad or not choices:
         raise ValueError(f"precision choices {list(choices)}: each must be one of {', '.join(PRECISIONS)}")
     choices = tuple(c for c in PRECISIONS if c in choices)
     shown = f"default {default}" if default is not None else "default: the job's own setting"
-    parser.add_argument(flag, choices=choices, default=default, help=(
-        f"{what} ({shown}): " + "; ".join(f"{c} = {_CHOICE_HELP[c]}" for c in choices)
-        + ". bf16 GEMMs are emulated (same numerics, ~fp32 speed) on CPUs without bf16 instructions" + note))
+    return choices, (f"{what} ({shown}): " + "; ".join(f"{c} = {_CHOICE_HELP[c]}" for c in choices)
+                     + ". bf16 GEMMs are emulated (same numerics, ~fp32 speed) on CPUs without bf16 instructions" + note)
 
 
 def dtype_of(resolved: str) -> torch.dtype:

@@ -32,6 +32,7 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.runs import run_units
 from ...experiment.stats import mean_std, spread
+from ...experiment.study import Recorder, finish_unit
 from ...experiment.verdicts import Threshold
 from ...util.io import locks_output
 from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
@@ -219,54 +220,32 @@ class _Penalties:
         return extra, logged
 
 
-class _UnitRecorder:
-    """The unit's step hook: the learning curve (the start's measurements every eval_every steps, from step 0), the
-    trailing training CE and penalty values, CPU and wall time; its state rides in the trainer's checkpoints."""
+class _UnitRecorder(Recorder):
+    """The unit's step hook (experiment.study.Recorder): the learning curve (the start's measurements every
+    eval_every steps, from step 0), the trailing training CE and penalty values, CPU and wall time."""
 
     def __init__(self, label: str, plan: Plan, data, masks):
         from . import starts as S
 
+        super().__init__(plan.eval_every, plan.steps, losses=[], extra={})
         self.label, self.plan, self.data, self.masks, self.measure = label, plan, data, masks, S.measure
-        self.state = {"curve": [], "losses": [], "extra": {}, "wall": 0.0, "cpu": 0.0}
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def observe(self, ce: float, logged: dict) -> None:
-        st, n = self.state, self.plan.eval_every
-        st["losses"] = (st["losses"] + [ce])[-max(n, 50):]
+        n = self.plan.eval_every
+        self.trail("losses", ce, max(n, 50))
         for k, v in logged.items():
-            st["extra"][k] = (st["extra"].get(k, []) + [v])[-n:]
+            self.state["extra"][k] = (self.state["extra"].get(k, []) + [v])[-n:]
 
-    def wall_s(self) -> float:
-        return self.state["wall"] + time.perf_counter() - self._t0
-
-    def cpu_s(self) -> float:
-        return self.state["cpu"] + time.process_time() - self._c0
-
-    def record(self, step: int, model) -> None:
+    def point(self, step: int, model) -> dict:
         m = self.measure(model, self.data, self.masks, full=False)
         n, st = self.plan.eval_every, self.state
         recent = st["losses"][-n:]
-        st["curve"].append({"step": step, **{k: m.get(k) for k in ("sink", "skill", "backcopy_ce", "bigram_ce",
-                                                                      "val_loss", "gate_dormant", "gate_active",
-                                                                      "sink_rate", "m_act")},
-                            "train_loss": sum(recent) / len(recent) if recent else None,
-                            **{k: (sum(v[-n:]) / len(v[-n:]) if v else None) for k, v in st["extra"].items()}})
         _log(f"{self.label}: step {step}/{self.plan.steps}  sink {_f(m.get('sink'))}  skill {_f(m.get('skill'))}  "
              f"gate dormant/active {_f(m.get('gate_dormant'))}/{_f(m.get('gate_active'))}  ({self.wall_s():.0f}s)")
-
-    def begin(self, model) -> None:
-        self.record(0, model)
-
-    def __call__(self, steps_done: int, model) -> None:
-        if steps_done % self.plan.eval_every == 0 or steps_done == self.plan.steps:
-            self.record(steps_done, model)
-
-    def state_dict(self) -> dict:
-        return {**self.state, "wall": self.wall_s(), "cpu": self.cpu_s()}
-
-    def load_state_dict(self, st: dict) -> None:
-        self.state = dict(st)
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
+        return {"step": step, **{k: m.get(k) for k in ("sink", "skill", "backcopy_ce", "bigram_ce", "val_loss",
+                                                        "gate_dormant", "gate_active", "sink_rate", "m_act")},
+                "train_loss": sum(recent) / len(recent) if recent else None,
+                **{k: (sum(v[-n:]) / len(v[-n:]) if v else None) for k, v in st["extra"].items()}}
 
 
 def unit_train_config(cfg: RetrofitLabConfig, plan: Plan, recipe, seq_len: int, seed: int, precision: str):
@@ -351,11 +330,7 @@ def train_unit(job: tuple) -> dict:
         with atomic_dir(unit_dir / "model", overwrite=True) as tmp:
             for f in (unit_dir / "final").iterdir():
                 shutil.copy2(f, Path(tmp) / f.name)
-    out = cache.save(unit_dir / "result.json", key, result)  # the "finished" marker, written last
-    # the lab keeps the model (model/), not the optimizer state: the trainer's folders go once result.json is there
-    shutil.rmtree(unit_dir / "checkpoints", ignore_errors=True)
-    shutil.rmtree(unit_dir / "final", ignore_errors=True)
-    return out
+    return finish_unit(unit_dir, key, result)  # the lab keeps the model (model/), not the optimizer state
 
 
 def measure_start(cfg: RetrofitLabConfig, start: Start, out: Path, log=_log) -> dict:

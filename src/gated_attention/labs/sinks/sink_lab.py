@@ -17,7 +17,7 @@ step at which backcopy CE first falls below 0.5. Headline numbers (lab.json's pe
 *backcopy head*: the (layer, head) with the largest attention on the previous token from trigger queries (in the
 default 1-layer 1-head model, the only head); the residual peak is the largest over layers.
 
-The command is `gattn lab sinks` (cli/lab.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
+The command is `gattn lab sinks` (study.py). Layout of OUT: runs/<variant>/seed<k>/ holds result.json (the
 unit's settings under "key", its measurements) and the finished model as a Hugging Face folder (config.json,
 model.safetensors, generation_config.json: `GatedQwen3ForCausalLM.from_pretrained(run_dir)` loads it; `load_run(run_dir)`
 returns it with its task and lab settings), + the trainer's run files (train_config.json, log.jsonl, summary.json; checkpoints/ and final/ while running); then lab.json, report.md, report.html, plots/.
@@ -30,13 +30,13 @@ import copy
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .backcopy import BackcopyTask
 from ...experiment import cache
 from ...util.io import locks_output
-from ...experiment.runs import run_units
+from ...experiment.study import Budget, Recorder, Units, finish_unit
 from ...experiment.stats import mean_std
 from ...gates import DEFAULT_VARIANTS
 
@@ -49,106 +49,158 @@ MAP_LEN = 40  # tokens of the attention map kept per model (sequence 0 of the he
 SKILL_WINDOW = 50  # steps in the trailing mean of the training batches' backcopy CE (one batch holds ~300 triggers)
 
 
-# knobs stored under an older name (units' result.json keys, lab.json) -> today's: the TrainConfig field's own name
-RENAMED_KEYS = {"decay_frac": "wsd_decay_frac", "adam_eps": "eps"}
+def _base_train():
+    """How every unit trains, besides what a budget or an option changes: the project's optimizer conventions
+    (AdamW, weight decay on matrices only, warm-up + cosine/WSD, global-norm clipping), the task as the data (a
+    plug-in source), the lab's measurements in place of the trainer's eval and probes."""
+    from gated_attention.train.config import TrainConfig
+
+    return TrainConfig(
+        data="custom", device="cpu", wd_on_embeddings=False, beta1=0.9, eval_every=0, stats_every=0,
+        max_bad_steps=1, keep_checkpoints=1, progress=False, tensorboard=False, precision="auto",
+        steps=800,  # at lr 1e-2 the gated models solve the backcopy in ~100 steps, the baseline in ~150-200
+        batch_size=32,
+        lr=1e-2,  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (results/sink_lab.md)
+        min_lr=1e-3, warmup_steps=50,
+        schedule="wsd",  # the sink grows while the LR is high; a cosine decay over 800 steps stalls it (baseline 0.13
+        # at step 600 vs 0.40-0.62 with the LR held near the peak); WSD decays over the last wsd_decay_frac
+        wsd_decay_frac=0.2,
+        weight_decay=0.0,  # decay shrinks the QK scale (the BOS logit gap) and the copy circuit (the cost of not
+        # sinking): 1.0 -> BOS 0.05, 0 -> 0.91
+        beta2=0.95, eps=1e-8, grad_clip=1.0,
+        compile="true",  # ~2x faster steps after ~10 s of compiling
+        ckpt_every=1000)
+
+
+# model-config fields of a unit's shape over the `small` preset (num_key_value_heads = heads, head_dim = d / heads)
+BASE_MODEL = {
+    "num_hidden_layers": 1,  # 1-3: the task needs one head; more layers show where the sink moves
+    "num_attention_heads": 1,
+    "hidden_size": 128,
+    "intermediate_size": 64,  # FFN width (gated variants shrink it to keep the parameter count); the bigram part needs
+    # no FFN (untied embeddings hold it), and a wide one (256) let one baseline seed in three drift off the sink
+    # (0.46-0.64, the FFN can clean up a spread head's output instead); 64 sinks in every seed
+    "gate_init": "normal",  # normal (gate ~0.5 at start, the official init) | identity (gate == 1 at start)
+    "use_qk_norm": False,  # Guo et al.'s model has none. With it the logit gap is bounded by the norm gains and the
+    # backcopy is learned worse at lr 1e-2 (CE 0.19 vs 0.002 at T=64)
+}
 
 
 @dataclass
 class SinkLabConfig:
-    """Every knob of a sink-lab run (one per CLI option); budgets are sets of changes to these defaults."""
+    """A sink lab: its own axes here; how each unit trains is `train` (a TrainConfig) and its shape `model`
+    (model-config fields). Its stored form (units' keys, lab.json's "config", the options) is `settings()`."""
 
     variants: list = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # BackcopyTask fields; T=64: a dormant query late in a long sequence can spread over many keys almost for free (the
     # copied values average out), so the full BOS sink pays only where few keys precede it: at T=128 the baseline's
     # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (results/sink_lab.md, issue 20)
     task: dict = field(default_factory=lambda: BackcopyTask(seq_len=64).to_dict())
-    layers: int = 1  # 1-3: the task needs one head; more layers show where the sink moves
-    heads: int = 1  # query (= KV) heads per layer
-    hidden_size: int = 128  # d; head_dim = d / heads
-    intermediate_size: int = 64  # FFN width (gated variants shrink it to keep the parameter count); the bigram part
-    # needs no FFN (untied embeddings hold it), and a wide one (256) let one baseline seed in three drift off the sink
-    # (0.46-0.64, the FFN can clean up a spread head's output instead); 64 sinks in every seed
-    gate_init: str = "normal"  # normal (gate ~0.5 at start, the official init) | identity (gate == 1 at start)
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
-    steps: int = 800  # at lr 1e-2 the gated models solve the backcopy in ~100 steps, the baseline in ~150-200
-    batch_size: int = 32
-    lr: float = 1e-2  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (results/sink_lab.md)
-    min_lr: float = 1e-3
-    warmup_steps: int = 50
-    schedule: str = "wsd"  # wsd | cosine (train.schedule): the sink grows while the LR is high; a cosine decay
-    # over 800 steps stalls it (baseline 0.13 at step 600 vs 0.40-0.62 with the LR held near the peak)
-    wsd_decay_frac: float = 0.2  # WSD: share of the steps spent decaying to min_lr at the end (0 = constant LR after
-    # warm-up); cosine ignores it
-    weight_decay: float = 0.0  # AdamW decoupled weight decay on matrices (the trainer's param_groups); decay shrinks
-    # the QK scale (the BOS logit gap) and the copy circuit (the cost of not sinking): 1.0 -> BOS 0.05, 0 -> 0.91
-    beta2: float = 0.95  # Adam second-moment decay
-    eps: float = 1e-8  # Adam epsilon
-    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3); Guo et al.'s model has none. Off: with it the logit
-    # gap is bounded by the norm gains and the backcopy is learned worse at lr 1e-2 (CE 0.19 vs 0.002 at T=64)
-    grad_clip: float = 1.0  # global-norm clipping (0 = off)
-    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | bf16-params | fp32
-    compile: bool = True  # torch.compile the training forward: ~2x faster steps after ~10 s of compiling
-    eval_every: int = 100  # learning-curve resolution in steps
+    curve_every: int = 100  # learning-curve resolution in steps
     eval_size: int = 64  # held-out sequences for every measurement
-    ckpt_every: int = 1000  # resumable checkpoint interval in steps (0 = none)
+    model: dict = field(default_factory=lambda: dict(BASE_MODEL))
+    train: object = field(default_factory=_base_train)  # TrainConfig; gate, seed and seq_len are set per unit
 
     def validate(self) -> "SinkLabConfig":
-        BackcopyTask(**self.task)  # raises on a bad task
-        if not 1 <= self.layers <= 3:
-            raise ValueError(f"--layers must be 1, 2 or 3 (the task needs one head); got {self.layers}")
-        if self.heads < 1 or self.hidden_size % self.heads:
-            raise ValueError(f"--heads must divide the hidden size {self.hidden_size}; got {self.heads}")
-        for k in ("seeds", "steps", "batch_size", "eval_every", "eval_size"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
-        from gated_attention.util.precision import check
+        from gated_attention.util.errors import UserError
 
-        check(self.precision, "--precision")
-        if not 0.0 <= self.wsd_decay_frac <= 1.0:
-            raise ValueError(f"--decay-frac must be in [0, 1]; got {self.wsd_decay_frac}")
-        if not 0.0 <= self.beta2 < 1.0 or not self.eps > 0:
-            raise ValueError(f"--beta2 must be in [0, 1) and --adam-eps > 0; got {self.beta2}, {self.eps}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"--weight-decay and --grad-clip must be >= 0; got {self.weight_decay}, {self.grad_clip}")
-        if self.schedule not in ("cosine", "wsd"):
-            raise ValueError(f"--schedule must be cosine or wsd; got {self.schedule!r}")
+        BackcopyTask(**self.task)  # raises on a bad task
+        layers, heads, d = (self.model[k] for k in ("num_hidden_layers", "num_attention_heads", "hidden_size"))
+        if not 1 <= layers <= 3:
+            raise ValueError(f"--layers must be 1, 2 or 3 (the task needs one head); got {layers}")
+        if heads < 1 or d % heads:
+            raise ValueError(f"--heads must divide the hidden size {d}; got {heads}")
+        for name in ("seeds", "eval_every", "eval_size"):
+            if self.settings()[name] < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1; got {self.settings()[name]}")
         for v in self.variants:
             resolve_variant(v)
         if len(set(self.variants)) != len(self.variants):
             raise ValueError(f"--variants lists a variant twice: {self.variants}")
+        try:
+            unit_train_config(self, self.variants[0], 0, self.train.precision)
+        except UserError as e:  # named by the option that sets it
+            flag = next((f for s, f in FLAGS.items() if f"{s}=" in str(e)), None)
+            raise UserError(f"{e}{f' (option {flag})' if flag else ''}") from None
         model_config_for(self, self.variants[0])  # gate/init/shape incompatibilities fail before any training
         return self
 
+    def settings(self) -> dict:
+        """The stored form: every setting under its stored name (STORED), as units' keys and lab.json hold them."""
+        out = {}
+        for name, where in STORED.items():
+            v = (self.model[where[6:]] if where.startswith("model.") else getattr(self, where) if where in _OWN
+                 else getattr(self.train, where))
+            out[name] = (v == "true") if name == "compile" else copy.deepcopy(v)
+        return out
 
-@dataclass(frozen=True)
-class SinkBudget:
-    """One named size of the lab: its help line and the whole SinkLabConfig it runs (budgets are the defaults or a
-    `replace` of them; `budget_config` hands out a copy with further changes)."""
+    def changed(self, **stored) -> "SinkLabConfig":
+        """A copy with settings changed by their stored names (the options' names: steps=, layers=, eval_every=, ...);
+        not validated."""
+        unknown = sorted(set(stored) - set(STORED))
+        if unknown:
+            raise ValueError(f"unknown sink-lab setting(s) {unknown}; valid: {', '.join(STORED)}")
+        return with_changes(self, {STORED[k]: ("true" if v else "false") if k == "compile" else v
+                                   for k, v in stored.items()})
 
-    help: str
-    config: SinkLabConfig
+
+_OWN = ("variants", "task", "seeds", "curve_every", "eval_size")  # the lab's own axes (SinkLabConfig fields)
+# stored name (options, units' result.json keys, lab.json "config") -> the setting: a lab axis, a model-config field
+# ("model.NAME") or a TrainConfig field (its own name); compile is stored as a bool. The one translation table.
+STORED = {"variants": "variants", "task": "task", "layers": "model.num_hidden_layers",
+          "heads": "model.num_attention_heads", "hidden_size": "model.hidden_size",
+          "intermediate_size": "model.intermediate_size", "gate_init": "model.gate_init", "seeds": "seeds",
+          "steps": "steps", "batch_size": "batch_size", "lr": "lr", "min_lr": "min_lr",
+          "warmup_steps": "warmup_steps", "schedule": "schedule", "wsd_decay_frac": "wsd_decay_frac",
+          "weight_decay": "weight_decay", "beta2": "beta2", "eps": "eps", "qk_norm": "model.use_qk_norm",
+          "grad_clip": "grad_clip", "precision": "precision", "compile": "compile", "eval_every": "curve_every",
+          "eval_size": "eval_size", "ckpt_every": "ckpt_every"}
+# a TrainConfig field -> the option that sets it, where the two names differ
+FLAGS = {"wsd_decay_frac": "--decay-frac", "eps": "--adam-eps"}
+# stored names of older units (result.json keys, lab.json) -> today's stored names
+RENAMED_KEYS = {"decay_frac": "wsd_decay_frac", "adam_eps": "eps"}
 
 
-_DEFAULT = SinkLabConfig()
-BUDGETS: dict[str, SinkBudget] = {
-    "small": SinkBudget(
-        "CI smoke run: V=16, T=32, d=32, 60 steps, 2 seeds (seconds)",
-        replace(_DEFAULT, task=BackcopyTask(vocab=16, triggers=2, seq_len=32).to_dict(), hidden_size=32,
-                intermediate_size=64, seeds=2, steps=60, batch_size=8, warmup_steps=5, eval_every=20, eval_size=8,
-                ckpt_every=30, compile=False)),
-    "default": SinkBudget(
+def with_changes(cfg: SinkLabConfig, changes: dict) -> SinkLabConfig:
+    """A copy of cfg with `changes`: lab axes by name, model-config fields as "model.NAME", TrainConfig fields by
+    their own names (the `--set` vocabulary); an unknown name fails."""
+    from gated_attention.train.config import TrainConfig
+
+    cfg = copy.deepcopy(cfg)
+    train = {}
+    for k, v in changes.items():
+        if k in _OWN:
+            setattr(cfg, k, copy.deepcopy(v))
+        elif k.startswith("model."):
+            cfg.model[k[6:]] = v
+        elif k in TrainConfig.__dataclass_fields__:
+            train[k] = v
+        else:
+            raise ValueError(f"unknown sink-lab setting {k!r}: a lab axis ({', '.join(_OWN)}), model.NAME or a "
+                             f"training setting (`gattn settings`)")
+    cfg.train = replace(cfg.train, **train)
+    return cfg
+
+
+BUDGETS: dict[str, Budget] = {
+    "small": Budget("CI smoke run: V=16, T=32, d=32, 60 steps, 2 seeds (seconds)", {
+        "task": BackcopyTask(vocab=16, triggers=2, seq_len=32).to_dict(), "model.hidden_size": 32,
+        "model.intermediate_size": 64, "seeds": 2, "steps": 60, "batch_size": 8, "warmup_steps": 5, "curve_every": 20,
+        "eval_size": 8, "ckpt_every": 30, "compile": "false"}),
+    "default": Budget(
         "V=64, k=3, T=64, 1 layer x 1 head, d=128, FFN 64, QK-norm off, no weight decay, 800 steps of 32 sequences "
         "at lr 1e-2 (WSD: held, then decayed to 1e-3 over the last 20 %%), 3 seeds, compiled: the baseline forms the "
-        "full BOS sink in every seed; about 30 s of CPU per model (bf16)", _DEFAULT),
+        "full BOS sink in every seed; about 30 s of CPU per model (bf16)"),
 }
 
 
 def budget_config(name: str, **changes) -> SinkLabConfig:
-    """The SinkLabConfig of budget `name` with `changes` (SinkLabConfig fields) on top: a copy, so changing it leaves
-    the budget alone. Not validated (the lab validates what it runs)."""
+    """The SinkLabConfig of budget `name` with `changes` (by their stored names: SinkLabConfig.changed) on top: a
+    copy, so changing it leaves the budget alone. Not validated (the lab validates what it runs)."""
     if name not in BUDGETS:
         raise ValueError(f"unknown sink-lab budget {name!r}; valid: {', '.join(BUDGETS)}")
-    return replace(copy.deepcopy(BUDGETS[name].config), **changes)
+    return with_changes(SinkLabConfig(), BUDGETS[name].changes).changed(**changes)
 
 
 # ---------------------------------------------------------------- variants and models
@@ -183,11 +235,11 @@ def model_config_for(cfg: SinkLabConfig, variant: str):
 
     gate, baseline = resolve_variant(variant)
     task = BackcopyTask(**cfg.task)
-    return model_config("small", gate=gate, mechanism=baseline, gate_init=cfg.gate_init, vocab_size=task.model_vocab,
-                        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads,
-                        head_dim=cfg.hidden_size // cfg.heads, max_position_embeddings=max(512, task.seq_len + 1),
-                        tie_word_embeddings=False, bos_token_id=0, use_qk_norm=cfg.qk_norm)
+    m = cfg.model
+    return model_config("small", gate=gate, mechanism=baseline, vocab_size=task.model_vocab, **m,
+                        num_key_value_heads=m["num_attention_heads"],
+                        head_dim=m["hidden_size"] // m["num_attention_heads"],
+                        max_position_embeddings=max(512, task.seq_len + 1), tie_word_embeddings=False, bos_token_id=0)
 
 
 # ---------------------------------------------------------------- measurement
@@ -289,13 +341,14 @@ def measure(model, task: BackcopyTask, seqs) -> dict:
 def _unit_key(cfg: SinkLabConfig, variant: str, seed: int) -> dict:
     from gated_attention.util.precision import RESOLVED, resolve
 
-    d = asdict(cfg)
+    d = cfg.settings()
     for k in ("variants", "seeds", "ckpt_every"):  # the unit does not depend on these
         d.pop(k)
     # a model trained in bf16 is not the fp32 one: the key holds what the precision resolved to on this machine (so
     # "auto" that ran in bf16 reuses a unit trained with "bf16", and never one trained in fp32). The lab's units get
     # a config whose precision the lab decided already (unit_jobs); "auto" here is a unit trained on its own
-    d["precision"] = cfg.precision if cfg.precision in RESOLVED else resolve(cfg.precision, "cpu")
+    p = cfg.train.precision
+    d["precision"] = p if p in RESOLVED else resolve(p, "cpu")
     return {**d, "variant": variant, "seed": seed, "format": 1}
 
 
@@ -309,7 +362,7 @@ def _stored_unit(unit_dir: str | Path, cfg: SinkLabConfig, variant: str, seed: i
 def _unit_defaults(key: dict) -> dict:
     """The key a unit would have with every knob at its default (what a knob added later counts as), in the
     precision of `key` (already decided: no second decision)."""
-    return _unit_key(replace(SinkLabConfig(), precision=key["precision"]), key["variant"], key["seed"])
+    return _unit_key(SinkLabConfig().changed(precision=key["precision"]), key["variant"], key["seed"])
 
 
 class _BackcopySource:
@@ -353,76 +406,46 @@ class _BatchCE:
         return {"backcopy_ce": bc}
 
 
-class _UnitRecorder:
-    """The unit's step hook: the learning curve (measure() every eval_every steps, from step 0), the trailing
-    training CEs and the time-to-skill step, CPU and wall time; its state rides in the trainer's checkpoints."""
+class _UnitRecorder(Recorder):
+    """The unit's step hook (experiment.study.Recorder): the learning curve (measure() every eval_every steps, from
+    step 0), the trailing training CEs and the time-to-skill step, CPU and wall time."""
 
     def __init__(self, cfg: SinkLabConfig, variant: str, seed: int, task: BackcopyTask):
+        super().__init__(cfg.curve_every, cfg.train.steps, bc=[], losses=[], skill=None)
         self.cfg, self.variant, self.seed, self.task = cfg, variant, seed, task
         self.eval_seqs = task.eval_set(cfg.eval_size)
         self.batch_ce = _BatchCE(self)
-        self.state = {"curve": [], "bc": [], "losses": [], "skill": None, "wall": 0.0, "cpu": 0.0}
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
     def observe(self, loss: float, bc: float) -> None:
-        st = self.state
-        st["losses"] = (st["losses"] + [loss])[-SKILL_WINDOW:]
-        st["bc"] = (st["bc"] + [bc])[-SKILL_WINDOW:]
+        self.trail("losses", loss, SKILL_WINDOW)
+        self.trail("bc", bc, SKILL_WINDOW)
 
-    def wall_s(self) -> float:
-        return self.state["wall"] + time.perf_counter() - self._t0
-
-    def cpu_s(self) -> float:
-        return self.state["cpu"] + time.process_time() - self._c0
-
-    def record(self, step: int, model) -> dict:
+    def point(self, step: int, model) -> dict:
         m = measure(model, self.task, self.eval_seqs)
         losses = self.state["losses"]
-        self.state["curve"].append({"step": step, **{k: m[k] for k in METRICS if k in m},
-                                    "null_attention_dormant": m["null_attention_dormant"],
-                                    "train_loss": sum(losses) / len(losses) if losses else None})
-        _log(f"{self.variant} seed {self.seed}: step {step}/{self.cfg.steps}  backcopy CE {_f(m['backcopy_ce'])}  "
+        _log(f"{self.variant} seed {self.seed}: step {step}/{self.steps}  backcopy CE {_f(m['backcopy_ce'])}  "
              f"bigram CE {_f(m['bigram_ce'])} (floor {_f(m['bigram_ce_floor'])})  BOS attn dormant "
              f"{_f(m['bos_attention_dormant'])}  gate dormant/active {_f(m['gate_dormant'])}/"
              f"{_f(m['gate_active'])}  ({self.wall_s():.0f}s)")
-        return m
+        return {"step": step, **{k: m[k] for k in METRICS if k in m},
+                "null_attention_dormant": m["null_attention_dormant"],
+                "train_loss": sum(losses) / len(losses) if losses else None}
 
-    def begin(self, model) -> None:
-        self.record(0, model)
-
-    def __call__(self, steps_done: int, model) -> str | None:
+    def after_step(self, steps_done: int, model) -> None:
         from .metrics import trailing_mean
 
         st = self.state  # a non-finite step never gets here: the unit's max_bad_steps=1 stops the run first
         if st["skill"] is None and len(st["bc"]) == SKILL_WINDOW and \
                 trailing_mean(st["bc"], SKILL_WINDOW)[-1] < SKILL_CE:
             st["skill"] = steps_done - 1
-        if steps_done % self.cfg.eval_every == 0 or steps_done == self.cfg.steps:
-            self.record(steps_done, model)
-        return None
-
-    def state_dict(self) -> dict:
-        return {**self.state, "wall": self.wall_s(), "cpu": self.cpu_s()}
-
-    def load_state_dict(self, st: dict) -> None:
-        self.state = dict(st)
-        self._t0, self._c0 = time.perf_counter(), time.process_time()
 
 
 def unit_train_config(cfg: SinkLabConfig, variant: str, seed: int, precision: str):
-    """The trainer settings of one unit: the lab's optimizer and schedule, its own task as the data (plug-in
-    source), the lab's measurements in place of the trainer's eval and probes."""
-    from gated_attention.train.config import TrainConfig
-
-    task = BackcopyTask(**cfg.task)
+    """The trainer settings of one unit: the lab's `train` with the variant's gate, the seed, the task's length and
+    the precision the lab decided."""
     gate, _ = resolve_variant(variant)
-    return TrainConfig(
-        gate=gate, data="custom", seq_len=task.seq_len, batch_size=cfg.batch_size, steps=cfg.steps, lr=cfg.lr,
-        min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps, schedule=cfg.schedule, wsd_decay_frac=cfg.wsd_decay_frac,
-        weight_decay=cfg.weight_decay, wd_on_embeddings=False, beta1=0.9, beta2=cfg.beta2, eps=cfg.eps,
-        grad_clip=cfg.grad_clip, precision=precision, compile="true" if cfg.compile else "false", device="cpu",
-        seed=seed, eval_every=0, stats_every=0, max_bad_steps=1, ckpt_every=cfg.ckpt_every, keep_checkpoints=1,
-        progress=False, tensorboard=False).validate()
+    return replace(cfg.train, gate=gate, seed=seed, seq_len=BackcopyTask(**cfg.task).seq_len,
+                   precision=precision).validate()
 
 
 def train_unit(job: tuple) -> dict:
@@ -437,7 +460,7 @@ def train_unit(job: tuple) -> dict:
     from gated_attention.train.plugins import Plugins
 
     cfg_d, variant, seed, unit_dir = job
-    cfg = SinkLabConfig(**cfg_d)
+    cfg = SinkLabConfig().changed(**cfg_d)
     unit_dir = Path(unit_dir)
     key = _unit_key(cfg, variant, seed)
     done = _stored_unit(unit_dir, cfg, variant, seed)
@@ -467,12 +490,7 @@ def train_unit(job: tuple) -> dict:
               "resolved_precision": summary.get("resolved_precision")}
     for f in (unit_dir / "final").iterdir():  # the unit folder is the model's HF folder (load_run, from_pretrained)
         shutil.copy2(f, unit_dir / f.name)
-    out = cache.save(unit_dir / "result.json", key, result)  # the "finished" marker, written last
-    # the lab needs the model, not the optimizer state: the checkpoints go once result.json holds the figures (a
-    # kill before leaves a finished run, reused with its recorder restored from the final checkpoint)
-    shutil.rmtree(unit_dir / "checkpoints", ignore_errors=True)
-    shutil.rmtree(unit_dir / "final", ignore_errors=True)
-    return out
+    return finish_unit(unit_dir, key, result)  # the lab needs the model, not the optimizer state
 
 
 def _f(v, d: int = 3) -> str:
@@ -485,19 +503,19 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- the lab
 
-def unit_jobs(cfg: SinkLabConfig, out: str | Path, precision: str) -> tuple[list[tuple], dict[int, dict | None]]:
-    """Every variant x seed unit of the lab as a `train_unit` job, seed-major (an interrupted lab has every variant
-    at its first seeds, not some variants at none), and the finished ones' results by index (None = still to train).
-    precision: the command's decision for cfg.precision (util.precision.decide): each job's config carries it, so no
-    unit (in a worker process or not) decides again. `gattn compare` trains the pending ones in its own worker pool
-    next to its LM variants."""
+def unit_jobs(cfg: SinkLabConfig, out: str | Path, precision: str) -> Units:
+    """Every variant x seed unit of the lab as a `train_unit` job (cfg settings, variant, seed, unit dir), seed-major
+    (an interrupted lab has every variant at its first seeds, not some variants at none), with the finished ones'
+    results. precision: the command's decision for the precision (util.precision.decide): each job's config carries
+    it, so no unit (in a worker process or not) decides again. `gattn compare` trains the pending ones in its own
+    worker pool next to its LM variants."""
     from gated_attention.util.precision import check_resolved
 
     out = Path(out)
-    unit = replace(cfg, precision=check_resolved(precision))
-    jobs_list = [(asdict(unit), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
+    unit = cfg.changed(precision=check_resolved(precision))
+    jobs_list = [(unit.settings(), v, s, str(out / "runs" / v / f"seed{s}")) for s in range(cfg.seeds)
                  for v in cfg.variants]
-    return jobs_list, {i: _stored_unit(j[3], unit, j[1], j[2]) for i, j in enumerate(jobs_list)}
+    return Units(train_unit, jobs_list, [_stored_unit(j[3], unit, j[1], j[2]) for j in jobs_list])
 
 
 @locks_output("out", "gattn lab sinks")  # one writer per lab folder (its worker processes write inside)
@@ -510,23 +528,22 @@ def run_lab(cfg: SinkLabConfig, out: str | Path, jobs: int = 1, log=_log, report
     t0 = time.perf_counter()
     from gated_attention.util.precision import decide
 
-    precision, line = decide(cfg.precision, "cpu")  # the lab's one decision: every unit trains in it
-    jobs_list, done = unit_jobs(cfg, out, precision)
-    log(f"{len(jobs_list)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.steps} steps each, "
+    precision, line = decide(cfg.train.precision, "cpu")  # the lab's one decision: every unit trains in it
+    units = unit_jobs(cfg, out, precision)
+    pending = units.pending()  # finished units need no worker
+    log(f"{len(units.units)} models ({len(cfg.variants)} variants x {cfg.seeds} seeds), {cfg.train.steps} steps each, "
         f"{jobs} at a time, {line} -> {out}")
-    pending = [j for i, j in enumerate(jobs_list) if done[i] is None]  # finished units need no worker
-    if len(pending) < len(jobs_list):
-        log(f"reusing {len(jobs_list) - len(pending)} finished model(s)")
+    if len(pending) < len(units.units):
+        log(f"reusing {len(units.units) - len(pending)} finished model(s)")
     if report_only:
-        results = [r for r in done.values() if r is not None]
+        results = [r for r in units.done if r is not None]
         if not results:
             raise ValueError(f"--report-only: no finished model in {out}/runs with these settings")
         log(f"--report-only: {len(pending)} unfinished model(s) left out: "
             + ", ".join(f"{j[1]} seed {j[2]}" for j in pending))
         cfg = replace(cfg, variants=[v for v in cfg.variants if any(r["variant"] == v for r in results)])
     else:
-        fresh = iter(run_units(train_unit, pending, jobs=jobs, log=log))
-        results = [done[i] if done[i] is not None else next(fresh) for i in range(len(jobs_list))]
+        results = units.run(jobs, log)
     return write_lab(cfg, out, results, precision, started=t0)
 
 
@@ -556,7 +573,7 @@ def write_lab(cfg: SinkLabConfig, out: str | Path, results: list[dict], precisio
         "task": {**task.to_dict(), "name": "bigram_backcopy", "bos_id": 0,
                  "trigger_ids": task.trigger_ids.tolist(),
                  "bigram_ce_floor": variants[cfg.variants[0]]["mean"]["bigram_ce_floor"]},
-        "config": {**asdict(cfg), "resolved_precision": precision},
+        "config": {**cfg.settings(), "resolved_precision": precision},
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }

@@ -54,7 +54,9 @@ def make_plots(plot_dir, lab: dict) -> dict[str, Path]:
             ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
         ax.set(xlabel="step", ylabel=ylabel)
         ax.legend(fontsize=8)
-    a1.set(ylim=(0, 1), title="sink formation (band: min..max over seeds)")
+    n = max((len(v["per_seed"]) for v in lab["variants"].values()), default=1)
+    a1.set(ylim=(0, 1), title=f"sink formation (band: min..max over {n} seeds)" if n > 1 else
+           "sink formation (1 seed: no band)")
     a2.axhline(0.5, ls="--", color="gray", lw=0.8)
     a2.set(title="backcopy skill (dashed: the 0.5 'skilled' line)", yscale="log")
     files["curves"] = save_png(fig, plot_dir / "bos_attention_vs_step.png")

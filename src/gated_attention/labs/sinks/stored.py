@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .backcopy import BackcopyTask
 from ...util.io import renamed
-from .sink_lab import RENAMED_KEYS, SinkLabConfig
+from .sink_lab import RENAMED_KEYS, STORED, SinkLabConfig
 
 
 @dataclass
@@ -66,9 +66,8 @@ def load_run(path: str | Path) -> SinkRun:
     key = dict(result["key"])
     variant, seed = key.pop("variant"), key.pop("seed")
     key.pop("format", None)
-    known = set(SinkLabConfig.__dataclass_fields__)
     key = renamed(key, RENAMED_KEYS)  # a unit trained before a knob took the TrainConfig field's name
-    cfg = SinkLabConfig(**{k: v for k, v in key.items() if k in known}, variants=[variant], seeds=seed + 1)
+    cfg = SinkLabConfig().changed(**{k: v for k, v in key.items() if k in STORED}, variants=[variant], seeds=seed + 1)
     model = GatedQwen3ForCausalLM.from_pretrained(path)
     model.eval()
     return SinkRun(model=model, task=BackcopyTask(**cfg.task), config=cfg, variant=variant, seed=seed,

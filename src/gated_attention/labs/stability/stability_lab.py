@@ -22,19 +22,19 @@ whole LR curves. The checkpoints and exported model of a finished run are delete
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
+from ...experiment.study import Budget, Recorder, finish_unit
 from ...gates import DEFAULT_VARIANTS, canonical_name
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from .verdict import CONVERGED_MARGIN, FAILURE_GAP
-from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, to_strict
+from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, renamed, to_strict
 
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
 EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the edge of stability (--seed-lrs edge)
@@ -44,72 +44,71 @@ _LAB_SETTINGS = {"gate": "--variants", "lr": "--lrs", "min_lr": "the budget's mi
                  "model.use_qk_norm": "--qk-norm", "precision": "--precision"}
 
 
-@dataclass(frozen=True)
-class StabilityBudget:
-    """One named size of the lab: the LR grid, the model shape and the training recipe shared by every run (frozen;
-    a budget that shares the default's recipe is a dataclasses.replace of it)."""
-
-    help: str
-    lrs: tuple[float, ...]  # the LR grid (peak LR of each run)
-    steps: int  # optimizer steps per run (same tokens for every run)
-    seeds: int  # seeds per setting (at every LR with seed_lrs "all"; at the edge LRs with "edge")
-    seed_lrs: str = "all"  # "all": every seed at every LR (whole curves: the bootstrap over seeds needs them)
-    seq_len: int = 64
-    batch_size: int = 16
-    warmup_steps: int = 10  # short warm-up: a long one hides the instability (Wortsman et al. Fig. 7)
-    schedule: str = "cosine"  # "cosine" to min_lr, or "wsd" (hold the peak LR, decay over the last 20 %)
-    min_lr_frac: float = 0.01  # min_lr = lr * this
-    weight_decay: float = 0.0  # AdamW's (on matrices); the deep budgets use the trainer's 0.1 (norms otherwise grow)
-    beta2: float = 0.95  # AdamW beta2 (the trainer's default)
-    stats_every: int = 10  # probe forward (max attention logit, max |h|, max |logit|) every N steps
-    ckpt_every: int = 100  # the trainer's checkpoint interval: a killed lab resumes its run from there (~1/6 of a
-    # default run: at most ~20 CPU-s lost); a change keeps finished and interrupted runs reusable (not in their key)
-    spike_window: int = 50  # trailing window of the trainer's loss-spike detector ...
-    spike_delta: float = 0.1  # ... a spike exceeds the window's median by more than max(delta, ...
-    spike_noise_k: float = 6.0  # ... noise_k robust sigmas of the window) nats
-    margin: float = CONVERGED_MARGIN.value  # nats above the best LR's seed-mean loss within which an LR still
+# the lab's own settings of a budget; every other entry of a budget is a TrainConfig field or model.NAME (the --set
+# vocabulary) over the recipe below
+AXES = {
+    "lrs": None,  # the LR grid (peak LR of each run); every budget names its own
+    "seeds": None,  # seeds per setting (at every LR with seed_lrs "all"; at the edge LRs with "edge")
+    "seed_lrs": "all",  # "all": every seed at every LR (whole curves: the bootstrap over seeds needs them)
+    "min_lr_frac": 0.01,  # min_lr = lr * this
+    "margin": CONVERGED_MARGIN.value,  # nats above the best LR's seed-mean loss within which an LR still
     # "converges" (verdict.CONVERGED_MARGIN: the verdict's threshold, with its source)
-    eval_batches: int = 4  # validation batches per domain for the final (and the initial) loss
-    eval_batch_size: int = 16
-    model: dict = field(default_factory=dict)  # model-config fields over the `small` preset
-    data_dir: str = "data_v1k"  # corpus used when --data-dir is not given (prepared automatically)
-    vocab_size: int = 1024  # BPE vocabulary that corpus is prepared with
-
-
-_SHALLOW = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=2, head_dim=32)  # issue 11's 2-layer d=64 model (~0.15M besides the embedding)
-_DEEP = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=12, num_attention_heads=2,
-             num_key_value_heads=2, head_dim=32)  # deep and narrow: depth is the paper's unstable case (48 layers)
-
-_DEFAULT = StabilityBudget(
-    help="12-layer d=64 models (2 heads of 32, FFN 192), 3 LRs around the edge of stability (0.03, 0.1, 0.3) x 3 "
-         "seeds at every LR, 600 steps x 16 x 64 tokens, warm-up 10, cosine, weight decay 0.1, no z-loss (54 runs; "
-         "measured 94.7 core-minutes in bf16 on an AMD EPYC Zen 4, ~105 CPU-s per run, 100 minutes at --jobs 1 on "
-         "one core: ~50 minutes at --jobs 2 on 2 quiet cores)",
-    lrs=(3e-2, 1e-1, 3e-1), steps=600, seeds=3, weight_decay=0.1, model=dict(_DEEP))
-
-BUDGETS: dict[str, StabilityBudget] = {
-    "small": StabilityBudget(
-        help="CI smoke run: 3 LRs, 30 steps of a 1-layer d=32 model per run (seconds per run)",
-        lrs=(1e-3, 3e-2, 1.0), steps=30, seeds=1, seq_len=32, batch_size=8, warmup_steps=3, stats_every=10,
-        spike_window=10, eval_batches=1, eval_batch_size=4, ckpt_every=10,
-        model=dict(hidden_size=32, intermediate_size=96, num_hidden_layers=1, num_attention_heads=2,
-                   num_key_value_heads=2, head_dim=16)),
-    "quick": replace(
-        _DEFAULT,
-        help="the default's model and recipe, shorter: 2 LRs (0.1, 1), 3 seeds, 200 steps per run (36 runs, about "
-             "25 core-minutes estimated from the default's measured cost, ~0.155 CPU-s per step + ~10 s of "
-             "evaluation per run: ~13 minutes at --jobs 2 on 2 quiet cores)",
-        lrs=(0.1, 1.0), steps=200, ckpt_every=50),
-    "default": _DEFAULT,
-    "shallow": replace(
-        _DEFAULT,
-        help="issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
-             "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
-        lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), steps=150, seeds=2, seed_lrs="edge", weight_decay=0.0,
-        ckpt_every=50,
-        model=dict(_SHALLOW)),
+    "vocab_size": 1024,  # BPE vocabulary the budget's corpus (data_dir) is prepared with
 }
+# how every run trains, over the `small` preset (a budget changes some of it)
+RECIPE = {
+    "data": "corpus", "seq_len": 64, "batch_size": 16,
+    "warmup_steps": 10,  # short warm-up: a long one hides the instability (Wortsman et al. Fig. 7)
+    "schedule": "cosine",  # to min_lr, or "wsd" (hold the peak LR, decay over the last 20 %)
+    "weight_decay": 0.0,  # AdamW's (on matrices); the deep budgets use the trainer's 0.1 (norms otherwise grow)
+    "beta2": 0.95,
+    "stats_every": 10,  # probe forward (max attention logit, max |h|, max |logit|) every N steps
+    "ckpt_every": 100,  # a killed lab resumes its run from there (~1/6 of a default run: at most ~20 CPU-s lost); a
+    # change keeps finished and interrupted runs reusable (not in their key)
+    "spike_window": 50, "spike_delta": 0.1, "spike_noise_k": 6.0,  # the trainer's noise-aware loss-spike detector
+    "eval_batches": 4, "eval_batch_size": 16,  # validation batches per domain for the final (and initial) loss
+    "data_dir": "data_v1k",  # corpus used when --data-dir is not given (prepared automatically)
+    "eval_every": 0, "tensorboard": False,
+    "progress": True,  # a line per GATTN_PROGRESS_INTERVAL off a terminal
+    # eager unless --set compile=...: compile=auto decides from a timing, and compiled kernels round differently from
+    # eager ones, which in bf16 at these LRs changes the trajectory (the same 24-layer run: loss 6.50 vs 6.92 after 12
+    # steps) — a grid's numbers would depend on how loaded the machine was
+    "compile": "false",
+}
+
+_SHALLOW = {"model.hidden_size": 64, "model.intermediate_size": 192, "model.num_hidden_layers": 2,
+            "model.num_attention_heads": 2, "model.num_key_value_heads": 2,
+            "model.head_dim": 32}  # issue 11's 2-layer d=64 model (~0.15M besides the embedding)
+_DEEP = {**_SHALLOW, "model.num_hidden_layers": 12}  # deep and narrow: depth is the paper's unstable case (48 layers)
+_DEFAULT = {"lrs": (3e-2, 1e-1, 3e-1), "steps": 600, "seeds": 3, "weight_decay": 0.1, **_DEEP}
+
+BUDGETS: dict[str, Budget] = {
+    "small": Budget("CI smoke run: 3 LRs, 30 steps of a 1-layer d=32 model per run (seconds per run)", {
+        "lrs": (1e-3, 3e-2, 1.0), "steps": 30, "seeds": 1, "seq_len": 32, "batch_size": 8, "warmup_steps": 3,
+        "stats_every": 10, "spike_window": 10, "eval_batches": 1, "eval_batch_size": 4, "ckpt_every": 10,
+        "model.hidden_size": 32, "model.intermediate_size": 96, "model.num_hidden_layers": 1,
+        "model.num_attention_heads": 2, "model.num_key_value_heads": 2, "model.head_dim": 16}),
+    "quick": Budget(
+        "the default's model and recipe, shorter: 2 LRs (0.1, 1), 3 seeds, 200 steps per run (36 runs, about 25 "
+        "core-minutes estimated from the default's measured cost, ~0.155 CPU-s per step + ~10 s of evaluation per "
+        "run: ~13 minutes at --jobs 2 on 2 quiet cores)", {**_DEFAULT, "lrs": (0.1, 1.0), "steps": 200,
+                                                           "ckpt_every": 50}),
+    "default": Budget(
+        "12-layer d=64 models (2 heads of 32, FFN 192), 3 LRs around the edge of stability (0.03, 0.1, 0.3) x 3 "
+        "seeds at every LR, 600 steps x 16 x 64 tokens, warm-up 10, cosine, weight decay 0.1, no z-loss (54 runs; "
+        "measured 94.7 core-minutes in bf16 on an AMD EPYC Zen 4, ~105 CPU-s per run, 100 minutes at --jobs 1 on "
+        "one core: ~50 minutes at --jobs 2 on 2 quiet cores)", _DEFAULT),
+    "shallow": Budget(
+        "issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
+        "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
+        {**_DEFAULT, **_SHALLOW, "lrs": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), "steps": 150, "seeds": 2,
+         "seed_lrs": "edge", "weight_decay": 0.0, "ckpt_every": 50}),
+}
+
+
+def budget_settings(name: str) -> dict:
+    """Every setting of budget `name`: the lab's AXES, the RECIPE and the budget's changes over them."""
+    return {**AXES, **RECIPE, **BUDGETS[name].changes}
 
 
 @dataclass
@@ -167,20 +166,21 @@ class LabConfig:
         return self
 
     @property
-    def spec(self) -> StabilityBudget:
-        return BUDGETS[self.budget]
+    def spec(self) -> dict:
+        """The budget's settings (budget_settings)."""
+        return budget_settings(self.budget)
 
     def grid(self) -> tuple[float, ...]:
-        return tuple(sorted(float(x) for x in (self.lrs or self.spec.lrs)))
+        return tuple(sorted(float(x) for x in (self.lrs or self.spec["lrs"])))
 
     def n_steps(self) -> int:
-        return self.steps or self.spec.steps
+        return self.steps or self.spec["steps"]
 
     def n_seeds(self) -> int:
-        return self.seeds or self.spec.seeds
+        return self.seeds or self.spec["seeds"]
 
     def where_seeds(self) -> str:
-        return self.seed_lrs or self.spec.seed_lrs
+        return self.seed_lrs or self.spec["seed_lrs"]
 
 
 # ---------------------------------------------------------------- one run
@@ -199,19 +199,12 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
 
     b = lab.spec
     steps = lab.n_steps()
-    cfg = replace(
-        train_preset("small"), data="corpus", data_dir=str(data_dir), gate=variant, seed=seed, steps=steps,
-        lr=lr, min_lr=lr * b.min_lr_frac, warmup_steps=min(b.warmup_steps, steps - 1), schedule=b.schedule,
-        weight_decay=b.weight_decay, beta2=b.beta2, precision=precision, seq_len=b.seq_len,
-        batch_size=b.batch_size, eval_every=0, eval_batches=b.eval_batches, eval_batch_size=b.eval_batch_size,
-        stats_every=b.stats_every, spike_window=min(b.spike_window, steps), spike_delta=b.spike_delta,
-        spike_noise_k=b.spike_noise_k, ckpt_every=min(b.ckpt_every, steps), tensorboard=False,
-        progress=True,  # a line per GATTN_PROGRESS_INTERVAL off a terminal
-        # eager unless --set compile=...: compile=auto decides from a timing, and compiled kernels round differently
-        # from eager ones, which in bf16 at these LRs changes the trajectory (the same 24-layer run: loss 6.50 vs 6.92
-        # after 12 steps) — a grid's numbers would depend on how loaded the machine was
-        compile="false",
-        model_overrides={**b.model, "use_qk_norm": qk_norm})
+    recipe = {k: v for k, v in b.items() if k not in AXES and not k.startswith("model.")}
+    cfg = replace(train_preset("small"), **{
+        **recipe, "data_dir": str(data_dir), "gate": variant, "seed": seed, "steps": steps, "lr": lr,
+        "min_lr": lr * b["min_lr_frac"], "precision": precision, "warmup_steps": min(b["warmup_steps"], steps - 1),
+        "spike_window": min(b["spike_window"], steps), "ckpt_every": min(b["ckpt_every"], steps),
+        "model_overrides": {**{k[6:]: v for k, v in b.items() if k.startswith("model.")}, "use_qk_norm": qk_norm}})
     if lab.sets:
         cfg = apply_overrides(cfg, list(lab.sets), model_config(cfg.model, gate=variant).to_dict())
     return cfg.validate()
@@ -319,17 +312,22 @@ def stored_run(run_dir: str | Path, cfg_dict: dict) -> dict | None:
     return cache.load(Path(run_dir) / "result.json", cfg_dict, diff=setting_differences)
 
 
-class RunRecorder:
-    """What one run records beside the trainer's log, as a trainer step hook with state (so it resumes with the run's
-    checkpoints, train.trainer.train): the validation loss at init (measured by `factory` on the trainer's own fresh
-    model), the StabilityProbe records of the trainer's probe forwards, and the run's CPU and wall seconds over all
-    the processes that trained it."""
+class RunRecorder(Recorder):
+    """What one run records beside the trainer's log, as the study's step hook (its state resumes with the run's
+    checkpoints): the validation loss at init (measured by `factory` on the trainer's own fresh model), the
+    StabilityProbe records of the trainer's probe forwards, and the run's CPU and wall seconds (no curve: the
+    trainer's log holds it)."""
 
     def __init__(self):
-        self.init_loss: float | None = None
-        self.records: list[dict] = []  # the probe's own list (shared with a bf16-params twin: updated in place)
-        self.prior_cpu_s = self.prior_wall_s = 0.0  # spent by earlier processes (a killed run's)
-        self._c0, self._t0 = time.process_time(), time.perf_counter()
+        super().__init__(every=0, steps=0, init_loss=None, probes=[])
+
+    @property
+    def init_loss(self) -> float | None:
+        return self.state["init_loss"]
+
+    @property
+    def records(self) -> list[dict]:
+        return self.state["probes"]  # the probe's own list (shared with a bf16-params twin: updated in place)
 
     def factory(self, c, vocab):
         """The trainer's own model, evaluated once before training (the loss at init), then probed."""
@@ -344,30 +342,17 @@ class RunRecorder:
         model = init_model(c, vocab, torch.device("cpu"))  # the trainer's one init stream at c.seed
         res = domain_losses(model, make_source(c), seq_len=c.seq_len, max_batches=c.eval_batches,
                             batch_size=c.eval_batch_size, device=torch.device("cpu"), precision=c.precision)
-        self.init_loss = _mean_val(res["losses"])
+        self.state["init_loss"] = _mean_val(res["losses"])
         probe = StabilityProbe(model)
         probe.records = self.records
         probe.attach()
         return model
 
-    def __call__(self, steps_done: int, model) -> None:
-        return None  # records come from the probe; never stops the run
-
-    def cpu_s(self) -> float:
-        return self.prior_cpu_s + time.process_time() - self._c0
-
-    def wall_s(self) -> float:
-        return self.prior_wall_s + time.perf_counter() - self._t0
-
-    def state_dict(self) -> dict:
-        return {"init_loss": self.init_loss, "probes": list(self.records), "cpu_s": self.cpu_s(),
-                "wall_s": self.wall_s()}
-
     def load_state_dict(self, st: dict) -> None:
-        self.init_loss = st["init_loss"]
-        self.records[:] = st["probes"]
-        self.prior_cpu_s, self.prior_wall_s = float(st["cpu_s"]), float(st["wall_s"])
-        self._c0, self._t0 = time.process_time(), time.perf_counter()
+        probes = self.records
+        st = renamed(st, {"cpu_s": "cpu", "wall_s": "wall"})  # a checkpoint from before the shared recorder
+        super().load_state_dict({"curve": [], **st, "probes": probes})
+        probes[:] = st["probes"]
 
 
 def train_run(task: tuple) -> dict:
@@ -392,11 +377,7 @@ def train_run(task: tuple) -> dict:
     result = {**run_metrics(summary, log, rec.records, rec.init_loss, cfg.warmup_steps),
               "wall_s": rec.wall_s(), "cpu_s": rec.cpu_s(), "curve": _curve(log, rec.records, cfg.stats_every)}
     # strict JSON (io): a non-finite metric is null, named in the run's "nonfinite" {metric: "nan" | "inf" | "-inf"}
-    result = cache.save(out / "result.json", cfg_dict, result)
-    # the lab needs the numbers, not the weights: removed once result.json holds them (a kill before leaves a
-    # finished run that is reused, its recorder restored from the final checkpoint)
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    shutil.rmtree(out / "final", ignore_errors=True)
+    result = finish_unit(out, cfg_dict, result)  # the lab needs the numbers, not the weights
     loss = result["final_loss"]
     print(f"[stability] {out.name}: loss {'-' if loss is None else f'{loss:.3f}'} (init {result['loss_at_init']:.3f})"
           f"{' DIVERGED' if result['diverged'] else ''}  spikes {result['spikes']}  max attn logit "
@@ -496,7 +477,7 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     t0 = time.perf_counter()
     precision, line = decide(lab.precision, "cpu")  # the lab's one decision: every run trains in it
     spec = lab.spec
-    data_dir = ensure_corpus(lab.data_dir or spec.data_dir, spec.vocab_size, log, tag="[stability]")
+    data_dir = ensure_corpus(lab.data_dir or spec["data_dir"], spec["vocab_size"], log, tag="[stability]")
     out = Path(lab.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     grid, seeds, where = lab.grid(), lab.n_seeds(), lab.where_seeds()
@@ -519,15 +500,15 @@ def run_lab(lab: LabConfig, log=print) -> dict:
         results.update(_execute(more, lab, data_dir, out, log, precision))
     rows = [_row(*p, results[p], out / "runs" / run_name(*p), out) for p in results]
     rows.sort(key=lambda r: (lab.variants.index(r["variant"]), r["qk_norm"], r["lr"], r["seed"]))
-    stats = {v: {key: setting_stats(_setting(rows, v, qk), spec.margin) if _setting(rows, v, qk) else None
+    stats = {v: {key: setting_stats(_setting(rows, v, qk), spec["margin"]) if _setting(rows, v, qk) else None
                  for key, qk in (("on", True), ("off", False))} for v in lab.variants}  # None: not run
     pick = lambda name: {v: {k: (s[name] if s else None) for k, s in d.items()} for v, d in stats.items()}
     first = train_config(lab, data_dir, *settings[0], grid[0], 0, precision)
     lab_json = {
         "budget": lab.budget,
         "config": {**asdict(lab), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds, "seed_lrs": where,
-                   "data_dir": str(data_dir), "resolved_precision": precision, "margin": spec.margin,
-                   "min_lr_frac": spec.min_lr_frac, "bootstrap": {"level": St.LEVEL, "resamples": St.N_BOOT}},
+                   "data_dir": str(data_dir), "resolved_precision": precision, "margin": spec["margin"],
+                   "min_lr_frac": spec["min_lr_frac"], "bootstrap": {"level": St.LEVEL, "resamples": St.N_BOOT}},
         "train_config": {k: v for k, v in first.to_dict().items() if k not in ("gate", "lr", "min_lr", "seed")},
         "edge_lrs": {f"{v}/{'on' if qk else 'off'}": e for (v, qk), e in edges.items()},
         "runs": rows,
