@@ -47,7 +47,38 @@ CONFIGS = {  # label -> (gate, match_params)
     "G1-elem-noparity": ("sdpa_elementwise", False),
     "G1-head-noparity": ("sdpa_headwise", False),
 }
-IMPLS = ("ours", "ours_fast", "hf")
+IMPLS = ("ours", "ours_fast", "hf", "ours_fast_pad16", "ours_fast_split")
+DEFAULT_IMPLS = ("ours", "ours_fast", "hf")
+
+
+def gate_projection_layout(model, layout: str):
+    """Bench-only variants of the trainer's fused q/k/v/gate GEMM (fuse_qkv(separate_params=True)), to measure
+    whether its width (H*D + 2*KV*D + gate width, 516 for the small preset's headwise gate) costs: `pad16` appends
+    zero rows to the concatenated weight up to a multiple of 16 (their output columns are dropped), `split` runs the
+    q/k/v GEMM alone and the gate's own (H or H*D wide) GEMM beside it."""
+    import types
+
+    import torch.nn.functional as F
+
+    def project(self, x):
+        b, t, _ = x.shape
+        w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # (H*D + 2*KV*D, d)
+        if layout == "split":
+            parts = [*F.linear(x, w).split(self.splits[:3], dim=-1), self.gate.proj(x)]
+        else:
+            pad = -sum(self.splits) % 16
+            g = self.gate.proj.weight
+            parts = F.linear(x, torch.cat([w, g, g.new_zeros(pad, g.shape[1])])).split(self.splits + [pad], dim=-1)
+        q = parts[0].view(b, t, self.num_heads, self.head_dim)  # (B, T, H, D)
+        k = parts[1].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        v = parts[2].view(b, t, self.num_kv_heads, self.head_dim)  # (B, T, KV, D)
+        return q, k, v, parts[3]
+
+    for layer in model.modules():
+        if getattr(layer, "fold_gate", False):
+            assert layer.separate_params and layer.q_proj.bias is None, "bench layouts: the trainer's, no bias"
+            layer._project = types.MethodType(project, layer)
+    return model
 
 
 def train_flops(cfg, batch: int, seq: int) -> float:
@@ -131,8 +162,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--reps", type=int, default=5, help="timed round-robin rounds (median taken)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first (compiles happen here)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list from {list(CONFIGS)}")
-    ap.add_argument("--impls", default=",".join(IMPLS), help="comma list: ours (plain reference layers), ours_fast "
-                    "(fuse_qkv + fused sigmoid-mul + chunked loss), hf (transformers Qwen3 / official gate layout)")
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help="comma list: ours (plain reference layers), "
+                    "ours_fast (fuse_qkv + fused sigmoid-mul + chunked loss), hf (transformers Qwen3 / official gate "
+                    "layout), ours_fast_pad16 / ours_fast_split (ours_fast with the gate's GEMM padded / apart: "
+                    "gate_projection_layout)")
     ap.add_argument("--modes", default="eager,compile", help="comma list: eager, compile")
     ap.add_argument("--compile-impls", default="ours_fast,hf", help="impls also run under torch.compile")
     ap.add_argument("--out", default="train", help="results/<out>.json")
@@ -143,6 +176,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-heads", type=int, default=0, help="override num_key_value_heads (0 = preset's)")
     ap.add_argument("--ac", default="none", help="comma list of activation_checkpointing modes ours_fast runs in "
                     "(none, full, selective, every:N); more than 'none' adds the memory columns")
+    ap.add_argument("--ffn-multiple", default="0", help="comma list: each parity config once per ffn_multiple (the "
+                    "parity rule's FFN alignment, presets.parity_width; 0 = the preset's own), labelled CONFIG@N")
     common.precision_arg(ap)
     args = ap.parse_args(argv)
     prec = common.resolve_precision(args.precision)
@@ -171,10 +206,14 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, model_config(args.preset, **shape).vocab_size, (args.batch, args.seq))
     fns, meta, probes = {}, {}, {}
-    for label in configs:
-        gate, parity = CONFIGS[label]
+    multiples = [int(n) for n in args.ffn_multiple.split(",")]
+    shrunk = [c for c in configs if CONFIGS[c][1] and CONFIGS[c][0] != "baseline"]  # the configs an alignment changes
+    runs = [(c, n) for c in configs for n in (multiples if c in shrunk else [0])]
+    for base_label, multiple in runs:
+        gate, parity = CONFIGS[base_label]
+        label = f"{base_label}@{multiple}" if len(multiples) > 1 and base_label in shrunk else base_label
         torch.manual_seed(0)
-        cfg = model_config(args.preset, gate, match_params=parity, **shape)
+        cfg = model_config(args.preset, gate, match_params=parity, ffn_multiple=multiple or None, **shape)
         ours = GatedQwen3ForCausalLM(cfg).train()
         models = {}
         for impl in impls:
@@ -182,6 +221,11 @@ def main(argv=None) -> dict:
                 models[impl] = ours
             elif impl == "ours_fast":  # the trainer's layout: plain Parameters, one GEMM (train/fastpath.py)
                 models[impl] = fuse_qkv(copy.deepcopy(ours), separate_params=True)
+            elif impl.startswith("ours_fast_"):
+                if gate == "baseline":
+                    continue
+                fast = fuse_qkv(copy.deepcopy(ours), separate_params=True)
+                models[impl] = gate_projection_layout(fast, impl.removeprefix("ours_fast_").removesuffix("16"))
             else:
                 models[impl] = hf_from_ours(ours).train()
         for impl, m in models.items():
@@ -199,7 +243,7 @@ def main(argv=None) -> dict:
                         meta[f"{name}|{ac}"] = {**info, "activation_checkpointing": ac,
                                                 "plan_kept_mb": plan_kept(cfg, ids.numel(), prec, ac) / 1e6}
                     continue
-                if mode == "compile" and impl == "ours_fast":
+                if mode == "compile" and impl.startswith("ours_fast"):
                     # what the trainer compiles (train/fastpath.py): one decoder-layer graph shared by every layer
                     mc = copy.deepcopy(m)
                     plan = fastpath.SpeedPlan(True, "true", 0, True, decoder_layers(mc), torch.device("cpu"))
@@ -207,7 +251,7 @@ def main(argv=None) -> dict:
                                           precision=prec)
                 else:
                     run = torch.compile(m) if mode == "compile" else m
-                    fns[name] = make_step(run, ids, fused_loss=impl == "ours_fast", params=m.parameters(),
+                    fns[name] = make_step(run, ids, fused_loss=impl.startswith("ours_fast"), params=m.parameters(),
                                           precision=prec)
                 meta[name] = info
     peak_fn, peak_flops = common.matmul_peak_fn(precision=prec)
@@ -243,7 +287,8 @@ def main(argv=None) -> dict:
               "seq": args.seq, "reps": args.reps, "resolved_precision": prec, "peak_flops": peak,
               "peak_precision": prec, "rows": rows}
     path = common.write_json(args.out, result)
-    print(common.md_table(rows, ["config", "impl", "mode", "median_s", "tokens_per_s", "step_time_vs_ungated",
+    print(common.md_table(rows, ["config", "impl", "mode", "intermediate_size", "median_s", "rel_iqr", "tokens_per_s",
+                                 "step_time_vs_ungated",
                                  "step_time_vs_ungated_fast", "speedup_vs_hf", "mfu"]))
     if ac_rows:
         print(common.md_table([r for r in rows if "activation_checkpointing" in r],

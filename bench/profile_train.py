@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_train import make_step
 from gated_attention import GatedQwen3ForCausalLM
-from gated_attention import fast as fused_mod
+from gated_attention import fused as fused_mod
 from gated_attention.fused import fuse_qkv
 from gated_attention.train import fastpath
 from gated_attention.train.monitors import decoder_layers

@@ -4,7 +4,7 @@ setting for each variant and analyse the model every --every steps on held-out v
 analysis set: 4 batches of 8 = 32 BOS-started windows per domain), printing one JSON line per point and writing
 OUT/<variant>/curve.jsonl.
 
-    /work/bin/cpu python scripts/sink_emergence.py --data-dir DATA --out OUT [--steps 3000] [--every 150]
+    python scripts/sink_emergence.py --data-dir DATA --out OUT [--steps 3000] [--every 150]
         [--variants baseline sdpa_elementwise] [--max-minutes M] [--fit-minutes M]
 
 --max-minutes stops a variant early (the curve so far is kept; the schedule is still the one for --steps).

@@ -16,8 +16,9 @@ ROOT = "gated_attention"
 
 
 def read_layer_table(text: str) -> list[tuple[str, tuple[str, ...]]]:
-    """[(layer, module-name prefixes)] from ARCHITECTURE.md's table `| layer | where | owns |`: the layer is the bold
-    word of the first cell, the second cell lists paths under src/gated_attention/ in backticks (`x.py`, `folder/`)."""
+    """[(layer, module-name prefixes)] from ARCHITECTURE.md's table `| layer | where | what it is |`: the layer is the
+    bold word of the first cell, the second cell lists paths under src/gated_attention/ in backticks (`x.py`,
+    `folder/`)."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if re.match(r"\|\s*layer\s*\|\s*where\s*\|", line))
     layers = []
@@ -183,7 +184,7 @@ def test_checker_sees_function_local_imports():
 def test_layer_table_is_read_from_architecture_md():
     names = [name for name, _ in LAYERS]
     assert names[0] == "util" and names[-1] == "cli" and "core" in names and "experiment" in names, names
-    table = "| layer | where | owns |\n|---|---|---|\n| **core** (the model) | `gates.py`, `data/` | text |\n"
+    table = "| layer | where | what it is |\n|---|---|---|\n| **core** (the model) | `gates.py`, `data/` | text |\n"
     assert read_layer_table(table) == [("core", ("gates", "data"))]
     with pytest.raises(AssertionError, match="does not exist"):
         read_layer_table(table.replace("gates.py", "no_such_module.py"))

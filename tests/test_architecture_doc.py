@@ -125,16 +125,44 @@ def _attrs(token: str, module: str, rest: list[str]) -> str | None:
     return None
 
 
+def layer_sections(text: str) -> dict[str, tuple[list[str], list[str]]]:
+    """{layer: (its `where` paths from the layer table, the lines under its heading `### layer` in "Modules, layer by
+    layer")}: the table says where a layer lives, its section names each of its modules on a line of its own."""
+    wheres, sections, current = {}, {}, None
+    for line in text.splitlines():
+        cells = line.split("|")
+        if line.startswith("| **") and len(cells) > 3:  # a layer-table row: | **layer** | where | what it is |
+            wheres[re.search(r"\*\*(.+?)\*\*", cells[1]).group(1)] = re.findall(r"`([^`]+)`", cells[2])
+        elif line.startswith("#"):
+            name = re.fullmatch(r"###\s+(\S+)\s*", line)
+            current = name.group(1) if name and name.group(1) in wheres else None
+            if current:
+                sections[current] = []
+        elif current:
+            sections[current].append(line)
+    return {layer: (paths, sections.get(layer, [])) for layer, paths in wheres.items()}
+
+
+def _dirs(wheres: list[str]) -> list[Path]:
+    """The folders a bare file name of a layer may live in: the layer's folders, and the package's top."""
+    return ([PKG / w.rstrip("/") for w in wheres if w.endswith("/")] or [PKG]) + [PKG]
+
+
 def _cited() -> list[tuple[str, list[Path] | None]]:
-    """(token, the layer-table row's folders or None) for every backticked span of ARCHITECTURE.md."""
+    """(token, the folders of the layer whose table row or `### layer` section cites it, or None elsewhere) for every
+    backticked span of ARCHITECTURE.md."""
+    wheres, section = {}, None
     out = []
     for line in DOC.read_text(encoding="utf-8").splitlines():
-        row_dirs = None
         cells = line.split("|")
-        if line.startswith("| **") and len(cells) > 3:  # a layer-table row: | **layer** | where | owns |
-            wheres = re.findall(r"`([^`]+)`", cells[2])
-            row_dirs = [PKG / w.rstrip("/") for w in wheres if w.endswith("/")] or [PKG]
-            row_dirs = row_dirs + [PKG]
+        row_dirs = section
+        if line.startswith("| **") and len(cells) > 3:  # a layer-table row: | **layer** | where | what it is |
+            paths = re.findall(r"`([^`]+)`", cells[2])
+            wheres[re.search(r"\*\*(.+?)\*\*", cells[1]).group(1)] = paths
+            row_dirs = _dirs(paths)
+        elif line.startswith("#"):
+            name = re.fullmatch(r"###\s+(\S+)\s*", line)
+            section = _dirs(wheres[name.group(1)]) if name and name.group(1) in wheres else None
         for span in re.findall(r"`([^`\n]+)`", line):
             out.append((span, row_dirs))
     return out
@@ -171,24 +199,29 @@ def _names(token: str, name: str, rel: str) -> bool:
 
 
 def test_every_source_file_is_named_in_its_layer_row():
-    """Each module of the package is named (its file name in backticks) in the layer-table row that owns it (the
-    longest `where` path containing it; the labs' `<name>_lab.py` template counts), or is a package's `__init__` /
-    `__main__`."""
-    rows = []
-    for line in DOC.read_text(encoding="utf-8").splitlines():
-        cells = line.split("|")
-        if line.startswith("| **") and len(cells) > 3:
-            rows.append((re.findall(r"`([^`]+)`", cells[2]), set(re.findall(r"`([^`]+)`", line))))
+    """Each module of the package is named (its file name in backticks) under the heading of the layer that owns it
+    (the longest `where` path containing it; the labs' `<name>_lab.py` template counts), or is a package's
+    `__init__` / `__main__`."""
+    layers = layer_sections(DOC.read_text(encoding="utf-8"))
+    named = {layer: set(re.findall(r"`([^`]+)`", "\n".join(lines))) for layer, (_, lines) in layers.items()}
     missing = []
     for p in sorted(PKG.rglob("*.py")):
         rel = p.relative_to(PKG).as_posix()
         if p.name in ("__init__.py", "__main__.py"):
             continue
-        owner = max(((w, names) for wheres, names in rows for w in wheres
+        owner = max(((w, layer) for layer, (wheres, _) in layers.items() for w in wheres
                      if rel == w or (w.endswith("/") and rel.startswith(w))), key=lambda t: len(t[0]), default=None)
         if owner is None:
             missing.append(f"{rel}: no row")
-        elif rel != owner[0] and not any(_names(n, p.name, rel) for n in owner[1]):
-            missing.append(f"{rel}: not named in the {owner[0]} row")
+        elif not any(_names(n, p.name, rel) for n in named[owner[1]]):
+            missing.append(f"{rel}: not named under ### {owner[1]}")
     assert not missing, "\n".join(missing)
 
+
+def test_the_module_lists_are_read_per_layer():
+    """The checker's positive control: a module named only under another layer's heading is not named in its own."""
+    text = ("| layer | where | what it is |\n|---|---|---|\n| **util** | `util/` | x |\n| **data** | `data/` | y |\n"
+            "## Modules\n### util\n- `io.py`: files\n### data\n- `corpus.py`: `Corpus`\n## Next\n- `epoch.py`\n")
+    layers = layer_sections(text)
+    assert layers["util"] == (["util/"], ["- `io.py`: files"])
+    assert layers["data"] == (["data/"], ["- `corpus.py`: `Corpus`"])  # the next ## heading ends the section

@@ -76,7 +76,7 @@ def test_parameter_parity(preset, gate):
 
 
 def test_28l_elementwise_ffn_width():
-    assert model_config("1.7b-28l", "sdpa_elementwise").intermediate_size == 5461  # paper map §4 derived width
+    assert model_config("1.7b-28l", "sdpa_elementwise", ffn_multiple=1).intermediate_size == 5461  # paper map §4 derived width
 
 
 def test_gate_starts_near_half_and_identity_init_is_identity():

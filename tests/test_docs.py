@@ -1,4 +1,5 @@
-"""The documents' promises, checked on their text: every `gattn` command line in README.md and docs/usage.md parses
+"""The documents' promises, checked on their text: every `gattn` command line in README.md, docs/usage.md and the
+newcomer's pages (docs/common_tasks.md, which tests/test_docs_tasks.py also runs, and docs/train_your_corpus.md) parses
 with the command's real argument parser (each option exists, takes the values it is given, the subcommand exists) and
 its `--help` runs; every relative link in README.md, and in the documents it links, reaches a file and, where it names
 one, a heading there (so every section moved out of the README stays reachable from it)."""
@@ -15,7 +16,7 @@ from gated_attention.cli import COMMANDS, command_parser, main
 from gated_attention.util import errors as E
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/usage.md")
+DOCS = ("README.md", "docs/usage.md", "docs/common_tasks.md", "docs/train_your_corpus.md")
 PATH_TYPES = (E.existing_dir, E.existing_file, E.out_dir, E.out_file)  # placeholders like DIR are not on this disk
 
 

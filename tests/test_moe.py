@@ -468,3 +468,44 @@ def test_router_gemm_in_fp32_under_bf16_autocast():
     logits = block.gate(h.bfloat16())[0]
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, h.bfloat16().float() @ block.gate.weight.float().t(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shared", [0, 16])
+def test_block_traces_without_graph_breaks_under_bf16_autocast(shared):
+    """torch._dynamo.explain counts the graph breaks of the MoE block's training forward (grouped path, the fast path
+    compiled layers run): none under bf16 autocast, where the grouped kernel runs on bf16 casts (its group sizes stay
+    on the device) and the eager-only recompute check is skipped while tracing. In fp32 compile refuses the grouped
+    kernel and the per-expert fallback reads its split sizes on the host, a break per grouped matmul: counted the
+    same way, the counter's positive control."""
+    counts = {}
+    for autocast in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = SparseMoeBlock(make_cfg(shared_expert_intermediate_size=shared)).train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            counts[autocast] = torch._dynamo.explain(block)(torch.randn(2, 8, 32)).graph_break_count
+    torch._dynamo.reset()
+    assert counts[True] == 0 and counts[False] >= 2, counts
+
+
+def test_recorded_exchange_is_computed_once_and_replayed_in_order():
+    """An expert-parallel dispatch's exchange (`recorded`): computed and kept in a checkpoint's recorded forward,
+    taken from the record, in call order, by its recompute, which calls nothing (no second all-to-all of counts, no
+    second host read); outside a checkpoint computed every time."""
+    from gated_attention.moe import RoutingRecord, recorded, routing_record, routing_replay
+
+    calls = []
+
+    def compute(tag):
+        return lambda: calls.append(tag) or (tag, [len(calls)])
+
+    record = RoutingRecord()
+    with routing_record(record):
+        first, second = recorded(compute("a")), recorded(compute("b"))
+    assert calls == ["a", "b"] and len(record.exchanges) == 2
+    with routing_replay(record):
+        assert (recorded(compute("x")), recorded(compute("y"))) == (first, second)
+    assert calls == ["a", "b"]
+    recorded(compute("c"))
+    recorded(compute("c"))
+    assert calls == ["a", "b", "c", "c"] and len(record.exchanges) == 2

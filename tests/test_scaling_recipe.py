@@ -53,15 +53,14 @@ def test_fan_in_init_sets_the_weights_std(tiny_corpus):
     """The built model's projection weights have std ~ 1/sqrt(hidden) under init-fan-in and ~ 0.02 under the current
     recipe: measured on the model, not read from the config."""
     import torch
+    from harness import build_lm
 
-    from gated_attention.modeling import GatedQwen3ForCausalLM
     from gated_attention.presets import model_config
 
     stds = {}
     for name in ("current", "init-fan-in"):
         c, size = _unit_cfg(tiny_corpus, name)
-        torch.manual_seed(0)
-        model = GatedQwen3ForCausalLM(model_config(c.model, gate="none", vocab_size=1024, **c.model_overrides))
+        model = build_lm(model_config(c.model, gate="none", vocab_size=1024, **c.model_overrides))
         w = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if n.endswith("proj.weight")])
         stds[name] = float(w.std())
     assert stds["current"] == pytest.approx(0.02, rel=0.1)

@@ -299,3 +299,20 @@ def test_a_budget_of_many_epochs_warns_once(tiny_corpus, tmp_path, capsys):
     assert "--data-dir" in warned[0]
     assert call(["train", "--preset", "tiny", *sets, "--set", f"steps={few}", "--out", tmp_path / "few"]) == 0
     assert "epochs" not in capsys.readouterr().err
+
+
+def test_a_paper_presets_budget_on_a_small_corpus_warns(tiny_corpus):
+    """The warning follows the preset's own budget (the paper's ~400B tokens here), not only --set steps=."""
+    from types import SimpleNamespace
+
+    from gated_attention.data import Corpus
+    from gated_attention.train.data_source import epochs_note
+    from gated_attention.train.train_presets import train_preset
+
+    corpus = Corpus(tiny_corpus)
+    source = SimpleNamespace(corpus=corpus, train_domains=None)
+    have = sum(corpus.num_tokens(d, "train") for d in corpus.domains)
+    note = epochs_note(train_preset("paper-dense-28l"), source)
+    assert note and f"{95_367 * 1024 * 4096:,} training tokens" in note and f"{have:,}" in note
+    tiny = train_preset("tiny")  # 40 steps of 8 x 32 tokens: a few epochs of the tiny corpus at most
+    assert (epochs_note(tiny, source) is None) == (tiny.steps * tiny.batch_size * tiny.seq_len <= 4 * have)

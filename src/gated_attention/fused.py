@@ -261,6 +261,21 @@ def _accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, hc: torch.Ten
         grad_w += g.t() @ hc
 
 
+def _chunk_ce(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, ignore_index: int):
+    """One chunk's cross-entropy per token (0 where ignored), and what its gradient reuses: (ce (c,), exp(logit -
+    max) (c, V) fp32, its row sums z (c,), the valid mask (c,), the targets with ignored ones set to 0 (c,))."""
+    logits = (hc @ w.t()).float()  # (c, V): fp32 only for the log-sum-exp, as transformers does
+    valid = tc != ignore_index
+    safe = torch.where(valid, tc, torch.zeros_like(tc))
+    picked = logits.gather(1, safe[:, None]).squeeze(1)  # (c,)
+    top = logits.amax(dim=-1)  # (c,)
+    # one exp pass serves both the loss (log of its row sum) and the gradient (the softmax itself)
+    e = logits.sub_(top[:, None]).exp_()  # (c, V) = exp(logit - max), in place
+    z = e.sum(dim=-1)  # (c,)
+    lse = top + z.log()
+    return torch.where(valid, lse - picked, torch.zeros_like(lse)), e, z, valid, safe
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum over valid tokens of CE(hidden @ weight.T, targets) / denom, gradients computed in the same pass."""
 
@@ -275,16 +290,8 @@ class _ChunkedLinearCE(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
             for s in range(0, n, chunk):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]  # (c, d), (c,)
-                logits = (hc @ w.t()).float()  # (c, V): fp32 only for the log-sum-exp, as transformers does
-                valid = tc != ignore_index
-                safe = torch.where(valid, tc, torch.zeros_like(tc))
-                picked = logits.gather(1, safe[:, None]).squeeze(1)  # (c,)
-                top = logits.amax(dim=-1)  # (c,)
-                # one exp pass serves both the loss (log of its row sum) and the gradient (the softmax itself)
-                e = logits.sub_(top[:, None]).exp_()  # (c, V) = exp(logit - max), in place
-                z = e.sum(dim=-1)  # (c,)
-                lse = top + z.log()
-                total = total + torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
+                ce, e, z, valid, safe = _chunk_ce(hc, w, tc, ignore_index)
+                total = total + ce.sum()
                 if want_grad:
                     w_tok = valid.to(e.dtype) / denom  # (c,) per-token weight; ignored tokens contribute nothing
                     e.mul_((w_tok / z)[:, None])  # softmax * weight, one pass
@@ -307,13 +314,16 @@ class _ChunkedLinearCE(torch.autograd.Function):
 
 def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                     num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = -100,
-                    chunk_tokens: int | None = None, chunk_bytes: int = LOSS_CHUNK_BYTES) -> torch.Tensor:
+                    chunk_tokens: int | None = None, chunk_bytes: int | None = None,
+                    reduction: str = "mean") -> torch.Tensor:
     """Mean cross-entropy of (hidden @ weight.T) against `targets` (already aligned: position t predicts targets[t]).
 
     hidden (..., d), targets (...) with `ignore_index` for positions without a target. Divides by the number of valid
     targets, or by `num_items_in_batch` when given (transformers' convention for gradient accumulation). The matmul runs
     in the autocast dtype when autocast is on (as lm_head would), the log-sum-exp in fp32. Chunks of `chunk_tokens`,
-    or by default as many tokens as fit `chunk_bytes` of (c, V) temporaries (loss_chunk_tokens)."""
+    or by default as many tokens as fit `chunk_bytes` (default LOSS_CHUNK_BYTES) of (c, V) temporaries
+    (loss_chunk_tokens). reduction="none": each position's loss (targets' shape, fp32, 0 where ignored), without
+    gradient (evaluation: train/evaluate.py)."""
     d = hidden.shape[-1]
     h = hidden.reshape(-1, d)  # (N, d)
     t = targets.reshape(-1).to(h.device)  # (N,)
@@ -325,7 +335,17 @@ def chunked_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         denom = (t != ignore_index).sum().to(torch.float32)
     else:
         denom = torch.as_tensor(num_items_in_batch, device=h.device).to(torch.float32)
-    chunk = chunk_tokens or loss_chunk_tokens(weight.shape[0], dtype, chunk_bytes)
+    chunk = chunk_tokens or loss_chunk_tokens(weight.shape[0], dtype, chunk_bytes or LOSS_CHUNK_BYTES)
+    if reduction == "none":
+        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
+            raise ValueError("chunked_lm_loss(reduction='none') has no backward; call it under torch.no_grad()")
+        with torch.autocast(dev, enabled=False):
+            w = weight.to(dtype)  # (V, d)
+            per_token = torch.cat([_chunk_ce(h[s:s + chunk].to(dtype), w, t[s:s + chunk], ignore_index)[0]
+                                   for s in range(0, h.shape[0], chunk)])  # (N,)
+        return per_token.view(targets.shape)
+    if reduction != "mean":
+        raise ValueError(f"chunked_lm_loss: reduction={reduction!r}; use 'mean' or 'none'")
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     return _ChunkedLinearCE.apply(h, weight, t, denom, chunk, ignore_index, dtype, want_grad)
 

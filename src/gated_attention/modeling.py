@@ -95,7 +95,9 @@ class _ExactRecompute:
 
         self.function = function
         self.emulated = emulating()  # the numerics the forward runs in (checked when the layer is called)
-        self.routing: list = []
+        from .moe import RoutingRecord
+
+        self.routing = RoutingRecord()
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
@@ -245,9 +247,10 @@ class GatedQwen3ForCausalLM(GatedQwen3PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache: Cache | None = None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep: int | torch.Tensor = 0,
-                fused_loss: bool = False, **kwargs) -> MoeCausalLMOutputWithPast:
+                fused_loss: bool = False, loss_reduction: str = "mean", **kwargs) -> MoeCausalLMOutputWithPast:
         """fused_loss=True with labels (or shift_labels=, already aligned): the loss comes from fused.chunked_lm_loss,
-        which never materialises the (B, T, V) logits; `logits` is then None."""
+        which never materialises the (B, T, V) logits; `logits` is then None. loss_reduction="none" (no gradient):
+        `loss` is each position's cross-entropy (B, T), the auxiliary loss left out (evaluation)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                          inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         fused = fused_loss and (labels is not None or kwargs.get("shift_labels") is not None)
@@ -265,8 +268,8 @@ class GatedQwen3ForCausalLM(GatedQwen3PreTrainedModel, GenerationMixin):
             targets = kwargs.get("shift_labels")
             targets = shift_for_loss(labels) if targets is None else targets  # (B, T)
             loss = chunked_lm_loss(out.last_hidden_state, self.lm_head.weight, targets,
-                                   num_items_in_batch=kwargs.get("num_items_in_batch"))
-            if aux_loss is not None:
+                                   num_items_in_batch=kwargs.get("num_items_in_batch"), reduction=loss_reduction)
+            if aux_loss is not None and loss_reduction == "mean":
                 loss = loss + aux_loss.to(loss.device)
         elif labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)

@@ -22,7 +22,8 @@ Losses (stored on the block after each forward, collected by `collect_aux_loss(m
     (no host sync in the forward, which would stall FSDP2's prefetch): they are read only when logged.
   * Activation-checkpoint recompute replays the forward exactly: the checkpointed layer's forward records each MoE
     block's routing (expert indices and the global counts its loss used) and the recompute inside backward reuses
-    them (`routing_record` / `routing_replay`, driven by `modeling.exact_checkpoint`) instead of deciding again. So
+    them (`routing_record` / `routing_replay`, driven by `modeling.exact_checkpoint`) instead of deciding again
+    (under expert parallelism each dispatch's exchanged counts and split sizes too: `recorded`). So
     the recomputed graph is the forward's even where a GEMM rounds differently on a second run, a micro-batch is
     never counted twice, and the stored loss is not overwritten.
   * router z-loss = mean over tokens of logsumexp(router logits)^2 (ST-MoE), local.
@@ -99,17 +100,31 @@ class MoEBalanceState:
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass (a forward run there is a recomputation)."""
+    """True while autograd runs a backward pass (a forward run there is a recomputation). False while torch.compile
+    traces: the check guards eager recomputation (a traced graph replays no Python), and its int result would break
+    the graph."""
+    if torch.compiler.is_compiling():
+        return False
     task_id = getattr(torch._C, "_current_graph_task_id", None)
     return task_id is not None and task_id() != -1
+
+
+class RoutingRecord(list):
+    """One checkpointed call's record: an entry (top_i, global counts, global tokens) per MoE block call, in call
+    order, and in `exchanges` what each expert-parallel dispatch exchanged before its all-to-all (`recorded`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.exchanges: list = []
 
 
 class _Routing(threading.local):
     """What the MoE blocks of the running checkpointed forward record, or its recompute replays (per thread: a CUDA
     backward runs on autograd's device thread, and the record is set and read within one call there)."""
     mode: str | None = None  # None | "record" | "replay"
-    entries: list | None = None  # one (top_i, global counts, global tokens) per MoE block call, in call order
+    entries: list | None = None  # a RoutingRecord (or a plain list: no exchanges kept)
     next: int = 0
+    next_exchange: int = 0
 
 
 _ROUTING = _Routing()
@@ -117,12 +132,25 @@ _ROUTING = _Routing()
 
 @contextmanager
 def _routing(mode: str, entries: list):
-    saved = (_ROUTING.mode, _ROUTING.entries, _ROUTING.next)
-    _ROUTING.mode, _ROUTING.entries, _ROUTING.next = mode, entries, 0
+    saved = (_ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange)
+    _ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange = mode, entries, 0, 0
     try:
         yield
     finally:
-        _ROUTING.mode, _ROUTING.entries, _ROUTING.next = saved
+        _ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange = saved
+
+
+def recorded(compute):
+    """`compute()` (an expert-parallel dispatch's exchange of counts and its host read of the split sizes), kept in a
+    recorded forward's RoutingRecord and taken from it in the recompute, which so exchanges and reads nothing again."""
+    mode, exchanges = _ROUTING.mode, getattr(_ROUTING.entries, "exchanges", None)
+    if mode == "replay" and exchanges is not None:
+        _ROUTING.next_exchange += 1
+        return exchanges[_ROUTING.next_exchange - 1]
+    value = compute()
+    if mode == "record" and exchanges is not None:
+        exchanges.append(value)
+    return value
 
 
 def routing_record(entries: list):
@@ -196,8 +224,14 @@ def _grouped_mm_usable(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_grouped_mm: bool | None = None):
-    """Rows of x sorted by group, `counts[g]` rows per group; w (G, K, M) -> (N, M). One mm per group as fallback."""
+    """Rows of x sorted by group, `counts[g]` rows per group; w (G, K, M) -> (N, M). One mm per group as fallback
+    (it reads the group sizes on the host: a sync, and a graph break under torch.compile)."""
     if use_grouped_mm is None:
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.bfloat16:
+            # the GEMM runs in bf16 under autocast anyway; cast here so the grouped kernel (bf16-only on CUDA and
+            # under torch.compile) takes fp32 weights and activations instead of the host-synced fallback
+            x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
         use_grouped_mm = _grouped_mm_usable(x, w)
     if use_grouped_mm:
         offs = counts.cumsum(0).to(torch.int32)  # (G,) end row of each group
@@ -211,6 +245,11 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_g
 # ------------------------------------------------------------------------------------------------------------------
 class MoeRouter(nn.Module):
     """Softmax over all experts, then top-k; optional renormalisation of the k weights (HF Qwen3MoeTopKRouter math)."""
+
+    # Its weight stays fp32 under bf16-params too (FSDP2 gathers it in fp32: train/dist.py; the one-process bf16 twin
+    # keeps it: train/mixed_precision.py): the fp32 GEMM below would otherwise multiply bf16-rounded weights, and a
+    # rounded router flips near-tied top-k choices. The weight is (E, d): 1 MB per layer of the 15A2B model in fp32.
+    keeps_fp32_params = True
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool):
         super().__init__()

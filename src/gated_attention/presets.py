@@ -2,7 +2,9 @@
 
 `model_config(name, gate=...)` returns a `GatedQwen3Config`. For dense shapes, gated variants shrink the FFN width so
 the total parameter count matches the ungated model within 0.1 % (as the paper's dense runs do, paper map §4); the MoE
-shape keeps its FFN and reports the gate as added parameters (as the paper's MoE tables do).
+shape keeps its FFN and reports the gate as added parameters (as the paper's MoE tables do). The shrunk width is
+rounded to a multiple of the preset's `FFN_MULTIPLE` where that keeps the 0.1 % (`parity_width`): GEMMs of odd
+widths run slower per FLOP (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -49,6 +51,10 @@ def _small_moe() -> dict:
 
 PRESETS = {"tiny": _tiny, "small": _small, "1.7b-28l": _dense_28l, "1.7b-48l": _dense_48l, "15a2b": _moe_15a2b,
            "tiny-moe": _tiny_moe, "small-moe": _small_moe}
+PARITY = 1e-3  # a gated dense model's total parameters stay within 0.1 % of the ungated model's
+# the alignment a parity-shrunk FFN width aims for (parity_width); 1 = the exact width. GPU shapes: tensor-core GEMMs
+# tile N by 64-128 and need multiples of 8 in bf16. The CPU presets keep exact widths: every lab's figures use them
+FFN_MULTIPLE = {"1.7b-28l": 128, "1.7b-48l": 128}
 
 
 def gate_params_per_layer(config: GatedQwen3Config) -> int:
@@ -98,9 +104,25 @@ def param_report(config: GatedQwen3Config) -> dict:
             "non_embedding": total - embed - head}
 
 
-def model_config(name: str, gate: str = "none", match_params: bool | None = None, **overrides) -> GatedQwen3Config:
+def parity_width(base_width: int, extra: int, per_unit: int, base_total: int, multiple: int = 1) -> int:
+    """The FFN width that gives back `extra` parameters (`per_unit` per unit of width), rounded to a multiple of the
+    largest of multiple, multiple/2, multiple/4, ... (halving while even) whose rounding keeps the total within
+    PARITY of `base_total`; none does: the exact width (nearest integer)."""
+    exact = base_width - extra / per_unit
+    m = multiple
+    while m > 1:
+        width = max(m, round(exact / m) * m)
+        if abs(width - exact) * per_unit <= PARITY * base_total:
+            return width
+        m = m // 2 if m % 2 == 0 else 1
+    return base_width - round(extra / per_unit)
+
+
+def model_config(name: str, gate: str = "none", match_params: bool | None = None, ffn_multiple: int | None = None,
+                 **overrides) -> GatedQwen3Config:
     """A preset shape with a gate. match_params (default: True for dense, False for MoE) shrinks the dense FFN so the
-    total parameter count equals the ungated model's within 0.1 %."""
+    total parameter count equals the ungated model's within 0.1 %, at a width aligned to ffn_multiple (default: the
+    preset's FFN_MULTIPLE) where the 0.1 % allows (parity_width)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; valid: {', '.join(PRESETS)}")
     from .configuration import GatedQwen3Config
@@ -114,9 +136,14 @@ def model_config(name: str, gate: str = "none", match_params: bool | None = None
         n_dense = sum(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
         if n_dense == 0:
             raise ValueError("match_params=True needs dense FFN layers to shrink; this model is all-MoE")
-        extra = param_report(cfg)["total"] - param_report(base)["total"]
+        if ffn_multiple is None:
+            ffn_multiple = FFN_MULTIPLE.get(name, 1)
+        if not isinstance(ffn_multiple, int) or ffn_multiple < 1:
+            raise ValueError(f"ffn_multiple={ffn_multiple!r}: use a positive integer (1 = the exact parity width)")
+        base_total = param_report(base)["total"]
+        extra = param_report(cfg)["total"] - base_total
         per_unit = 3 * cfg.hidden_size * n_dense  # params per unit of FFN width over all dense layers
-        cfg.intermediate_size = base.intermediate_size - round(extra / per_unit)
+        cfg.intermediate_size = parity_width(base.intermediate_size, extra, per_unit, base_total, ffn_multiple)
         if cfg.intermediate_size <= 0:
             raise ValueError(f"gate {gate!r} adds more parameters than the FFN of preset {name!r} can give back")
     return cfg

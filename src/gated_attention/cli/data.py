@@ -18,10 +18,11 @@ def configure_data(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=d.data_dir,
                    help=f"where everything is written and cached (default {d.data_dir})")
     p.add_argument("--vocab-size", type=E.positive_int, default=d.vocab_size, help=f"BPE vocabulary size (default {d.vocab_size})")
-    p.add_argument("--sources", nargs="*", default=list(d.sources), choices=list(SOURCES), metavar="SOURCE",
-                   help=f"built-in sources to include (default: {' '.join(d.sources)}; opt-in large ones: "
-                        f"{' '.join(s for s in SOURCES if s not in d.sources)}, installed by "
-                        f"GATTN_LARGE_SOURCES=1 scripts/install_debian_deps.sh); give none for --extra only")
+    p.add_argument("--sources", nargs="*", default=None, choices=list(SOURCES), metavar="SOURCE",
+                   help=f"built-in sources to include (default: {' '.join(d.sources)}, also beside --extra; opt-in "
+                        f"large ones: {' '.join(s for s in SOURCES if s not in d.sources)}, installed by "
+                        f"GATTN_LARGE_SOURCES=1 scripts/install_debian_deps.sh); `--sources` with no names: "
+                        f"your --extra inputs only")
     p.add_argument("--extra", nargs="+", default=[], metavar="PATH",
                    help="your own inputs, each a domain named after it: text files or folders (a folder may mix "
                         "text, .jsonl and .parquet files), JSONL, Parquet, or a folder written by HF datasets' "
@@ -78,9 +79,21 @@ def format_manifest(manifest: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sources_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The built-in sources a prepare reads: those named, else the defaults, said on stderr when they would be mixed
+    into the user's own --extra inputs (a corpus of "my text" that is mostly the built-in one is no one's intent)."""
+    if args.sources is not None:
+        return tuple(args.sources)
+    default = PrepareConfig().sources
+    if args.extra:
+        print(f"gattn data prepare: note: the built-in sources ({' '.join(default)}) are mixed in with your --extra "
+              "inputs; pass --sources with no names to prepare yours only", file=sys.stderr)
+    return default
+
+
 def run_data(args: argparse.Namespace) -> int:
     if args.action == "prepare":
-        cfg = PrepareConfig(data_dir=args.data_dir, vocab_size=args.vocab_size, sources=tuple(args.sources),
+        cfg = PrepareConfig(data_dir=args.data_dir, vocab_size=args.vocab_size, sources=sources_of(args),
                             extra=tuple(args.extra), val_fraction=args.val_fraction, seed=args.seed,
                             chunk_chars=args.chunk_chars, force=args.force,
                             tokenizer=args.tokenizer, workers=args.workers, text_field=args.text_field,

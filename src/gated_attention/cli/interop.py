@@ -88,7 +88,8 @@ def run_retrofit(args) -> int:
     from ..interop.retrofit import retrofit_checkpoint
 
     out = retrofit_checkpoint(args.ckpt, args.out, args.gate, args.init, args.seed, args.src_format, args.overwrite)
-    print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training with: "
-          f"gattn train --gate {args.gate} --set init_from={out} --out RUN ... "
+    print(f"wrote {out} (gate {args.gate}, init {args.init}); continue training it on data in the model's own "
+          f"vocabulary: gattn data prepare --data-dir DATA --tokenizer {out} --sources --extra YOUR_TEXT, then "
+          f"gattn train --gate {args.gate} --set init_from={out} --data-dir DATA --out RUN "
           f"(add --set trainable=gates to train only the gate)")
     return 0

@@ -121,8 +121,9 @@ _RUNG = "d48l2"
 LADDER_LR = 1.6e-2
 CONFIRM_SEED = 100  # the first of the main job's seeds: the ladder's fresh confirm seeds start here too
 # The baseline's loss drop per e-fold of compute at d48l2 (nats), which turns Δ into ln k when no scaling lab is given:
-# alpha * A * C^-alpha of the default ladder's baseline fit, L = 75.94 C^-0.1059 (results/scaling_default).
-LADDER_SLOPE = (0.4371, "the default ladder's baseline fit at d48l2 (results/scaling_default/lab.json)")
+# alpha * A * C^-alpha of the default ladder's joint fit under its adopted recipe, L = 0.900 + 60.55 (k C)^-0.1077
+# (results/scaling_fanin/lab.json).
+LADDER_SLOPE = (0.3370, "the default ladder's joint fit at d48l2 (results/scaling_fanin/lab.json)")
 _DEFAULT = Budget(
     help="the main job in under 15 minutes on 2 cores of either CPU kind (fp32 on an AVX2-only CPU): the default "
          "scaling ladder's d48l2 rung (2 layers, d=48, 60k non-embedding parameters) at 20 tokens per parameter "

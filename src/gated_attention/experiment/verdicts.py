@@ -5,8 +5,8 @@ that number comes from.
 A threshold is fixed before anything is measured and never fitted to this project's runs. Its `kind` says which of
 three places it comes from:
 
-  paper      the paper's own figure (cited by its section in the project's spec, /work/shared/SPEC.md, e.g. "SPEC
-             §3.4": Table 4 of Qiu et al. 2025)
+  paper      the paper's own figure, cited by its table, figure or equation (e.g. "the paper's Table 4": Qiu et al.
+             2025; docs/paper_map.md says where each is in the code)
   published  another published result, cited by paper and figure or table (e.g. StreamingLLM, Xiao et al. 2023)
   chosen     an effect size chosen in advance for what a user would notice (the reason is in `source`)
 
@@ -31,7 +31,7 @@ class Threshold:
     value: float
     unit: str  # "nats", "× uniform", "share of the baseline's", ...
     kind: str  # one of KINDS
-    source: str  # the citation (paper: "SPEC §N"; published: authors, year, figure/table) or the reason it was chosen
+    source: str  # the citation (paper: its table or figure; published: authors, year, figure/table) or the reason it was chosen
 
     def __post_init__(self):
         if self.kind not in KINDS:

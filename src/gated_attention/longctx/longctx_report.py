@@ -29,11 +29,11 @@ VERDICTS = _verdicts.VERDICTS
 LEAD_POINTS = _verdicts.Threshold(
     "lead beyond L after YaRN: gated ahead by at least", 10.0, "points (passkey exact match %)", "chosen",
     "a lead no reader misses, about a third of the paper's smallest lead beyond the trained length (58.82 vs 31.65 "
-    "= +27 points at 128k, SPEC §3.5)")
+    "= +27 points at 128k, the paper's Table 5)")
 SKILL_AT_L = _verdicts.Threshold(
     "equal skill: both models at L without YaRN at least", 0.9, "exact match (the stopping rule's when one ran)",
     "chosen", "the comparison is at equal skill only when both models retrieve at their trained length first (the "
-    "paper's models score 79.5 / 79.8 at 32k before extension, SPEC §3.5)")
+    "paper's models score 79.5 / 79.8 at 32k before extension, its Table 5)")
 THRESHOLDS = (LEAD_POINTS, SKILL_AT_L)
 
 

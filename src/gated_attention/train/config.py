@@ -35,7 +35,9 @@ CHOICES = {  # setting -> (its allowed values, the hint of its error)
     "reshard_after_forward": (RESHARD_AFTER_FORWARD, f"use one of {', '.join(RESHARD_AFTER_FORWARD)}"),
     "device": (("auto", "cpu", "cuda"), "use 'auto', 'cpu' or 'cuda'"),
 }
-RUN_RECORD_KEYS = ("resolved_precision",)  # written beside the settings in train_config.json; not TrainConfig fields
+# written beside the settings in train_config.json; not TrainConfig fields (the world size: an MoE run's micro-batch
+# layout, train/resume_rule.py)
+RUN_RECORD_KEYS = ("resolved_precision", "world_size")
 # settings stored under an older name (train_config.json, a lab's lab.json): old -> new, or None for a retired one
 RENAMED_KEYS = {"inject_nan_steps": None}  # fault injection moved to the tests' hooks (tests/probes/kill_hooks.py)
 
@@ -47,6 +49,9 @@ class TrainConfig:
     gate: str = "none"  # gate registry name; "none" (alias "baseline") is the ungated model
     model_overrides: dict = field(default_factory=dict)  # extra GatedQwen3Config fields (from --set model.KEY=V)
     init_from: str | None = None  # continued training: load this checkpoint dir (its config sets the model)
+    ffn_multiple: int = 0  # a gated dense model's FFN, shrunk to parameter parity, is rounded to a multiple of this
+    # (halved while the 0.1 % parity needs: presets.parity_width); 0 = the model preset's own (128 for the 1.7B
+    # shapes, 1 = the exact width for the CPU shapes)
     trainable: str = "all"  # "all" parameters, or only the "gates" (cheap fine-tuning of a retrofitted gate)
     # --- data
     data: str = "corpus"  # "corpus" (gattn data prepare output), "synthetic" (built-in Markov tokens, for tests) or
@@ -107,6 +112,9 @@ class TrainConfig:
     # each layer keeps its GEMM and attention outputs and recomputes only the cheap ops between them (norms, RoPE,
     # gates, SwiGLU); "every:N": "full" on every N-th layer (0, N, 2N, ...), the others keep everything (docs/scale.md)
     seed: int = 0  # model init and data order; the batch at step s is a function of (seed, s)
+    gc_every: int = 50  # Python's automatic garbage collection off during training, a full collection every N steps
+    # on every rank at the same step instead (train/runtime.py): a collection left automatic pauses one rank at a
+    # time and the others wait for it in the next collective; 50 is torchtitan's; 0 = Python's automatic collection
     # --- monitoring
     eval_every: int = 0  # per-domain validation every N steps (0 = only at the end)
     eval_batches: int = 4  # validation batches per domain
@@ -164,7 +172,8 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "spike_window", "max_bad_steps",
                      "keep_checkpoints", "eval_batches", "eval_batch_size", "expert_parallel", "dp_replicate"):
             check_number(name, getattr(self, name), kind=int, min=1)
-        for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch", "fsdp_prefetch"):
+        for name in ("warmup_steps", "eval_every", "stats_every", "ckpt_every", "seed", "micro_batch", "fsdp_prefetch",
+                     "ffn_multiple", "gc_every"):
             check_number(name, getattr(self, name), kind=int, min=0)
         check_number("lr", self.lr, min=0.0, min_open=True)
         for name in ("min_lr", "weight_decay", "grad_clip", "spike_delta", "spike_noise_k"):

@@ -61,6 +61,9 @@ def setup(device: str, mode: str, timeout_s: float = 0.0) -> DistInfo:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = pick_device(device, local_rank)
+    from .runtime import cuda_allocator_defaults
+
+    cuda_allocator_defaults(dev)  # expandable segments, before the run's first CUDA allocation (unless the user's)
     one_rank_fsdp = world == 1 and mode == "fsdp" and "TORCHELASTIC_RUN_ID" in os.environ  # launched by torchrun
     if world <= 1 and not one_rank_fsdp:
         return DistInfo(device=dev)
@@ -232,7 +235,8 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
          meshes: Meshes | None = None, gather=None) -> nn.Module:
     """DDP, or FSDP2 with one shard group per decoder layer plus the root (embeddings, final norm, head); under
     precision bf16-params FSDP2's MixedPrecisionPolicy: parameters all-gathered and computed in bf16, gradients
-    reduced in fp32 into the fp32 sharded master parameters the optimizer steps. `meshes` (device_meshes): HSDP on
+    reduced in fp32 into the fp32 sharded master parameters the optimizer steps (the modules marked
+    `keeps_fp32_params`, the MoE routers, in groups of their own gathered in fp32). `meshes` (device_meshes): HSDP on
     the (replicate, shard) mesh; under expert parallelism (experts already sharded over `meshes.ep`) the experts get
     their own FSDP2 group over `meshes.expert_dp` first, which the decoder layers' groups then leave out. `gather`
     (fsdp_policy.GatherPolicy): when the groups free their gathered parameters and what they prefetch; None: FSDP2's
@@ -255,6 +259,11 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
             shard_experts(model, meshes.expert_dp, **kw)
         if meshes is not None:
             kw["mesh"] = meshes.dp
+        if precision == "bf16-params":  # modules that compute from fp32 weights (the MoE routers): own fp32 groups
+            fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)  # their inputs keep the bf16 activations' dtype
+            for module in fp32_modules(model):
+                fully_shard(module, **{**kw, "mp_policy": fp32})
         for layer in layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)  # the root: tied embedding/head stay together in this group
@@ -264,6 +273,11 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
             apply(model, layers, gather)
         return model
     raise ValueError(f"unknown dist mode {info.mode!r}; use 'ddp' or 'fsdp'")
+
+
+def fp32_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose weights stay fp32 under bf16-params (marked `keeps_fp32_params`, e.g. moe.MoeRouter)."""
+    return [m for m in model.modules() if getattr(m, "keeps_fp32_params", False)]
 
 
 def clip_grad_norm(params, max_norm: float) -> torch.Tensor:

@@ -9,7 +9,18 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..modeling import GatedQwen3ForCausalLM
 from ..util.precision import numerics
+
+
+def token_losses(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Each position's cross-entropy (B, T) fp32 of inputs x (B, T) against targets y (B, T). Our LM scores them chunk
+    by chunk through lm_head (fused.chunked_lm_loss, the training loss's own kernel): no (B, T, V) logits, so an
+    evaluation holds no more than a training step does; any other model through its logits."""
+    if isinstance(model, GatedQwen3ForCausalLM):  # FSDP2's wrapper class included (a subclass)
+        return model(input_ids=x, shift_labels=y, fused_loss=True, loss_reduction="none", use_cache=False).loss
+    logits = model(input_ids=x).logits  # (B, T, V)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)
 
 
 @torch.no_grad()
@@ -27,8 +38,7 @@ def domain_losses(model, source, *, seq_len: int, max_batches: int, batch_size: 
             batch = batch.to(device)  # (B, T+1)
             x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
             with numerics(precision, device):
-                logits = model(input_ids=x).logits  # (B, T, V)
-            ce = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none").view_as(y)  # (B, T)
+                ce = token_losses(model, x, y)  # (B, T)
             total += float(ce.double().sum())
             count += ce.numel()
             if positions:
@@ -51,8 +61,6 @@ def evaluate_folder(folder, data_dir: str | None = None, seq_len: int | None = N
     and, unless data_dir is given, the corpus and length it trained with) or any save_pretrained folder. Writes the
     result to `out` (strict JSON, atomically) when given; returns it."""
     from pathlib import Path
-
-    from gated_attention.modeling import GatedQwen3ForCausalLM
 
     from ..util.errors import UserError
     from ..util.io import atomic_write_json, check_hf_dir, read_json_object

@@ -8,8 +8,10 @@ Applied to a built model (the model itself stays single-device code, moe.py):
     checkpoints, `gattn convert` and final/ see the same tensors at any E (one process included).
   * the module's forward becomes `_dispatch_compute_combine`: the router's choice is made on this rank's tokens as
     before; the (token, slot) rows are sorted by expert once (as the grouped path does; sorted by expert is sorted by
-    destination rank), the per-expert counts are exchanged (one small all-to-all, then one host read of the split
-    sizes, as every all-to-all dispatcher needs), the rows go to their experts' ranks (all-to-all), are regrouped from
+    destination rank), the per-expert counts are exchanged (one small all-to-all, then one host read of both split
+    sizes together, as every all-to-all dispatcher needs; an activation checkpoint's recompute reuses the forward's,
+    moe.recorded), the rows go to their experts' ranks (torch's functional,
+    autograd-aware all-to-all, whose backward sends the gradients back), are regrouped from
     source-rank-major to local-expert-major, and run through the same grouped matmuls (moe.grouped_matmul: one
     torch._grouped_mm or one mm per expert) on the local experts; the outputs return by the reverse all-to-all and are
     unsorted and weighted by the router exactly as in one process. Each row meets the same expert weights as in one
@@ -38,10 +40,10 @@ the compiled layer breaks its graph around it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
-from ..moe import MoeExperts, expert_counts, grouped_matmul, moe_blocks
+from ..moe import MoeExperts, expert_counts, grouped_matmul, moe_blocks, recorded
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # MoeExperts' fused per-expert tensors, sharded on dim 0
 
@@ -57,23 +59,6 @@ def check_experts(num_experts: int, expert_parallel: int) -> None:
         valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
         raise ValueError(f"expert_parallel={expert_parallel} does not divide the {num_experts} routed experts (each "
                          f"rank holds num_experts / E whole experts); use one of {valid}")
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows of x, `send[r]` to rank r of `group`, into `recv[r]` rows from each; the backward sends gradients back."""
-
-    @staticmethod
-    def forward(ctx, x, recv: list[int], send: list[int], group):
-        ctx.recv, ctx.send, ctx.group = recv, send, group
-        out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))  # (R, d)
-        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.send),) + tuple(grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send, ctx.recv, group=ctx.group)
-        return out, None, None, None
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -119,13 +104,15 @@ def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, t
     order = torch.argsort(flat_e, stable=True)  # (N*k,) sorted position -> flat (token, slot): by expert = by rank
     counts = expert_counts(flat_e, experts.num_experts)  # (E,)
     xs = h[order // k]  # (N*k, d)
-    with torch.no_grad():
-        got = torch.empty_like(counts)  # (E,): got[s * E_l + j] = rows rank s sends to local expert j
-        dist.all_to_all_single(got, counts, group=group)
-    got = got.view(ep, n_local)  # (ep, E_l)
-    send = counts.view(ep, n_local).sum(1).tolist()  # rows to each rank (one host read per layer)
-    recv = got.sum(1).tolist()
-    xr = _AllToAll.apply(xs, recv, send, group)  # (R, d) source-rank-major, expert-sorted within each source
+
+    def exchange():
+        with torch.no_grad():  # got[s * E_l + j] = rows rank s sends to local expert j
+            got = funcol.all_to_all_single(counts, None, None, group).view(ep, n_local)  # (ep, E_l)
+        # rows to each rank and from each: the split sizes, read on the host together (one sync per layer)
+        return (got, *torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist())  # sizes (2, ep)
+
+    got, send, recv = recorded(exchange)  # a checkpoint's recompute reuses its forward's: no second sync
+    xr = funcol.all_to_all_single_autograd(xs, recv, send, group)  # (R, d) source-rank-major, expert-sorted inside
     # regroup by local expert, sources in rank order inside each (so an expert's rows are the global batch's order)
     local_e = torch.repeat_interleave(torch.arange(n_local, device=got.device).repeat(ep), got.reshape(-1))  # (R,)
     perm = torch.argsort(local_e, stable=True)  # (R,) expert-major position -> received row
@@ -138,7 +125,7 @@ def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, t
     ye = grouped_matmul(experts.act_fn(gate) * up, w_down.transpose(1, 2), per_expert, use_grouped_mm)  # (R, d)
     back = torch.empty_like(perm)
     back[perm] = torch.arange(perm.numel(), device=perm.device)
-    ys = _AllToAll.apply(ye[back], send, recv, group)  # (N*k, d) in this rank's expert-sorted order
+    ys = funcol.all_to_all_single_autograd(ye[back], send, recv, group)  # (N*k, d) this rank's expert-sorted order
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     ys = ys[inverse].view(N, k, -1)  # (N, k, d)

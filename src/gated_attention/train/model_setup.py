@@ -22,7 +22,8 @@ def build_model_config(cfg: TrainConfig, vocab_size: int | None = None):
         if "vocab_size" in over and over["vocab_size"] < vocab_size:
             raise ValueError(f"model.vocab_size={over['vocab_size']} is smaller than the tokenizer's {vocab_size}")
         over.setdefault("vocab_size", vocab_size)
-    return model_config(cfg.model, gate=cfg.gate, attn_implementation=cfg.attn_implementation, **over)
+    return model_config(cfg.model, gate=cfg.gate, attn_implementation=cfg.attn_implementation,
+                        ffn_multiple=cfg.ffn_multiple or None, **over)
 
 
 def check_attn_implementation(name: str, device: torch.device) -> None:

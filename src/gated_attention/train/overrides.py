@@ -185,7 +185,7 @@ def check_model(cfg: TrainConfig) -> None:
     from .expert_parallel import check_experts
 
     try:
-        config = model_config(cfg.model, gate=cfg.gate, **cfg.model_overrides)
+        config = model_config(cfg.model, gate=cfg.gate, ffn_multiple=cfg.ffn_multiple or None, **cfg.model_overrides)
     except ValueError as exc:  # the model config names its field; the line names what the user typed
         named = [k for k in cfg.model_overrides if k in str(exc)]
         if not named:

@@ -47,9 +47,10 @@
       stats       the stats step's snapshot of the trainable parameters (fp32, this rank's shards; stats_every > 0);
       overhead    the runtime itself: CUDA context and NCCL on a GPU (GPU_OVERHEAD_GB); the imported libraries on
                   a CPU (CPU_OVERHEAD_GB, measured: docs/scale.md);
-      eval        evaluation's transients: eval_batch_size x seq_len x V logits in the compute dtype, their fp32
-                  copy and cross-entropy's fp32 log-softmax (the (4, 4096, 151,936) batch of the paper presets:
-                  ~25 GB); evaluation runs between steps, with no gradients and no graph;
+      eval        evaluation's loss temporaries: it scores through the chunked loss without gradient (no
+                  (B, T, V) logits): one chunk's compute-dtype logits and their fp32 copy, each token's fp32 loss,
+                  under bf16 autocast a bf16 copy of the head weight (the paper presets' (4, 4096) batch at
+                  V = 151,936: 0.27 GB); evaluation runs between steps, with no gradients and no graph;
       total       the larger of one training step (params + grads + optimizer + activations + loss + stats +
                   buffers + overhead, less the smaller of the fused loss's temporaries, which live in the forward,
                   and FSDP2's unsharded gradients, `backward_buffers`, which live in the backward) and evaluation
@@ -284,9 +285,19 @@ def loss_temporaries(config, tokens: int, precision: str, fused_loss: bool = Tru
 
 
 def eval_bytes(config, tokens: int, precision: str) -> float:
-    """Evaluation's logits of `tokens` tokens: compute-dtype logits, their fp32 copy, the fp32 log-softmax."""
-    lb = 4 if precision == "fp32" else 2
-    return tokens * config.vocab_size * (lb + (4 if lb != 4 else 0) + 4)
+    """Evaluation's loss temporaries for `tokens` tokens (module docstring: eval): the chunked loss without gradient
+    (train/evaluate.py): one chunk's compute-dtype logits and their fp32 copy, each token's fp32 loss, and under bf16
+    autocast a bf16 copy of the fp32 head weight."""
+    import torch
+
+    from ..fused import loss_chunk_tokens
+
+    V, d = config.vocab_size, config.hidden_size
+    compute = torch.float32 if precision == "fp32" else torch.bfloat16
+    c = min(tokens, loss_chunk_tokens(V, compute))
+    copy = 0 if precision == "fp32" else 2  # in fp32 the logits are already the fp32 tensor
+    cast = 2 * V * d if precision == "bf16" else 0
+    return (copy + 4) * c * V + 4 * tokens + cast
 
 
 def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpointing: str) -> tuple[float, int]:

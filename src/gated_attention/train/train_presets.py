@@ -31,7 +31,7 @@ def tiny_stress() -> TrainConfig:
     return replace(tiny(), lr=3e-2, warmup_steps=2)
 
 
-# ---- the paper's own recipes (paper map §4, ../shared/SPEC.md §4): the model shape + its hyperparameters, in the
+# ---- the paper's own recipes (paper map §4): the model shape + its hyperparameters, in the
 # setup clusters train in: FSDP2 sharding, bf16 parameters with fp32 master weights and reductions, every decoder
 # layer recomputed in backward. Global batch in sequences of 4096 tokens, one sequence per GPU per forward
 # (micro_batch=1: grad_accum follows the world size). AdamW betas/eps/weight decay/clip are not in the paper: the
@@ -45,7 +45,7 @@ def _paper_common() -> TrainConfig:
 
 def paper_dense_28l() -> TrainConfig:
     """1.7B dense, 28 layers, 400B tokens (Table 2 rows 1-2): max LR 4e-3, global batch 1024 x 4096 tokens, 95,367
-    steps (400e9 / 4,194,304, the SPEC's derived ~95k). The 3.5T-token run (rows 3-4) is this preset with
+    steps (400e9 / 4,194,304: the paper's ~95k). The 3.5T-token run (rows 3-4) is this preset with
     --set lr=4.5e-3 --set batch_size=2048 --set steps=417233."""
     return replace(_paper_common(), model="1.7b-28l", lr=4e-3, batch_size=1024, steps=95_367)
 

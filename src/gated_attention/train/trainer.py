@@ -46,6 +46,7 @@ from .meta_init import build_on_meta, fill_model
 from .parallelize import Parallel, parallelize
 from .plan import check_fits
 from .plugins import Plugins, begin as begin_step_hook
+from .runtime import garbage_collection
 from .schedule import lr_for
 from ..modeling import GatedQwen3ForCausalLM
 from ..moe import reset_moe_balance
@@ -147,10 +148,12 @@ def _train(cfg: TrainConfig, out: Path, resume: bool | str, info: D.DistInfo, pl
     t_start = time.perf_counter() - run.st["wall_time"]
     # a run restored from its final checkpoint (killed while exporting) that had stopped early stays stopped
     try:
-        while run.st["step"] < cfg.steps and not run.st["diverged"] and not run.st["stop_reason"]:
-            t0 = time.perf_counter()
-            rec = _train_step(run, run.st["step"])
-            _after_step(run, rec, t0, t_start)
+        with garbage_collection(cfg.gc_every) as collect:  # every rank collects at the same steps (train/runtime.py)
+            while run.st["step"] < cfg.steps and not run.st["diverged"] and not run.st["stop_reason"]:
+                t0 = time.perf_counter()
+                rec = _train_step(run, run.st["step"])
+                _after_step(run, rec, t0, t_start)
+                collect(run.st["step"])
         return _finish(run, t_start)
     except BaseException:
         saving.commit_on_error(run)  # an async checkpoint in flight
@@ -169,7 +172,7 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
     # rank 0's measurement decides for every rank (two ranks timing a GEMM under load could disagree)
     precision, decided = D.on_rank0(info, lambda: _decide_precision(cfg, info, resolved_precision))
     cfg.check_world(info.world_size, precision)
-    want = {**cfg.to_dict(), "resolved_precision": precision}
+    want = {**cfg.to_dict(), "resolved_precision": precision, "world_size": info.world_size}
     wanted = D.on_rank0(info, lambda: ckpt_mod.resume_decision(out, resume, out / "train_config.json", want,
                                                                overwrite))
     D.on_rank0(info, lambda: atomic_write_text(out / "train_config.json", json_dumps(want, indent=1)))
