@@ -4,8 +4,10 @@ prediction for the same setting, and the plan's FLOPs per token next to bench_tr
   run       ONE rank (alone, or under torchrun): train a preset with --set overrides through the trainer and write
             OUT/rank<r>.json: the plan of this exact setting (world size, precision as resolved here), the RSS after
             the imports (the runtime's own share), the peak RSS when the last training step ends (ru_maxrss, a
-            high-water mark: build + training, before the final checkpoint and export), on CUDA
-            torch.cuda.max_memory_allocated / reserved at that point, the median tokens/s of the steady steps, and
+            high-water mark: build + training, before the final checkpoint and export), this rank's memory of
+            every step (`steps_memory`: on CUDA torch.cuda.max_memory_allocated / reserved since the step before,
+            read where the trainer's log line reads them, before it resets them; their maxima `cuda_peak_*`), the
+            median tokens/s of the steady steps, and
             MFU (model FLOPs/s over --gpu-tflops; on CUDA the nominal dense bf16 peak of the GPU by name)
   validate  the CPU validation table (docs/scale.md): a >= 200M-parameter model trained a few steps in one process,
             DDP x2 and FSDP x2 (gloo), each rank under GNU `/usr/bin/time -v` (its whole-process peak RSS, final
@@ -68,7 +70,8 @@ def run_rank(args) -> int:
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     cfg = config_from_args(args.preset, None, args.sets, args.data_dir)
     device = D.pick_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")))
-    mode = cfg.dist if world > 1 else "none"
+    # the wrapper the trainer applies (dist.setup): torchrun's one rank under dist=fsdp is FSDP2 over a one-rank group
+    mode = cfg.dist if world > 1 or (cfg.dist == "fsdp" and "TORCHELASTIC_RUN_ID" in os.environ) else "none"
     precision = resolve(cfg.precision, device, mode)
     tflops = args.gpu_tflops or gpu_tflops(device)
     predicted = plan(cfg, gpus=world, precision=precision, device=device.type, mfu=0.5,
@@ -77,19 +80,28 @@ def run_rank(args) -> int:
 
     def hook(step, model):
         marks["rss_gb"] = maxrss_gb()
-        if device.type == "cuda":
-            marks["cuda_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-            marks["cuda_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
         return None
 
-    from gated_attention.train import trainer
+    from gated_attention.train import metrics, trainer
 
+    # this rank's memory of every step, as the trainer's log line reads it: on CUDA the peaks allocated and reserved
+    # since the previous line, read there BEFORE the line resets them (a reader after it, e.g. a step hook, would see
+    # neither the step's activations nor its loss)
+    steps_memory: list[dict] = []
+    read_memory = metrics.memory_record
+
+    def memory_record(dev):
+        rec = read_memory(dev)
+        steps_memory.append(rec)
+        return rec
+
+    metrics.memory_record = memory_record
     timings: dict = {"save_s": [], "restore_s": None}
     save, restore = trainer._save_checkpoint, trainer._restore
 
-    def timed_save(run, step):  # every checkpoint write, collective included (the final one at least)
+    def timed_save(run, step, background=False):  # every checkpoint write, collective included (the final one at least)
         t = time.perf_counter()
-        save(run, step)
+        save(run, step, background)
         timings["save_s"].append(time.perf_counter() - t)
 
     def timed_restore(run, latest):
@@ -113,7 +125,10 @@ def run_rank(args) -> int:
            "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
            "micro_batch": predicted["settings"]["micro_batch"], "device": str(device),
            "baseline_rss_gb": baseline, "peak_rss_train_gb": marks.get("rss_gb"), "peak_rss_end_gb": maxrss_gb(),
-           "cuda_peak_allocated_gb": marks.get("cuda_allocated_gb"), "cuda_peak_reserved_gb": marks.get("cuda_reserved_gb"),
+           "cuda_peak_allocated_gb": max((m["mem_peak_gb"] for m in steps_memory if "mem_peak_gb" in m), default=None),
+           "cuda_peak_reserved_gb": max((m["mem_peak_reserved_gb"] for m in steps_memory if "mem_peak_gb" in m),
+                                        default=None),
+           "steps_memory": steps_memory,
            "tokens_per_s": tok_s, "gpu_tflops": tflops,
            "mfu": tok_s * predicted["flops_per_token"] / (world * tflops * 1e12) if tflops else None,
            "wall_s": wall, "load_end": load1(), "plan": predicted, "save_s": timings["save_s"],

@@ -8,7 +8,7 @@ GEMM FLOP/s seen in the same run). `ours_fast` = what `gattn train` runs by defa
 + fused sigmoid-mul + the chunked lm_head/cross-entropy, and in compile mode the trainer's compiled decoder-layer
 graph (train/fastpath.py); `ours` = the plain reference layers and loss; transformers compiles the whole model.
 
-`--ac none,full,selective,every:2`: `ours_fast` once per activation checkpointing mode (model_setup.
+`--ac none,full,selective,every:2`: `ours_fast` once per activation checkpointing mode (activation_checkpoint.
 apply_activation_checkpointing, applied after the compile plan as train/parallelize.py orders them), all timed in the
 same round-robin; each row then also holds the step time over the same config and mode without checkpointing and the
 memory the forward leaves held for backward (`held_after_forward_mb`: glibc's bytes in use, mallinfo2, right after
@@ -36,7 +36,7 @@ from gated_attention.gates import get_gate
 from gated_attention.presets import model_config
 from gated_attention.train import fastpath
 from gated_attention.train import plan as PL
-from gated_attention.train.model_setup import apply_activation_checkpointing
+from gated_attention.train.activation_checkpoint import apply_activation_checkpointing
 from gated_attention.train.monitors import decoder_layers
 from hf_reference import hf_from_ours
 

@@ -3,12 +3,14 @@
 # (H100/H200 class):
 #   1. the kernel tests WITHOUT Triton's interpreter (tests/test_triton_attention.py with TRITON_INTERPRET=0: the same
 #      forward/gradient checks as on CPU, on the GPU with the compiled kernels, plus bf16 at the GPU's own tiles);
-#   2. the paper's 28-layer recipe on this GPU beside its plan: `bench/bench_plan.py run --preset paper-dense-28l`
-#      (G1 elementwise, the recipe's FSDP2 setting at world size 1 = the one-process path, bf16-params, activation
+#   2. the paper's 28-layer recipe on this machine's GPUs beside its plan: `bench/bench_plan.py run --preset
+#      paper-dense-28l` under torchrun, one rank per GPU (NGPUS, default every visible GPU; NCCL, chosen by the
+#      device), so the recipe's FSDP2 setting runs as FSDP2 even on one GPU (G1 elementwise, bf16-params, activation
 #      checkpointing, seq 4096, micro-batch 1; the triton_gated kernel if part 1 passed, else sdpa; a global batch of
 #      PAPER_BATCH sequences for PAPER_STEPS steps, synthetic tokens): tokens/s, MFU (over the GPU's nominal dense
-#      bf16 peak) and peak memory (torch.cuda.max_memory_allocated / reserved) next to `gattn plan`'s prediction for the
-#      same setting -> $OUT/paper_28l/rank0.json;
+#      bf16 peak) and each rank's peak memory of every step (torch.cuda.max_memory_allocated / reserved, read before
+#      the trainer's log line resets them) next to `gattn plan`'s prediction for the same setting ->
+#      $OUT/paper_28l/rank<r>.json;
 #   3. bench/bench_kernel.py: fused gated kernel vs the ungated kernel vs SDPA (flash) + the separate gate, forward and
 #      forward+backward, bf16, D=128, T = 1k..16k -> bench/results/kernel.json;
 #   4. a short training run with the kernel (`gattn train --set attn_implementation=triton_gated`, a 4-layer model of
@@ -21,7 +23,9 @@
 #      micro-batches (keep_gathered=true), prefetches two layers and checkpoints selectively, which change no loss.
 #      What one GPU cannot show: NCCL between ranks (two processes cannot share one GPU under NCCL), the
 #      reduce-scatter's real traffic, memory at N > 1 shards; the CPU tests (tests/test_distributed.py, gloo, 2 ranks)
-#      cover the multi-rank logic, docs/scale.md says what is validated.
+#      cover the multi-rank logic, docs/scale.md says what is validated;
+#   6. with >= 2 GPUs: bench/parallel_check.py, both paper presets shrunk to 2 layers as FSDP2, HSDP and EP under
+#      torchrun with NCCL, each beside its plan (per-step peak memory of every rank, tokens/s, MFU, collective time).
 # Each part has its own time limit, cut to what is left of TOTAL_LIMIT; the script goes on after a failed part and
 # exits 1 if any failed.
 # Needs: a python with a CUDA build of torch, Triton and the project's dependencies: the GPU machine's own `python3`
@@ -96,18 +100,20 @@ part kernel_tests 100 env TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovi
 IMPL=triton_gated
 if [ "$DRY" = 0 ] && ! grep -q "kernel_tests: ok" "$SUMMARY"; then IMPL=sdpa; say "(kernel tests failed: part 2 uses sdpa)"; fi
 
-# 2. the paper's 28-layer recipe on one GPU, measured beside gattn plan's prediction for the same setting
+# 2. the paper's 28-layer recipe on this machine's GPUs (one torchrun rank each), measured beside gattn plan's
+# prediction for the same setting
+NGPUS=${NGPUS:-$("$PY" -c 'import torch; print(max(torch.cuda.device_count(), 1))')}
 PAPER_SETS=(--set gate=sdpa_elementwise --set device=cuda --set data=synthetic --set attn_implementation=$IMPL
   --set batch_size="$PAPER_BATCH" --set steps="$PAPER_STEPS" --set warmup_steps=2 --set eval_batches=1
   --set eval_batch_size=1 --set ckpt_every=0 --set stats_every=0 --set compile=false --set progress=false
   --set tensorboard=false)
 if [ "$DRY" = 1 ]; then  # the settings parse, and the plan of them (CPU, meta device: seconds)
-  "$PY" -m gated_attention.cli plan --preset paper-dense-28l --gpus 1 --gpu-memory 141 --gpu-tflops 989 \
+  "$PY" -m gated_attention.cli plan --preset paper-dense-28l --gpus "$NGPUS" --gpu-memory 141 --gpu-tflops 989 \
     "${PAPER_SETS[@]}" | tee -a "$SUMMARY" || { say "-- plan of the paper part: FAILED"; failed=1; }
 fi
 rm -rf "$WORK/paper_28l" "$OUT/paper_28l"
-part paper_28l 120 env TRITON_INTERPRET=0 "$PY" bench/bench_plan.py run --preset paper-dense-28l \
-  --out "$WORK/paper_28l" "${PAPER_SETS[@]}"
+part paper_28l 120 env TRITON_INTERPRET=0 "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPUS" \
+  bench/bench_plan.py run --preset paper-dense-28l --out "$WORK/paper_28l" "${PAPER_SETS[@]}"
 if [ "$DRY" = 0 ]; then mkdir -p "$OUT/paper_28l"; cp "$WORK"/paper_28l/rank*.json "$OUT/paper_28l/" 2>/dev/null; fi
 
 # 3. kernel timings: fused gated vs ungated kernel vs SDPA flash + separate gate, bf16, D=128
@@ -183,6 +189,23 @@ ok = (len(full) == len(restarted) == 8 and all(math.isfinite(x) for x in full) a
       and rec["restarted_parallel"].get("keep_gathered") is True)
 sys.exit(0 if ok else 1)
 EOF
+
+# 6. on >= 2 GPUs: both paper presets shrunk to 2 layers in their parallel layouts (FSDP2, HSDP, EP), each under
+# torchrun with NCCL beside its plan: every rank's peak memory of every step, tokens/s, MFU, time in collectives
+# (bench/parallel_check.py; its CPU/gloo runs are tests/test_bench_plan.py)
+if [ "$NGPUS" -ge 2 ]; then
+  PAR_N=$((NGPUS / 2 * 2))
+  rm -rf "$WORK/parallel"
+  part parallel 240 env TRITON_INTERPRET=0 "$PY" bench/parallel_check.py --nproc "$PAR_N" --device cuda \
+    --set attn_implementation=$IMPL --out "$WORK/parallel"
+  if [ "$DRY" = 0 ]; then
+    mkdir -p "$OUT/parallel"; cp "$WORK/parallel/parallel_check.json" "$OUT/parallel/" 2>/dev/null
+    for d in "$WORK"/parallel/*/; do mkdir -p "$OUT/parallel/$(basename "$d")"; cp "$d"rank*.json "$d"log.txt \
+      "$OUT/parallel/$(basename "$d")/" 2>/dev/null; done
+  fi
+else
+  say "-- parallel: skipped (one GPU: FSDP2/HSDP/EP across ranks need >= 2; NGPUS=$NGPUS)"
+fi
 
 [ "$DRY" = 0 ] && [ "${KEEP_WORK:-0}" != 1 ] && rm -rf "$WORK"
 say "== done in ${SECONDS}s; results: $SUMMARY, $OUT/paper_28l/rank0.json, bench/results/kernel.json, $OUT/train_compare.json, $OUT/fsdp_compare.json"

@@ -19,7 +19,7 @@ from gated_attention.train import fastpath
 from gated_attention.train import plan as PL
 from gated_attention.train.train_presets import tiny
 from gated_attention.train.overrides import apply_overrides
-from gated_attention.train.model_setup import apply_activation_checkpointing
+from gated_attention.train.activation_checkpoint import apply_activation_checkpointing
 from gated_attention.train.monitors import decoder_layers
 from gated_attention.train.trainer import train
 from gated_attention.util.errors import UserError

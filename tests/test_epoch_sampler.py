@@ -6,6 +6,7 @@ ended by EOS), so a row says exactly which stream positions it holds; one test t
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import numpy as np
@@ -246,3 +247,57 @@ def test_two_ranks_killed_and_resumed_in_one_process_see_the_same_batches(tiny_c
     p = run_gattn(*args, "--resume", env={"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert _losses(tmp_path / "resumed") == pytest.approx(_losses(tmp_path / "straight"), abs=1e-5)
+
+
+def test_packed_document_index_is_built_once_per_corpus_and_reused(tiny_corpus, tmp_path, monkeypatch):
+    """pack_documents finds a corpus's documents once: the index is cached beside the corpus and later samplers read
+    it (no scan) and draw the same batches; a changed token file, or a damaged index, is scanned again."""
+    import shutil
+
+    from gated_attention.data import Corpus
+    from gated_attention.data import epoch as E
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_corpus, data)
+    scans = []
+    real = E._doc_starts
+    monkeypatch.setattr(E, "_doc_starts", lambda arr, eos: scans.append(len(arr)) or real(arr, eos))
+
+    def batches():
+        s = EpochSampler(Corpus(data), "train", 16, pack_documents=True)
+        return torch.cat([s.batch(8, 0, step) for step in range(3)])
+
+    first = batches()
+    assert len(scans) == 2  # prose and code, once each
+    index = sorted((data / "index").glob("docs-*.npy"))
+    assert [p.name.split("-")[1] for p in index] == ["code", "prose"]
+    assert torch.equal(batches(), first) and len(scans) == 2  # read back: nothing scanned
+    assert torch.equal(EpochSampler(Corpus(data), "train", 16, pack_documents=False).batch(8, 0, 0),
+                       EpochSampler(Corpus(data), "train", 16).batch(8, 0, 0)) and len(scans) == 2  # unpacked: none
+
+    index[0].write_bytes(index[0].read_bytes()[:40])  # damaged (a crash cannot leave this: the write is atomic)
+    assert torch.equal(batches(), first) and len(scans) == 3  # that stream scanned again, and rewritten
+    manifest = json.loads((data / "manifest.json").read_text())
+    shard = data / manifest["domains"]["prose"]["token_files"]["train"][0]["path"]
+    os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))  # the corpus changed on disk
+    assert torch.equal(batches(), first) and len(scans) == 4
+    assert len(list((data / "index").glob("docs-prose-train-*.npy"))) == 1  # the stale index went
+
+
+def test_a_corpus_folder_that_cannot_be_written_is_scanned_without_a_cache(tiny_corpus, tmp_path, monkeypatch):
+    import shutil
+
+    from gated_attention.data import Corpus
+    from gated_attention.util import io
+
+    data, ref_dir = tmp_path / "data", tmp_path / "ref"
+    shutil.copytree(tiny_corpus, data)
+    shutil.copytree(tiny_corpus, ref_dir)
+    ref = EpochSampler(Corpus(ref_dir), "train", 16, pack_documents=True).batch(8, 0, 1)
+
+    def denied(path, write):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(io, "atomic_write_with", denied)  # a read-only corpus folder (even for root)
+    assert torch.equal(EpochSampler(Corpus(data), "train", 16, pack_documents=True).batch(8, 0, 1), ref)
+    assert not list(data.glob("index/*.npy"))

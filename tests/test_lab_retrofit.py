@@ -6,7 +6,6 @@ contract, reuses finished units, resumes a killed one exactly and refuses other 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -49,12 +48,12 @@ def sink_start(tmp_path_factory):
 def _cfg(start, **kw) -> retrofit_lab.RetrofitLabConfig:
     base = dict(starts=[str(start)], steps=6, eval_every=3, eval_size=8, stream_window=8, batch_size=4,
                 ckpt_every=0, keep_models=True)
-    return retrofit_lab.RetrofitLabConfig(**{**base, **kw}).validate()
+    return retrofit_lab.RetrofitLabConfig().changed(**{**base, **kw}).validate()
 
 
 def _job(cfg, start, name, unit_dir, seed=0):
-    s = S.resolve_starts(cfg.starts, cfg.data_dir, cfg.seq_len)[0]
-    return (asdict(cfg), s.to_dict(), name, R.get_recipe(name).to_dict(), seed, str(unit_dir))
+    s = S.resolve_starts(cfg.starts, cfg.train.data_dir, cfg.train.seq_len)[0]
+    return (cfg.settings(), s.to_dict(), name, R.get_recipe(name).to_dict(), seed, str(unit_dir))
 
 
 def _weights(folder) -> dict:
@@ -293,6 +292,32 @@ def test_target_check_at_its_thresholds():
     assert not retrofit_lab.target_check(entry([0.0], [share], 0.1, 3.2), control, "text")["met"]  # sink lab only
 
 
+# the stored form units' keys and lab.json "config" have always held (every option's name and default): a stored
+# unit is reused only while its key reads the same
+STORED_DEFAULTS = {"starts": [], "recipes": list(R.DEFAULT_RECIPES), "steps": None, "step_share": 0.25, "seeds": 1,
+                   "lr": None, "batch_size": None, "warmup_frac": 0.05, "min_lr_frac": 0.1, "weight_decay": None,
+                   "grad_clip": 1.0, "precision": "auto", "eval_every": None, "eval_size": 64,
+                   "stream_window": None, "ckpt_every": 250, "keep_models": True, "data_dir": None, "seq_len": None}
+
+
+def test_stored_form_reads_stored_units_and_sets_the_train_config():
+    """The lab's settings under their stored names are those of units stored before (keys and defaults, in order);
+    a stored form reads back into the same config; training settings land in the TrainConfig a unit trains with."""
+    cfg = retrofit_lab.RetrofitLabConfig()
+    assert list(cfg.settings().items()) == list(STORED_DEFAULTS.items())
+    stored = {**STORED_DEFAULTS, "starts": ["a"], "steps": 7, "lr": 2e-3, "batch_size": 3, "weight_decay": 0.0,
+              "grad_clip": 0.5, "precision": "fp32", "eval_every": 2, "ckpt_every": 4, "seq_len": 16}
+    back = cfg.changed(**stored)
+    assert back.settings() == stored and cfg.settings() == STORED_DEFAULTS  # a copy: the default is untouched
+    plan = retrofit_lab.Plan(steps=7, lr=2e-3, batch_size=3, weight_decay=0.0, eval_every=2, window=4)
+    t = retrofit_lab.unit_train_config(back, plan, R.get_recipe("identity-gates"), 16, 5, "fp32")
+    assert (t.steps, t.lr, t.batch_size, t.weight_decay, t.grad_clip, t.ckpt_every, t.seq_len, t.seed, t.gate) == (
+        7, 2e-3, 3, 0.0, 0.5, 4, 16, 5, R.get_recipe("identity-gates").gate)
+    assert t.min_lr == pytest.approx(2e-4) and t.warmup_steps == 1 and t.eval_every == 0 and t.data_dir is None
+    with pytest.raises(ValueError, match="unknown retrofit-lab setting"):
+        cfg.changed(beta2=0.9)
+
+
 def test_interval_uses_student_t():
     i = retrofit_lab.interval([1.0, 2.0, 3.0])
     assert i["mean"] == 2.0 and i["std"] == pytest.approx(1.0) and i["ci95"] == pytest.approx(4.303 / 3 ** 0.5,
@@ -418,7 +443,7 @@ def test_rerun_reuses_and_other_settings_fail(small_lab, monkeypatch):
     assert again["recipes"]["bos-penalty"]["mean"] == lab["recipes"]["bos-penalty"]["mean"]
     assert (out / "runs" / "baseline_seed0" / "control" / "seed0" / "result.json").read_text() == before
     with pytest.raises(ValueError, match="different settings"):
-        retrofit_lab.run_lab(replace(cfg, lr=5e-3), out, jobs=1, log=lambda m: None)
+        retrofit_lab.run_lab(cfg.changed(lr=5e-3), out, jobs=1, log=lambda m: None)
 
 
 def test_killed_unit_resumes_exactly(sink_start, tmp_path, monkeypatch):
@@ -455,8 +480,9 @@ def test_text_start_from_a_training_run(tmp_path, tiny_corpus):
     (run / "train_config.json").write_text(json.dumps({"data": "corpus", "data_dir": str(tiny_corpus), "steps": 24,
                                                        "lr": 3e-3, "batch_size": 4, "seq_len": 32}))
     out = tmp_path / "lab"
-    cfg = retrofit_lab.RetrofitLabConfig(starts=[str(run / "final")], recipes=["identity-gates"], eval_size=32,
-                               eval_every=3, keep_models=False, ckpt_every=0).validate()
+    cfg = retrofit_lab.RetrofitLabConfig().changed(starts=[str(run / "final")], recipes=["identity-gates"],
+                                                   eval_size=32, eval_every=3, keep_models=False,
+                                                   ckpt_every=0).validate()
     lab = retrofit_lab.run_lab(cfg, out, jobs=1, log=lambda m: None)
     assert lab["kind"] == "text" and lab["config"]["plans"]["run"]["steps"] == 6  # 25 % of 24
     rec = lab["recipes"]["identity-gates"]["per_seed"][0]
@@ -478,11 +504,12 @@ def test_stock_llama_start_with_its_own_corpus(tmp_path, tiny_corpus):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     stock_lm(cfg).save_pretrained(tmp_path / "llama")
     with pytest.raises(ValueError, match="trained for are unknown; give --steps"):
-        retrofit_lab.run_lab(retrofit_lab.RetrofitLabConfig(starts=[str(tmp_path / "llama")], data_dir=str(tiny_corpus), seq_len=32,
-                                        lr=1e-2), tmp_path / "x", log=lambda m: None)
-    lab = retrofit_lab.run_lab(retrofit_lab.RetrofitLabConfig(starts=[str(tmp_path / "llama")], recipes=["identity-gates"], steps=2,
-                                          lr=1e-2, batch_size=2, eval_size=32, data_dir=str(tiny_corpus), seq_len=32,
-                                          ckpt_every=0).validate(), tmp_path / "lab", log=lambda m: None)
+        retrofit_lab.run_lab(retrofit_lab.RetrofitLabConfig().changed(
+            starts=[str(tmp_path / "llama")], data_dir=str(tiny_corpus), seq_len=32, lr=1e-2), tmp_path / "x",
+            log=lambda m: None)
+    lab = retrofit_lab.run_lab(retrofit_lab.RetrofitLabConfig().changed(
+        starts=[str(tmp_path / "llama")], recipes=["identity-gates"], steps=2, lr=1e-2, batch_size=2, eval_size=32,
+        data_dir=str(tiny_corpus), seq_len=32, ckpt_every=0).validate(), tmp_path / "lab", log=lambda m: None)
     assert lab["start"]["llama"]["source"] == "HF checkpoint"
     rec = lab["recipes"]["identity-gates"]["per_seed"][0]
     assert rec["curve"][0]["skill"] == pytest.approx(rec["skill_before"], rel=1e-5)

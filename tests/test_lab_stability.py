@@ -398,18 +398,18 @@ def test_runs_are_eager_unless_compile_is_set(tiny_corpus):
     """A grid's numbers must not depend on the machine's load: compile=auto decides from a timing and compiled bf16
     kernels round differently, so the lab pins eager; --set compile=true still reaches the runs."""
     S = stability_lab
-    lab = S.LabConfig(budget="small", variants=("baseline",), qk_norm="on", lrs=(1e-2,), steps=4)
+    lab = S.LabConfig(budget="small", variants=("baseline",), qk_norm="on", lrs=(1e-2,), train={"steps": 4})
     assert S.train_config(lab, str(tiny_corpus), "baseline", True, 1e-2, 0, "fp32").compile == "false"
-    lab = S.LabConfig(budget="small", variants=("baseline",), qk_norm="on", lrs=(1e-2,), steps=4,
+    lab = S.LabConfig(budget="small", variants=("baseline",), qk_norm="on", lrs=(1e-2,), train={"steps": 4},
                       sets=("compile=true",))
     assert S.train_config(lab, str(tiny_corpus), "baseline", True, 1e-2, 0, "fp32").compile == "true"
 
 
 def test_bad_input_is_refused(tmp_path):
     for kw, msg in ((dict(variants=("nope",)), "unknown variant"), (dict(lrs=(1e-3, -1.0)), "positive"),
-                    (dict(qk_norm="maybe"), "qk-norm"), (dict(steps=0), "steps"), (dict(jobs=0), "jobs"),
+                    (dict(qk_norm="maybe"), "qk-norm"), (dict(train={"steps": 0}), "steps"), (dict(jobs=0), "jobs"),
                     (dict(budget="huge"), "budget"), (dict(sets=("model.use_qk_norm=false",)), "--qk-norm"),
-                    (dict(seed_lrs="some"), "seed-lrs")):
+                    (dict(seed_lrs="some"), "seed-lrs"), (dict(train={"lr": 1.0}), "unknown stability-lab")):
         with pytest.raises(ValueError, match=msg):
             stability_lab.LabConfig(out=str(tmp_path), **kw).validate()
 

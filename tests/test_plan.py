@@ -115,8 +115,8 @@ def test_numbers_equal_a_hand_computation():
 
 def test_gradients_follow_the_accumulation_policy():
     """Under FSDP2 with grad_accum > 1 the plan counts the gradients the trainer holds, by the trainer's own policy
-    function (train.dist.unsharded_accumulation): sharded (4 B / N) by default; accum_grads=auto plans whole ones plus
-    the sharded output (4 B + 4 B / N) only where those fit the GPU's memory, at the byte."""
+    function (train.memory_decision.unsharded_accumulation): sharded (4 B / N) by default; accum_grads=auto plans
+    whole ones plus the sharded output (4 B + 4 B / N) only where those fit the GPU's memory, at the byte."""
     Pt = PL.plan(tiny_cfg(), gpus=1, device="cpu")["params_trainable"]
     cfg = tiny_cfg("dist=fsdp", "grad_accum=2")  # 4 sequences = 2 ranks x 2 micro-batches of 1
     sh = PL.plan(cfg, gpus=2, gpu_memory_gb=1e3, device="cpu")
@@ -318,7 +318,8 @@ def saved_bytes(cfg) -> tuple[int, object, int]:
     from probes.ac_probe import sac_cache
     from gated_attention.train import fastpath
     from gated_attention.train.mixed_precision import MasterWeights
-    from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
+    from gated_attention.train.activation_checkpoint import apply_activation_checkpointing
+    from gated_attention.train.model_setup import build_model
     from gated_attention.train.monitors import decoder_layers
     from gated_attention.util.precision import numerics
 

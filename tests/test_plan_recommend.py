@@ -172,3 +172,29 @@ def test_recommend_on_the_moe_preset_at_8_gpus():
     assert rec["memory_per_gpu_gb"] <= 80 * 0.92 and math.isfinite(rec["days"])
     again = PL.plan(apply_overrides(train_preset("paper-moe-15a2b"), rec["set"]), gpus=8)
     assert again["fits"] and again["comm_per_step"]["step_seconds"] == pytest.approx(rec["step_seconds"])
+
+
+def test_paper_presets_launch_with_the_recommended_layout(capsys):
+    """A paper preset under torchrun takes the plan's fastest layout for the world size (the preset's as-written
+    layout is the one-process fallback), planned no slower than the preset as written; a layout setting given with
+    --set is held while the rest is searched; one process and the other presets keep their own settings."""
+    from gated_attention.train.overrides import config_from_args
+
+    written = replace(train_preset("paper-dense-28l"), gate="sdpa_elementwise")
+    launched = config_from_args("paper-dense-28l", "sdpa_elementwise", [], "data", world=64)
+    rec = RC.recommend(written, gpus=64)
+    assert {k: str(getattr(launched, k)).lower() for k in RC.LAYOUT_FIELDS} == \
+        {k: str(v).lower() for k, v in rec["layout"].items()}
+    step = lambda c: PL.plan(c, gpus=64)["comm_per_step"]["step_seconds"]  # noqa: E731
+    assert step(launched) == pytest.approx(rec["step_seconds"]) and step(launched) <= step(written)
+    assert "layout: the plan's fastest for 64 ranks" in capsys.readouterr().err
+    held = config_from_args("paper-dense-28l", "sdpa_elementwise", ["activation_checkpointing=full"], "data",
+                            world=64)
+    assert held.activation_checkpointing == "full"
+    assert step(held) == pytest.approx(RC.recommend(replace(written, activation_checkpointing="full"), gpus=64,
+                                                    keep=("activation_checkpointing",))["step_seconds"])
+    one = config_from_args("paper-dense-28l", "sdpa_elementwise", [], "data", world=1)
+    assert {k: getattr(one, k) for k in RC.LAYOUT_FIELDS} == {k: getattr(written, k) for k in RC.LAYOUT_FIELDS}
+    small = config_from_args("small", None, [], "data", world=8)
+    assert (small.micro_batch, small.activation_checkpointing) == (train_preset("small").micro_batch,
+                                                                   train_preset("small").activation_checkpointing)

@@ -181,7 +181,7 @@ def test_one_precision_decision_per_process(cpu_kind, monkeypatch, tiny_corpus, 
     assert len(decided) == 1
     decided.clear()
     lab = stability_lab.LabConfig(out=str(tmp_path / "stab"), budget="small", variants=("baseline",), qk_norm="on",
-                                  lrs=(1e-3,), steps=3, data_dir=str(tiny_corpus))
+                                  lrs=(1e-3,), train={"steps": 3, "data_dir": str(tiny_corpus)})
     assert stability_lab.run_lab(lab, log=quiet)["config"]["resolved_precision"] == "bf16"
     assert len(decided) == 1 and len(measured) == 1
 
@@ -317,7 +317,7 @@ def test_stability_runs_carry_a_concrete_precision(cpu_kind):
     slow = stability_lab.train_config(lab, "data", "baseline", True, 1e-3, 0)
     assert (fast.precision, slow.precision) == ("bf16", "fp32")  # the run's key (its TrainConfig dict) differs
     with pytest.raises(ValueError, match="fp16"):
-        stability_lab.LabConfig(precision="fp16").validate()
+        stability_lab.LabConfig(train={"precision": "fp16"}).validate()
 
 
 def _worker_resolution(_):

@@ -1,6 +1,7 @@
 """experiment/study.py on its own: a lab's generated options (each budget's value stated in the help), the shared
 step-hook Recorder (curve every N steps and at the last, trailing windows, CPU and wall time carried over a resume
-through its state), finish_unit and Units. The labs' own tests run each lab through it end to end."""
+through its state), stored settings and their changes, finish_unit and Units. The labs' own tests run each lab
+through it end to end."""
 from __future__ import annotations
 
 import argparse
@@ -107,3 +108,26 @@ def test_units_train_only_the_unfinished_ones_and_keep_unit_order():
     assert units.results(["a", "b"]) == ["a", "kept", "b", "kept too"]  # fresh results from another job's pool
     with pytest.raises(ValueError, match="more fresh results"):
         units.results(["a", "b", "c"])
+
+
+def test_stored_settings_and_changes_reach_the_axis_the_model_and_the_train_config():
+    """One table maps stored names to a lab axis, a model-config field or a TrainConfig field: settings are read from
+    where they live, a change lands there (on a copy), and a name that is none of the three fails naming the lab."""
+    from dataclasses import dataclass, field
+
+    from gated_attention.train.config import TrainConfig
+
+    @dataclass
+    class Lab:
+        seeds: int = 2
+        model: dict = field(default_factory=lambda: {"hidden_size": 32})
+        train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=10, lr=1e-3))
+
+    table = {"seeds": "seeds", "width": "model.hidden_size", "steps": "steps", "peak": "lr"}
+    lab = Lab()
+    assert study.stored_settings(lab, table) == {"seeds": 2, "width": 32, "steps": 10, "peak": 1e-3}
+    new = study.with_changes(lab, {"seeds": 3, "model.hidden_size": 64, "lr": 2e-3, "beta2": 0.9}, "toy")
+    assert study.stored_settings(new, table) == {"seeds": 3, "width": 64, "steps": 10, "peak": 2e-3}
+    assert new.train.beta2 == 0.9 and lab.train.beta2 != 0.9 and lab.model["hidden_size"] == 32  # lab untouched
+    with pytest.raises(ValueError, match=r"unknown toy setting 'nope'.*seeds"):
+        study.with_changes(lab, {"nope": 1}, "toy")

@@ -165,6 +165,18 @@ def canonical_name(name: str) -> str:
     return key
 
 
+def check_variants(variants, flag: str = "--variants") -> list[str]:
+    """The canonical names of a job's gate variants; an unknown name, a repeat (aliases included) or none at all fails
+    in one line naming `flag`."""
+    bad = [v for v in variants if ALIASES.get(v, v) not in GATES]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad} in {flag}; valid: {', '.join(GATES)} (see `gattn gates`)")
+    names = [canonical_name(v) for v in variants]
+    if not names or len(set(names)) != len(names):
+        raise ValueError(f"{flag} must list distinct gate names, got {list(variants)}")
+    return names
+
+
 def get_gate(name: str) -> GateSpec | None:
     """The spec for a registry name (None for the baseline). Unknown names fail listing the valid ones."""
     return GATES[canonical_name(name)]

@@ -32,7 +32,7 @@ def build(mode: str, preset: str = "tiny", compile_at: str | None = None, fsdp: 
           gate: str = "sdpa_elementwise"):
     """(model, speed plan, decoder layers): AC `mode`, compiled "before" / "after" the FSDP2 wrap or not (None)."""
     from gated_attention.train import fastpath
-    from gated_attention.train.model_setup import apply_activation_checkpointing
+    from gated_attention.train.activation_checkpoint import apply_activation_checkpointing
     from gated_attention.train.monitors import decoder_layers
     from harness import tiny_lm
 

@@ -25,18 +25,19 @@ def main() -> None:
     from gated_attention.train.overrides import apply_overrides
     from gated_attention.train.train_presets import tiny
     from gated_attention.train.expert_parallel import apply_expert_parallel, local_expert_numel
-    from gated_attention.train.model_setup import apply_activation_checkpointing, build_model
+    from gated_attention.train.activation_checkpoint import apply_activation_checkpointing
+    from gated_attention.train.model_setup import build_model
     from gated_attention.train.monitors import decoder_layers
 
     out, sets = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
     cfg = apply_overrides(tiny(), ["model=tiny-moe", "dist=fsdp", "precision=fp32"] + sets)
     info = D.setup("cpu", "fsdp")
-    cfg.check_world(info.world_size)
+    dims = cfg.check_world(info.world_size)
     torch.manual_seed(cfg.seed)
     ref = build_model(cfg, None).train()
     model = copy.deepcopy(ref)
     apply_activation_checkpointing(decoder_layers(model), cfg.activation_checkpointing)  # the recompute replays EP
-    meshes = D.device_meshes(info, cfg.dp_replicate, cfg.expert_parallel)  # as train/parallelize.py steps 5-6
+    meshes = D.device_meshes(info, dims)  # as train/parallelize.py steps 5-6
     if meshes is not None and meshes.ep is not None:
         apply_expert_parallel(model, meshes.ep)
     model = D.wrap(model, info, decoder_layers(model), cfg.precision, meshes)  # bf16-params: FSDP2's mixed precision

@@ -49,7 +49,6 @@ def main() -> None:
     from gated_attention.train import trainer
     from gated_attention.train.train_presets import tiny
     from gated_attention.train.overrides import apply_overrides
-    from gated_attention.train.plan import check_fits
 
     out, prefix, sets = sys.argv[1], sys.argv[2], [a for a in sys.argv[3:] if a != "--set"]
     cfg = apply_overrides(tiny(), ["dist=fsdp", "precision=fp32", "compile=false", "stats_every=0", "ckpt_every=0",
@@ -63,7 +62,7 @@ def main() -> None:
         if step == 1:
             state["base"] = live_tensor_bytes()
             rec["whole_grad_bytes"] = 4 * sum(p.numel() for p in run.par.master.parameters() if p.requires_grad)
-            rec["accumulation"] = "unsharded" if run.par.unsharded_accum else "sharded"
+            rec["accumulation"] = run.par.accumulation
         return train_step(run, step)
 
     def _backward(self, *args, **kwargs):

@@ -59,6 +59,9 @@ def measure_peaks(cfg, info, out: str) -> None:
     from gated_attention.train.monitors import decoder_layers
     from gated_attention.train.state import save_hf_sharded
 
+    import gated_attention.modeling  # noqa: F401 - imported before the mark: the window measures the model, not the
+    # library's import (build_model imports the model's module on first use)
+
     read = count_reads()
     torch.distributed.barrier()
     start = memprobe.reset_peak()

@@ -80,8 +80,8 @@ def dry_run(cfg, preset: str) -> str:
     run.check_world(world, precision)  # what the trainer does first (micro_batch sets grad_accum for this world)
     try:
         here = check_fits(run, device, world, precision)
-        lines.append(f"this machine ({device.type}, {precision}): fits, ~{here['memory_per_gpu_gb']['total']:.2f} GB "
-                     f"per rank of {here['settings']['gpu_memory_gb']:.1f} GB available")
+        lines.append(f"this machine ({device.type}, {precision}): fits, ~{here.total_gb:.2f} GB per rank of "
+                     f"{here.available_gb:.1f} GB available; {here.describe()}")
     except E.UserError as exc:
         lines.append(f"this machine ({device.type}, {precision}): does not fit: {exc}")
     return "\n".join(lines)

@@ -23,7 +23,11 @@ What a window is (per domain, over its train token stream):
                every token is a target exactly once. Column 0 is <|bos|> only where a row starts at a document;
                every document is preceded by its own <|bos|>. Attention is not masked between the documents of a
                row (the model has no document mask). Finding the documents scans the train tokens once (numpy, in
-               blocks) and keeps one int64 per document.
+               blocks) and keeps one int64 per document; for a prepared corpus that index is cached beside it
+               (DATA/index/docs-<domain>-<split>-<key>.npy, written atomically), keyed on the stream's token files
+               (names, checksums, token counts, sizes, modification times) and the EOS id, so later starts and
+               every rank read it instead of the corpus (a corpus folder that cannot be written is scanned at every
+               start, as without the cache).
   offset o     n = (N - need) // T + 1 windows fit a stream of N tokens (need = T, or T + 1 packed); the slack
                N - need - (n - 1) * T < T tokens lets the window grid move each epoch: o is drawn per (seed, epoch,
                domain) in [0, slack], so window boundaries change between epochs while the count stays n.
@@ -94,6 +98,67 @@ def _doc_starts(arr, eos_id: int) -> np.ndarray:
     return starts[starts < len(arr)]  # the stream ends with an EOS: no document starts after it
 
 
+_INDEX_VERSION = 1  # of the cached document index's layout: a change here names new files
+
+
+def _index_path(corpus, name: str, split: str, eos_id: int):
+    """Where the document index of (name, split) is cached beside a prepared corpus (`Corpus`: its data_dir and
+    manifest), or None for any other token source. The name carries a digest of what the index depends on."""
+    import hashlib
+    import json
+    import re
+    from pathlib import Path
+
+    data_dir, manifest = getattr(corpus, "data_dir", None), getattr(corpus, "manifest", None)
+    if data_dir is None or not isinstance(manifest, dict):
+        return None
+    files = manifest["domains"][name]["token_files"][split]
+    key = [_INDEX_VERSION, int(eos_id), manifest.get("dtype")]
+    for f in files:
+        st = (Path(data_dir) / f["path"]).stat()
+        key.append([f["path"], f.get("sha256"), f.get("tokens"), st.st_size, st.st_mtime_ns])
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    return Path(data_dir) / "index" / f"docs-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{split}-{digest}.npy"
+
+
+def _read_index(path, length: int) -> np.ndarray | None:
+    """The cached index at `path` if it reads back as one (int64 starts from 0, increasing, inside the stream)."""
+    try:
+        starts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, EOFError):
+        return None
+    ok = (starts.dtype == np.int64 and starts.ndim == 1 and len(starts) > 0 and starts[0] == 0
+          and starts[-1] < length and bool(np.all(np.diff(starts) > 0)))
+    return starts if ok else None
+
+
+def document_starts(corpus, name: str, split: str) -> np.ndarray:
+    """Start positions of the documents of (name, split): from the index cached beside a prepared corpus when its
+    key matches, else scanned (_doc_starts) and cached for the next start (see the module docstring)."""
+    arr = corpus.tokens(name, split)
+    path = _index_path(corpus, name, split, corpus.eos_id)
+    cached = _read_index(path, len(arr)) if path is not None and path.is_file() else None
+    if cached is not None:
+        return cached
+    starts = _doc_starts(arr, corpus.eos_id)
+    if path is not None and len(starts):
+        from ..util.io import atomic_write_with
+
+        def write(tmp):
+            with open(tmp, "wb") as fh:
+                np.save(fh, starts, allow_pickle=False)
+
+        try:
+            atomic_write_with(path, write)  # concurrent writers (ranks) each rename a whole file into place
+            prefix = path.name.rsplit("-", 1)[0] + "-"
+            for old in path.parent.glob(prefix + "*.npy"):  # this stream's index of an older corpus
+                if old != path and len(old.name) == len(path.name):  # (not "docs-a-train-train-..." of domain a-train)
+                    old.unlink(missing_ok=True)
+        except OSError:
+            pass  # a read-only corpus: the scan above stands, as it would without the cache
+    return starts
+
+
 class _Domain:
     """One domain's windows: the stream read (stored, or with BOS before every document) and the window count."""
 
@@ -102,7 +167,7 @@ class _Domain:
         self.bos = corpus.bos_id
         self.need = seq_len + 1 if pack else seq_len
         if pack:
-            starts = _doc_starts(self.arr, corpus.eos_id)
+            starts = document_starts(corpus, name, split)
             self.bos_at = starts + np.arange(len(starts))  # packed position of each document's BOS
             self.length = len(self.arr) + len(starts)
         else:

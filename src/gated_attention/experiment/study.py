@@ -18,6 +18,10 @@ A lab is a study plus its own science. The study part, here:
                 its records
   Units         a study's planned units (finished ones read once), trained by Units.run or, several studies' at
                 once, in one pool by the job that plans them (`gattn compare`)
+  stored_settings / with_changes
+                a lab config that holds its own axes as fields, a TrainConfig as `train` (and model-config fields
+                as a `model` dict): its settings under the names units' keys and lab.json store them, and a copy
+                changed by those names (one table per lab maps each stored name to where the setting lives)
   finish_unit   a finished unit's result.json (its key and figures: cache.save, the "finished" marker, written
                 last) and the removal of the trainer's checkpoints and final/ (the lab keeps figures, not optimizer
                 state)
@@ -29,9 +33,10 @@ verdict and its report.
 from __future__ import annotations
 
 import argparse
+import copy
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -194,6 +199,40 @@ class Recorder:
     def load_state_dict(self, st: dict) -> None:
         self.state = dict(st)
         self._t0, self._c0 = time.perf_counter(), time.process_time()
+
+
+def _own(cfg) -> list:
+    """A lab config's own axes: its fields besides `train` and `model`."""
+    return [f.name for f in fields(cfg) if f.name not in ("train", "model")]
+
+
+def stored_settings(cfg, table: dict) -> dict:
+    """cfg's settings under their stored names, in `table`'s order. table: stored name -> where the setting lives:
+    a field of cfg (a lab axis), "model.NAME" (an entry of cfg.model) or a TrainConfig field (of cfg.train)."""
+    own, out = _own(cfg), {}
+    for name, where in table.items():
+        v = cfg.model[where[6:]] if where.startswith("model.") else getattr(cfg if where in own else cfg.train, where)
+        out[name] = copy.deepcopy(v)
+    return out
+
+
+def with_changes(cfg, changes: dict, lab: str):
+    """A copy of cfg with `changes`: lab axes (cfg's fields) by name, model-config fields as "model.NAME",
+    TrainConfig fields by their own names (the `--set` vocabulary); an unknown name fails, naming the lab."""
+    cfg, own, train = copy.deepcopy(cfg), _own(cfg), {}
+    for k, v in changes.items():
+        if k in own:
+            setattr(cfg, k, copy.deepcopy(v))
+        elif k.startswith("model.") and hasattr(cfg, "model"):
+            cfg.model[k[6:]] = v
+        elif k in {f.name for f in fields(cfg.train)}:
+            train[k] = v
+        else:
+            raise ValueError(f"unknown {lab} setting {k!r}: a lab axis ({', '.join(own)}), "
+                             f"{'model.NAME or ' if hasattr(cfg, 'model') else ''}a training setting "
+                             "(`gattn settings`)")
+    cfg.train = replace(cfg.train, **train)
+    return cfg
 
 
 def finish_unit(unit_dir: str | Path, key: dict, result: dict) -> dict:

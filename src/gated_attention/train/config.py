@@ -14,12 +14,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..util.io import renamed
+from .parallel_dims import ParallelDims
 
 
 TRAINABLE = ("all", "gates")  # what the optimizer updates (train.model_setup.apply_trainable)
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "triton_gated")  # attention.KERNELS: what a training run may select
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "every:N")  # train.model_setup.apply_activation_checkpointing
-ACCUM_GRADS = ("sharded", "auto")  # train.dist.unsharded_accumulation
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective", "every:N")  # train.activation_checkpoint
+ACCUM_GRADS = ("sharded", "auto")  # train.memory_decision.unsharded_accumulation
 RESHARD_AFTER_FORWARD = ("default", "always", "never")  # train.fsdp_policy (torchtitan's policy names)
 SAMPLERS = ("random", "epoch")  # corpus batch samplers (train.data_source.CorpusSource)
 CHOICES = {  # setting -> (its allowed values, the hint of its error)
@@ -94,7 +95,7 @@ class TrainConfig:
     dist: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard); ignored in one process
     accum_grads: str = "sharded"  # dist=fsdp with grad_accum > 1: "sharded" reduce-scatters every micro-batch (a rank
     # holds 1/N of the fp32 gradients); "auto" keeps whole gradients until the last micro-batch (one reduce-scatter
-    # per step) only where `gattn plan` says they fit this rank's memory (train.dist.unsharded_accumulation)
+    # per step) only where `gattn plan` says they fit this rank's memory (train.memory_decision)
     reshard_after_forward: str = "default"  # dist=fsdp: which shard groups free their gathered parameters after
     # forward (train/fsdp_policy.py): "default" every decoder layer but the last, not the root (torchtitan's);
     # "always" every group (least memory, most all-gathers); "never" none (the whole model gathered until backward)
@@ -225,9 +226,10 @@ class TrainConfig:
         if self.pack_documents and self.sampler != "epoch":
             raise ValueError("pack_documents=true needs sampler='epoch' (the random sampler reads the stored stream)")
 
-    def check_world(self, world_size: int, resolved_precision: str | None = None) -> None:
+    def check_world(self, world_size: int, resolved_precision: str | None = None) -> ParallelDims:
         """The global batch must split evenly over ranks and micro-batches (same math for any world size); bf16-params
-        over several ranks needs FSDP2 (its policy reduces gradients in fp32; DDP would all-reduce bf16 ones).
+        over several ranks needs FSDP2 (its policy reduces gradients in fp32; DDP would all-reduce bf16 ones); the
+        replicas and expert parallelism must tile the ranks (returns that layout: parallel_dims.ParallelDims).
         With `micro_batch` set, this is where grad_accum is derived for the world size the run starts at (a resumed
         run may start at another: grad_accum is in RESUMABLE_CHANGES)."""
         if self.micro_batch:
@@ -236,11 +238,12 @@ class TrainConfig:
             raise ValueError(f"precision bf16-params under torchrun needs dist=fsdp (FSDP2's MixedPrecisionPolicy keeps "
                              f"fp32 master weights and reduces gradients in fp32; dist={self.dist} would all-reduce "
                              "bf16 gradients); add --set dist=fsdp")
-        check_mesh(world_size, self.dp_replicate, self.expert_parallel, self.dist)
+        dims = ParallelDims.of(self, world_size)
         if self.batch_size % (world_size * self.grad_accum):
             raise ValueError(
                 f"batch_size={self.batch_size} is not divisible by world_size*grad_accum={world_size}*{self.grad_accum}; "
                 f"pick a batch_size that is a multiple of {world_size * self.grad_accum}")
+        return dims
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -271,27 +274,6 @@ def checkpointing_mode(value) -> tuple[str, int]:
         raise ValueError(f"activation_checkpointing={value!r}: N must be at least 2 ('full' checkpoints every layer); "
                          f"{hint}")
     return "full", int(m.group(1))
-
-
-def check_mesh(world_size: int, dp_replicate: int, expert_parallel: int, dist: str) -> None:
-    """The device mesh `dp_replicate` x (world / dp_replicate) must tile the ranks, and expert parallelism borrows its
-    E ranks from each shard group (torchtitan's rule: E divides the shard group, the experts' own FSDP runs over the
-    rest); both need FSDP2. The experts' count is checked where the model is known (expert_parallel.check_experts)."""
-    if dp_replicate == 1 and expert_parallel == 1:
-        return
-    asked = ", ".join(f"{k}={v}" for k, v in (("dp_replicate", dp_replicate), ("expert_parallel", expert_parallel))
-                      if v != 1)
-    if dist != "fsdp":
-        raise ValueError(f"{asked} needs dist=fsdp (FSDP2 shards the rest of the model over the device mesh); "
-                         "add --set dist=fsdp")
-    if world_size % dp_replicate:
-        raise ValueError(f"dp_replicate={dp_replicate} does not divide the world size {world_size}: the replicas must "
-                         "be equal groups of ranks; pick a divisor of the number of ranks")
-    shard = world_size // dp_replicate
-    if shard % expert_parallel:
-        raise ValueError(f"expert_parallel={expert_parallel} must divide the ranks of one shard group "
-                         f"(world {world_size} / dp_replicate {dp_replicate} = {shard}); use one of "
-                         f"{[e for e in range(1, shard + 1) if shard % e == 0]}")
 
 
 def accum_for(batch_size: int, world_size: int, micro_batch: int) -> int:

@@ -198,25 +198,25 @@ class Meshes:
     expert_dp: object = None  # the experts' own FSDP2 mesh: ("efsdp",) or ("dp_replicate", "efsdp"), or None
 
 
-def device_meshes(info: DistInfo, dp_replicate: int = 1, expert_parallel: int = 1) -> Meshes | None:
+def device_meshes(info: DistInfo, dims) -> Meshes | None:
     """The world as a (dp_replicate, dp_shard) mesh (a dim of size 1 left out), replicas the slowest dim (across
     nodes); under expert parallelism dp_shard unflattened into (efsdp, ep) as torchtitan lays it out: an
     expert-parallel group is E consecutive ranks (one node's GPUs first). None for plain FSDP (FSDP2's default: one
-    shard group of every rank). Sizes are checked by TrainConfig.check_world first."""
-    if dp_replicate == 1 and expert_parallel == 1:
+    shard group of every rank). `dims`: the layout, validated (parallel_dims.ParallelDims at this world size)."""
+    if not dims.mesh:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    shard = info.world_size // dp_replicate
-    dims = ((("dp_replicate", dp_replicate),) if dp_replicate > 1 else ()) + (("dp_shard", shard),)
-    names = tuple(k for k, _ in dims)
-    world = init_device_mesh(info.device.type, tuple(n for _, n in dims), mesh_dim_names=names,
+    R, E = dims.dp_replicate, dims.expert_parallel
+    sizes = ((("dp_replicate", R),) if R > 1 else ()) + (("dp_shard", dims.shard),)
+    names = tuple(k for k, _ in sizes)
+    world = init_device_mesh(info.device.type, tuple(n for _, n in sizes), mesh_dim_names=names,
                              backend_override=_mesh_timeout(info, names))
-    if expert_parallel == 1:
+    if E == 1:
         return Meshes(dp=world)
-    split = world._unflatten("dp_shard", (shard // expert_parallel, expert_parallel), ("efsdp", "ep"),
+    split = world._unflatten("dp_shard", (dims.efsdp, E), ("efsdp", "ep"),
                              backend_override=_mesh_timeout(info, ("efsdp", "ep")))
-    replicate = ("dp_replicate",) if dp_replicate > 1 else ()
+    replicate = ("dp_replicate",) if R > 1 else ()
     return Meshes(dp=world, ep=split["ep"], expert_dp=split[replicate + ("efsdp",)])
 
 
@@ -298,23 +298,6 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
     return total
-
-
-def unsharded_accumulation(policy: str, mode: str, world: int, grad_accum: int, extra_bytes: float,
-                           spare_bytes: float | None) -> bool:
-    """The gradient-accumulation policy under FSDP2 — the one place it is decided: the trainer follows it and
-    `gattn plan` counts the gradients by it. True: keep whole (unsharded) fp32 gradients across a step's
-    micro-batches and reduce-scatter once, at the last (FSDP2's set_requires_gradient_sync(False) before it: one
-    reduce-scatter per step, but every rank holds the whole model's gradients); False: reduce-scatter after every
-    micro-batch into the sharded gradients (a rank holds 1/N of them; grad_accum reduce-scatters per step, each
-    overlapped with the backward).
-
-    Unsharded only under dist=fsdp at world > 1 with grad_accum > 1, policy "auto", and `extra_bytes` (what whole
-    gradients add over sharded ones) within `spare_bytes` (what the plan leaves of a rank's memory; None: unknown,
-    so not). DDP and one process keep whole gradients anyway."""
-    if mode != "fsdp" or world <= 1 or grad_accum <= 1 or policy != "auto":
-        return False
-    return spare_bytes is not None and extra_bytes <= spare_bytes
 
 
 def checkpoint_group(info: DistInfo):

@@ -30,9 +30,9 @@ The router, the shared expert, attention and the rest are sharded by FSDP2 over 
 The global-batch load-balancing loss and the z-loss are unchanged: the counts are still all-reduced over every rank
 (moe.MoEBalanceState), the router's probabilities are this rank's tokens'.
 
-Layout rules (one error each, before anything is built): E divides the ranks of a shard group (train.config.check_mesh)
-and the number of routed experts (`check_experts`: every rank holds E_l >= 1 whole experts; E larger than the experts
-is refused, naming the valid E); a model without MoE layers is refused; dist=fsdp only. Routing is not capped (no
+Layout rules (one error each, before anything is built; train/parallel_dims.py): E divides the ranks of a shard group
+and the number of routed experts (every rank holds E_l >= 1 whole experts; E larger than the experts is refused,
+naming the valid E); a model without MoE layers is refused; dist=fsdp only. Routing is not capped (no
 capacity factor, as in one process): an unbalanced batch sends more rows to the busy experts' ranks, which is what
 max_load_over_mean in the log shows. torch.compile does not trace the exchange (its split sizes are read on the host):
 the compiled layer breaks its graph around it.
@@ -44,21 +44,11 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from ..moe import MoeExperts, expert_counts, grouped_matmul, moe_blocks, recorded
+from .parallel_dims import ParallelDims
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # MoeExperts' fused per-expert tensors, sharded on dim 0
 
 
-def check_experts(num_experts: int, expert_parallel: int) -> None:
-    """E must give every rank the same whole number (>= 1) of experts."""
-    if expert_parallel == 1:
-        return
-    if not num_experts:
-        raise ValueError(f"expert_parallel={expert_parallel} but the model has no routed experts (a dense model); "
-                         "drop expert_parallel or train an MoE model")
-    if num_experts % expert_parallel:
-        valid = [e for e in range(1, num_experts + 1) if num_experts % e == 0]
-        raise ValueError(f"expert_parallel={expert_parallel} does not divide the {num_experts} routed experts (each "
-                         f"rank holds num_experts / E whole experts); use one of {valid}")
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -141,10 +131,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> int:
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     blocks = moe_blocks(model)
     if not blocks:
-        check_experts(0, ep)
+        ParallelDims(world=None, dist="fsdp", expert_parallel=ep, num_experts=0)
     for _, block in blocks:
         experts = block.experts
-        check_experts(experts.num_experts, ep)
+        ParallelDims(world=None, dist="fsdp", expert_parallel=ep, num_experts=experts.num_experts)
         n_local = experts.num_experts // ep
         for name in EXPERT_WEIGHTS:
             p = getattr(experts, name)

@@ -15,16 +15,17 @@ from ..util.progress import Progress
 
 
 def truncate_log(path: Path, next_step: int) -> None:
-    """Keep the log lines of steps before `next_step` (a killed run may have logged past its last checkpoint)."""
+    """Keep the log lines of steps before `next_step` (a killed run may have logged past its last checkpoint); a
+    line that is not a step's record (cut by the kill, or damaged) goes."""
     if not path.exists():
         return
     keep = []
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:
-            continue  # a line cut by the kill
-        if rec.get("step", -1) < next_step:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < next_step:
             keep.append(line)
     atomic_write_text(path, "".join(l + "\n" for l in keep))
 

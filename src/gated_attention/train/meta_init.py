@@ -8,10 +8,14 @@ post-order, from `torch.manual_seed(cfg.seed)`. It is replayed on a *twin*, a se
 model: one module at a time, the twin's own parameters and buffers get full-size temporaries, `_init_weights` fills
 them (the same draws, in the same order, whatever the mode), each rank copies its rows (FSDP2 shards dim 0 in
 `torch.chunk` pieces) into its local shard — in one process and under DDP, the whole tensor — and the temporaries
-go.
+go. The temporaries live on the device the rank trains on, so a GPU rank draws its init there (the device's own
+generator, seeded by the same `torch.manual_seed`) and copies its rows without a trip through host memory; no rank
+draws on the CPU for a GPU model.
 The largest temporary is one module's own parameters (the embedding, a layer's experts), never the model; RNG draws
 are identical on every rank, in every mode and at every world size, so a seed gives the same weights in one process,
-under DDP and under FSDP2 (tested: one process, DDP and FSDP2 at 2 ranks, gathered and compared exactly).
+under DDP and under FSDP2 on one kind of device (tested on CPU: one process, DDP and FSDP2 at 2 ranks, gathered and
+compared exactly). A GPU's generator is not the CPU's: the same seed gives other (equally distributed) weights on a
+GPU than on a CPU.
 
 This stream is not the one of a model constructed on CPU (`GatedQwen3ForCausalLM(config)`: its layers draw a default
 init at construction before HF's init overwrites it, which shifts the generator); `init_model` is the one-process
@@ -93,10 +97,11 @@ def materialize(model: nn.Module, twin: nn.Module, seed: int, device: torch.devi
             if not own_p and not own_b:
                 twin._initialize_weights(tmod)  # draws nothing, but keeps HF's visiting flags as in one process
                 continue
-            for n, p in own_p:
-                tmod._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), p.requires_grad)
+            for n, p in own_p:  # on the rank's device: the draws happen where the shard lives
+                tmod._parameters[n] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                   p.requires_grad)
             for n, b in own_b:
-                tmod._buffers[n] = torch.empty(b.shape, dtype=b.dtype)
+                tmod._buffers[n] = torch.empty(b.shape, dtype=b.dtype, device=device)
             twin._initialize_weights(tmod)
             dst = model.get_submodule(path)
             for n, _ in own_p:

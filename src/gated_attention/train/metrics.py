@@ -1,8 +1,10 @@
 """The numbers a scale user watches per logged step (memory, TFLOP/s, MFU) and torch.profiler traces on request.
 
 Each log.jsonl line (and TensorBoard scalar) gains, next to `tokens_per_s`:
-  mem_allocated_gb, mem_reserved_gb, mem_peak_gb   CUDA: the caching allocator's allocated / reserved bytes now and
-                   the peak allocated since the previous log line (the peak is reset after each line); max over ranks
+  mem_allocated_gb, mem_reserved_gb, mem_peak_gb, mem_peak_reserved_gb   CUDA: the caching allocator's allocated /
+                   reserved bytes now and the peaks allocated / reserved since the previous log line (both read, then
+                   reset, by the line: a reader of torch.cuda.max_memory_* after it sees only what came later); max
+                   over ranks
   rss_gb, rss_peak_gb   CPU: the process's resident set now and its high-water mark since it started (/proc VmRSS,
                    VmHWM; resource.getrusage elsewhere); max over ranks
   tflops           achieved MODEL TFLOP/s per device: tokens_per_s x flops_per_token / world size, where
@@ -72,7 +74,8 @@ def memory_record(device: torch.device) -> dict:
     if device.type == "cuda":
         rec = {"mem_allocated_gb": torch.cuda.memory_allocated(device) / GB,
                "mem_reserved_gb": torch.cuda.memory_reserved(device) / GB,
-               "mem_peak_gb": torch.cuda.max_memory_allocated(device) / GB}
+               "mem_peak_gb": torch.cuda.max_memory_allocated(device) / GB,
+               "mem_peak_reserved_gb": torch.cuda.max_memory_reserved(device) / GB}
         torch.cuda.reset_peak_memory_stats(device)
         return rec
     cur, peak = rss_bytes()

@@ -107,8 +107,11 @@ def apply_overrides(cfg: TrainConfig, sets: list[str], model_fields: dict | None
     return replace(cfg, model_overrides=model_over, **changes).validate()
 
 
-def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: str | None) -> TrainConfig:
-    """A training preset with a gate, a corpus folder and `--set key=value` overrides (model.* keys checked)."""
+def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: str | None,
+                     world: int | None = None) -> TrainConfig:
+    """A training preset with a gate, a corpus folder and `--set key=value` overrides (model.* keys checked). A
+    preset that takes the recommended layout (train_presets.RECOMMENDED_LAYOUT) gets the plan's fastest for `world`
+    ranks (default: torchrun's WORLD_SIZE), the layout settings given with --set held fixed."""
     cfg = train_preset(preset)
     if gate is not None:
         cfg.gate = gate
@@ -121,7 +124,40 @@ def config_from_args(preset: str, gate: str | None, sets: list[str], data_dir: s
     if data_dir is not None and cfg.data == "synthetic":
         raise ValueError(f"--data-dir {data_dir} with --set data=synthetic: synthetic data reads no corpus; drop one")
     check_model(cfg)
+    from .train_presets import RECOMMENDED_LAYOUT
+
+    if preset in RECOMMENDED_LAYOUT:
+        cfg = _launch_layout(cfg, sets, world)
     return cfg
+
+
+def _launch_layout(cfg: TrainConfig, sets: list[str], world: int | None) -> TrainConfig:
+    """The recommended layout at this launch (train.recommend.launch_layout), said on stderr by rank 0."""
+    import os
+    import sys
+
+    from .recommend import launch_layout
+
+    world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    keys = tuple(item.split("=", 1)[0].strip() for item in sets)
+    # planned for the GPUs these presets are made for: this machine's GPU memory where it has one, else the plan's
+    memory = _cuda_memory_gb() if cfg.device in ("cuda", "auto") and _has_cuda() else None
+    cfg, line = launch_layout(cfg, world, keys, gpu_memory_gb=memory)
+    if line and os.environ.get("RANK", "0") == "0":
+        print(f"gattn train: {line}", file=sys.stderr, flush=True)
+    return cfg
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cuda_memory_gb() -> float:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 1e9
 
 
 def run_config(out: str, preset: str | None = None, gate: str | None = None, sets: list[str] = (),
@@ -134,17 +170,21 @@ def run_config(out: str, preset: str | None = None, gate: str | None = None, set
     from pathlib import Path
 
     from ..util.errors import UserError
-    from ..util.io import read_json_object
+    from .checkpoint import check_layout, saved_settings
 
-    saved = Path(out) / "train_config.json"
+    folder = Path(out)
+    if resume and folder.is_dir():
+        check_layout(folder)
+    # train_config.json, or where it is missing or damaged the settings in the newest intact checkpoint
+    saved = saved_settings(folder) if resume and folder.is_dir() else None
     if resume == "auto":
-        resume = saved.exists()
-    if resume and not saved.exists() and not (Path(out) / "checkpoints").is_dir():
+        resume = saved is not None
+    if resume and saved is None and not (folder / "checkpoints").is_dir():
         raise UserError(f"nothing to resume in {out} (no train_config.json, no checkpoints); drop --resume to start "
                         "a new run there")
-    if not (resume and saved.exists() and preset is None):
+    if not (resume and saved is not None and preset is None):
         return config_from_args(preset or "small", gate, list(sets), data_dir)
-    cfg = TrainConfig.from_dict(read_json_object(saved, "saved run settings", "restore it or use a new --out"))
+    cfg = TrainConfig.from_dict(saved)
     for flag, key, value in (("--gate", "gate", gate), ("--data-dir", "data_dir", data_dir)):
         if value is not None and _comparable(key, value) != _comparable(key, getattr(cfg, key)):
             raise UserError(f"--resume with {flag} {value} but the saved run has {key}={getattr(cfg, key)!r}; drop "
@@ -182,7 +222,7 @@ def check_model(cfg: TrainConfig) -> None:
 
     from ..util.errors import UserError
 
-    from .expert_parallel import check_experts
+    from .parallel_dims import ParallelDims
 
     try:
         config = model_config(cfg.model, gate=cfg.gate, ffn_multiple=cfg.ffn_multiple or None, **cfg.model_overrides)
@@ -191,4 +231,4 @@ def check_model(cfg: TrainConfig) -> None:
         if not named:
             raise
         raise UserError(f"--set model.{named[0]}: {exc}") from None
-    check_experts(config.num_experts or 0, cfg.expert_parallel)  # E must give each rank whole experts
+    ParallelDims.of(cfg, num_experts=config.num_experts or 0)  # E must give each rank whole experts

@@ -9,23 +9,28 @@ filled later: train/meta_init.py) -> `parallelize` -> the optimizer. `paralleliz
      the fp32 model stays the master the optimizer steps, every later step transforms the twin;
   3. the fast path and the compile plan (train/fastpath.py): the fused q/k/v/gate GEMM per layer; compile=true
      compiles the decoder layer's outermost forward now, compile=auto after timed eager steps;
-  4. activation checkpointing per decoder layer (before sharding: FSDP2's hooks stay outside the recomputed region;
-     the compiled forward is the outermost one, so it traces the checkpoint);
-  5. expert parallelism (`expert_parallel=E`, train/expert_parallel.py): the device mesh (dist.device_meshes:
-     (dp_replicate, dp_shard), dp_shard unflattened into (efsdp, ep)) is built, and the MoE blocks' routed experts
+  4. activation checkpointing per decoder layer by the memory decision's mode (train/activation_checkpoint.py;
+     before sharding: FSDP2's hooks stay outside the recomputed region; the compiled forward is the outermost one,
+     so it traces the checkpoint);
+  5. expert parallelism (`expert_parallel=E`, train/expert_parallel.py): the device mesh of the validated layout
+     (train/parallel_dims.py; dist.device_meshes: (dp_replicate, dp_shard), dp_shard unflattened into (efsdp, ep))
+     is built, and the MoE blocks' routed experts
      are sharded over the ep dim with all-to-all dispatch before data parallelism, so FSDP then shards only what is
      left (torchtitan's order: TP, EP, then FSDP);
   6. data parallelism (train/dist.py: wrap): DDP, or FSDP2 with one group per decoder layer plus the root
      (MixedPrecisionPolicy under bf16-params); under EP the experts first get their own FSDP2 group over efsdp;
      hybrid sharding (`dp_replicate=R`, HSDP): the 2-D (replicate, shard) mesh handed to fully_shard in place of the
-     flat process group; the gather policy (train/fsdp_policy.py: when each group frees its gathered parameters,
-     what it prefetches, whether they stay gathered across the micro-batches) set on the groups;
+     flat process group; the memory decision's gather policy (train/fsdp_policy.py: when each group frees its
+     gathered parameters, what it prefetches, whether they stay gathered across the micro-batches) set on the groups;
   7. materialise + init after sharding (dist=fsdp): each rank allocates and fills only its own shards.
 
+The memory decisions (train/memory_decision.py: checkpointing, gather policy, gradient accumulation) come in as the
+plan's `MemoryDecision` and are applied as they are, never re-derived here.
+
 What comes back is a `Parallel`: the model (the plain module every forward runs on), the master weights, the speed
-plan, and the data-parallel controls the step needs (the training forward through the DDP wrapper, when gradients
-sync and gathered parameters are freed, the bf16 twin's refresh after an update, the shards back in place before a
-step). Nothing else in train/ knows which wrapper a mode uses.
+plan, the memory decision and layout it applied, and the data-parallel controls the step needs (the training forward
+through the DDP wrapper, when gradients sync and gathered parameters are freed, the bf16 twin's refresh after an
+update, the shards back in place before a step). Nothing else in train/ knows which wrapper a mode uses.
 """
 from __future__ import annotations
 
@@ -38,8 +43,10 @@ from torch import nn
 from . import dist as D
 from . import fastpath
 from . import fsdp_policy as FP
-from .model_setup import apply_activation_checkpointing
+from .activation_checkpoint import apply_activation_checkpointing
+from .memory_decision import MemoryDecision, decide
 from .monitors import decoder_layers
+from .parallel_dims import ParallelDims
 
 
 @dataclass
@@ -53,11 +60,10 @@ class Parallel:
     speed: fastpath.SpeedPlan  # fast path and compile decision
     layers: list  # the model's decoder layers (compiled, checkpointed and sharded one by one)
     info: D.DistInfo
-    unsharded_accum: bool = False  # FSDP2 keeps whole gradients until the last micro-batch (dist.unsharded_accumulation)
-    gather: FP.GatherPolicy | None = None  # FSDP2's gather policy (fsdp_policy.gather_policy); None in other modes
+    memory: MemoryDecision  # the plan's memory decisions, as applied (checkpointing, gather policy, accumulation)
+    dims: ParallelDims  # the validated layout: HSDP's replicas, expert parallelism
     mixed: object = None  # MasterWeights under bf16-params in one process
     ddp: nn.Module | None = None  # the DDP wrapper (its forward syncs gradients); None in every other mode
-    replicas: int = 1  # HSDP's replicas (dp_replicate) under FSDP2: the gradients' all-reduce across them
 
     def forward(self, **kwargs):
         """The training forward: through DDP's wrapper where there is one (its hooks all-reduce the gradients)."""
@@ -67,6 +73,17 @@ class Parallel:
     def sharded(self) -> bool:
         return self.info.distributed and self.info.mode == "fsdp"
 
+    @property
+    def gather(self) -> FP.GatherPolicy | None:
+        """FSDP2's gather policy as set on the groups; None in other modes."""
+        return self.memory.gather if self.sharded else None
+
+    @property
+    def accumulation(self) -> str:
+        """How gradients accumulated across micro-batches here: "unsharded", "sharded" (FSDP2, one rank included) or
+        "whole"."""
+        return "unsharded" if self.memory.unsharded_grads else ("sharded" if self.sharded else "whole")
+
     def micro_batch(self, last: bool):
         """A context for one micro-batch's forward and backward: DDP all-reduces only on the last micro-batch; FSDP2
         reduce-scatters every micro-batch unless the plan chose whole gradients until the last, all-reduces across
@@ -75,8 +92,8 @@ class Parallel:
         if self.ddp is not None and not last:
             return self.ddp.no_sync()
         if self.sharded:
-            self.model.set_requires_gradient_sync(last or not self.unsharded_accum)  # sets the all-reduce flag too
-            if self.replicas > 1:
+            self.model.set_requires_gradient_sync(last or not self.memory.unsharded_grads)  # the all-reduce flag too
+            if self.dims.dp_replicate > 1:
                 # after the line above, which sets both: a reduce-scatter per micro-batch keeps the shard's sum over
                 # the micro-batches (FSDP2's partial reduce output) and the replicas all-reduce it once, at the last
                 self.model.set_requires_all_reduce(last)
@@ -101,11 +118,19 @@ class Parallel:
 
 
 def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materialize: Callable | None = None,
-                unsharded_accum: bool = False, keep_gathered: bool = False) -> Parallel:
+                memory: MemoryDecision | None = None) -> Parallel:
     """Apply the steps above to `model` (built, or on the meta device with `materialize(model)` to fill it) for
-    this run's `cfg`, ranks `info` and resolved `precision`; returns the Parallel the trainer runs. unsharded_accum
-    and keep_gathered: the plan's decisions for this run (dist.unsharded_accumulation, fsdp_policy.gather_policy)."""
+    this run's `cfg`, ranks `info` and resolved `precision`; returns the Parallel the trainer runs. memory: the
+    plan's decisions for this run (plan.check_fits); None, where no plan was made (a lab's own model): decided here
+    with the memory unknown, so no `auto` decision engages."""
     sharded = info.distributed and info.mode == "fsdp"
+    dims = ParallelDims.of(cfg, info.world_size)
+    count = len(decoder_layers(model))
+    if memory is None:
+        memory, _ = decide(cfg, layers=count, mode=info.mode, world=info.world_size, grad_accum=cfg.grad_accum)
+    if len(memory.gather.reshard_layers) != count:  # its gather policy names each decoder layer's group
+        raise ValueError(f"the memory decision was made for {len(memory.gather.reshard_layers)} decoder layers but "
+                         f"the model has {count}: plan the model this run builds")
     if materialize is not None and not sharded:  # 1.
         materialize(model)
     master, mixed = model, None
@@ -116,18 +141,14 @@ def parallelize(model: nn.Module, cfg, info: D.DistInfo, precision: str, materia
         model = mixed.compute
     layers = decoder_layers(model)
     speed = fastpath.prepare(cfg, model, layers, info.device, precision)  # 3.
-    apply_activation_checkpointing(layers, cfg.activation_checkpointing)  # 4.
-    meshes = D.device_meshes(info, cfg.dp_replicate, cfg.expert_parallel) if sharded else None
+    apply_activation_checkpointing(layers, memory.activation_checkpointing)  # 4.
+    meshes = D.device_meshes(info, dims) if sharded else None
     if meshes is not None and meshes.ep is not None:  # 5.
         from .expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, meshes.ep)
-    gather = FP.gather_policy(cfg.reshard_after_forward, cfg.fsdp_prefetch, "true" if keep_gathered else "false",
-                              layers=len(layers), mode=info.mode, world=info.world_size,
-                              grad_accum=cfg.grad_accum) if sharded else None
-    wrapped = D.wrap(model, info, layers, precision, meshes, gather)  # 6.
+    wrapped = D.wrap(model, info, layers, precision, meshes, memory.gather if sharded else None)  # 6.
     if materialize is not None and sharded:  # 7.
         materialize(model)
     return Parallel(model=model, master=master if mixed is not None else model, speed=speed, layers=layers,
-                    info=info, unsharded_accum=unsharded_accum, gather=gather, mixed=mixed,
-                    ddp=wrapped if wrapped is not model else None, replicas=cfg.dp_replicate if sharded else 1)
+                    info=info, memory=memory, dims=dims, mixed=mixed, ddp=wrapped if wrapped is not model else None)

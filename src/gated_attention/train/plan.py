@@ -18,7 +18,7 @@
                   ceil(E_l / group) whole experts - more than its 1 / group share where the group outnumbers the
                   experts (`expert_share`: padding; Shard(1) would store 1 / group);
       grads       fp32 gradients of the trainable parameters by the accumulation policy
-                  (train.dist.unsharded_accumulation, which the trainer follows): FSDP2 reduce-scattering every
+                  (train.memory_decision, which the trainer follows): FSDP2 reduce-scattering every
                   micro-batch holds the sharded fp32 output (4 B / N); keeping whole gradients until the last
                   micro-batch (accum_grads=auto, only where that fits) holds them whole plus the sharded output
                   (4 B + 4 B / N; whole for this rank's parameters: under expert parallelism its own E_l experts);
@@ -86,8 +86,11 @@ matrix, FSDP2 with one group per decoder layer); docs/scale.md compares them wit
 machine. torch.compile (compile=auto on a long run) saves fewer activations than eager, so a compiled run needs at
 most what the plan says.
 
-`check_fits(cfg, ...)` is the trainer's check before it builds anything: a config the plan says cannot fit the memory
-this machine has stops with one line naming `gattn plan`. Nothing here is imported by the model.
+The plan makes the run's memory decisions (train/memory_decision.py: whole gradients or sharded ones, parameters
+kept gathered or not, under its checkpointing mode) with this memory model; `plan_and_decide` returns them beside the
+plan. `check_fits(cfg, ...)` is the trainer's check before anything is allocated: a config the plan says cannot fit
+the memory this machine has stops with one line naming `gattn plan`; one that fits gets the plan's `MemoryDecision`,
+which the trainer hands to parallelize as it is. Nothing here is imported by the model.
 """
 from __future__ import annotations
 
@@ -101,13 +104,13 @@ from torch import nn
 from . import fsdp_policy as FP
 from .config import TrainConfig, accum_for
 from . import plan_hardware
-from .dist import unsharded_accumulation
+from .memory_decision import GB, MemoryDecision, decide
+from .parallel_dims import ParallelDims
 from .plan_activations import (  # noqa: F401 - the activation model, re-exported: plan.activation_bytes, ...
     activation_bytes, checkpointed_layers, layer_activation_bytes, layer_kept_bytes, recompute_share,
     selective_layer_bytes, GATE_COEF, LAYER_COEF, REST_COEF, ROUTED_ALLOWANCE)
 from .plan_comm import Topology, comm_per_step, topology
 
-GB = 1e9
 GPU_OVERHEAD_GB = 2.0  # CUDA context (~0.5 GB) and NCCL's buffers per GPU
 MARGIN_FRACTION = 0.08  # of a GPU's memory, kept free for the caching allocator's reserve and fragmentation
 CPU_OVERHEAD_GB = 0.5  # a rank's RSS after importing torch + transformers + this package (0.47-0.48 GB, docs/scale.md)
@@ -224,7 +227,7 @@ def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpoin
            eval_tokens: int = 0, replicate: int = 1, ep: int = 1, gathered_layers: int = 2, expert_shard: int = 0,
            gpu_memory_gb: float = 0.0) -> dict:
     """Bytes per rank by part (module docstring), in GB. unsharded_grads: FSDP2 keeps whole gradients across the
-    micro-batches (train.dist.unsharded_accumulation said so); gathered_layers: decoder layers FSDP2 holds gathered at
+    micro-batches (train.memory_decision.decide said so); gathered_layers: decoder layers FSDP2 holds gathered at
     once (train.fsdp_policy.peak_gathered_layers). replicate (HSDP): the state is sharded over a shard
     group of world / replicate ranks; ep: the routed experts are sharded over ep ranks x the experts' own FSDP2 over
     the rest of the shard group (`expert_share`, on dimension `expert_shard`), and a layer's gathered experts are
@@ -338,14 +341,21 @@ def model_shapes(cfg: TrainConfig, vocab_size: int | None = None) -> tuple:
     return model.config, sizes(model)
 
 
-def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | None = None,
-         gpu_tflops: float | None = None, mfu: float | None = None, dist: str | None = None,
-         activation_checkpointing: str | None = None, seq_len: int | None = None, micro_batch: int | None = None,
-         precision: str | None = None, vocab_size: int | None = None, device: str = "cuda",
-         topo: Topology | None = None, shapes: tuple | None = None) -> dict:
+def plan(cfg: TrainConfig, **options) -> dict:
     """The plan of training `cfg` on `gpus` GPUs (defaults: DEFAULTS, plan_comm.DEFAULT_TOPOLOGY and the config's own
-    settings); the JSON object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed).
-    shapes: `model_shapes(cfg)` where the caller has it (the model must be the one `cfg` builds)."""
+    settings); the JSON object `gattn plan --json` prints (JSON_KEYS first, then the settings it assumed). The
+    options: `plan_and_decide`'s."""
+    return plan_and_decide(cfg, **options)[0]
+
+
+def plan_and_decide(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | None = None,
+                    gpu_tflops: float | None = None, mfu: float | None = None, dist: str | None = None,
+                    activation_checkpointing: str | None = None, seq_len: int | None = None,
+                    micro_batch: int | None = None, precision: str | None = None, vocab_size: int | None = None,
+                    device: str = "cuda", topo: Topology | None = None,
+                    shapes: tuple | None = None) -> tuple[dict, MemoryDecision]:
+    """(the plan, its memory decisions: what parallelize applies to this run). shapes: `model_shapes(cfg)` or
+    (config, `sizes`) of a model the caller built where it has them (the model must be the one `cfg` builds)."""
     hw = _hardware(gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_tflops=gpu_tflops, mfu=mfu)
     gpus, gpu_memory_gb, gpu_tflops, mfu = (hw[k] for k in ("gpus", "gpu_memory_gb", "gpu_tflops", "mfu"))
     topo = topo or topology()
@@ -356,17 +366,21 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
     resolved = _resolved(cfg.precision, mode)
     accum, micro_batch = _split_batch(cfg, gpus, micro_batch, resolved)
     config, sz = shapes or model_shapes(cfg, vocab_size)
-    ep, replicate = _layout(cfg, mode, config)
+    dims = _dims(cfg, gpus, config)
+    ep, replicate = dims.expert_parallel, dims.dp_replicate  # 1 and 1 outside FSDP2 (ParallelDims refuses others)
     fl = flops_per_token(config, sz["matmul_activated"], cfg.seq_len)
     common = dict(world=gpus, dist=mode, precision=resolved, checkpointing=cfg.activation_checkpointing,
                   tokens=micro_batch * cfg.seq_len, fused_loss=cfg.fast, device=device,
                   stats=cfg.stats_every > 0, eval_tokens=cfg.eval_batch_size * cfg.seq_len, replicate=replicate, ep=ep,
                   gpu_memory_gb=gpu_memory_gb)
-    mem, unsharded, gather = _memory_decisions(cfg, sz, config, common, gpu_memory_gb, accum)
-    accumulation = "unsharded" if unsharded else ("sharded" if mode == "fsdp" else "whole")
+    decision, mem = decide(cfg, layers=config.num_hidden_layers, mode=mode, world=gpus, grad_accum=accum,
+                           memory=lambda unsharded, gathered: memory(sz, config, **common, unsharded_grads=unsharded,
+                                                                     gathered_layers=gathered),
+                           available_gb=gpu_memory_gb)
+    unsharded, gather = decision.unsharded_grads, decision.gather
     a2a, passes = all_to_all_bytes(config, tokens=micro_batch * cfg.seq_len, precision=resolved, ep=ep,
                                    checkpointing=cfg.activation_checkpointing)
-    shard = gpus // replicate
+    shard = dims.shard
     comm = comm_per_step(sz, fsdp_groups(sz, config, shard=shard, ep=ep), world=gpus, dist=mode,
                          pd=2 if resolved == "bf16-params" else 4, grad_accum=accum, unsharded_grads=unsharded,
                          gathers=FP.all_gathers_per_step(gather, accum), topo=topo, replicate=replicate, ep=ep,
@@ -389,7 +403,7 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
                          "stats_every": cfg.stats_every,
                          "activation_checkpointing": cfg.activation_checkpointing, "seq_len": cfg.seq_len,
                          "global_batch": cfg.batch_size, "micro_batch": micro_batch, "grad_accum": accum,
-                         "accum_grads": cfg.accum_grads, "grad_accumulation": accumulation,
+                         "accum_grads": cfg.accum_grads, "grad_accumulation": decision.grad_accumulation,
                          "reshard_after_forward": cfg.reshard_after_forward,
                          "fsdp_prefetch": cfg.fsdp_prefetch, "keep_gathered": gather.keep_gathered,
                          "gathered_layers": FP.peak_gathered_layers(gather) if mode == "fsdp" else 0,
@@ -398,7 +412,7 @@ def plan(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb: float | No
                          "expert_sharding": _expert_sharding(config, mode, shard, ep),
                          "memory_margin_fraction": MARGIN_FRACTION if device == "cuda" else 0.0,
                          "routed_allowance": ROUTED_ALLOWANCE if ep > 1 else 1.0,
-                         "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}
+                         "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}, decision
 
 
 def _expert_sharding(config, mode: str, shard: int, ep: int) -> str:
@@ -413,44 +427,14 @@ def _expert_sharding(config, mode: str, shard: int, ep: int) -> str:
     return f"Shard(0): {local} expert(s) over {group} rank(s), {padded}"
 
 
-def _memory_decisions(cfg: TrainConfig, sz: dict, config, common: dict, gpu_memory_gb: float, accum: int):
-    """(memory by part, whole gradients across micro-batches?, the gather policy): the trainer's two memory
-    decisions, each by its one function, in this order: whole gradients only where they fit with the margin free
-    (dist.unsharded_accumulation), then parameters kept gathered across the micro-batches only where that fits
-    beside everything else (fsdp_policy.gather_policy, keep_gathered=auto)."""
-    def policy(keep: str, **room) -> FP.GatherPolicy:
-        return FP.gather_policy(cfg.reshard_after_forward, cfg.fsdp_prefetch, keep, layers=config.num_hidden_layers,
-                                mode=common["dist"], world=common["world"], grad_accum=accum, **room)
-
-    common = {**common, "gathered_layers": FP.peak_gathered_layers(policy("false"))}
-    mem = memory(sz, config, **common)
-    whole = memory(sz, config, **{**common, "unsharded_grads": True})
-    unsharded = unsharded_accumulation(cfg.accum_grads, common["dist"], common["world"], accum,
-                                       (whole["total"] - mem["total"]) * GB,
-                                       (gpu_memory_gb - mem["margin"] - mem["total"]) * GB)
-    if unsharded:
-        common["unsharded_grads"] = True
-        mem = whole
-    kept = memory(sz, config, **{**common, "gathered_layers": config.num_hidden_layers})
-    gather = policy(cfg.keep_gathered, extra_bytes=(kept["total"] - mem["total"]) * GB,
-                    spare_bytes=(gpu_memory_gb - mem["margin"] - mem["total"]) * GB)
-    return (kept if gather.keep_gathered else mem), unsharded, gather
-
-
-def _layout(cfg: TrainConfig, mode: str, config) -> tuple[int, int]:
-    """(expert_parallel, dp_replicate) the plan assumes: the config's under FSDP2 (E checked against the model's
-    experts), 1 and 1 otherwise."""
+def _dims(cfg: TrainConfig, gpus: int, config) -> ParallelDims:
+    """The layout the plan assumes (the config's degrees at `gpus` ranks), checked against the model's experts."""
     from ..util.errors import UserError
 
-    from .expert_parallel import check_experts
-
-    if mode != "fsdp":
-        return 1, 1
     try:
-        check_experts(config.num_experts or 0, cfg.expert_parallel)
+        return ParallelDims.of(cfg, gpus, config.num_experts or 0)
     except ValueError as exc:
         raise UserError(f"{exc} (gattn plan: --set expert_parallel)") from None
-    return cfg.expert_parallel, cfg.dp_replicate
 
 
 def _step_time(comm: dict, compute_s: float) -> None:
@@ -548,16 +532,18 @@ def available_gb(device: torch.device, local_world: int = 1) -> float:
         return math.inf  # unknown: do not refuse
 
 
-def check_fits(cfg: TrainConfig, device: torch.device, world: int, precision: str,
-               vocab_size: int | None = None) -> dict:
+def check_fits(cfg: TrainConfig, device: torch.device, world: int, precision: str, vocab_size: int | None = None,
+               shapes: tuple | None = None) -> MemoryDecision:
     """Raise a UserError naming `gattn plan` when the plan of `cfg` at this world size exceeds the memory one rank
-    has here; returns the plan otherwise. Run before the model is built (the plan's model is on the meta device)."""
+    has here; returns the plan's memory decisions otherwise (what parallelize applies). Run before anything is
+    allocated: shapes, (config, `sizes`) of the run's model built on the meta device (else the plan builds one)."""
     from ..util.errors import UserError
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     have = available_gb(device, local)
-    p = plan(cfg, gpus=world, gpu_memory_gb=have if math.isfinite(have) else 1e12, precision=precision,
-             vocab_size=vocab_size, device=device.type, micro_batch=cfg.batch_size // (world * cfg.grad_accum))
+    p, decision = plan_and_decide(cfg, gpus=world, gpu_memory_gb=have if math.isfinite(have) else 1e12,
+                                  precision=precision, vocab_size=vocab_size, device=device.type,
+                                  micro_batch=cfg.batch_size // (world * cfg.grad_accum), shapes=shapes)
     if not p["fits"]:
         m = p["memory_per_gpu_gb"]
         where = "this GPU has free" if device.type == "cuda" else f"this host has for each of its {local} rank(s)"
@@ -570,7 +556,7 @@ def check_fits(cfg: TrainConfig, device: torch.device, world: int, precision: st
             "`gattn plan` with the same --preset and --set to find a setting that fits (--gpus N under dist=fsdp, "
             "--activation-checkpointing selective, every:2 or full, a smaller --micro-batch" + _gather_hint(cfg)
             + "), or shrink the model with --set model.*=...")
-    return p
+    return decision
 
 
 def _gather_hint(cfg: TrainConfig) -> str:

@@ -67,7 +67,7 @@ def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, 
 
 
 def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str, routed: float = 1.0) -> int:
-    """What decoder layer `layer_idx` keeps under `activation_checkpointing=selective` (model_setup.SELECTIVE_SAVES)
+    """What decoder layer `layer_idx` keeps under `activation_checkpointing=selective` (activation_checkpoint.SELECTIVE_SAVES)
     over `tokens` tokens: its input (the residual stream's dtype) and the outputs of its GEMMs and attention kernel,
     per token: the fused q/k/v(/G1 gate) projection q + 2kv + g, o_proj d, the attention output q and its fp32
     log-sum-exp H, then the SwiGLU's gate, up and down projections 2f + d, or an MoE layer's fp32 router logits E and

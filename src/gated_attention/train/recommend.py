@@ -65,16 +65,21 @@ def layouts(cfg: TrainConfig, gpus: int, num_experts: int) -> list[Layout]:
     return out
 
 
-def recommend(cfg: TrainConfig, *, gpus: int, shapes: tuple | None = None, **hardware) -> dict:
+def recommend(cfg: TrainConfig, *, gpus: int, shapes: tuple | None = None, keep: tuple[str, ...] = (),
+              **hardware) -> dict:
     """The fastest layout that fits (module docstring) as the `recommended` object of `gattn plan --json`: its
     `--set` settings, planned step time, tokens/s, MFU, days and memory; None-valued figures where nothing fits.
-    `hardware`: plan's machine arguments (gpu_memory_gb, gpu_tflops, mfu, topo, precision, device)."""
+    `hardware`: plan's machine arguments (gpu_memory_gb, gpu_tflops, mfu, topo, precision, device). keep: Layout
+    fields held at the config's own values (what the user set), the rest searched."""
     from ..util.errors import UserError
 
     shapes = shapes or model_shapes(cfg)
     config = shapes[0]
     best, searched, fitting = None, 0, 0
+    own = _own_layout(cfg)
     for layout in layouts(cfg, gpus, config.num_experts or 0):
+        if any(getattr(layout, k) != own[k] for k in keep):
+            continue
         searched += 1
         candidate = replace(cfg, dp_replicate=layout.dp_replicate, expert_parallel=layout.expert_parallel,
                             accum_grads=layout.accum_grads, keep_gathered=layout.keep_gathered, micro_batch=0)
@@ -115,3 +120,35 @@ def format_recommendation(rec: dict, given: dict) -> str:
         f"{rec['memory_per_gpu_gb']:.1f} GB per GPU; grad_accum {rec['grad_accum']}, gradients "
         f"{rec['grad_accumulation']}, parameters {'kept' if rec['keep_gathered_engaged'] else 'not kept'} gathered "
         f"(best of {rec['layouts_fit']} fitting layouts of {rec['layouts_searched']} searched)"])
+
+
+def _own_layout(cfg: TrainConfig) -> dict:
+    """The config's own value of each Layout field, in the Layout's terms."""
+    own = {k: getattr(cfg, k) for k in ("dist", "dp_replicate", "expert_parallel", "accum_grads",
+                                         "activation_checkpointing", "micro_batch")}
+    return {**own, "keep_gathered": str(cfg.keep_gathered).lower()}
+
+
+LAYOUT_FIELDS = tuple(Layout.__dataclass_fields__)
+
+
+def launch_layout(cfg: TrainConfig, world: int, set_keys: tuple[str, ...] = (), device: str = "cuda",
+                  gpu_memory_gb: float | None = None) -> tuple[TrainConfig, str | None]:
+    """The layout a preset that takes the recommended one (train_presets.RECOMMENDED_LAYOUT) runs at this launch's
+    world size: `recommend`'s fastest fitting layout, the settings the user gave (set_keys) held fixed; (cfg, the line
+    saying so). One process, or no layout that fits: cfg unchanged (the trainer's fit check speaks for the latter)."""
+    if world <= 1:
+        return cfg, None
+    keep = tuple(k for k in LAYOUT_FIELDS if k in set_keys)
+    rec = recommend(cfg, gpus=world, keep=keep, device=device, gpu_memory_gb=gpu_memory_gb)
+    if rec["set"] is None:
+        return cfg, None
+    lay = rec["layout"]
+    out = replace(cfg, dist=lay["dist"], dp_replicate=lay["dp_replicate"], expert_parallel=lay["expert_parallel"],
+                  accum_grads=lay["accum_grads"], keep_gathered=lay["keep_gathered"],
+                  activation_checkpointing=lay["activation_checkpointing"], micro_batch=lay["micro_batch"])
+    held = f" ({', '.join(keep)} as given)" if keep else ""
+    return out.validate(), (f"layout: the plan's fastest for {world} ranks{held}: "
+                            + " ".join(f"{k}={lay[k]}" for k in LAYOUT_FIELDS if k not in keep)
+                            + f" ({rec['step_seconds']:.3g} s per step planned, MFU {rec['mfu']:.1%}; "
+                            "--set any of them to fix it)")

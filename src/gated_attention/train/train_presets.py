@@ -65,6 +65,11 @@ def paper_moe_15a2b() -> TrainConfig:
                    model_overrides={"router_aux_loss_coef": 1e-3, "router_z_loss_coef": 1e-3})
 
 
+# the presets whose parallel layout (dist, dp_replicate, expert_parallel, accum_grads, keep_gathered, checkpointing,
+# micro_batch) is `gattn plan --recommend`'s fastest for the launch's world size unless --set gives it (the values
+# above are the one-process fallback): train.recommend.launch_layout
+RECOMMENDED_LAYOUT = ("paper-dense-28l", "paper-dense-48l", "paper-moe-15a2b")
+
 TRAIN_PRESETS = {"tiny": tiny, "small": small, "small-stress": small_stress, "tiny-stress": tiny_stress,
                  "paper-dense-28l": paper_dense_28l, "paper-dense-48l": paper_dense_48l,
                  "paper-moe-15a2b": paper_moe_15a2b}

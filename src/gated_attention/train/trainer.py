@@ -44,7 +44,7 @@ from .state import HookState, RunState, full_state, has_state, load_meta, run_st
 from .model_setup import apply_trainable, build_model, check_attn_implementation, param_groups
 from .meta_init import build_on_meta, fill_model
 from .parallelize import Parallel, parallelize
-from .plan import check_fits
+from .plan import check_fits, sizes
 from .plugins import Plugins, begin as begin_step_hook
 from .runtime import garbage_collection
 from .schedule import lr_for
@@ -176,7 +176,7 @@ def _check_run_dir(cfg: TrainConfig, out: Path, resume: bool | str, info: D.Dist
     wanted = D.on_rank0(info, lambda: ckpt_mod.resume_decision(out, resume, out / "train_config.json", want,
                                                                overwrite))
     D.on_rank0(info, lambda: atomic_write_text(out / "train_config.json", json_dumps(want, indent=1)))
-    latest = ckpt_mod.newest_valid(out, info) if wanted else None
+    latest = ckpt_mod.newest_valid(out, info, want) if wanted else None
     if wanted and latest is None:
         if wanted != "auto":  # the same on every rank: every rank stops
             raise UserError(f"no valid checkpoint left in {out / 'checkpoints'} (all failed verification, see the "
@@ -197,26 +197,26 @@ def _decide_precision(cfg: TrainConfig, info: D.DistInfo, resolved_precision: st
 
 
 def _setup(cfg: TrainConfig, out: Path, info: D.DistInfo, precision: str, plugins: Plugins = Plugins()) -> _Run:
-    """One path for every mode: data source -> the plan's fit check -> build (on meta where it is filled later) ->
-    parallelize (materialise, bf16 twin, fast path, checkpointing, DDP/FSDP: train/parallelize.py) -> optimizer and
-    fresh counters."""
+    """One path for every mode: data source -> build (on meta where it is filled later) -> the plan's fit check and
+    memory decisions -> parallelize (materialise, bf16 twin, fast path, checkpointing, DDP/FSDP:
+    train/parallelize.py) -> optimizer and fresh counters."""
     plugins.check(cfg, info, mixed=precision == "bf16-params" and not info.distributed)
     check_attn_implementation(cfg.attn_implementation, info.device)  # triton_gated: a GPU, or one clear line
     torch.manual_seed(cfg.seed)  # the same seed on every rank, so replicas start identical
     random.seed(cfg.seed)
     source = plugins.source if plugins.source is not None else make_source(cfg) if cfg.data == "corpus" else None
     vocab = getattr(source, "vocab_size", None)
-    # before anything is built: a run the plan says cannot fit stops with one line (the default model only); the
-    # plan's memory decisions (whole gradients across micro-batches, parameters kept gathered) are the run's
-    planned = check_fits(cfg, info.device, info.world_size, precision, vocab)["settings"] \
-        if plugins.model_factory is None else {}
-    unsharded_accum = planned.get("grad_accumulation") == "unsharded"
     model, materialize = _build(cfg, plugins.model_factory, vocab, info)
     apply_trainable(model, cfg.trainable)  # before parallelize: DDP/FSDP and the optimizer see only what trains
+    # before anything is allocated (the default model is still on the meta device): a run the plan says cannot fit
+    # stops with one line; the plan's memory decisions (checkpointing, whole gradients across micro-batches,
+    # parameters kept gathered) are the run's. A lab's own model: no plan (parallelize decides without one)
+    memory = check_fits(cfg, info.device, info.world_size, precision, vocab, shapes=(model.config, sizes(model))) \
+        if plugins.model_factory is None else None
     if source is None:  # synthetic tokens over the model's own vocabulary
         source = make_source(cfg, model.config.vocab_size if hasattr(model, "config") else None)
     model.train()
-    par = parallelize(model, cfg, info, precision, materialize, unsharded_accum, planned.get("keep_gathered", False))
+    par = parallelize(model, cfg, info, precision, materialize, memory)
     groups = plugins.param_groups(par.master) if plugins.param_groups is not None else param_groups(par.master, cfg)
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     st = {"step": 0, "tokens": 0, "skipped_steps": 0, "bad_in_a_row": 0, "wall_time": 0.0, "diverged": False,
@@ -252,15 +252,26 @@ def _restore(run: _Run, latest: Path | None) -> None:
         if shared is None:  # DCP: each rank reads its shards, whatever the world size that wrote it
             D.on_every_rank(info, lambda: parts.weights.load_sharded(latest / ckpt_mod.SHARDED))
         else:
-            parts.weights.load_state_dict(shared)
-        parts.load_meta(meta, latest)
+            _loading(latest, lambda: parts.weights.load_state_dict(shared))
+        _loading(latest, lambda: parts.load_meta(meta, latest))
         if rng is not None:  # None: this rank did not exist in the run that wrote it
-            parts.rng.load_state_dict(rng)
+            _loading(latest, lambda: parts.rng.load_state_dict(rng))
         if info.is_main:
             truncate_log(run.log_path, run.st["step"])
     elif info.is_main and run.log_path.exists():
         run.log_path.unlink()  # a fresh run (no checkpoint yet) starts a fresh log
     D.barrier(info)
+
+
+def _loading(ckpt: Path, load) -> None:
+    """load(): a part of checkpoint `ckpt` into the run; contents that verified but are not what this run holds (a
+    file written by hand or by another program, with its manifest) are one line, not a traceback."""
+    try:
+        load()
+    except (KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
+        raise UserError(f"checkpoint {ckpt} holds contents this run cannot load ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else ''}); delete it to resume from an older one") \
+            from None
 
 
 def _state(run: _Run) -> RunState:
@@ -476,8 +487,7 @@ def _summary(run: _Run) -> dict:
     summary["throughput"] = run.meter.describe()  # flops_per_token and the peak MFU is measured against
     summary["parallel"] = {"world_size": info.world_size, "wrapper": info.mode if info.distributed else "none",
                            "grad_accum": run.cfg.grad_accum,
-                           "accumulation": "unsharded" if run.par.unsharded_accum else
-                           ("sharded" if info.distributed and info.mode == "fsdp" else "whole"),
+                           "accumulation": run.par.accumulation,
                            "dp_replicate": run.cfg.dp_replicate, "expert_parallel": run.cfg.expert_parallel}
     if run.par.gather is not None:  # FSDP2's gather policy as applied (train/fsdp_policy.py)
         g = run.par.gather

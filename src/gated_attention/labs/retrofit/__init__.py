@@ -4,8 +4,9 @@ measured against a control trained the same steps on the same batches, over seed
 retrofit_lab.py (the lab: config, one unit = a start x recipe x seed trained and measured, the aggregate lab.json and
 the target check), recipes.py (the named recipes, their parameter groups and extra loss terms), starts.py (the starting
 models, their data and every measurement), retrofit_report.py (learning curves and the report). The lab's API is
-re-exported here: `from gated_attention.labs import retrofit; retrofit.run_lab(retrofit.RetrofitLabConfig(starts=[...]),
-out)`.
+re-exported here: `from gated_attention.labs import retrofit;
+retrofit.run_lab(retrofit.RetrofitLabConfig().changed(starts=[...], steps=...), out)` (settings by their option
+names).
 """
 from ...util.lazy import lazy_exports
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.runs import run_units
 from ...experiment.stats import mean_std, spread
-from ...experiment.study import Recorder, finish_unit
+from ...experiment.study import Recorder, finish_unit, stored_settings
+from ...experiment.study import with_changes as changes_over
 from ...experiment.verdicts import Threshold
 from ...util.io import locks_output
 from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
@@ -72,29 +73,55 @@ THRESHOLDS = (SINK_TARGET, SKILL_MARGIN, STEP_SHARE)
 TARGET_SINK, TARGET_SKILL_MARGIN, TARGET_STEP_SHARE = SINK_TARGET.value, SKILL_MARGIN.value, STEP_SHARE.value
 
 
+def _base_train():
+    """How every unit trains besides what its start and recipe decide: AdamW 0.9/0.95, warm-up then cosine,
+    clipping over the trainable parameters, the lab's measurements in place of the trainer's eval and probes. None
+    in steps, lr, batch_size, weight_decay, data_dir, seq_len: the start's (plan_for, starts.resolve_starts)."""
+    from gated_attention.train.config import TrainConfig
+
+    return TrainConfig(
+        data="custom", schedule="cosine", wd_on_embeddings=False, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip=1.0,
+        precision="auto", device="cpu",
+        # the plain path: the fused q/k/v/gate GEMM would merge the gate's weights (own LR, own phase) with the rest,
+        # and compiling would recompile at every phase change
+        fast=False, compile="false", eval_every=0, stats_every=0, max_bad_steps=1,
+        ckpt_every=250,  # resumable checkpoint interval in steps (0 = none)
+        keep_checkpoints=1, progress=False, tensorboard=False,
+        steps=None,  # None: step_share x the steps the start was trained for
+        lr=None,  # peak LR of the gates (recipes scale it); None: the start's own training peak LR
+        batch_size=None,  # None: the start's training batch size (16 when unknown)
+        weight_decay=None,  # on matrices only (the trainer's rule); None: the start's own (0.1 if unknown)
+        data_dir=None,  # text: the corpus (default: the training run's); required for HF checkpoints
+        seq_len=None)  # text: window length (default: the training run's, else 256)
+
+
 @dataclass
 class RetrofitLabConfig:
-    """Every knob of a retrofit lab (one per CLI option)."""
+    """A retrofit lab: its own axes here; how each unit trains is `train` (a TrainConfig, completed per start and
+    recipe by unit_train_config). Its stored form (units' keys, lab.json's "config", the options) is `settings()`."""
 
     starts: list = field(default_factory=list)  # --from folders
     recipes: list = field(default_factory=lambda: list(DEFAULT_RECIPES))  # `control` is always added
-    steps: int | None = None  # steps per unit; None: step_share x the steps the start was trained for
     step_share: float = TARGET_STEP_SHARE  # the default budget: a quarter of the start's training (issue 21's target)
     seeds: int = 1  # seeds 0..n-1 per start and recipe: gate init (random) and data order
-    lr: float | None = None  # peak LR of the gates (recipes scale it); None: the start's own training peak LR
-    batch_size: int | None = None  # None: the start's training batch size (16 when unknown)
     warmup_frac: float = 0.05  # linear warm-up over this share of the steps
     min_lr_frac: float = 0.1  # cosine decay to this share of the peak
-    weight_decay: float | None = None  # on matrices only (the trainer's rule); None: the start's own (0.1 if unknown)
-    grad_clip: float = 1.0
-    precision: str = "auto"  # auto (bf16 autocast where this CPU runs it fast, else fp32) | bf16 | fp32
-    eval_every: int | None = None  # learning-curve interval; None: a tenth of the steps
+    curve_every: int | None = None  # learning-curve interval; None: a tenth of the steps
     eval_size: int = 64  # held-out sequences (sink task) / ~windows (text: eval_size // 32 batches of 8 per domain)
     stream_window: int | None = None  # streaming window W; None: a quarter of the sequence length
-    ckpt_every: int = 250  # resumable checkpoint interval in steps (0 = none)
     keep_models: bool = True  # keep each unit's final model in its model/ folder
-    data_dir: str | None = None  # text: the corpus (default: the training run's); required for HF checkpoints
-    seq_len: int | None = None  # text: window length (default: the training run's, else 256)
+    train: object = field(default_factory=_base_train)  # TrainConfig; gate, seed and the start's numbers per unit
+
+    def settings(self) -> dict:
+        """The stored form: every setting under its stored name (STORED), as units' keys and lab.json hold them."""
+        return stored_settings(self, STORED)
+
+    def changed(self, **stored) -> "RetrofitLabConfig":
+        """A copy with settings changed by their stored names (the options' names); not validated."""
+        unknown = sorted(set(stored) - set(STORED))
+        if unknown:
+            raise ValueError(f"unknown retrofit-lab setting(s) {unknown}; valid: {', '.join(STORED)}")
+        return changes_over(self, {STORED[k]: v for k, v in stored.items()}, "retrofit-lab")
 
     def validate(self) -> "RetrofitLabConfig":
         if not self.starts:
@@ -103,26 +130,36 @@ class RetrofitLabConfig:
             get_recipe(r)
         if len(set(self.recipes)) != len(self.recipes):
             raise ValueError(f"--recipes lists a recipe twice: {self.recipes}")
+        s = self.settings()
         for k in ("seeds", "eval_size"):
-            if getattr(self, k) < 1:
-                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
+            if s[k] < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {s[k]}")
         for k in ("steps", "batch_size", "eval_every", "stream_window", "seq_len"):
-            if getattr(self, k) is not None and getattr(self, k) < 1:
-                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {getattr(self, k)}")
-        if self.lr is not None and not self.lr > 0:
-            raise ValueError(f"--lr must be > 0; got {self.lr}")
-        if self.weight_decay is not None and not self.weight_decay >= 0:
-            raise ValueError(f"--weight-decay must be >= 0; got {self.weight_decay}")
+            if s[k] is not None and s[k] < 1:
+                raise ValueError(f"--{k.replace('_', '-')} must be >= 1; got {s[k]}")
+        if s["lr"] is not None and not s["lr"] > 0:
+            raise ValueError(f"--lr must be > 0; got {s['lr']}")
+        if s["weight_decay"] is not None and not s["weight_decay"] >= 0:
+            raise ValueError(f"--weight-decay must be >= 0; got {s['weight_decay']}")
         if not 0 < self.step_share <= 10:
             raise ValueError(f"--step-share must be in (0, 10]; got {self.step_share}")
         from gated_attention.util.precision import check
 
-        check(self.precision, "--precision")
-        if self.precision == "bf16-params":  # recipes train phases of the parameters (the trainer's trainable_at)
+        check(self.train.precision, "--precision")
+        if self.train.precision == "bf16-params":  # recipes train phases of the parameters (the trainer's trainable_at)
             raise ValueError("--precision bf16-params is not supported by this lab: its recipes change which "
                              "parameters train between phases, which the bf16 master copy fixes at the start; use "
                              "auto, bf16 or fp32")
         return self
+
+
+# stored name (options, units' result.json keys, lab.json "config") -> the setting: a lab axis or a TrainConfig
+# field (its own name). The one translation table.
+STORED = {"starts": "starts", "recipes": "recipes", "steps": "steps", "step_share": "step_share", "seeds": "seeds",
+          "lr": "lr", "batch_size": "batch_size", "warmup_frac": "warmup_frac", "min_lr_frac": "min_lr_frac",
+          "weight_decay": "weight_decay", "grad_clip": "grad_clip", "precision": "precision",
+          "eval_every": "curve_every", "eval_size": "eval_size", "stream_window": "stream_window",
+          "ckpt_every": "ckpt_every", "keep_models": "keep_models", "data_dir": "data_dir", "seq_len": "seq_len"}
 
 
 @dataclass(frozen=True)
@@ -138,18 +175,19 @@ class Plan:
 
 
 def plan_for(cfg: RetrofitLabConfig, start: Start) -> Plan:
-    steps = cfg.steps
+    t = cfg.train
+    steps = t.steps
     if steps is None:
         if not start.trained_steps:
             raise ValueError(f"{start.path}: the steps it was trained for are unknown; give --steps")
         steps = max(1, round(cfg.step_share * start.trained_steps))
-    lr = cfg.lr or start.train_lr
+    lr = t.lr or start.train_lr
     if not lr:
         raise ValueError(f"{start.path}: its training LR is unknown; give --lr")
     seq = start.seq_len if start.kind == "text" else start.task["seq_len"]
-    wd = cfg.weight_decay if cfg.weight_decay is not None else start.train_wd if start.train_wd is not None else 0.1
-    return Plan(steps=steps, lr=float(lr), batch_size=cfg.batch_size or start.batch_size or 16, weight_decay=wd,
-                eval_every=cfg.eval_every or max(1, steps // 10), window=cfg.stream_window or max(1, seq // 4))
+    wd = t.weight_decay if t.weight_decay is not None else start.train_wd if start.train_wd is not None else 0.1
+    return Plan(steps=steps, lr=float(lr), batch_size=t.batch_size or start.batch_size or 16, weight_decay=wd,
+                eval_every=cfg.curve_every or max(1, steps // 10), window=cfg.stream_window or max(1, seq // 4))
 
 
 def _measure_key(cfg: RetrofitLabConfig, start: Start) -> dict:
@@ -159,11 +197,12 @@ def _measure_key(cfg: RetrofitLabConfig, start: Start) -> dict:
 def _unit_key(cfg: RetrofitLabConfig, start: Start, name: str, recipe: dict, seed: int) -> dict:
     from gated_attention.util.precision import RESOLVED, resolve
 
-    d = asdict(cfg)
+    d = cfg.settings()
     for k in ("starts", "recipes", "seeds", "ckpt_every", "keep_models"):  # a unit does not depend on these
         d.pop(k)
     # what it resolved to here: "auto" reuses a bf16 unit, not fp32. run_lab's units carry its one decision already
-    d["precision"] = cfg.precision if cfg.precision in RESOLVED else resolve(cfg.precision, "cpu")
+    p = cfg.train.precision
+    d["precision"] = p if p in RESOLVED else resolve(p, "cpu")
     return {**d, **_measure_key(cfg, start), "plan": asdict(plan_for(cfg, start)), "recipe": name,
             "recipe_settings": recipe, "seed": seed}
 
@@ -249,19 +288,12 @@ class _UnitRecorder(Recorder):
 
 
 def unit_train_config(cfg: RetrofitLabConfig, plan: Plan, recipe, seq_len: int, seed: int, precision: str):
-    """The trainer settings of one unit: AdamW 0.9/0.95, warm-up then cosine to min_lr_frac of the peak, clipping
-    over the trainable parameters; the lab's measurements in place of the trainer's eval and probes."""
-    from gated_attention.train.config import TrainConfig
-
-    return TrainConfig(
-        gate=recipe.gate or "none", data="custom", seq_len=seq_len, batch_size=plan.batch_size, steps=plan.steps,
-        lr=plan.lr, min_lr=plan.lr * cfg.min_lr_frac, warmup_steps=max(1, round(cfg.warmup_frac * plan.steps)),
-        schedule="cosine", weight_decay=plan.weight_decay, wd_on_embeddings=False, beta1=0.9, beta2=0.95, eps=1e-8,
-        grad_clip=cfg.grad_clip, precision=precision, device="cpu", seed=seed,
-        # the plain path: the fused q/k/v/gate GEMM would merge the gate's weights (own LR, own phase) with the rest,
-        # and compiling would recompile at every phase change
-        fast=False, compile="false", eval_every=0, stats_every=0, max_bad_steps=1, ckpt_every=cfg.ckpt_every,
-        keep_checkpoints=1, progress=False, tensorboard=False).validate()
+    """The trainer settings of one unit: the lab's `train` completed by the unit's plan, recipe, window and seed
+    (warm-up warmup_frac of the steps, cosine to min_lr_frac of the peak)."""
+    return replace(cfg.train, gate=recipe.gate or "none", seq_len=seq_len, batch_size=plan.batch_size,
+                   steps=plan.steps, lr=plan.lr, min_lr=plan.lr * cfg.min_lr_frac,
+                   warmup_steps=max(1, round(cfg.warmup_frac * plan.steps)), weight_decay=plan.weight_decay,
+                   precision=precision, seed=seed, data_dir=None).validate()
 
 
 def train_unit(job: tuple) -> dict:
@@ -280,7 +312,7 @@ def train_unit(job: tuple) -> dict:
     from .recipes import param_groups, set_phase
 
     cfg_d, start_d, name, recipe_d, seed, unit_dir = job
-    cfg, start, recipe = RetrofitLabConfig(**cfg_d), S.Start(**start_d), recipe_from_dict(recipe_d)
+    cfg, start, recipe = RetrofitLabConfig().changed(**cfg_d), S.Start(**start_d), recipe_from_dict(recipe_d)
     unit_dir = Path(unit_dir)
     key = _unit_key(cfg, start, name, recipe_d, seed)
     done = cache.load(unit_dir / "result.json", key, inputs=INPUTS)
@@ -444,15 +476,15 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    precision, line = decide(cfg.precision, "cpu")  # the lab's one decision: every unit (its job's config) carries it
+    precision, line = decide(cfg.train.precision, "cpu")  # the lab's one decision: every unit (its job's config) carries it
     from .starts import resolve_starts
 
-    starts = resolve_starts(cfg.starts, cfg.data_dir, cfg.seq_len, log)
+    starts = resolve_starts(cfg.starts, cfg.train.data_dir, cfg.train.seq_len, log)
     names = [CONTROL] + [r for r in cfg.recipes if r != CONTROL]
     befores = {}
     for s in starts:
         befores[s.label] = measure_start(cfg, s, out, log)
-    jobs_list = [(asdict(replace(cfg, precision=precision)), s.to_dict(), n, get_recipe(n).to_dict(), seed,
+    jobs_list = [(cfg.changed(precision=precision).settings(), s.to_dict(), n, get_recipe(n).to_dict(), seed,
                   str(out / "runs" / s.label / n / f"seed{seed}"))
                  for seed in range(cfg.seeds) for s in starts for n in names]
     log(f"{len(jobs_list)} units ({len(starts)} start(s) x {len(names)} recipes x {cfg.seeds} seed(s)), "
@@ -461,7 +493,7 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
     agg = aggregate(units, befores, starts, names)
     lab = {
         "kind": starts[0].kind,
-        "config": {**asdict(cfg), "recipes": names, "resolved_precision": precision,
+        "config": {**cfg.settings(), "recipes": names, "resolved_precision": precision,
                    "plans": {s.label: asdict(plan_for(cfg, s)) for s in starts}},
         "recipe_settings": {n: RECIPES[n].to_dict() for n in names},
         "start": {s.label: {**s.to_dict(), "before": {k: v for k, v in befores[s.label].items() if k != "key"}}

@@ -8,7 +8,7 @@ from pathlib import Path
 from ...experiment.study import Option, Study, options
 from ...util import errors as E
 
-# option dest -> RetrofitLabConfig field: every option but --jobs and --out is one knob of the lab
+# option dest -> the lab's setting by its stored name (RetrofitLabConfig.changed): every option but --jobs and --out
 _KNOBS = ("starts", "recipes", "steps", "step_share", "seeds", "lr", "batch_size", "weight_decay", "precision",
           "eval_every", "eval_size", "stream_window", "data_dir", "seq_len", "keep_models")
 
@@ -39,7 +39,7 @@ def _options() -> list[Option]:
                {"type": E.positive_int, "default": None}),
         Option(("--weight-decay",), "AdamW weight decay on matrices (default: the start's own, 0.1 when unknown)",
                {"type": E.nonneg_float, "default": None}),
-        options.precision(d.precision, "; lab.json records the resolved one; measurements always run in fp32"),
+        options.precision(d.train.precision, "; lab.json records the resolved one; measurements always run in fp32"),
         Option(("--eval-every",), "learning-curve interval in steps (default: a tenth of the steps)",
                {"type": E.positive_int, "default": None}),
         Option(("--eval-size",), "held-out sequences (sink task; text: eval-size/32 batches of 8 windows per domain) "
@@ -63,7 +63,7 @@ def _run(args) -> int:
     from . import retrofit_report
     from .retrofit_lab import RetrofitLabConfig, run_lab
 
-    cfg = RetrofitLabConfig(**{k: getattr(args, k) for k in _KNOBS}).validate()
+    cfg = RetrofitLabConfig().changed(**{k: getattr(args, k) for k in _KNOBS}).validate()
     lab = run_lab(cfg, args.out, jobs=args.jobs if args.jobs is not None else default_jobs())
     print(retrofit_report.text_table(lab))
     print(f"report: {Path(args.out) / 'report.html'}  ({lab['wall_time_s']:.0f}s)")

@@ -44,7 +44,7 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.provenance import code_version, provenance
 from ...experiment.runs import ensure_corpus, run_units
-from ...gates import DEFAULT_VARIANTS, canonical_name
+from ...gates import DEFAULT_VARIANTS, canonical_name, check_variants
 from ...util.io import atomic_write_json, locks_output, read_jsonl, to_strict
 from . import design as D
 from . import verdict as V
@@ -170,16 +170,8 @@ class LabConfig:
 
         if self.budget not in BUDGETS:
             raise ValueError(f"unknown --budget {self.budget!r}; valid: {', '.join(BUDGETS)}")
-        names = []
-        for v in self.variants:
-            try:
-                names.append(canonical_name(v))
-            except ValueError:
-                raise ValueError(f"unknown variant {v!r} in --variants (see `gattn gates`)") from None
-        if "none" not in names:
+        if "none" not in check_variants(self.variants):
             raise ValueError("--variants must include baseline: every gain is measured against it")
-        if len(set(names)) != len(names):
-            raise ValueError(f"--variants lists a variant twice: {list(self.variants)}")
         if self.seeds is not None and self.seeds < 2:
             raise ValueError(f"--seeds {self.seeds} must be >= 2 (a confirm interval needs two pairs)")
         if self.protocol not in PROTOCOLS:

@@ -26,7 +26,6 @@ OUT fail loudly.
 """
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import time
@@ -36,7 +35,8 @@ from pathlib import Path
 from .backcopy import BackcopyTask
 from ...experiment import cache
 from ...util.io import locks_output
-from ...experiment.study import Budget, Recorder, Units, finish_unit
+from ...experiment.study import Budget, Recorder, Units, finish_unit, stored_settings
+from ...experiment.study import with_changes as changes_over
 from ...experiment.stats import mean_std
 from ...gates import DEFAULT_VARIANTS
 
@@ -128,11 +128,8 @@ class SinkLabConfig:
 
     def settings(self) -> dict:
         """The stored form: every setting under its stored name (STORED), as units' keys and lab.json hold them."""
-        out = {}
-        for name, where in STORED.items():
-            v = (self.model[where[6:]] if where.startswith("model.") else getattr(self, where) if where in _OWN
-                 else getattr(self.train, where))
-            out[name] = (v == "true") if name == "compile" else copy.deepcopy(v)
+        out = stored_settings(self, STORED)
+        out["compile"] = out["compile"] == "true"
         return out
 
     def changed(self, **stored) -> "SinkLabConfig":
@@ -145,7 +142,6 @@ class SinkLabConfig:
                                    for k, v in stored.items()})
 
 
-_OWN = ("variants", "task", "seeds", "curve_every", "eval_size")  # the lab's own axes (SinkLabConfig fields)
 # stored name (options, units' result.json keys, lab.json "config") -> the setting: a lab axis, a model-config field
 # ("model.NAME") or a TrainConfig field (its own name); compile is stored as a bool. The one translation table.
 STORED = {"variants": "variants", "task": "task", "layers": "model.num_hidden_layers",
@@ -163,24 +159,8 @@ RENAMED_KEYS = {"decay_frac": "wsd_decay_frac", "adam_eps": "eps"}
 
 
 def with_changes(cfg: SinkLabConfig, changes: dict) -> SinkLabConfig:
-    """A copy of cfg with `changes`: lab axes by name, model-config fields as "model.NAME", TrainConfig fields by
-    their own names (the `--set` vocabulary); an unknown name fails."""
-    from gated_attention.train.config import TrainConfig
-
-    cfg = copy.deepcopy(cfg)
-    train = {}
-    for k, v in changes.items():
-        if k in _OWN:
-            setattr(cfg, k, copy.deepcopy(v))
-        elif k.startswith("model."):
-            cfg.model[k[6:]] = v
-        elif k in TrainConfig.__dataclass_fields__:
-            train[k] = v
-        else:
-            raise ValueError(f"unknown sink-lab setting {k!r}: a lab axis ({', '.join(_OWN)}), model.NAME or a "
-                             f"training setting (`gattn settings`)")
-    cfg.train = replace(cfg.train, **train)
-    return cfg
+    """A copy of cfg with `changes` (experiment.study.with_changes: lab axes, model.NAME, TrainConfig fields)."""
+    return changes_over(cfg, changes, "sink-lab")
 
 
 BUDGETS: dict[str, Budget] = {

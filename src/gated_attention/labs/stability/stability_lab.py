@@ -24,13 +24,13 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
 from ...experiment.study import Budget, Recorder, finish_unit
-from ...gates import DEFAULT_VARIANTS, canonical_name
+from ...gates import DEFAULT_VARIANTS, canonical_name, check_variants
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from .verdict import CONVERGED_MARGIN, FAILURE_GAP
@@ -43,6 +43,7 @@ _LAB_SETTINGS = {"gate": "--variants", "lr": "--lrs", "min_lr": "the budget's mi
                  "steps": "--steps", "data": "--data-dir", "data_dir": "--data-dir",
                  "model.use_qk_norm": "--qk-norm", "precision": "--precision"}
 
+TRAIN_FLAGS = ("steps", "data_dir", "precision")  # the TrainConfig fields the lab's own flags set (LabConfig.train)
 
 # the lab's own settings of a budget; every other entry of a budget is a TrainConfig field or model.NAME (the --set
 # vocabulary) over the recipe below
@@ -68,6 +69,7 @@ RECIPE = {
     "spike_window": 50, "spike_delta": 0.1, "spike_noise_k": 6.0,  # the trainer's noise-aware loss-spike detector
     "eval_batches": 4, "eval_batch_size": 16,  # validation batches per domain for the final (and initial) loss
     "data_dir": "data_v1k",  # corpus used when --data-dir is not given (prepared automatically)
+    "precision": "auto",  # training numerics; decided once by run_lab (util.precision.decide), keyed per run
     "eval_every": 0, "tensorboard": False,
     "progress": True,  # a line per GATTN_PROGRESS_INTERVAL off a terminal
     # eager unless --set compile=...: compile=auto decides from a timing, and compiled kernels round differently from
@@ -120,29 +122,18 @@ class LabConfig:
     variants: tuple[str, ...] = DEFAULT_VARIANTS
     lrs: tuple[float, ...] | None = None  # None = the budget's grid
     qk_norm: str = "both"  # "on", "off" or "both"
-    steps: int | None = None  # None = the budget's
     seeds: int | None = None  # None = the budget's
     seed_lrs: str | None = None  # where seeds 1.. run: every LR ("all") or the edge LRs ("edge"); None = the budget's
     sets: tuple[str, ...] = ()  # `key=value` training/model overrides on top of the budget's recipe (--set)
-    data_dir: str | None = None  # None = the budget's corpus, prepared automatically if missing
     jobs: int = 1  # runs in parallel, one thread each (the CLI default: experiment.runs.default_jobs())
-    precision: str = "auto"  # training numerics; decided once by run_lab (util.precision.decide), keyed per run
+    # TrainConfig fields by their own names over the budget's recipe, as the lab's own flags give them (steps,
+    # data_dir, precision: --steps, --data-dir, --precision); --set may not reach these
+    train: dict = field(default_factory=dict)
 
     def validate(self) -> "LabConfig":
-        from gated_attention.gates import GATES, canonical_name
-
         if self.budget not in BUDGETS:
             raise ValueError(f"unknown --budget {self.budget!r}; valid: {', '.join(BUDGETS)}")
-        bad = []
-        for v in self.variants:
-            try:
-                canonical_name(v)
-            except ValueError:
-                bad.append(v)
-        if bad:
-            raise ValueError(f"unknown variant(s) {bad}; valid: {', '.join(GATES)} (see `gattn gates`)")
-        if len(set(self.variants)) != len(self.variants) or not self.variants:
-            raise ValueError(f"--variants must list distinct gate names, got {list(self.variants)}")
+        check_variants(self.variants)
         if self.qk_norm not in QK_SETTINGS:
             raise ValueError(f"--qk-norm {self.qk_norm!r}; use on, off or both")
         if self.seed_lrs not in (None, "edge", "all"):
@@ -150,8 +141,11 @@ class LabConfig:
         lrs = self.grid()
         if any(not (math.isfinite(x) and x > 0) for x in lrs) or len(set(lrs)) != len(lrs):
             raise ValueError(f"--lrs must be distinct positive numbers, got {list(lrs)}")
-        for name in ("steps", "seeds"):
-            v = getattr(self, name)
+        unknown = sorted(set(self.train) - set(TRAIN_FLAGS))
+        if unknown:
+            raise ValueError(f"unknown stability-lab training setting(s) {unknown}; the lab's flags set "
+                             f"{', '.join(TRAIN_FLAGS)} (anything else: --set)")
+        for name, v in (("steps", self.train.get("steps")), ("seeds", self.seeds)):
             if v is not None and v < 1:
                 raise ValueError(f"--{name} {v} must be >= 1")
         if self.jobs < 1:
@@ -162,19 +156,26 @@ class LabConfig:
                 raise ValueError(f"--set {key}: the lab sets it per run; use {_LAB_SETTINGS[key]}")
         from gated_attention.util.precision import check
 
-        check(self.precision, "--precision")
+        check(self.spec["precision"], "--precision")
         return self
 
     @property
     def spec(self) -> dict:
-        """The budget's settings (budget_settings)."""
-        return budget_settings(self.budget)
+        """The budget's settings (budget_settings) with the lab's `train` on top."""
+        return {**budget_settings(self.budget), **self.train}
+
+    def settings(self) -> dict:
+        """The stored form (lab.json's "config"): every field, `train`'s settings under their own names (steps,
+        data_dir None where the budget's; precision as asked, "auto" by default)."""
+        out = {k: v for k, v in asdict(self).items() if k != "train"}
+        return {**out, "steps": self.train.get("steps"), "data_dir": self.train.get("data_dir"),
+                "precision": self.spec["precision"]}
 
     def grid(self) -> tuple[float, ...]:
         return tuple(sorted(float(x) for x in (self.lrs or self.spec["lrs"])))
 
     def n_steps(self) -> int:
-        return self.steps or self.spec["steps"]
+        return self.spec["steps"]
 
     def n_seeds(self) -> int:
         return self.seeds or self.spec["seeds"]
@@ -189,13 +190,13 @@ def train_config(lab: LabConfig, data_dir: str, variant: str, qk_norm: bool, lr:
                  precision: str | None = None):
     """The TrainConfig of one grid point: the `small` preset with the budget's recipe and the lab's --set items, in
     the resolved precision (a concrete bf16/fp32 in the run's key: a bf16 run is never reused as an fp32 one).
-    precision: the lab's decision for lab.precision (run_lab decides once); None: decided here."""
+    precision: the lab's decision for its spec["precision"] (run_lab decides once); None: decided here."""
     from gated_attention.presets import model_config
     from gated_attention.train.train_presets import train_preset
     from gated_attention.train.overrides import apply_overrides
     from gated_attention.util.precision import check_resolved, resolve
 
-    precision = resolve(lab.precision, "cpu") if precision is None else check_resolved(precision)
+    precision = resolve(lab.spec["precision"], "cpu") if precision is None else check_resolved(precision)
 
     b = lab.spec
     steps = lab.n_steps()
@@ -475,9 +476,9 @@ def run_lab(lab: LabConfig, log=print) -> dict:
 
     lab.validate()
     t0 = time.perf_counter()
-    precision, line = decide(lab.precision, "cpu")  # the lab's one decision: every run trains in it
     spec = lab.spec
-    data_dir = ensure_corpus(lab.data_dir or spec["data_dir"], spec["vocab_size"], log, tag="[stability]")
+    precision, line = decide(spec["precision"], "cpu")  # the lab's one decision: every run trains in it
+    data_dir = ensure_corpus(spec["data_dir"], spec["vocab_size"], log, tag="[stability]")
     out = Path(lab.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     grid, seeds, where = lab.grid(), lab.n_seeds(), lab.where_seeds()
@@ -506,7 +507,7 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     first = train_config(lab, data_dir, *settings[0], grid[0], 0, precision)
     lab_json = {
         "budget": lab.budget,
-        "config": {**asdict(lab), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds, "seed_lrs": where,
+        "config": {**lab.settings(), "lrs": list(grid), "steps": lab.n_steps(), "seeds": seeds, "seed_lrs": where,
                    "data_dir": str(data_dir), "resolved_precision": precision, "margin": spec["margin"],
                    "min_lr_frac": spec["min_lr_frac"], "bootstrap": {"level": St.LEVEL, "resamples": St.N_BOOT}},
         "train_config": {k: v for k, v in first.to_dict().items() if k not in ("gate", "lr", "min_lr", "seed")},

@@ -43,9 +43,10 @@ def _run(args) -> int:
     from .stability_report import sensitivity_text
 
     lab = S.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants),
-                      lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, steps=args.steps,
-                      seeds=args.seeds, seed_lrs=args.seed_lrs, sets=tuple(args.sets), data_dir=args.data_dir,
-                      precision=args.precision, jobs=args.jobs if args.jobs is not None else default_jobs())
+                      lrs=tuple(args.lrs) if args.lrs else None, qk_norm=args.qk_norm, seeds=args.seeds,
+                      seed_lrs=args.seed_lrs, sets=tuple(args.sets),
+                      train={k: getattr(args, k) for k in S.TRAIN_FLAGS if getattr(args, k) is not None},
+                      jobs=args.jobs if args.jobs is not None else default_jobs())
     res = S.run_lab(lab, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(sensitivity_text(res))
     print(f"report: {Path(args.out) / 'report.html'}  ({res['wall_time_s']:.0f}s, "
