@@ -67,7 +67,7 @@ def _nll(logits, ids):
 
 def open_llama(path, n_ctx=1024):
     """llama-cpp-python's Llama with llama.cpp's extra CPU buffer types (AMX / repacked weights) off: on this Xeon
-    (AMX) the AMX matmul of Q8_0 weights segfaults in 0.3.36's llama.cpp for every model, stock qwen3 included."""
+    (AMX) the AMX matmul of Q8_0 weights dies with SIGILL in 0.3.36's llama.cpp for every model, stock qwen3 too."""
     import llama_cpp
     import llama_cpp.llama_cpp as C
 

@@ -1,6 +1,6 @@
 """Rewrite README.md's claims excerpt from the compare.json its first line names (the main job's committed result),
 so that the README and that result's report say the same: `python scripts/readme_excerpt.py` (after
-`gattn compare --report-only --out docs/experiments/...` or a new run committed there). `--check` only says whether
+`gattn compare --report-only --out results/...` or a new run committed there). `--check` only says whether
 it is current (exit 1 when not)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Attention-sink emergence curve (docs/experiments/sink_emergence.md): train `gattn compare --budget long`'s
+"""Attention-sink emergence curve (results/sink_emergence.md): train `gattn compare --budget long`'s
 setting for each variant and analyse the model every --every steps on held-out val windows (the `long` budget's
 analysis set: 4 batches of 8 = 32 BOS-started windows per domain), printing one JSON line per point and writing
 OUT/<variant>/curve.jsonl.

@@ -59,13 +59,14 @@ def _defined() -> set[str]:
 
 def _path_exists(token: str, row_dirs: list[Path] | None) -> bool:
     """A path from the repository or the package; a bare file name in the layer table: in the row's folders (at any
-    depth); elsewhere: anywhere in the repository's src/, tests/, scripts/, bench/ or docs/."""
+    depth); elsewhere: anywhere in the repository's src/, tests/, scripts/, bench/, docs/ or results/."""
     token = token.rstrip("/")
     if any((base / token).exists() for base in (REPO, PKG)):
         return True
     if "/" in token:
         return False
-    roots = row_dirs if row_dirs is not None else [REPO / d for d in ("src", "tests", "scripts", "bench", "docs")]
+    trees = ("src", "tests", "scripts", "bench", "docs", "results")
+    roots = row_dirs if row_dirs is not None else [REPO / d for d in trees]
     return any(next(d.rglob(token), None) is not None for d in roots if d.is_dir())
 
 

@@ -197,7 +197,7 @@ def test_named_evidence_folder_without_its_output_stops_before_training(flag, na
 def test_named_evidence_folders_of_the_shipped_tables_are_accepted():
     from gated_attention.compare import claims
 
-    docs = Path(__file__).resolve().parents[1] / "docs" / "experiments"
+    docs = Path(__file__).resolve().parents[1] / "results"
     claims.require_evidence("--stability-lab", docs / "stability_lab")
     claims.require_evidence("--longctx", docs / "long_context_fixed")
 

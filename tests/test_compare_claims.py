@@ -59,9 +59,9 @@ def test_verdicts_follow_the_figures(tmp_path):
     cmds = {r["claim"]: r.get("command") for r in t}
     assert cmds["Training stability (spikes, LR tolerance)"] == C.STABILITY_CMD
     stab_row = {r["claim"]: r for r in t}["Training stability (spikes, LR tolerance)"]
-    assert "docs/experiments/stability_lab.md" in stab_row["this_run"]
+    assert "results/stability_lab.md" in stab_row["this_run"]
     assert cmds["Long context (YaRN ×4, no training)"] == "gattn longctx --budget fair --out runs/longctx"
-    assert "docs/experiments/long_context.md" in {r["claim"]: r for r in t}["Long context (YaRN ×4, no training)"][
+    assert "results/long_context.md" in {r["claim"]: r for r in t}["Long context (YaRN ×4, no training)"][
         "this_run"]
 
 
@@ -239,13 +239,13 @@ def test_stability_verdict_needs_separated_intervals():
 
 
 def test_the_measured_stability_lab_reads_into_the_claims_row():
-    """The project's measured default lab (docs/experiments/stability_lab/lab.json, the folder STABILITY_DOC names)
+    """The project's measured default lab (results/stability_lab/lab.json, the folder STABILITY_DOC names)
     goes through the same row as a fresh run: its max stable LR, sensitivity and spikes with intervals, and the verdict
-    docs/experiments/stability_lab.md states for it (no interval separates there: "not at this scale")."""
+    results/stability_lab.md states for it (no interval separates there: "not at this scale")."""
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "docs" / "experiments" / "stability_lab"
-    assert str(folder.relative_to(folder.parents[2])) in C.STABILITY_DOC
+    folder = Path(__file__).resolve().parents[1] / "results" / "stability_lab"
+    assert str(folder.relative_to(folder.parents[1])) in C.STABILITY_DOC
     row = C.stability_claim({}, folder)
     assert row["verdict"] == C.NOT_AT_SCALE and "command" not in row
     assert "QK-norm on: max stable LR / LR sensitivity / spikes per run, baseline 0.1 [0.1, 0.1]" in row["this_run"]

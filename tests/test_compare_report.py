@@ -22,7 +22,7 @@ from gated_attention.compare import seeds as S
 from gated_attention.experiment import pages
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITTED = ROOT / "docs" / "experiments" / "main_job_shared_lr"
+COMMITTED = ROOT / "results" / "main_job_shared_lr"
 T975_2 = 4.302653  # Student's t, 97.5 % quantile, 2 degrees of freedom (printed tables): the oracle of 3-seed intervals
 
 

@@ -145,13 +145,14 @@ def test_every_link_from_the_readme_reaches_its_target():
 
 
 def test_every_test_the_documents_cite_exists():
-    """docs/reliability.md and the others name the test that holds each promise: each named test (a function or a
-    file) exists."""
+    """docs/reliability.md and the others (results/ among them) name the test that holds each promise: each named
+    test (a function or a file) exists."""
     defined = set()
     for path in (REPO / "tests").glob("*.py"):
         defined.add(path.stem)
         defined |= set(re.findall(r"^def (test_\w+)", path.read_text(encoding="utf-8"), re.M))
-    docs = [REPO / "README.md", REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").rglob("*.md"))]
+    docs = [REPO / "README.md", REPO / "ARCHITECTURE.md", *sorted((REPO / "docs").rglob("*.md")),
+            *sorted((REPO / "results").rglob("*.md"))]
     cited = {(d.relative_to(REPO), n) for d in docs for n in re.findall(r"\b(test_\w+)", d.read_text(encoding="utf-8"))}
     missing = sorted(f"{d}: {n}" for d, n in cited if n not in defined)
     assert len(cited) > 10 and not missing, "\n".join(missing)

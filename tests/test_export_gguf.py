@@ -155,7 +155,7 @@ def test_cli_export_with_the_checkpoints_tokenizer(tmp_path, tok_json, gattn_mai
 # ------------------------------------------------------------------------------------------ the real engine
 def _llama(path, n_ctx=512, extra_bufts=True):
     """llama.cpp on `path`. extra_bufts=False turns llama.cpp's extra CPU buffer types (AMX, repacked weights) off:
-    on an AMX Xeon, 0.3.36's AMX matmul of Q8_0 weights segfaults for every model (a stock qwen3 file included)."""
+    on an AMX Xeon, 0.3.36's AMX matmul of Q8_0 weights dies with SIGILL for every model (a stock qwen3 file too)."""
     llama_cpp = need("llama_cpp", "pip install -e '.[serve]' (builds llama.cpp from source: 8.5 min on one core)")
     import llama_cpp.llama_cpp as C
 

@@ -35,10 +35,10 @@ from . import seeds as S
 
 STABILITY_CMD = "gattn lab stability --budget default --out runs/lab/stability"
 # the project's measured default-budget lab (lab.json + report), for a compare run that has no stability lab
-STABILITY_DOC = "docs/experiments/stability_lab.md (lab.json: --stability-lab docs/experiments/stability_lab)"
+STABILITY_DOC = "results/stability_lab.md (lab.json: --stability-lab results/stability_lab)"
 LONGCTX_CMD = "gattn longctx --budget fair --out runs/longctx"
 # where the project's own equal-skill Table 5 is written up, for a compare run that has no long-context run
-LONGCTX_DOC = "docs/experiments/long_context.md (Table 5 at equal skill)"
+LONGCTX_DOC = "results/long_context.md (Table 5 at equal skill)"
 SINK_LAB_CMD = "gattn lab sinks --out runs/lab/sinks"
 
 # ---------------------------------------------------------------- thresholds, each with its source

@@ -76,12 +76,12 @@ class Budget:
 # of 256 (a lower uniform level, more keys to park on) and ~12M tokens. A 1024-token vocabulary makes each token ~2x
 # cheaper (the LM head dominates this model) and is what `long` was measured with. `extended` = `long`'s setting for
 # 1400 steps with a WSD schedule (the growth slowed exactly when the cosine LR fell, so WSD holds the peak): measured
-# baseline F-Attn 0.037 = 1.54x uniform at 5.7M tokens (docs/experiments/sink_emergence.md); it was the default until
+# baseline F-Attn 0.037 = 1.54x uniform at 5.7M tokens (results/sink_emergence.md); it was the default until
 # the main job had to fit 15 minutes on a CPU without fast bf16 (an fp32 step is 1.2-1.45x a bf16 one on a CPU that
 # has it). `text` (the default until issue 41) = the same setting for 450 steps (1.8M tokens): an early-training PPL
 # difference (one seed, one LR: not the paper's gain, see _DEFAULT below) and the massive activations show (both within
 # ~1M tokens), the text sink does not yet, so the sink claim rests on the sink lab there (per-part costs on both CPU
-# kinds: docs/experiments/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k vocabulary, windows
+# kinds: results/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k vocabulary, windows
 # of 128.
 _CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
@@ -116,14 +116,14 @@ def _ladder_rung(name: str) -> dict:
 # The main job's LM setting is the default scaling ladder's d48l2 rung (a 2-layer d=48 model, 60k non-embedding
 # parameters, 20 tokens per parameter, the ladder's recipe with fan-in init) under the ladder's protocol: every arm at
 # the baseline's best LR of the tuning seed's sweep there (seed 0: 0.004/0.008/0.016/0.032 -> 4.291/4.075/3.969/4.094
-# nats, docs/experiments/scaling.md), and its own seeds are confirmation seeds (100, 101, 102), never the tuning seed.
+# nats, results/scaling.md), and its own seeds are confirmation seeds (100, 101, 102), never the tuning seed.
 _RUNG = "d48l2"
 LADDER_LR = 1.6e-2
 CONFIRM_SEED = 100  # the first of the main job's seeds: the ladder's fresh confirm seeds start here too
 # The baseline's loss drop per e-fold of compute at d48l2 (nats), which turns Δ into ln k when no scaling lab is given:
 # alpha * A * C^-alpha of the default ladder's joint fit under its adopted recipe, L = 0.900 + 60.55 (k C)^-0.1077
-# (docs/experiments/scaling_fanin/lab.json).
-LADDER_SLOPE = (0.3370, "the default ladder's joint fit at d48l2 (docs/experiments/scaling_fanin/lab.json)")
+# (results/scaling_fanin/lab.json).
+LADDER_SLOPE = (0.3370, "the default ladder's joint fit at d48l2 (results/scaling_fanin/lab.json)")
 _DEFAULT = Budget(
     help="the main job in under 15 minutes on 2 cores of either CPU kind (fp32 on an AVX2-only CPU): the default "
          "scaling ladder's d48l2 rung (2 layers, d=48, 60k non-embedding parameters) at 20 tokens per parameter "

@@ -69,7 +69,7 @@ _D128 = {"hidden_size": 128, "intermediate_size": 384, "head_dim": 32, "num_hidd
          "num_key_value_heads": 2}
 # the fair budget's model and schedule: the default budget's 3-layer model at L = 256 (the one setting measured to learn
 # copying, between steps 1200 and 1800 for the baseline); 2 layers at L = 128 and lr 1e-2 had not copied by step ~1840
-# (docs/experiments/long_context.md). The cap is the LR schedule's length: long enough for the slower gated start.
+# (results/long_context.md). The cap is the LR schedule's length: long enough for the slower gated start.
 FAIR_MODEL = dict(_D128)
 FAIR_L, FAIR_STEPS, FAIR_LR = 256, 4000, 6e-3
 BUDGETS = {
@@ -82,10 +82,10 @@ BUDGETS = {
     "default": Budget(model="small", model_overrides=_D128,
                       seq_len=256, steps=2400, batch_size=16, lr=6e-3, warmup_steps=50, retrieval_mix=1.0,
                       mix_tasks=("passkey",), samples=10, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024),
-    # Table 5 at equal skill (docs/experiments/long_context.md): every model trained until it retrieves at L (>= 90 % held-out passkey exact
+    # Table 5 at equal skill (results/long_context.md): every model trained until it retrieves at L (>= 90 % held-out passkey exact
     # match), 4 seeds, baseline vs G1 elementwise with the official (gate ~0.5) and the identity gate init and G1
     # headwise, 30 samples per cell; the default budget's model (measured in bf16), the cap raised to 4000 steps (~8 min per model
-    # on one core; docs/experiments/long_context.md)
+    # on one core; results/long_context.md)
     "fair": Budget(model="small", model_overrides=FAIR_MODEL,
                    seq_len=FAIR_L, steps=FAIR_STEPS, batch_size=16, lr=FAIR_LR, warmup_steps=50, retrieval_mix=1.0,
                    mix_tasks=("passkey",), samples=30, max_new_tokens=10, data_dir="data_v1k", vocab_size=1024,

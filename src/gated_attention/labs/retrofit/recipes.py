@@ -8,7 +8,7 @@ share of the steps (the rest frozen), and the weights of the extra loss terms. `
 the same steps on the same batches with the pretrained weights' LR of the recipes that train them (REST_LR), so every
 recipe's cost and effect is read against training alone.
 
-Why a penalty is needed at all (measured, see docs/experiments/retrofit_lab.md): the next-token loss of a trained
+Why a penalty is needed at all (measured, see results/retrofit_lab.md): the next-token loss of a trained
 model gives an added gate no reason to take the sink's job — the sink already works — and a gates-only recipe cannot
 change a layer's own attention map (its probabilities are a function of frozen q/k weights; a G1 gate acts after
 them), only a later layer's, through its input. The penalty makes parking attention on the first token cost

@@ -81,7 +81,7 @@ class ScalingBudget:
     sizes: tuple[Size, ...]
     lrs: tuple[float, ...]  # the tuning seeds' sweep, spaced x2 (extended past an edge when the best LR sits on it)
     pilot_pairs: int = 4  # confirm pairs every size runs first; their within-arm spread plans the rest
-    max_pairs: int = 10  # the plan's cap per size: what the CPU budget affords (docs/experiments/scaling.md)
+    max_pairs: int = 10  # the plan's cap per size: what the CPU budget affords (results/scaling.md)
     tokens_per_param: float = 20.0  # per NON-embedding parameter of the ungated model (Kaplan et al. 2020's count:
     # at these widths the tied embedding is half the total and its cost per token is a lookup)
     max_extensions: int = 2  # LRs added beyond an edge at most, per (variant, size)
@@ -105,7 +105,7 @@ _DEFAULT = ScalingBudget(
          "20 tokens per non-embedding parameter (0.3M-2.7M tokens), weights initialised with std 1/sqrt(width) "
          "(the recipe pilot's choice), the baseline's LR tuned on seed 0 over 4e-3..3.2e-2 (extended past an edge), "
          "then 4 pilot pairs and up to 10 planned confirm pairs per size at that shared LR, fp32, eager "
-         "(docs/experiments/scaling.md gives its measured cost)",
+         "(results/scaling.md gives its measured cost)",
     sizes=ladder((24, 32, 48, 72), head_dim=8), lrs=(4e-3, 8e-3, 1.6e-2, 3.2e-2),
     # adopted by the recipe pilot at d32l2 (within-arm sd 0.020 vs 0.112 nats under N(0, 0.02): 0.18x, the bar 0.5x)
     recipe="init-fan-in")

@@ -60,7 +60,7 @@ def _base_train():
         max_bad_steps=1, keep_checkpoints=1, progress=False, tensorboard=False, precision="auto",
         steps=800,  # at lr 1e-2 the gated models solve the backcopy in ~100 steps, the baseline in ~150-200
         batch_size=32,
-        lr=1e-2,  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (docs/experiments/sink_lab.md)
+        lr=1e-2,  # 3e-3 forms a stronger sink only after ~5000 steps, without solving the task (results/sink_lab.md)
         min_lr=1e-3, warmup_steps=50,
         schedule="wsd",  # the sink grows while the LR is high; a cosine decay over 800 steps stalls it (baseline 0.13
         # at step 600 vs 0.40-0.62 with the LR held near the peak); WSD decays over the last wsd_decay_frac
@@ -94,7 +94,7 @@ class SinkLabConfig:
     variants: list = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # BackcopyTask fields; T=64: a dormant query late in a long sequence can spread over many keys almost for free (the
     # copied values average out), so the full BOS sink pays only where few keys precede it: at T=128 the baseline's
-    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (docs/experiments/sink_lab.md, issue 20)
+    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (results/sink_lab.md, issue 20)
     task: dict = field(default_factory=lambda: BackcopyTask(seq_len=64).to_dict())
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
     curve_every: int = 100  # learning-curve resolution in steps
