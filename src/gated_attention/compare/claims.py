@@ -7,7 +7,7 @@ None), a stability-lab lab.json found on disk (`settings`, `instability`, `runs`
 long-context report.json whose top-level `"claim"` object is `{"paper", "this_run", "verdict"}`, and the streaming
 check compare ran (`result["streaming"]`: compare.streaming_summary; its rule is labs/streaming/verdict.py).
 
-Every threshold is an experiment.verdicts.Threshold with its source beside it (the paper by its SPEC section, a
+Every threshold is an experiment.verdicts.Threshold with its source beside it (the paper by its table or figure, a
 cited published result, or an effect size chosen in advance for what a user would notice), fixed before the runs it
 judges and never fitted to this project's measurements. `RULES` maps each claim to its rule text and thresholds; the
 report prints them under the table and docs/usage.md lists them.
@@ -46,14 +46,14 @@ SINK_LAB_CMD = "gattn lab sinks --out runs/lab/sinks"
 SINK_FORMED = Threshold(
     "sink: baseline F-Attn at least", 2.0, "x uniform", "chosen",
     "the first token gets twice what uniform causal attention gives it (1/(t+1) averaged over queries): a sink one "
-    "sees in the attention map (the paper's baseline: 0.467 of all attention in 4096-token windows, SPEC §3.4)")
+    "sees in the attention map (the paper's baseline: 0.467 of all attention in 4096-token windows, the paper's Table 4)")
 SINK_FORMING = Threshold(
     "partly: baseline F-Attn at least", 1.25, "x uniform", "chosen",
     "a quarter of a formed sink's excess over uniform (SINK_FORMED): the smallest first-token preference called a "
     "sink forming")
 SINK_KEPT = Threshold(
     "removed: a G1 model's F-Attn excess over uniform at most", 0.25, "of the baseline's excess", "paper",
-    "SPEC §3.4: the paper's G1 models keep 10 % (elementwise, 0.048) and 16 % (headwise, 0.073) of the baseline's "
+    "the paper's Table 4: the paper's G1 models keep 10 % (elementwise, 0.048) and 16 % (headwise, 0.073) of the baseline's "
     "0.467 on the first token; a quarter is the headwise share with room")
 BOS_SINK = Threshold(
     "synthetic sink: baseline's dormant-query attention on BOS at least", 0.5, "share", "chosen",
@@ -68,13 +68,13 @@ TASK_SKILL = Threshold(
     "flip between two")
 BOS_GATED = Threshold(
     "removed: a G1 model's dormant-query attention on BOS at most", 0.1, "share", "paper",
-    "SPEC §3.4: the paper's G1 first-token attention, 0.048 (elementwise) / 0.073 (headwise), rounded up")
+    "the paper's Table 4: the paper's G1 first-token attention, 0.048 (elementwise) / 0.073 (headwise), rounded up")
 TASK_TOLERANCE = Threshold(
     "as skilled: a G1 model's backcopy CE above the baseline's at most", 0.05, "nats", "chosen",
     "a loss difference a user would notice (the streaming rule's noticeable cost)")
 MACT_RATIO = Threshold(
     "reduced: a G1 model's M-Act at most", 0.5, "of the baseline's", "chosen",
-    "halved: the smallest reduction called one, far short of the paper's /11 (1053 -> 94 / 98, SPEC §3.4)")
+    "halved: the smallest reduction called one, far short of the paper's /11 (1053 -> 94 / 98, the paper's Table 4)")
 MACT_MASSIVE = Threshold(
     "massive: the baseline's M-Act at least", 100.0, "", "published",
     "Sun et al. 2024 (Massive Activations in Large Language Models, arXiv 2402.17762): an activation is massive when "

@@ -1,7 +1,7 @@
 """The quantization lab's rule: "gated models quantize like the baseline under policy P", and which policy to use.
 
 Δ = val loss of a quantized model - val loss of the same model unquantized (nats, mean over the corpus domains). The
-margin δ = ln(7.499 / 7.404) = 0.01275 nats is the paper's own dense gain at equal parameters (SPEC §3.2, Table 1-2;
+margin δ = ln(7.499 / 7.404) = 0.01275 nats is the paper's own dense gain at equal parameters (the paper's Table 1-2;
 the scaling lab's δ): a quantization that costs a gated model δ more than it costs the baseline takes away everything
 the gate gained. Every interval is two-sided 95 % Student-t, judged the same way (`judge`):
 
@@ -42,7 +42,7 @@ from ..scaling.verdict import paired_delta, seeds_needed
 
 MARGIN = Threshold(
     "δ, the margin of 'like the baseline'", _PAPER_DELTA.value, "nats", "paper",
-    "the paper's dense gain at equal parameters, SPEC §3.2 / Table 1-2 (1.7B, 400B tokens: PPL 7.499 -> 7.404): "
+    "the paper's dense gain at equal parameters, the paper's Table 1-2 (1.7B, 400B tokens: PPL 7.499 -> 7.404): "
     "ln(7.499/7.404), the scaling lab's δ; a quantization costing a gated model that much more than the baseline "
     "takes away the whole gain")
 THRESHOLDS = {"gated vs baseline Δ from quantization (Welch over models)": (MARGIN,),

@@ -62,7 +62,7 @@ SINK_TARGET = Threshold(
     "sink removed: dormant-query attention on BOS at most (every seed)", 0.2, "share", "chosen",
     "issue 21: a fifth of an idle query's attention, below Gu et al. 2024's sink threshold epsilon = 0.3 with room; "
     "a model trained with the gate reaches half of it (the paper's G1 first-token attention, 0.048 / 0.073, rounded "
-    "up to 0.1, SPEC §3.4), a retrofit is given twice that")
+    "up to 0.1, the paper's Table 4), a retrofit is given twice that")
 SKILL_MARGIN = Threshold(
     "skill kept: backcopy and bigram CE above the control's at most", 0.05, "nats", "chosen",
     "issue 21: a loss difference a user would notice (the streaming rule's noticeable cost)")

@@ -88,7 +88,7 @@ class ScalingBudget:
     seq_len: int = 128
     batch_size: int = 8  # sequences per step: small, so the smallest rung still takes ~100 steps
     warmup_frac: float = 0.05  # share of the steps in linear warm-up (>= 5 steps)
-    min_lr_frac: float = 0.01  # cosine decay to this share of the peak LR (the paper: 2e-3 -> 3e-5, SPEC §4; a 10 %
+    min_lr_frac: float = 0.01  # cosine decay to this share of the peak LR (the paper: 2e-3 -> 3e-5, the paper's training setup; a 10 %
     # floor left the seed-0 sweeps' final losses 0.1-0.2 nats apart at neighbouring LRs, more than the LR effect)
     weight_decay: float = 0.1
     ffn_mult: int = 3  # FFN width of the ungated model = ffn_mult x hidden (gated models shrink it to equal params)

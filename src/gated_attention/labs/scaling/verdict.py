@@ -46,19 +46,19 @@ from ...experiment.verdicts import Threshold
 
 DELTA = Threshold(
     "δ, the paper's equal-parameter gain", round(math.log(7.499 / 7.404), 5), "nats", "paper",
-    "SPEC §3.2 / Table 1-2 (dense 1.7B at equal parameters, 400B tokens: PPL 7.499 -> 7.404): ln(7.499/7.404)")
+    "the paper's Table 1-2 (dense 1.7B at equal parameters, 400B tokens: PPL 7.499 -> 7.404): ln(7.499/7.404)")
 BASIN = Threshold(
     "LR basin", 0.05, "nats", "chosen",
     "issue 41's definition of the basin (the LRs within 0.05 nats of the best); ~4 δ, a loss change a run-to-run "
     "comparison at these sizes resolves with one seed")
 K_PAPER = Threshold(
     "k, the paper's compute multiplier", 1.17, "x compute", "paper",
-    "SPEC §11.2: Qiu et al. 2025 dense 1.7B at 400B tokens (0.0128 nats) over the loss slopes of Chinchilla's fit (Hoffmann et "
+    "the compute-multiplier rule in docs/usage.md: Qiu et al. 2025 dense 1.7B at 400B tokens (0.0128 nats) over the loss slopes of Chinchilla's fit (Hoffmann et "
     "al. 2022, approach 3) at N = 1.7e9, D = 4e11: 0.0128 / 0.083 nats per e-fold split evenly = ln 1.17; all on "
     "tokens 1.22, all on parameters 1.14")
 K_LOW = Threshold(
     "k's lower end (the bar)", 1.14, "x compute", "paper",
-    "SPEC §11.2: the same derivation with the extra compute spent on parameters only: 0.0128 / 0.100 = ln 1.14")
+    "the compute-multiplier rule in docs/usage.md: the paper's Table 1-2 dense gain by the same derivation, the extra compute spent on parameters only: 0.0128 / 0.100 = ln 1.14")
 LN_K_BAR = math.log(K_LOW.value)
 THRESHOLDS = {"gain at one size (paired over seeds)": (DELTA,), "trend with compute": (DELTA,),
               "compute multiplier (ln k, overall and per size)": (K_PAPER, K_LOW),

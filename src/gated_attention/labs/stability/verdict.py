@@ -26,7 +26,7 @@ CONVERGED_MARGIN = Threshold(
     "close to the best (about 10 % perplexity) with no run diverged")
 SPIKE_DELTA = Threshold(
     "loss spike: above the trailing 50-step median", 0.1, "nats", "paper",
-    "SPEC §1.8: the rule that counts 125 spikes on the official 1.7B baseline's published loss curve (Fig. 1-right) "
+    "docs/paper_map.md §1.8: the rule that counts 125 spikes on the official 1.7B baseline's published loss curve (Fig. 1-right) "
     "and 0 on the gated one; train/monitors.py raises it to 6 robust sigmas of the window where batch noise alone "
     "exceeds it")
 THRESHOLDS = (INTERVAL_LEVEL, FAILURE_GAP, CONVERGED_MARGIN, SPIKE_DELTA)

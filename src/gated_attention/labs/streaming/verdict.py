@@ -39,7 +39,7 @@ REMOVED_SHARE = Threshold(
 G1_SHARE = Threshold(
     "sink-free: a G1 model's plain-window cost", 0.25, "of the baseline's", "chosen",
     "issue 28: every G1 model pays at most a quarter of the baseline's cost (the paper's G1 models keep 10 % and "
-    "16 % of the baseline's first-token attention, SPEC §3.4)")
+    "16 % of the baseline's first-token attention, the paper's Table 4)")
 FLOOR = Threshold(
     "consistent: each baseline model's cost at least", 0.005, "nats", "chosen",
     "a tenth of the noticeable cost; below it a model's cost counts as none")
