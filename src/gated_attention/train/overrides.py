@@ -140,24 +140,16 @@ def _launch_layout(cfg: TrainConfig, sets: list[str], world: int | None) -> Trai
 
     world = world if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
     keys = tuple(item.split("=", 1)[0].strip() for item in sets)
+    import torch
+
     # planned for the GPUs these presets are made for: this machine's GPU memory where it has one, else the plan's
-    memory = _cuda_memory_gb() if cfg.device in ("cuda", "auto") and _has_cuda() else None
+    cuda = cfg.device in ("cuda", "auto") and torch.cuda.is_available()
+    memory = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else None
     cfg, line = launch_layout(cfg, world, keys, gpu_memory_gb=memory)
     if line and os.environ.get("RANK", "0") == "0":
         print(f"gattn train: {line}", file=sys.stderr, flush=True)
     return cfg
 
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _cuda_memory_gb() -> float:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / 1e9
 
 
 def run_config(out: str, preset: str | None = None, gate: str | None = None, sets: list[str] = (),

@@ -122,14 +122,12 @@ def format_recommendation(rec: dict, given: dict) -> str:
         f"(best of {rec['layouts_fit']} fitting layouts of {rec['layouts_searched']} searched)"])
 
 
-def _own_layout(cfg: TrainConfig) -> dict:
-    """The config's own value of each Layout field, in the Layout's terms."""
-    own = {k: getattr(cfg, k) for k in ("dist", "dp_replicate", "expert_parallel", "accum_grads",
-                                         "activation_checkpointing", "micro_batch")}
-    return {**own, "keep_gathered": str(cfg.keep_gathered).lower()}
-
-
 LAYOUT_FIELDS = tuple(Layout.__dataclass_fields__)
+
+
+def _own_layout(cfg: TrainConfig) -> dict:
+    """The config's own value of each Layout field, in the Layout's terms (keep_gathered as a string)."""
+    return {**{k: getattr(cfg, k) for k in LAYOUT_FIELDS}, "keep_gathered": str(cfg.keep_gathered).lower()}
 
 
 def launch_layout(cfg: TrainConfig, world: int, set_keys: tuple[str, ...] = (), device: str = "cuda",
@@ -144,9 +142,7 @@ def launch_layout(cfg: TrainConfig, world: int, set_keys: tuple[str, ...] = (), 
     if rec["set"] is None:
         return cfg, None
     lay = rec["layout"]
-    out = replace(cfg, dist=lay["dist"], dp_replicate=lay["dp_replicate"], expert_parallel=lay["expert_parallel"],
-                  accum_grads=lay["accum_grads"], keep_gathered=lay["keep_gathered"],
-                  activation_checkpointing=lay["activation_checkpointing"], micro_batch=lay["micro_batch"])
+    out = replace(cfg, **{k: lay[k] for k in LAYOUT_FIELDS})
     held = f" ({', '.join(keep)} as given)" if keep else ""
     return out.validate(), (f"layout: the plan's fastest for {world} ranks{held}: "
                             + " ".join(f"{k}={lay[k]}" for k in LAYOUT_FIELDS if k not in keep)
