@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import Counter
 
 import numpy as np
@@ -14,6 +15,10 @@ import pytest
 import torch
 
 from gated_attention.data.epoch import EpochSampler, permute, _keys
+
+# The shared tiny corpus may already hold a document index another test built: copies leave it out so the cache
+# tests start from a corpus that was never scanned.
+_NO_INDEX = shutil.ignore_patterns("index")
 
 BOS, EOS, BASE = 1, 2, 1000
 
@@ -258,7 +263,7 @@ def test_packed_document_index_is_built_once_per_corpus_and_reused(tiny_corpus, 
     from gated_attention.data import epoch as E
 
     data = tmp_path / "data"
-    shutil.copytree(tiny_corpus, data)
+    shutil.copytree(tiny_corpus, data, ignore=_NO_INDEX)
     scans = []
     real = E._doc_starts
     monkeypatch.setattr(E, "_doc_starts", lambda arr, eos: scans.append(len(arr)) or real(arr, eos))
@@ -291,8 +296,8 @@ def test_a_corpus_folder_that_cannot_be_written_is_scanned_without_a_cache(tiny_
     from gated_attention.util import io
 
     data, ref_dir = tmp_path / "data", tmp_path / "ref"
-    shutil.copytree(tiny_corpus, data)
-    shutil.copytree(tiny_corpus, ref_dir)
+    shutil.copytree(tiny_corpus, data, ignore=_NO_INDEX)
+    shutil.copytree(tiny_corpus, ref_dir, ignore=_NO_INDEX)
     ref = EpochSampler(Corpus(ref_dir), "train", 16, pack_documents=True).batch(8, 0, 1)
 
     def denied(path, write):
