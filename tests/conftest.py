@@ -118,6 +118,14 @@ def _unit(item) -> str:
     return item.nodeid.split("@")[0]
 
 
+def pytest_configure(config):
+    """--dist loadgroup needs pytest 8: pytest 9 keeps node ids where pytest-xdist 3.8 cannot add "@group", so each
+    xdist_group would be split over workers, every worker rebuilding its minute-long module fixtures."""
+    if config.getoption("dist", "no") == "loadgroup" and int(pytest.__version__.split(".")[0]) >= 9:
+        raise pytest.UsageError(f"pytest {pytest.__version__} breaks pytest-xdist's --dist loadgroup; install the "
+                                "project's dev extra (pytest<9): bash scripts/setup.sh")
+
+
 def pytest_collection_modifyitems(config, items):
     import json
 

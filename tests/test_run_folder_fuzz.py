@@ -114,14 +114,15 @@ def damage(run: Path, piece: str, kind: str, rng: random.Random, variant: int = 
     return True
 
 
-def cases(run: Path) -> list[tuple[str, str, int]]:
-    """(piece, damage, variant): every damage of every piece, every foreign variant of every file."""
+def cases(run: Path, variants: range = range(1)) -> list[tuple[str, str, int]]:
+    """(piece, damage, variant): every damage of every piece (a foreign file in each of `variants`; the default run
+    tries the first, `pytest -m slow` the other FOREIGN_VARIANTS - 1) and every stray entry (with the first)."""
     out = []
     for piece in _pieces(run):
         for kind in DAMAGES:
-            variants = FOREIGN_VARIANTS if kind == "foreign" and (run / piece).is_file() else 1
-            out += [(piece, kind, v) for v in range(variants)]
-    return out + [(s, "stray", 0) for s in STRAYS]
+            several = kind == "foreign" and (run / piece).is_file()
+            out += [(piece, kind, v) for v in (variants if several else range(1)) if several or 0 in variants]
+    return out + [(s, "stray", 0) for s in STRAYS if 0 in variants]
 
 
 def gattn(argv: list[str]) -> int:
@@ -160,8 +161,6 @@ def check_case(finished, tmp_path, capsys, piece: str, kind: str, seed: int, var
     return "resumed"
 
 
-def _all(finished):
-    return cases(finished[0])
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_older_one(finished, tmp_path, capsys):
@@ -181,9 +180,11 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_older_one(finished, tmp_pa
             assert _losses(run) == finished[1]
 
 
-def test_every_damage_resumes_or_is_one_line(finished, tmp_path, capsys):
+@pytest.mark.parametrize("variants", [range(1), pytest.param(range(1, FOREIGN_VARIANTS), marks=pytest.mark.slow)],
+                         ids=["every-damage", "other-foreign-files"])
+def test_every_damage_resumes_or_is_one_line(finished, tmp_path, capsys, variants):
     failures, outcomes = [], {}
-    for i, (piece, kind, variant) in enumerate(_all(finished)):
+    for i, (piece, kind, variant) in enumerate(cases(finished[0], variants)):
         try:
             outcomes[(piece, kind, variant)] = check_case(finished, tmp_path, capsys, piece, kind, i, variant)
         except AssertionError as exc:  # every case is tried: the report lists them all
@@ -191,6 +192,8 @@ def test_every_damage_resumes_or_is_one_line(finished, tmp_path, capsys):
     assert not failures, f"{len(failures)} of {len(outcomes) + len(failures)} cases:\n\n" + "\n\n".join(failures)
     # the damage reached the run: some is survived (an older checkpoint resumes), some refused with its line
     assert {"resumed", "refused"} <= set(outcomes.values()), outcomes
+    if variants == range(1):  # every piece met every damage that applies to it, and every stray entry was tried
+        assert {k for _, k, _ in outcomes} == {*DAMAGES, "stray"}
 
 
 # ------------------------------------------------------------------------------------------------ verification
