@@ -241,6 +241,43 @@ def test_chunked_loss_never_allocates_the_logits_and_matches_the_plain_loss(auto
     torch.testing.assert_close(gw, rw, **tol)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])  # C++ builds
+def test_compiled_loss_math_matches_the_eager_chunked_loss(backend):
+    """The trainer's compiled step runs each chunk's math after its GEMM through torch.compile of
+    fused._ce_and_grad (use_compiled_math): loss and gradients equal the eager in-place passes, in fp32 (to float
+    rounding) and under bf16 autocast (to bf16's), with a last chunk of another size, and the compiled function is
+    what ran (counted)."""
+    from gated_attention.fused import _ce_and_grad, use_compiled_math
+
+    torch._dynamo.reset()
+    calls = []
+    compiled = torch.compile(_ce_and_grad, backend=backend, dynamic=False)
+
+    def counted(*a):
+        calls.append(a[0].shape)
+        return compiled(*a)
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 21, 16, requires_grad=True)
+    w = (0.3 * torch.randn(300, 16)).requires_grad_()
+    t = torch.randint(0, 300, (2, 21))
+    t[1, :5] = -100
+    for autocast in (False, True):
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
+            eager = chunked_lm_loss(h, w, t, chunk_tokens=16)
+            ge = torch.autograd.grad(eager, [h, w])
+            with use_compiled_math(counted):
+                comp = chunked_lm_loss(h, w, t, chunk_tokens=16)
+                gc = torch.autograd.grad(comp, [h, w])
+        tol = dict(rtol=1e-2, atol=1e-3) if autocast else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(comp, eager, **tol)
+        for a, b in zip(gc, ge):
+            torch.testing.assert_close(a, b, **tol)
+    assert calls == [(16, 300), (16, 300), (10, 300)] * 2  # 42 tokens: chunks of 16, 16 and 10, per dtype
+    torch._dynamo.reset()
+
+
 def test_chunked_lm_loss_errors_and_no_grad():
     h, w = torch.randn(2, 5, 8), torch.randn(20, 8, requires_grad=True)
     with pytest.raises(ValueError, match="targets"):

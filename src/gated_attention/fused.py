@@ -27,6 +27,8 @@ the autocast dtype.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -276,6 +278,37 @@ def _chunk_ce(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, ignore_index:
     return torch.where(valid, lse - picked, torch.zeros_like(lse)), e, z, valid, safe
 
 
+def _ce_and_grad(logits: torch.Tensor, safe: torch.Tensor, valid: torch.Tensor, w_tok: torch.Tensor):
+    """One chunk's math after its GEMM, written out of place for the compiler: logits (c, V) in the compute dtype ->
+    (CE per token (c,) fp32, 0 where ignored; (softmax - onehot) * w_tok (c, V) in the compute dtype). Inductor fuses
+    the fp32 cast, max, exp, sum and the gradient's scale, scatter and cast into passes over the logits that keep no
+    fp32 (c, V) temporary: what `_chunk_ce` and the eager gradient below do in place, pass by pass."""
+    x = logits.float()  # (c, V): fused away by the compiler
+    top = x.amax(dim=-1, keepdim=True)  # (c, 1)
+    e = (x - top).exp()  # (c, V)
+    z = e.sum(dim=-1)  # (c,)
+    lse = top.squeeze(1) + z.log()
+    picked = x.gather(1, safe[:, None]).squeeze(1)  # (c,)
+    ce = torch.where(valid, lse - picked, torch.zeros_like(lse))
+    g = (e * (w_tok / z)[:, None]).scatter_add(1, safe[:, None], -w_tok[:, None])  # (c, V)
+    return ce, g.to(logits.dtype)
+
+
+_COMPILED_MATH = None  # the compiled `_ce_and_grad` while a compiled training forward is open (use_compiled_math)
+
+
+@contextmanager
+def use_compiled_math(fn):
+    """While open, the training loss's per-chunk math after each GEMM runs `fn` (torch.compile of `_ce_and_grad`, the
+    trainer's compiled step: train/fastpath.py) instead of the eager in-place passes; None leaves them eager."""
+    global _COMPILED_MATH
+    before, _COMPILED_MATH = _COMPILED_MATH, fn
+    try:
+        yield
+    finally:
+        _COMPILED_MATH = before
+
+
 class _ChunkedLinearCE(torch.autograd.Function):
     """sum over valid tokens of CE(hidden @ weight.T, targets) / denom, gradients computed in the same pass."""
 
@@ -288,8 +321,17 @@ class _ChunkedLinearCE(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(h) if want_grad else None  # (N, d)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
+            math = _COMPILED_MATH if want_grad else None
             for s in range(0, n, chunk):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]  # (c, d), (c,)
+                if math is not None:
+                    valid = tc != ignore_index
+                    safe = torch.where(valid, tc, torch.zeros_like(tc))
+                    ce, g = math(hc @ w.t(), safe, valid, valid.to(torch.float32) / denom)  # (c,), (c, V)
+                    total = total + ce.sum()
+                    grad_h[s:s + chunk] = g @ w
+                    _accumulate_weight_grad(grad_w, g, hc)
+                    continue
                 ce, e, z, valid, safe = _chunk_ce(hc, w, tc, ignore_index)
                 total = total + ce.sum()
                 if want_grad:

@@ -20,6 +20,9 @@ checkpoint's per-op policy is traced with it (the graph's partitioner keeps the 
 `every:N` checkpointed and plain layers are two graphs (the graph guards on the layer's checkpointing flag).
 evaluation, the stats probe and analysis run the same layers eagerly, so their hooks and no_grad never trigger a
 recompile. Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
+With the layers, the chunked loss's math after each lm_head GEMM is compiled too (`fused.use_compiled_math`): the
+fp32 log-sum-exp and the softmax gradient become fused passes over each chunk's logits, with no fp32 (c, V) copy
+(the eager path's separate passes and casts were what made our step slower than a whole-model compile).
 
 auto: a run shorter than its compile time does not compile. The first steps run eagerly; after AUTO_PROBE_STEPS
 timed steps (the process's first step is warm-up and not timed) the trainer compiles iff
@@ -104,6 +107,7 @@ class SpeedPlan:
         self.layers = layers
         self.device = device
         self.compiled_fn = None
+        self.loss_math = None  # compiled per-chunk loss math, with the layers (fused.use_compiled_math)
         self.decision = None  # one line: what was decided about compiling, and why
         self._timed: list[float] = []
         self._seen = 0
@@ -121,6 +125,10 @@ class SpeedPlan:
     def _enable(self, why: str) -> None:
         # one compiled function for every layer: the layers are instances of one class with the same structure
         self.compiled_fn = torch.compile(_class_forward, backend=self.backend)
+        if self.fused_loss:  # the chunked loss's math after each GEMM, fused by the compiler (fused._ce_and_grad)
+            from ..fused import _ce_and_grad
+
+            self.loss_math = torch.compile(_ce_and_grad, backend=self.backend, dynamic=False)
         self.decision = why
 
     @contextmanager
@@ -129,10 +137,13 @@ class SpeedPlan:
         if self.compiled_fn is None:
             yield
             return
+        from ..fused import use_compiled_math
+
         for layer in self.layers:  # an instance attribute shadows the class's forward; hooks stay outside the graph
             layer.forward = functools.partial(self.compiled_fn, layer)
         try:
-            yield
+            with use_compiled_math(self.loss_math):
+                yield
         finally:
             for layer in self.layers:
                 del layer.forward
