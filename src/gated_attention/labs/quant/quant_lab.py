@@ -1,5 +1,4 @@
 """`gattn lab quant`: do gated models survive quantization like the baseline, and how should the gate be treated?
-(issue 39 item 1.)
 
 For every model (--models, resolved by models.py), every scheme (--schemes: gated_attention.quant.SCHEMES) and every
 policy (--policies: all / keep-gate / split-gate), the model is fake-quantized (`quant.quantize_model`, fp32

@@ -94,7 +94,7 @@ class SinkLabConfig:
     variants: list = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # BackcopyTask fields; T=64: a dormant query late in a long sequence can spread over many keys almost for free (the
     # copied values average out), so the full BOS sink pays only where few keys precede it: at T=128 the baseline's
-    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (results/sink_lab.md, issue 20)
+    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (results/sink_lab.md)
     task: dict = field(default_factory=lambda: BackcopyTask(seq_len=64).to_dict())
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
     curve_every: int = 100  # learning-curve resolution in steps

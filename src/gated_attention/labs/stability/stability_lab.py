@@ -80,7 +80,7 @@ RECIPE = {
 
 _SHALLOW = {"model.hidden_size": 64, "model.intermediate_size": 192, "model.num_hidden_layers": 2,
             "model.num_attention_heads": 2, "model.num_key_value_heads": 2,
-            "model.head_dim": 32}  # issue 11's 2-layer d=64 model (~0.15M besides the embedding)
+            "model.head_dim": 32}  # the first stability grid's 2-layer d=64 model (~0.15M besides the embedding)
 _DEEP = {**_SHALLOW, "model.num_hidden_layers": 12}  # deep and narrow: depth is the paper's unstable case (48 layers)
 _DEFAULT = {"lrs": (3e-2, 1e-1, 3e-1), "steps": 600, "seeds": 3, "weight_decay": 0.1, **_DEEP}
 
@@ -101,7 +101,7 @@ BUDGETS: dict[str, Budget] = {
         "measured 94.7 core-minutes in bf16 on an AMD EPYC Zen 4, ~105 CPU-s per run, 100 minutes at --jobs 1 on "
         "one core: ~50 minutes at --jobs 2 on 2 quiet cores)", _DEFAULT),
     "shallow": Budget(
-        "issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
+        "the first stability grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
         "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
         {**_DEFAULT, **_SHALLOW, "lrs": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), "steps": 150, "seeds": 2,
          "seed_lrs": "edge", "weight_decay": 0.0, "ckpt_every": 50}),
