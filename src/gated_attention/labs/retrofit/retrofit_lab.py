@@ -32,8 +32,7 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.runs import run_units
 from ...experiment.stats import mean_std, spread
-from ...experiment.study import Recorder, finish_unit, stored_settings
-from ...experiment.study import with_changes as changes_over
+from ...experiment.study import Recorder, finish_unit, save_lab, stored_settings, with_stored
 from ...experiment.verdicts import Threshold
 from ...util.io import locks_output
 from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
@@ -118,10 +117,7 @@ class RetrofitLabConfig:
 
     def changed(self, **stored) -> "RetrofitLabConfig":
         """A copy with settings changed by their stored names (the options' names); not validated."""
-        unknown = sorted(set(stored) - set(STORED))
-        if unknown:
-            raise ValueError(f"unknown retrofit-lab setting(s) {unknown}; valid: {', '.join(STORED)}")
-        return changes_over(self, {STORED[k]: v for k, v in stored.items()}, "retrofit-lab")
+        return with_stored(self, stored, STORED, "retrofit-lab")
 
     def validate(self) -> "RetrofitLabConfig":
         if not self.starts:
@@ -466,7 +462,6 @@ def aggregate(units: list[dict], befores: dict[str, dict], starts: list[Start], 
 @locks_output("out", "gattn lab retrofit")  # one writer per lab folder (its worker processes write inside)
 def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
     """Measure every start, train/reuse every unit, aggregate, write lab.json and the report into out."""
-    from gated_attention.util.io import atomic_write_json
     from gated_attention.util.precision import decide
 
     from . import retrofit_report
@@ -504,7 +499,4 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
         "thresholds": [t.to_dict() for t in THRESHOLDS],
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in retrofit_report.make_plots(out / "plots", lab).items()}
-    atomic_write_json(out / "lab.json", lab)
-    retrofit_report.write(out, lab)
-    return lab
+    return save_lab(out, lab, lambda d: retrofit_report.make_plots(d, lab), lambda: retrofit_report.write(out, lab))

@@ -157,7 +157,6 @@ def blocks(lab: dict) -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    curves = pages.figures(lab.get("plots", {}), "Learning curves (mean over starts × seeds; band min..max)")
-    footer = ("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing).")
-    pages.write(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?",
-               [*blocks(lab), *curves, footer])
+    pages.write_lab(out_dir, "gattn lab retrofit: can gates added to a trained model remove its sink?", blocks(lab),
+                    lab.get("plots", {}), "Learning curves (mean over starts × seeds; band min..max)",
+                    f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing).")

@@ -35,7 +35,7 @@ from pathlib import Path
 from .backcopy import BackcopyTask
 from ...experiment import cache
 from ...util.io import locks_output
-from ...experiment.study import Budget, Recorder, Units, finish_unit, stored_settings
+from ...experiment.study import Budget, Recorder, Units, finish_unit, save_lab, stored_settings, with_stored
 from ...experiment.study import with_changes as changes_over
 from ...experiment.stats import mean_std
 from ...gates import DEFAULT_VARIANTS
@@ -135,11 +135,8 @@ class SinkLabConfig:
     def changed(self, **stored) -> "SinkLabConfig":
         """A copy with settings changed by their stored names (the options' names: steps=, layers=, eval_every=, ...);
         not validated."""
-        unknown = sorted(set(stored) - set(STORED))
-        if unknown:
-            raise ValueError(f"unknown sink-lab setting(s) {unknown}; valid: {', '.join(STORED)}")
-        return with_changes(self, {STORED[k]: ("true" if v else "false") if k == "compile" else v
-                                   for k, v in stored.items()})
+        return with_stored(self, {k: ("true" if v else "false") if k == "compile" else v for k, v in stored.items()},
+                           STORED, "sink-lab")
 
 
 # stored name (options, units' result.json keys, lab.json "config") -> the setting: a lab axis, a model-config field
@@ -557,9 +554,4 @@ def write_lab(cfg: SinkLabConfig, out: str | Path, results: list[dict], precisio
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in sink_report.make_plots(out / "plots", lab).items()}
-    from gated_attention.util.io import atomic_write_json
-
-    atomic_write_json(out / "lab.json", lab, indent=1)
-    sink_report.write(out, lab)
-    return lab
+    return save_lab(out, lab, lambda d: sink_report.make_plots(d, lab), lambda: sink_report.write(out, lab))

@@ -29,12 +29,12 @@ from pathlib import Path
 
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
-from ...experiment.study import Budget, Recorder, finish_unit
+from ...experiment.study import Budget, Recorder, finish_unit, save_lab
 from ...gates import DEFAULT_VARIANTS, canonical_name, check_variants
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from .verdict import CONVERGED_MARGIN, FAILURE_GAP
-from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, renamed, to_strict
+from ...util.io import locks_output, nonfinite_paths, read_jsonl, renamed, to_strict
 
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
 EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the edge of stability (--seed-lrs edge)
@@ -523,9 +523,7 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     }
     lab_json["nonfinite"] = [f for f in nonfinite_paths(lab_json) if not f.startswith("curves.")]
     lab_json = to_strict(lab_json)  # strict JSON (io): non-finite values null, each dict naming its own
-    lab_json["plots"] = {k: str(p.relative_to(out)) for k, p in stability_report.make_plots(lab_json, out / "plots").items()}
     lab_json["wall_time_s"] = time.perf_counter() - t0
     lab_json["cpu_s_runs"] = sum(r.get("cpu_s") or 0.0 for r in rows)
-    atomic_write_json(out / "lab.json", lab_json, indent=1)
-    stability_report.write(lab_json, out)
-    return lab_json
+    return save_lab(out, lab_json, lambda d: stability_report.make_plots(lab_json, d),
+                    lambda: stability_report.write(lab_json, out))
