@@ -418,9 +418,9 @@ def _ladder_slope(scaling_lab, budget: str) -> tuple[float, str] | None:
 
 
 def _bytes_per_token(data_dir: str) -> dict:
-    from ..labs.scaling import scaling_lab as sl
+    from ..labs.scaling.measure import bytes_per_token
 
-    return sl.bytes_per_token(data_dir)
+    return bytes_per_token(data_dir)
 
 
 def run_name(variant: str, seed: int) -> str:
