@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every lab's CI budget (and `gattn compare --budget small`, the scaling lab's quick ladder as its tests run it), run
-# into OUT/<lab>/ (fp32, one job: figures that depend only on the code), so two versions of the code can be compared lab by lab with scripts/compare_lab_json.py. Usage:
+# into OUT/<lab>/ (fp32, one job: figures that depend only on the code), so two versions of the code can be compared
+# lab by lab with scripts/compare_lab_json.py (compare: OUT/compare/compare.json). Usage:
 #   PYTHONPATH=SRC bash scripts/lab_ci_runs.sh OUT [TESTS_DIR] [lab ...]
 # TESTS_DIR (default tests/) provides the tiny corpus builder the stability lab's CI run trains on.
 set -euo pipefail
