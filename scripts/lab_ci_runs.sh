@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Every lab's CI budget (and `gattn compare --budget small`), run into OUT/<lab>/ (fp32, one job: figures that depend only on the code), so two versions
-# of the code can be compared lab by lab with scripts/compare_lab_json.py. Usage:
+# Every lab's CI budget (and `gattn compare --budget small`, the scaling lab's quick ladder as its tests run it), run
+# into OUT/<lab>/ (fp32, one job: figures that depend only on the code), so two versions of the code can be compared
+# lab by lab with scripts/compare_lab_json.py (compare: OUT/compare/compare.json). Usage:
 #   PYTHONPATH=SRC bash scripts/lab_ci_runs.sh OUT [TESTS_DIR] [lab ...]
 # TESTS_DIR (default tests/) provides the tiny corpus builder the stability lab's CI run trains on.
 set -euo pipefail
 out=$1; tests=${2:-tests}; shift $(( $# >= 2 ? 2 : 1 ))
-labs=${*:-"sinks stability retrofit streaming quant compare"}
+labs=${*:-"sinks stability retrofit streaming quant compare scaling"}
 py=${PYTHON:-python}
 gattn() { "$py" -m gated_attention.cli "$@"; }
 mkdir -p "$out"
@@ -30,6 +31,9 @@ harness.prepare_text_corpus('$out/corpus', {'prose': {f'book{i}.txt': conftest._
     compare) [ -f "$out/corpus/manifest.json" ] || { echo "compare: run stability first (it builds the corpus)" >&2; exit 2; }
       (cd "$out" && gattn compare --budget small --data-dir "$out/corpus" --set precision=fp32 --jobs 1 \
         --out "$out/compare" >/dev/null) ;;
+    scaling) [ -f "$out/corpus/manifest.json" ] || { echo "scaling: run stability first (it builds the corpus)" >&2; exit 2; }
+      gattn lab scaling --budget quick --variants baseline sdpa_elementwise --lrs 0.01 0.02 --max-pairs 2 \
+        --data-dir "$out/corpus" --precision fp32 --jobs 1 --out "$out/scaling" >/dev/null ;;
     *) echo "unknown lab $lab" >&2; exit 2 ;;
   esac
   echo "$lab done -> $out/$lab"

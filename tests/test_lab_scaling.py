@@ -1,7 +1,8 @@
 """`gattn lab scaling`: the verdict rules on both sides of each threshold, the t intervals and the seeds a spread needs,
 the power-law fit on synthetic losses, the LR sweep's extension past an edge (on a stand-in unit whose loss is a known
 function of the LR), the ladder's shape rule and sizes, bad input, and the whole lab on the quick budget with the
-lab.json contract. The SIGKILL + rerun of a unit is a row of tests/test_kill_resume.py."""
+lab.json contract, its report rendered again from lab.json alone, and units stored under older figure names. The
+SIGKILL + rerun of a unit is a row of tests/test_kill_resume.py."""
 from __future__ import annotations
 
 import json
@@ -147,7 +148,7 @@ def test_gated_units_match_the_baselines_parameters():
 ])
 def test_bad_settings_fail_with_one_clear_line(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        sl.LabConfig(**kw).validate()
+        sl.LabConfig().changed(**kw).validate()
 
 
 def test_sweep_extends_past_an_edge_until_the_best_is_interior(tiny_corpus, tmp_path, monkeypatch):
@@ -166,8 +167,8 @@ def test_sweep_extends_past_an_edge_until_the_best_is_interior(tiny_corpus, tmp_
     monkeypatch.setattr(sl, "train_unit", fake_unit)
     spec = replace(sl.BUDGETS["quick"], max_extensions=3)
     monkeypatch.setitem(sl.BUDGETS, "edge_test", spec)
-    lab = sl.LabConfig(out=str(tmp_path / "lab"), budget="edge_test", variants=("baseline", "sdpa_elementwise"),
-                       data_dir=str(tiny_corpus))
+    lab = sl.LabConfig().changed(out=str(tmp_path / "lab"), budget="edge_test",
+                                 variants=("baseline", "sdpa_elementwise"), data_dir=str(tiny_corpus))
     res = sl.run_lab(lab, log=lambda m: None)
     lrs = sorted({lr for g, lr, s in ran if g == "baseline" and s == 0})
     assert lrs == [5e-3, 1e-2, 2e-2, 4e-2, 8e-2, 1.6e-1]  # two extensions, not three: 0.08 is interior then
@@ -242,9 +243,9 @@ def test_tuning_and_confirm_seeds_are_disjoint_in_every_verdict(quick_lab):
         diffs = [loss[(d["variant"], k)] - loss[("baseline", k)] for k in d["seeds"]]
         assert d["mean"] == pytest.approx(sum(diffs) / len(diffs), abs=1e-12)
     with pytest.raises(ValueError, match="both tuning and confirm"):
-        sl.LabConfig(tuning_seeds=(0, 100)).validate()
+        sl.LabConfig().changed(tuning_seeds=(0, 100)).validate()
     with pytest.raises(ValueError, match="both tuning and confirm"):
-        sl.LabConfig(confirm_seeds=(5, 6, 0)).validate()
+        sl.LabConfig().changed(confirm_seeds=(5, 6, 0)).validate()
 
 
 def test_rerun_reuses_units_and_refuses_other_settings(quick_lab, tiny_corpus, gattn_main):
@@ -280,3 +281,45 @@ def test_reuse_key_changes_with_the_training_code(quick_lab, tiny_corpus, gattn_
     lab = json.loads((out / "lab.json").read_text())
     assert lab["provenance"]["units_reused_from_other_code"] == len(lab["runs"])
     assert provenance.code_version() != "0123456789abcdef"
+
+
+def test_report_only_renders_the_stored_lab_again(quick_lab, gattn_main, tmp_path):
+    """--report-only writes the report and plots from lab.json alone (trains nothing, lab.json untouched): the same
+    report.md as the lab wrote; a lab.json from before the registered design stops with one line (exit 2)."""
+    out, _ = quick_lab
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("lab.json", "report.md"):
+        (copy / name).write_bytes((out / name).read_bytes())
+    rc, stdout, err = gattn_main("lab", "scaling", "--report-only", "--out", copy)
+    assert rc == 0, err
+    assert (copy / "report.md").read_text() == (out / "report.md").read_text()
+    assert (copy / "lab.json").read_bytes() == (out / "lab.json").read_bytes() and not (copy / "runs").exists()
+    lab = json.loads((out / "lab.json").read_text())
+    assert all((copy / p).is_file() for p in lab["plots"].values()) and (copy / "report.html").is_file()
+    del lab["design"]
+    (copy / "lab.json").write_text(json.dumps(lab))
+    rc, _, err = gattn_main("lab", "scaling", "--report-only", "--out", copy)
+    assert rc == 2 and "design" in err and len(err.strip().splitlines()) == 1
+
+
+def test_units_stored_with_the_older_time_names_are_read(quick_lab, tiny_corpus, gattn_main, tmp_path):
+    """A unit whose result.json names its CPU and wall time as units did before the shared recorder
+    (cpu_s_this_process, wall_s_this_process) is reused, its figures read under today's names."""
+    import shutil
+
+    out, held = quick_lab
+    copy = tmp_path / "lab"
+    shutil.copytree(out, copy)
+    res = sorted(copy.glob("runs/*/result.json"))[0]
+    stored = json.loads(res.read_text())
+    assert stored["cpu_s"] > 0 and stored["wall_s"] > 0  # today's names, as the recorder gave them
+    stored["cpu_s_this_process"], stored["wall_s_this_process"] = 12.5, 25.0
+    del stored["cpu_s"], stored["wall_s"]
+    res.write_text(json.dumps(stored))
+    rc, _, err = gattn_main("lab", "scaling", *QUICK, "--data-dir", tiny_corpus, "--heldout", held, "--out", copy)
+    assert rc == 0, err
+    lab = json.loads((copy / "lab.json").read_text())
+    run = next(r for r in lab["runs"] if r["model_dir"] == f"runs/{res.parent.name}/final")
+    assert run["cpu_s"] == 12.5
+    assert json.loads(res.read_text())["cpu_s_this_process"] == 12.5  # the stored unit is read, never rewritten

@@ -145,8 +145,8 @@ def test_a_diverged_run_counts_as_its_arms_failure(tiny_corpus, tmp_path, monkey
                 "tokens": 1, "diverged": not math.isfinite(loss), "curve": {"tokens": [1], "loss": [loss]}}
 
     monkeypatch.setattr(sl, "train_unit", fake_unit)
-    lab = sl.LabConfig(out=str(tmp_path / "lab"), budget="quick", variants=("baseline", "sdpa_elementwise"),
-                       data_dir=str(tiny_corpus), seeds=3)
+    lab = sl.LabConfig().changed(out=str(tmp_path / "lab"), budget="quick", variants=("baseline", "sdpa_elementwise"),
+                                 data_dir=str(tiny_corpus), seeds=3)
     res = sl.run_lab(lab, log=lambda m: None)
     assert [(f["size"], f["seed"]) for f in res["failures"]] == [("d12l1", 101)]
     vocab = json.loads((tiny_corpus / "manifest.json").read_text())["vocab_size"]

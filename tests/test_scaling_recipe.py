@@ -15,10 +15,10 @@ from gated_attention.labs.scaling import scaling_lab as sl
 
 
 def _unit_cfg(tiny_corpus, recipe="current", lr=0.01, seed=200):
-    lab = sl.LabConfig(budget="quick", data_dir=str(tiny_corpus))
+    lab = sl.LabConfig().changed(budget="quick", data_dir=str(tiny_corpus))
     size = lab.spec.sizes[-1]
     info = sl.size_info(lab.spec, size, 1024, lab.tpp())
-    return sl.train_config(lab, str(tiny_corpus), "baseline", size, info, lr, seed, "fp32", recipe), size
+    return sl.train_config(lab, "baseline", size, info, lr, seed, recipe), size
 
 
 def test_each_recipe_changes_what_it_says(tiny_corpus):
@@ -39,14 +39,13 @@ def test_the_budgets_recipe_reaches_every_unit(tiny_corpus):
     """The default ladder trains under the recipe its pilot adopted, the quick one under the base recipe; --recipe
     overrides either, and the unit's folder names the recipe."""
     assert sl.BUDGETS["default"].recipe == "init-fan-in" and sl.BUDGETS["quick"].recipe == "current"
-    lab = sl.LabConfig(budget="quick", data_dir=str(tiny_corpus), recipe="init-fan-in").validate()
+    lab = sl.LabConfig().changed(budget="quick", data_dir=str(tiny_corpus), recipe="init-fan-in").validate()
     size = lab.spec.sizes[0]
-    cfg = sl.train_config(lab, str(tiny_corpus), "baseline", size, sl.size_info(lab.spec, size, 1024, 2.0), 0.01, 100,
-                          "fp32")
+    cfg = sl.train_config(lab, "baseline", size, sl.size_info(lab.spec, size, 1024, 2.0), 0.01, 100)
     assert cfg.model_overrides["initializer_range"] == pytest.approx(1 / math.sqrt(size.hidden))
     assert sl.unit_name("baseline", "d8l1", 0.01, 100, lab.recipe_name()).endswith("_s100_r-init-fan-in")
     with pytest.raises(ValueError, match="unknown --recipe"):
-        sl.LabConfig(recipe="bigger").validate()
+        sl.LabConfig().changed(recipe="bigger").validate()
 
 
 def test_fan_in_init_sets_the_weights_std(tiny_corpus):
@@ -88,11 +87,11 @@ def _pilot(tiny_corpus, tmp_path, monkeypatch, offset=0.0):
         spread = 0.4 if cfg["beta2"] == 0.99 else 1.0
         noise = [0.03, -0.02, 0.05, -0.04][cfg["seed"] % 4] * spread
         loss = 3.0 + math.log2(cfg["lr"] / 0.02) ** 2 * 0.01 + noise + (offset if cfg["gate"] != "none" else 0)
-        return {"val_loss": loss, "val_loss_per_domain": {"a": loss}, "cpu_s_this_process": 1.0}
+        return {"val_loss": loss, "val_loss_per_domain": {"a": loss}, "cpu_s": 1.0}
 
     monkeypatch.setattr(sl, "train_unit", fake_unit)
-    lab = sl.LabConfig(out=str(tmp_path / "lab"), budget="quick", variants=("baseline", "sdpa_elementwise"),
-                       data_dir=str(tiny_corpus), pilot_pairs=4, max_pairs=4)
+    lab = sl.LabConfig().changed(out=str(tmp_path / "lab"), budget="quick", variants=("baseline", "sdpa_elementwise"),
+                                 data_dir=str(tiny_corpus), pilot_pairs=4, max_pairs=4)
     return sl.recipe_pilot(lab, "d16l1", log=lambda m: None), ran
 
 
@@ -118,7 +117,7 @@ def test_pilot_decision_is_blind_to_delta(tiny_corpus, tmp_path, monkeypatch):
 
 
 def test_pilot_refuses_seeds_that_tune_or_confirm(tiny_corpus, tmp_path):
-    lab = sl.LabConfig(out=str(tmp_path / "lab"), budget="quick", data_dir=str(tiny_corpus),
-                       confirm_seeds=(200, 201, 202))
+    lab = sl.LabConfig().changed(out=str(tmp_path / "lab"), budget="quick", data_dir=str(tiny_corpus),
+                                 confirm_seeds=(200, 201, 202))
     with pytest.raises(ValueError, match="also tuning or confirm seeds"):
         sl.recipe_pilot(replace(lab, variants=("baseline",)), "d8l1", log=lambda m: None)

@@ -1,7 +1,7 @@
 """experiment/study.py on its own: a lab's generated options (each budget's value stated in the help), the shared
 step-hook Recorder (curve every N steps and at the last, trailing windows, CPU and wall time carried over a resume
-through its state), stored settings and their changes, finish_unit and Units. The labs' own tests run each lab
-through it end to end."""
+through its state), stored settings and their changes (by where they live or by stored name), an invocation's begin and
+save_lab, finish_unit and Units. The labs' own tests run each lab through it end to end."""
 from __future__ import annotations
 
 import argparse
@@ -131,3 +131,35 @@ def test_stored_settings_and_changes_reach_the_axis_the_model_and_the_train_conf
     assert new.train.beta2 == 0.9 and lab.train.beta2 != 0.9 and lab.model["hidden_size"] == 32  # lab untouched
     with pytest.raises(ValueError, match=r"unknown toy setting 'nope'.*seeds"):
         study.with_changes(lab, {"nope": 1}, "toy")
+    # by stored names: each lands where the table says; a name outside the table fails naming the valid ones
+    by_name = study.with_stored(lab, {"width": 48, "peak": 5e-3}, table, "toy")
+    assert study.stored_settings(by_name, table) == {"seeds": 2, "width": 48, "steps": 10, "peak": 5e-3}
+    with pytest.raises(ValueError, match=r"unknown toy setting\(s\) \['lr'\]; valid: seeds, width, steps, peak"):
+        study.with_stored(lab, {"lr": 1.0}, table, "toy")
+
+
+def test_begin_validates_before_writing_and_save_lab_writes_plots_lab_json_and_report(tmp_path):
+    """begin: a config that fails validation leaves no OUT behind; save_lab: lab.json names the plots relative to OUT
+    and the report is written after lab.json (it may read it)."""
+    class Bad:
+        def validate(self):
+            raise ValueError("bad setting")
+
+    class Good:
+        def validate(self):
+            return self
+
+    with pytest.raises(ValueError, match="bad setting"):
+        study.begin(Bad(), tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    out, clock = study.begin(Good(), tmp_path / "lab")
+    assert out.is_dir() and set(clock.times()) == {"wall_time_s", "cpu_time_s"}
+
+    def plots(folder):
+        folder.mkdir()
+        (folder / "a.png").write_bytes(b"png")
+        return {"a": folder / "a.png"}
+
+    seen = []
+    lab = study.save_lab(out, {"x": 1}, plots, lambda: seen.append(json.loads((out / "lab.json").read_text())))
+    assert lab == {"x": 1, "plots": {"a": "plots/a.png"}} and seen == [lab]

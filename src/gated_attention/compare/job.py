@@ -78,11 +78,11 @@ class Budget:
 # 1400 steps with a WSD schedule (the growth slowed exactly when the cosine LR fell, so WSD holds the peak): measured
 # baseline F-Attn 0.037 = 1.54x uniform at 5.7M tokens (results/sink_emergence.md); it was the default until
 # the main job had to fit 15 minutes on a CPU without fast bf16 (an fp32 step is 1.2-1.45x a bf16 one on a CPU that
-# has it). `text` (the default until issue 41) = the same setting for 450 steps (1.8M tokens): an early-training PPL
-# difference (one seed, one LR: not the paper's gain, see _DEFAULT below) and the massive activations show (both within
-# ~1M tokens), the text sink does not yet, so the sink claim rests on the sink lab there (per-part costs on both CPU
-# kinds: results/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k vocabulary, windows
-# of 128.
+# has it). `text` (the default before the scaling ladder's rung) = the same setting for 450 steps (1.8M tokens): an
+# early-training PPL difference (one seed, one LR: not the paper's gain, see _DEFAULT below) and the massive
+# activations show (both within ~1M tokens), the text sink does not yet, so the sink claim rests on the sink lab there
+# (per-part costs on both CPU kinds: results/mainjob_budget.md). `quick` = the 1.2M-token default before those: 8k
+# vocabulary, windows of 128.
 _CPU_SHAPE = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32)  # ~1.8M parameters with the 8k vocabulary (1M in embeddings)
 
@@ -95,7 +95,8 @@ def _cpu_recipe(**changes) -> dict:
 
 
 _TEXT = Budget(
-    help="the main job's text setting before issue 41: ~1.8M tokens per variant (2.3 per non-embedding parameter) in "
+    help="the main job's text setting before the scaling ladder's rung: ~1.8M tokens per variant (2.3 per "
+         "non-embedding parameter) in "
          "windows of 256 on a 0.79M-non-embedding-parameter 4-layer model, WSD schedule, one LR for every variant, "
          "1024-token vocabulary, + the 1-seed sink lab and the streaming check",
     train=_cpu_recipe(seq_len=256, steps=450, warmup_steps=50, schedule="wsd", eval_batches=8, stats_every=100,
@@ -417,9 +418,9 @@ def _ladder_slope(scaling_lab, budget: str) -> tuple[float, str] | None:
 
 
 def _bytes_per_token(data_dir: str) -> dict:
-    from ..labs.scaling import scaling_lab as sl
+    from ..labs.scaling.measure import bytes_per_token
 
-    return sl.bytes_per_token(data_dir)
+    return bytes_per_token(data_dir)
 
 
 def run_name(variant: str, seed: int) -> str:

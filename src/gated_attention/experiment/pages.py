@@ -24,7 +24,7 @@ import math
 import re
 from pathlib import Path
 
-from ..util.io import atomic_write_text
+from ..util.io import atomic_write_text, save_png
 
 # text reads from the left, figures line up on the right (a cell is a figure when it is made of numbers: NUMERIC)
 CSS = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}"
@@ -153,6 +153,12 @@ def write(out_dir: str | Path, title: str, blocks: list[tuple]) -> tuple[Path, P
     return paths
 
 
+def write_lab(out_dir: str | Path, title: str, blocks: list[tuple], plots: dict[str, str],
+              caption: str | dict[str, str], footer: str) -> tuple[Path, Path]:
+    """A lab's report (write): its blocks, its plots as figures (figures()), then a footer paragraph."""
+    return write(out_dir, title, [*blocks, *figures(plots, caption), ("p", footer)])
+
+
 # ---------------------------------------------------------------- figures
 
 def subplots(*args, **kwargs):
@@ -166,6 +172,14 @@ def subplots(*args, **kwargs):
 
     kwargs.setdefault("layout", "constrained")
     return plt.subplots(*args, **kwargs)
+
+
+def finish(fig, ax, path, legend: int = 8, **props) -> Path:
+    """A one-panel plot's last steps: its axes' properties (ax.set, in order: scales, labels, title), its legend at
+    `legend` points, and the PNG (io.save_png: atomic, closes the figure)."""
+    ax.set(**props)
+    ax.legend(fontsize=legend)
+    return save_png(fig, path)
 
 
 def integer_ticks(ax, axis: str = "x") -> None:

@@ -18,10 +18,14 @@ A lab is a study plus its own science. The study part, here:
                 its records
   Units         a study's planned units (finished ones read once), trained by Units.run or, several studies' at
                 once, in one pool by the job that plans them (`gattn compare`)
-  stored_settings / with_changes
+  stored_settings / with_changes / with_stored
                 a lab config that holds its own axes as fields, a TrainConfig as `train` (and model-config fields
                 as a `model` dict): its settings under the names units' keys and lab.json store them, and a copy
-                changed by those names (one table per lab maps each stored name to where the setting lives)
+                changed by where the settings live or by their stored names (one table per lab maps each stored
+                name to where the setting lives)
+  begin / Clock / save_lab
+                an invocation's start (its config validated, OUT made, its wall and CPU clock started) and its end
+                (plots, lab.json, report)
   finish_unit   a finished unit's result.json (its key and figures: cache.save, the "finished" marker, written
                 last) and the removal of the trainer's checkpoints and final/ (the lab keeps figures, not optimizer
                 state)
@@ -233,6 +237,45 @@ def with_changes(cfg, changes: dict, lab: str):
                              "(`gattn settings`)")
     cfg.train = replace(cfg.train, **train)
     return cfg
+
+
+def with_stored(cfg, stored: dict, table: dict, lab: str):
+    """A copy of cfg with settings changed by their stored names (`table`'s keys, as stored_settings gives them); an
+    unknown name fails, naming the valid ones."""
+    unknown = sorted(set(stored) - set(table))
+    if unknown:
+        raise ValueError(f"unknown {lab} setting(s) {unknown}; valid: {', '.join(table)}")
+    return with_changes(cfg, {table[k]: v for k, v in stored.items()}, lab)
+
+
+class Clock:
+    """This invocation's wall and CPU seconds since it began (lab.json's wall_time_s and cpu_time_s)."""
+
+    def __init__(self):
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+    def times(self) -> dict:
+        return {"wall_time_s": time.perf_counter() - self.t0, "cpu_time_s": time.process_time() - self.c0}
+
+
+def begin(cfg, out: str | Path) -> tuple[Path, Clock]:
+    """A lab invocation's start: cfg validated (bad input fails before anything is written), OUT made, the clock
+    started."""
+    cfg.validate()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return out, Clock()
+
+
+def save_lab(out: Path, lab: dict, make_plots: Callable[[Path], dict], write_report: Callable[[], Any]) -> dict:
+    """A lab's folder from its result: the plots (make_plots(OUT/plots) -> name -> path; lab.json's "plots", relative
+    to OUT), lab.json, then the report (write_report()). Returns lab."""
+    from ..util.io import atomic_write_json
+
+    lab["plots"] = {k: str(p.relative_to(out)) for k, p in make_plots(out / "plots").items()}
+    atomic_write_json(out / "lab.json", lab, indent=1)
+    write_report()
+    return lab
 
 
 def finish_unit(unit_dir: str | Path, key: dict, result: dict) -> dict:

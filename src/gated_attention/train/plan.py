@@ -116,7 +116,7 @@ MARGIN_FRACTION = 0.08  # of a GPU's memory, kept free for the caching allocator
 CPU_OVERHEAD_GB = 0.5  # a rank's RSS after importing torch + transformers + this package (0.47-0.48 GB, docs/scale.md)
 DEFAULTS = plan_hardware.DEFAULTS  # one 8 x H100-80GB node (its own module: the CLI shows it without torch)
 JSON_KEYS = ("params_total", "params_activated", "flops_per_token", "memory_per_gpu_gb", "fits", "tokens_per_s",
-             "days")  # the contract (issue 30); more keys follow them
+             "days")  # the documented contract; more keys follow them
 MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead", "eval",
                "total")
 STEP_KEYS = ("params", "grads", "optimizer", "activations", "loss", "stats", "buffers", "overhead")  # in one step

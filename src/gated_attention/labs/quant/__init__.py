@@ -1,4 +1,4 @@
-"""`gattn lab quant`: gated models under quantization (issue 39 item 1).
+"""`gattn lab quant`: gated models under quantization.
 
 models.py (the models to measure and their data: variant, arm, family, seed), quant_lab.py (every (model, scheme,
 policy) fake-quantized with gated_attention.quant and measured: val loss per domain and Δ, the gate, the sink;

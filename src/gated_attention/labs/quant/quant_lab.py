@@ -1,5 +1,4 @@
 """`gattn lab quant`: do gated models survive quantization like the baseline, and how should the gate be treated?
-(issue 39 item 1.)
 
 For every model (--models, resolved by models.py), every scheme (--schemes: gated_attention.quant.SCHEMES) and every
 policy (--policies: all / keep-gate / split-gate), the model is fake-quantized (`quant.quantize_model`, fp32
@@ -28,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...experiment import cache
+from ...experiment.study import begin, save_lab
 from ...util.io import locks_output
 from . import models as M
 
@@ -235,10 +235,7 @@ def run_lab(cfg: QuantLabConfig, out: str | Path, log=print) -> dict:
     """Measure every (model, scheme, policy) and write lab.json, report.md, report.html and plots into out."""
     from gated_attention.util.io import to_strict
 
-    cfg.validate()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0, c0 = time.perf_counter(), time.process_time()
+    out, clock = begin(cfg, out)
     qms = M.resolve_models(cfg.models, cfg.data_dir)
     log(f"[quant] {len(qms)} model(s) x {len(cfg.schemes)} scheme(s) x {len(cfg.policies)} polic(ies) -> {out}")
     rows = []
@@ -251,7 +248,7 @@ def run_lab(cfg: QuantLabConfig, out: str | Path, log=print) -> dict:
                                                          "gate_near_zero", "f_attn", "bos_attention")}
                          for r in rows if r["scheme"] == "none"},
            "results": results, **judgement(results), "near_zero_gate": NEAR_ZERO, "report_only": False,
-           "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0}
+           **clock.times()}
     return _write(to_strict(lab), out)
 
 
@@ -272,14 +269,9 @@ def judgement(results: list[dict]) -> dict:
 
 
 def _write(lab: dict, out: Path) -> dict:
-    from gated_attention.util.io import atomic_write_json
-
     from . import quant_report
 
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in quant_report.make_plots(lab, out / "plots").items()}
-    atomic_write_json(out / "lab.json", lab, indent=1)
-    quant_report.write(lab, out)
-    return lab
+    return save_lab(out, lab, lambda d: quant_report.make_plots(lab, d), lambda: quant_report.write(lab, out))
 
 
 @locks_output("out", "gattn lab quant --report-only")

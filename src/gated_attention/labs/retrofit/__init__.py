@@ -1,5 +1,5 @@
 """`gattn lab retrofit`: can gates added to a trained ungated model remove its attention sink? Named recipes, each
-measured against a control trained the same steps on the same batches, over seeds (issue 21).
+measured against a control trained the same steps on the same batches, over seeds.
 
 retrofit_lab.py (the lab: config, one unit = a start x recipe x seed trained and measured, the aggregate lab.json and
 the target check), recipes.py (the named recipes, their parameter groups and extra loss terms), starts.py (the starting

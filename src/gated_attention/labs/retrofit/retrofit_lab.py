@@ -1,5 +1,5 @@
 """`gattn lab retrofit`: can gates added to a trained model remove its attention sink? Recipes measured against a
-control, over seeds (issue 21).
+control, over seeds.
 
 For each starting model (`--from`: sink-lab runs or text models, starts.py), each recipe
 (recipes.py) and each seed, one *unit*: add the recipe's gate with `gattn retrofit`'s code (in memory),
@@ -32,8 +32,7 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.runs import run_units
 from ...experiment.stats import mean_std, spread
-from ...experiment.study import Recorder, finish_unit, stored_settings
-from ...experiment.study import with_changes as changes_over
+from ...experiment.study import Recorder, finish_unit, save_lab, stored_settings, with_stored
 from ...experiment.verdicts import Threshold
 from ...util.io import locks_output
 from .recipes import CONTROL, DEFAULT_RECIPES, get_recipe, recipe_from_dict
@@ -57,18 +56,18 @@ MEASURED = {"sink": "sink", "skill": "skill", "backcopy_ce": "backcopy_ce", "big
 PAIRED = ("sink_after", "skill_after", "backcopy_ce_after", "bigram_ce_after", "streaming_loss_after", "m_act_after")
 INPUTS = ("start",)  # the key field naming the starting model (its folder and weights' mtime): a retrained start
 # makes a stored unit obsolete (recomputed), not a conflict
-# issue 21's target on the sink lab (fixed in the issue, before the lab ran), each with where its number comes from
+# the lab's target on the sink lab (fixed before the lab ran), each with where its number comes from
 SINK_TARGET = Threshold(
     "sink removed: dormant-query attention on BOS at most (every seed)", 0.2, "share", "chosen",
-    "issue 21: a fifth of an idle query's attention, below Gu et al. 2024's sink threshold epsilon = 0.3 with room; "
-    "a model trained with the gate reaches half of it (the paper's G1 first-token attention, 0.048 / 0.073, rounded "
-    "up to 0.1, the paper's Table 4), a retrofit is given twice that")
+    "fixed before the lab ran: a fifth of an idle query's attention, below Gu et al. 2024's sink threshold epsilon = "
+    "0.3 with room; a model trained with the gate reaches half of it (the paper's G1 first-token attention, 0.048 / "
+    "0.073, rounded up to 0.1, the paper's Table 4), a retrofit is given twice that")
 SKILL_MARGIN = Threshold(
     "skill kept: backcopy and bigram CE above the control's at most", 0.05, "nats", "chosen",
-    "issue 21: a loss difference a user would notice (the streaming rule's noticeable cost)")
+    "fixed before the lab ran: a loss difference a user would notice (the streaming rule's noticeable cost)")
 STEP_SHARE = Threshold(
     "cheap: retrofit steps at most", 0.25, "of the start's training steps", "chosen",
-    "issue 21: a retrofit worth doing costs at most a quarter of training the model again")
+    "fixed before the lab ran: a retrofit worth doing costs at most a quarter of training the model again")
 THRESHOLDS = (SINK_TARGET, SKILL_MARGIN, STEP_SHARE)
 TARGET_SINK, TARGET_SKILL_MARGIN, TARGET_STEP_SHARE = SINK_TARGET.value, SKILL_MARGIN.value, STEP_SHARE.value
 
@@ -102,7 +101,7 @@ class RetrofitLabConfig:
 
     starts: list = field(default_factory=list)  # --from folders
     recipes: list = field(default_factory=lambda: list(DEFAULT_RECIPES))  # `control` is always added
-    step_share: float = TARGET_STEP_SHARE  # the default budget: a quarter of the start's training (issue 21's target)
+    step_share: float = TARGET_STEP_SHARE  # the default budget: a quarter of the start's training (the lab's target)
     seeds: int = 1  # seeds 0..n-1 per start and recipe: gate init (random) and data order
     warmup_frac: float = 0.05  # linear warm-up over this share of the steps
     min_lr_frac: float = 0.1  # cosine decay to this share of the peak
@@ -118,10 +117,7 @@ class RetrofitLabConfig:
 
     def changed(self, **stored) -> "RetrofitLabConfig":
         """A copy with settings changed by their stored names (the options' names); not validated."""
-        unknown = sorted(set(stored) - set(STORED))
-        if unknown:
-            raise ValueError(f"unknown retrofit-lab setting(s) {unknown}; valid: {', '.join(STORED)}")
-        return changes_over(self, {STORED[k]: v for k, v in stored.items()}, "retrofit-lab")
+        return with_stored(self, stored, STORED, "retrofit-lab")
 
     def validate(self) -> "RetrofitLabConfig":
         if not self.starts:
@@ -421,7 +417,7 @@ def _paired(entry: dict, control: dict) -> dict:
 
 
 def target_check(entry: dict, control: dict, kind: str) -> dict:
-    """Issue 21's target on the sink lab: sink <= 0.2 (mean and every seed), backcopy and bigram CE no worse than the
+    """The lab's target on the sink lab: sink <= 0.2 (mean and every seed), backcopy and bigram CE no worse than the
     control's + 0.05 (means), within 25 % of the start's training steps."""
     recs = entry["per_seed"]
     sinks = [r["sink_after"] for r in recs if r.get("sink_after") is not None]
@@ -466,7 +462,6 @@ def aggregate(units: list[dict], befores: dict[str, dict], starts: list[Start], 
 @locks_output("out", "gattn lab retrofit")  # one writer per lab folder (its worker processes write inside)
 def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) -> dict:
     """Measure every start, train/reuse every unit, aggregate, write lab.json and the report into out."""
-    from gated_attention.util.io import atomic_write_json
     from gated_attention.util.precision import decide
 
     from . import retrofit_report
@@ -504,7 +499,4 @@ def run_lab(cfg: RetrofitLabConfig, out: str | Path, jobs: int = 1, log=_log) ->
         "thresholds": [t.to_dict() for t in THRESHOLDS],
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in retrofit_report.make_plots(out / "plots", lab).items()}
-    atomic_write_json(out / "lab.json", lab)
-    retrofit_report.write(out, lab)
-    return lab
+    return save_lab(out, lab, lambda d: retrofit_report.make_plots(d, lab), lambda: retrofit_report.write(out, lab))

@@ -143,9 +143,9 @@ def blocks(lab: dict) -> list[tuple]:
         ("table", *paired_cells(lab)),
     ]
     if lab["kind"] == "sink":
-        out += [("h2", "Issue 21's target on the sink lab"), ("table", *target_cells(lab))]
+        out += [("h2", "The lab's target on the sink lab"), ("table", *target_cells(lab))]
         if lab.get("thresholds"):  # labs written before the thresholds were recorded have only "targets"
-            out += [("p", "Thresholds and where they come from (fixed in issue 21, before the lab ran):"),
+            out += [("p", "Thresholds and where they come from (fixed before the lab ran):"),
                     ("table", *threshold_table({"target": [Threshold(**t) for t in lab["thresholds"]]}))]
     out += [("h2", "Recipes (LRs as multiples of the lab's peak LR; penalties stop at the given share of the steps)"),
             ("table", ["recipe", "gate", "init", "gate LR", "rest LR", "gates alone first", "BOS penalty", "gate L1",
@@ -157,7 +157,6 @@ def blocks(lab: dict) -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    curves = pages.figures(lab.get("plots", {}), "Learning curves (mean over starts × seeds; band min..max)")
-    footer = ("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing).")
-    pages.write(Path(out_dir), "gattn lab retrofit: can gates added to a trained model remove its sink?",
-               [*blocks(lab), *curves, footer])
+    pages.write_lab(out_dir, "gattn lab retrofit: can gates added to a trained model remove its sink?", blocks(lab),
+                    lab.get("plots", {}), "Learning curves (mean over starts × seeds; band min..max)",
+                    f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused units cost nothing).")

@@ -246,7 +246,7 @@ def make_data(start: Start, batch_size: int, eval_size: int, vocab_size: int):
 # ---------------------------------------------------------------- measurement
 
 def streaming_losses(model, seqs: torch.Tensor, window: int) -> dict:
-    """Issue 20's measurement (`gattn lab streaming`'s measure_model, decode.stream_nll's rolling KV cache): loss
+    """The streaming measurement (`gattn lab streaming`'s measure_model, decode.stream_nll's rolling KV cache): loss
     with the first token evicted (K=0), with it kept (K=1) and with full attention, on the positions t >= window."""
     from ..streaming.streaming_lab import measure_model
 

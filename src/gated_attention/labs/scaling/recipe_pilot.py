@@ -113,7 +113,7 @@ def run_recipe_pilot(lab, size_name: str, ctx: dict, stage, sweep, log) -> dict:
                      "per_arm_sd": {v: (statistics.stdev(x) if len(x) > 1 else None) for v, x in per_arm.items()},
                      "mean_loss_all_arms": statistics.fmean(finite) if finite else None,
                      "failures": sum(not math.isfinite(x) for vals in per_arm.values() for x in vals),
-                     "cpu_s": sum(r.get("cpu_s_this_process") or 0 for r in res.values()),
+                     "cpu_s": sum(r.get("cpu_s") or 0 for r in res.values()),
                      "per_seed": per_arm})
     for r in rows:
         r["ratio_to_current"] = r["within_sd"] / sd["current"] if r["within_sd"] and sd["current"] else None

@@ -19,8 +19,8 @@ warm-up over `warmup_frac` of the steps, cosine decay to `min_lr_frac` of the pe
 
 Measured per run: the validation loss in nats per domain on `eval_batches * eval_batch_size` BOS-started windows
 (the mean over domains is the lab's loss; bits per byte beside it from the corpus's bytes per token), the loss on the
-user's held-out text (--heldout), and the training-loss curve against tokens seen. verdict.py holds the rules, design.py
-the estimators, summary.py lab.json's figures.
+user's held-out text (--heldout), and the training-loss curve against tokens seen (measure.py). verdict.py holds the
+rules, design.py the estimators, summary.py lab.json's figures.
 
 Layout of OUT:
   OUT/runs/<variant>_<size>_lr<lr>_s<seed>/   the trainer's run folder (final/ kept: `model_dir`), result.json
@@ -44,9 +44,11 @@ from pathlib import Path
 from ...experiment import cache
 from ...experiment.provenance import code_version, provenance
 from ...experiment.runs import ensure_corpus, run_units
+from ...experiment.study import Recorder, save_lab, stored_settings, with_stored
 from ...gates import DEFAULT_VARIANTS, canonical_name, check_variants
-from ...util.io import atomic_write_json, locks_output, read_jsonl, to_strict
+from ...util.io import atomic_write_json, locks_output, read_jsonl, renamed, to_strict
 from . import design as D
+from . import measure as M
 from . import verdict as V
 from .recipe_pilot import RECIPES, lr_scale, recipe_changes
 from .summary import tuned_losses, unit_name
@@ -141,9 +143,22 @@ CONFIRM_FROM = 100  # the first fresh confirm seed: far from the tuning seeds' u
 PROTOCOLS = ("shared-lr", "tuned")
 
 
+def _base_train():
+    """How every unit trains besides what its rung, recipe, gate, LR and seed decide (train_config): the `small`
+    preset on a prepared corpus, the lab's measurements in place of the trainer's eval and probes, eager (compile=auto
+    decides from a timing: a unit's numbers would depend on the machine's load)."""
+    from gated_attention.train.train_presets import train_preset
+
+    return replace(train_preset("small"), data="corpus", eval_every=0, stats_every=0, tensorboard=False,
+                   progress=True, compile="false",
+                   precision="fp32",  # the same numbers on either CPU kind (bf16 ~60x slower on AVX2)
+                   data_dir=None)  # None: the budget's corpus (prepared automatically)
+
+
 @dataclass
 class LabConfig:
-    """Everything `gattn lab scaling` was asked for (CLI flags map 1:1)."""
+    """Everything `gattn lab scaling` was asked for: its own axes here, how each unit trains besides them as `train`
+    (a TrainConfig). Its stored form (lab.json's "config", the options) is `settings()`."""
 
     out: str = "runs/lab/scaling"  # where `gattn compare --scaling-lab` looks by default
     budget: str = "default"
@@ -160,10 +175,17 @@ class LabConfig:
     heldout: tuple[str, ...] = ()  # plain-text files: out-of-domain loss of every run
     sizes: tuple[str, ...] | None = None  # a subset of the budget's rungs by name (None = all; the fit needs 3)
     sets: tuple[str, ...] = ()  # `key=value` training overrides on top of the recipe (--set)
-    data_dir: str | None = None
     jobs: int = 1
-    precision: str = "fp32"  # fp32 by default: the same numbers on either CPU kind (bf16 ~60x slower on AVX2)
     recipe: str | None = None  # None = the budget's (recipe_pilot.RECIPES names them)
+    train: object = field(default_factory=_base_train)  # TrainConfig; shape, recipe, gate, LR and seed per unit
+
+    def settings(self) -> dict:
+        """The stored form: every setting under its stored name (STORED), as lab.json's "config" holds them."""
+        return stored_settings(self, STORED)
+
+    def changed(self, **stored) -> "LabConfig":
+        """A copy with settings changed by their stored names (the options' names); not validated."""
+        return with_stored(self, stored, STORED, "scaling-lab")
 
     def validate(self) -> "LabConfig":
         from gated_attention.util.precision import check
@@ -206,7 +228,7 @@ class LabConfig:
             key = item.split("=", 1)[0].strip()
             if key in _LAB_SETTINGS or key.startswith("model."):
                 raise ValueError(f"--set {key}: the lab sets it per unit (use {_LAB_SETTINGS.get(key, 'the budget')})")
-        check(self.precision, "--precision")
+        check(self.train.precision, "--precision")
         if self.recipe_name() not in RECIPES:
             raise ValueError(f"unknown --recipe {self.recipe!r}; valid: {', '.join(RECIPES)}")
         return self
@@ -248,6 +270,13 @@ class LabConfig:
         return self.tokens_per_param or self.spec.tokens_per_param
 
 
+# stored name (options, lab.json "config") -> the setting: a lab axis or a TrainConfig field (its own name). The one
+# translation table; its order is lab.json's.
+STORED = {k: k for k in ("out", "budget", "variants", "seeds", "tuning_seeds", "confirm_seeds", "protocol",
+                         "pilot_pairs", "max_pairs", "accept_code_change", "tokens_per_param", "lrs", "heldout",
+                         "sizes", "sets", "data_dir", "jobs", "precision", "recipe")}
+
+
 # ---------------------------------------------------------------- sizes and units
 
 def size_info(spec: ScalingBudget, size: Size, vocab: int, tokens_per_param: float) -> dict:
@@ -280,74 +309,20 @@ def recipe(spec: ScalingBudget, size: Size, info: dict, name: str | None = None)
     return recipe_changes(base, RECIPES[name or spec.recipe], size.hidden)
 
 
-def train_config(lab: LabConfig, data_dir: str, variant: str, size: Size, info: dict, lr: float, seed: int,
-                 precision: str, recipe_name: str | None = None):
-    """The TrainConfig of one unit: the `small` preset with the ladder's shape and recipe (the lab's, or recipe_name
-    for the recipe pilot), eager (compile=auto decides from a timing: a unit's numbers would depend on the machine's
-    load)."""
+def train_config(lab: LabConfig, variant: str, size: Size, info: dict, lr: float, seed: int,
+                 recipe_name: str | None = None):
+    """The TrainConfig of one unit: lab.train (its corpus and precision as _context decided them) with the ladder's
+    shape and recipe (the lab's, or recipe_name for the recipe pilot), then --set."""
     from gated_attention.presets import model_config
-    from gated_attention.train.train_presets import train_preset
     from gated_attention.train.overrides import apply_overrides
 
     b = lab.spec
     name = recipe_name or lab.recipe_name()
     lr = lr * lr_scale(RECIPES[name])
-    cfg = replace(
-        train_preset("small"), data="corpus", data_dir=str(data_dir), gate=variant, seed=seed, lr=lr,
-        min_lr=lr * b.min_lr_frac, precision=precision, eval_every=0, stats_every=0, tensorboard=False,
-        progress=True, compile="false", **recipe(b, size, info, name))
+    cfg = replace(lab.train, gate=variant, seed=seed, lr=lr, min_lr=lr * b.min_lr_frac, **recipe(b, size, info, name))
     if lab.sets:
         cfg = apply_overrides(cfg, list(lab.sets), model_config(cfg.model, gate=variant).to_dict())
     return cfg.validate()
-
-
-def _curve(log: list[dict], points: int, tokens_per_step: int) -> dict:
-    """The training loss averaged over `points` equal bins of steps, at each bin's last step's tokens."""
-    rows = [r for r in log if r.get("loss") is not None and math.isfinite(r["loss"])]
-    if not rows:
-        return {"tokens": [], "loss": []}
-    n = len(rows)
-    bins = [rows[i * n // points:(i + 1) * n // points] for i in range(points)]
-    bins = [b for b in bins if b]
-    return {"tokens": [(b[-1]["step"] + 1) * tokens_per_step for b in bins],
-            "loss": [sum(r["loss"] for r in b) / len(b) for b in bins]}
-
-
-def heldout_loss(model_dir: Path, data_dir: str, files: list[str], seq_len: int, max_windows: int = 256,
-                 batch_size: int = 32) -> dict | None:
-    """Mean loss in nats of the final model on the held-out files (the corpus's tokenizer, BOS-started windows of
-    seq_len tokens, up to max_windows per file): {"mean", "per_file"}; None without files."""
-    if not files:
-        return None
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-
-    import gated_attention.modeling  # noqa: F401  (registers the Auto classes)
-    from gated_attention import data
-    from gated_attention.data.tokenizer import text_to_tokens
-    from gated_attention.modeling import GatedQwen3ForCausalLM
-
-    corpus = data.Corpus(data_dir)
-    model = GatedQwen3ForCausalLM.from_pretrained(model_dir).eval()
-    per_file = {}
-    for f in files:
-        arr = np.asarray(text_to_tokens(Path(f), corpus.tokenizer), dtype=np.int64)
-        n = min(max_windows, len(arr) // seq_len)
-        if n == 0:
-            raise ValueError(f"--heldout {f}: fewer than {seq_len} tokens; give a longer text")
-        total = count = 0.0
-        for b0 in range(0, n, batch_size):
-            rows = range(b0, min(n, b0 + batch_size))
-            x = torch.tensor(np.stack([np.concatenate(([corpus.bos_id], arr[r * seq_len:(r + 1) * seq_len]))
-                                       for r in rows]))  # (b, T+1)
-            with torch.no_grad():
-                logits = model(input_ids=x[:, :-1]).logits  # (b, T, V)
-            ce = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
-            total += float(ce)
-            count += x[:, 1:].numel()
-        per_file[Path(f).name] = total / count
-    return {"mean": sum(per_file.values()) / len(per_file), "per_file": per_file}
 
 
 def _files_key(files: tuple[str, ...]) -> list:
@@ -360,6 +335,11 @@ def _code_diff(stored: dict, wanted: dict) -> list[str]:
                              {k: v for k, v in wanted.items() if k != "code"})
 
 
+# figures of a unit's result.json stored under an older name -> today's (units from before the shared Recorder, which
+# counted only the process that finished them)
+RENAMED_FIGURES = {"cpu_s_this_process": "cpu_s", "wall_s_this_process": "wall_s"}
+
+
 def train_unit(task: tuple) -> dict:
     """Train (or reuse, or resume) one unit and write its result.json; picklable for --jobs workers.
     task = (cfg_dict, run_dir, heldout files, curve points, accept_code_change). A stored unit made by another
@@ -370,6 +350,7 @@ def train_unit(task: tuple) -> dict:
     key = {**cfg_dict, "heldout": _files_key(heldout), "code": code_version()}
     stored = cache.load(out / "result.json", key, diff=_code_diff if accept_code_change else None)
     if stored is not None:
+        stored = renamed(stored, RENAMED_FIGURES)
         if stored["key"].get("code") != key["code"]:
             stored["reused_from_code"] = stored["key"].get("code")
         return stored
@@ -377,41 +358,23 @@ def train_unit(task: tuple) -> dict:
     from gated_attention.train.config import TrainConfig
 
     cfg = TrainConfig.from_dict(cfg_dict).validate()
-    c0, t0 = time.process_time(), time.perf_counter()
-    summary = train_or_reuse(cfg, out, lambda m: print(m, file=sys.stderr, flush=True), "[scaling]",
+    rec = Recorder(every=0, steps=cfg.steps)  # the unit's CPU and wall time over every process that trained it
+    summary = train_or_reuse(cfg, out, lambda m: print(m, file=sys.stderr, flush=True), "[scaling]", step_hook=rec,
                              resolved_precision=cfg.precision)
     log = read_jsonl(out / "log.jsonl")
     losses = {d: float(v) for d, v in (summary.get("val_losses") or {}).items()}
     val = sum(losses.values()) / len(losses) if losses else math.nan
-    held = heldout_loss(out / "final", cfg.data_dir, list(heldout), cfg.seq_len)
+    held = M.heldout_loss(out / "final", cfg.data_dir, list(heldout), cfg.seq_len)
     result = {"val_loss": val, "val_loss_per_domain": losses, "heldout_loss": held["mean"] if held else None,
               "heldout_loss_per_file": held["per_file"] if held else None, "tokens": summary.get("tokens"),
               "steps": summary.get("steps"), "diverged": bool(summary.get("diverged")),
               "spikes": int(summary.get("spikes") or 0), "resolved_precision": summary.get("resolved_precision"),
-              "train_wall_s": summary.get("wall_time_s"), "cpu_s_this_process": time.process_time() - c0,
-              "wall_s_this_process": time.perf_counter() - t0,
-              "curve": _curve(log, points, cfg.batch_size * cfg.seq_len)}
+              "train_wall_s": summary.get("wall_time_s"), "cpu_s": rec.cpu_s(), "wall_s": rec.wall_s(),
+              "curve": M.loss_curve(log, points, cfg.batch_size * cfg.seq_len)}
     result = cache.save(out / "result.json", key, result)
     shutil.rmtree(out / "checkpoints", ignore_errors=True)  # final/ stays: the run's `model_dir`
     print(f"[scaling] {out.name}: val loss {val:.4f}", file=sys.stderr, flush=True)
     return result
-
-
-def bytes_per_token(data_dir: str, max_tokens: int = 200_000) -> dict[str, float]:
-    """UTF-8 bytes per token of each domain's validation text (its first max_tokens tokens decoded; special tokens
-    count 0 bytes): the factor that turns nats per token into bits per byte."""
-    import numpy as np
-
-    from gated_attention import data
-
-    corpus = data.Corpus(data_dir)
-    special = {corpus.bos_id, corpus.eos_id, corpus.pad_id}
-    out = {}
-    for d in corpus.domains:
-        ids = [int(t) for t in np.asarray(corpus.tokens(d, "val")[:max_tokens]) if int(t) not in special]
-        n = len(ids)
-        out[d] = len(corpus.tokenizer.decode(ids).encode("utf-8")) / n if n else None
-    return out
 
 
 def plan_text(lab: LabConfig, vocab: int | None = None) -> str:
@@ -440,8 +403,7 @@ def _stage(points: list[tuple], lab: LabConfig, ctx: dict, log, recipe: str | No
     for the recipe pilot (default: the lab's)."""
     tasks = []
     for v, s, lr, seed in points:
-        cfg = train_config(lab, ctx["data_dir"], v, ctx["size"][s], ctx["info"][s], lr, seed, ctx["precision"],
-                           recipe)
+        cfg = train_config(lab, v, ctx["size"][s], ctx["info"][s], lr, seed, recipe)
         name = unit_name(v, s, lr, seed, recipe or lab.recipe_name())
         tasks.append((cfg.to_dict(), str(ctx["out"] / "runs" / name), lab.heldout,
                       lab.spec.curve_points, lab.accept_code_change))
@@ -522,19 +484,21 @@ def register_design(lab: LabConfig, out: Path, sizes: list[dict], tuning: dict, 
     return json.loads(path.read_text())
 
 
-def _context(lab: LabConfig, log) -> tuple[dict, str]:
-    """What every stage needs: the corpus (prepared if missing), the precision, OUT, the sizes and their rows."""
+def _context(lab: LabConfig, log) -> tuple[LabConfig, dict, str]:
+    """The lab as its units train (lab.train's corpus prepared if missing, its precision decided for this machine)
+    and what every stage needs: OUT, the vocabulary, the sizes and their rows."""
     from gated_attention import data
     from gated_attention.util.precision import decide
 
-    precision, line = decide(lab.precision, "cpu")
-    data_dir = ensure_corpus(lab.data_dir or lab.spec.data_dir, lab.spec.vocab_size, log, tag="[scaling]")
+    precision, line = decide(lab.train.precision, "cpu")
+    data_dir = ensure_corpus(lab.train.data_dir or lab.spec.data_dir, lab.spec.vocab_size, log, tag="[scaling]")
+    lab = lab.changed(data_dir=str(data_dir), precision=precision)
     vocab = data.Corpus(data_dir).vocab_size
     out = Path(lab.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
     sizes = [size_info(lab.spec, s, vocab, lab.tpp()) for s in lab.rungs()]
-    return {"data_dir": str(data_dir), "precision": precision, "out": out, "vocab": vocab,
-            "size": {s.name: s for s in lab.rungs()}, "info": {i["name"]: i for i in sizes}}, line
+    return lab, {"out": out, "vocab": vocab, "size": {s.name: s for s in lab.rungs()},
+                 "info": {i["name"]: i for i in sizes}}, line
 
 
 @locks_output("lab.out", "gattn lab scaling --recipe-pilot")
@@ -547,7 +511,7 @@ def recipe_pilot(lab: LabConfig, size: str, log=print) -> dict:
     if size not in names:
         raise ValueError(f"--recipe-pilot {size}: the {lab.budget} ladder's sizes are {', '.join(names)}")
     lab = replace(lab, sizes=(size,), recipe="current").validate()  # candidates change the base recipe
-    ctx, line = _context(lab, log)
+    lab, ctx, line = _context(lab, log)
     log(f"[scaling] recipe pilot at {size}, {line} -> {ctx['out']}")
     return run_recipe_pilot(lab, size, ctx, _stage, sweep, log)
 
@@ -558,10 +522,11 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     from . import scaling_report
     from .summary import summarize
 
-    lab.validate()
+    asked = lab.validate().settings()
     t0 = time.perf_counter()
-    ctx, line = _context(lab, log)
-    spec, out, data_dir, precision, vocab = lab.spec, ctx["out"], ctx["data_dir"], ctx["precision"], ctx["vocab"]
+    lab, ctx, line = _context(lab, log)
+    spec, out, vocab = lab.spec, ctx["out"], ctx["vocab"]
+    data_dir, precision = lab.train.data_dir, lab.train.precision
     sizes = list(ctx["info"].values())
     base = next(v for v in lab.variants if canonical_name(v) == "none")
     log(f"[scaling] {len(lab.variants)} variants x {len(sizes)} sizes ({sizes[0]['params_non_embedding']:,}-"
@@ -583,8 +548,8 @@ def run_lab(lab: LabConfig, log=print) -> dict:
             for v in lab.variants]
     confirm.update(_stage(more, lab, ctx, log))
     lab_json = summarize(lab, sizes, tuning, confirm, best, lr_for, base, design,
-                                 bytes_per_token(str(data_dir)), vocab)
-    lab_json["config"] = {**asdict(lab), "lrs": list(lab.grid()), "seeds": lab.seeds,
+                                 M.bytes_per_token(str(data_dir)), vocab)
+    lab_json["config"] = {**asked, "lrs": list(lab.grid()), "seeds": lab.seeds,
                           "tokens_per_param": lab.tpp(), "params_counted": "non-embedding (ungated model)",
                           "data_dir": str(data_dir), "resolved_precision": precision,
                           "recipe": {k: v for k, v in asdict(spec).items() if k not in ("help", "sizes", "lrs")},
@@ -594,7 +559,27 @@ def run_lab(lab: LabConfig, log=print) -> dict:
         1 for r in {**tuning, **confirm}.values() if r.get("reused_from_code"))
     lab_json["wall_time_s"] = time.perf_counter() - t0
     lab_json = to_strict(lab_json)
-    lab_json["plots"] = {k: str(p.relative_to(out)) for k, p in scaling_report.make_plots(lab_json, out / "plots").items()}
-    atomic_write_json(out / "lab.json", lab_json, indent=1)
+    return save_lab(out, lab_json, lambda d: scaling_report.make_plots(lab_json, d),
+                    lambda: scaling_report.write(lab_json, out))
+
+
+@locks_output("out", "gattn lab scaling --report-only")
+def report_only(out: str | Path) -> dict:
+    """Render OUT/lab.json's report (report.md, report.html, plots/) again; trains nothing and leaves lab.json as it
+    is."""
+    from gated_attention.util.io import read_json_object
+
+    from . import scaling_report
+
+    out = Path(out)
+    lab_json = read_json_object(out / "lab.json", "scaling lab result", "run `gattn lab scaling --out` into this "
+                                "folder first")
+    if not isinstance(lab_json.get("runs"), list):
+        raise ValueError(f"{out / 'lab.json'}: not a scaling-lab result (no `runs` list); point --out at a "
+                         "`gattn lab scaling` OUT")
+    if "design" not in lab_json:
+        raise ValueError(f"{out / 'lab.json'}: written before the lab registered a design (no `design`), which this "
+                         "report needs; its report.md is the one that version wrote")
+    scaling_report.make_plots(lab_json, out / "plots")
     scaling_report.write(lab_json, out)
     return lab_json

@@ -51,11 +51,9 @@ def plot_loss_vs_compute(lab: dict, path) -> Path:
             ax.plot(grid, [f["E"] + f["A"] * c ** -f["alpha"] for c in grid], color=line.get_color(), lw=1,
                     label=f"  fit: α {f['alpha']:.3f}" + (f" [{f['alpha_ci'][0]:.3f}, {f['alpha_ci'][1]:.3f}]"
                                                             if f.get("alpha_ci") else ""))
-    ax.set_xscale("log")
-    ax.set(xlabel="training compute (FLOPs)", ylabel="val loss, confirm seeds (nats)",
-           title=f"loss vs compute at the {lab['protocol']} protocol's LRs (dots: confirm seeds)")
-    ax.legend(fontsize=8)
-    return save_png(fig, path)
+    return pages.finish(fig, ax, path, xscale="log", xlabel="training compute (FLOPs)",
+                        ylabel="val loss, confirm seeds (nats)",
+                        title=f"loss vs compute at the {lab['protocol']} protocol's LRs (dots: confirm seeds)")
 
 
 def plot_deltas(lab: dict, path) -> Path:
@@ -72,9 +70,8 @@ def plot_deltas(lab: dict, path) -> Path:
     ax.axhspan(-d, d, color="grey", alpha=0.15, label=f"±δ = {d} nats (the paper's gain)")
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names)
-    ax.set(xlabel="size", ylabel="Δ = gated - baseline (nats)", title="Δ val loss per size, 95 % t interval over seeds")
-    ax.legend(fontsize=8)
-    return save_png(fig, path)
+    return pages.finish(fig, ax, path, xlabel="size", ylabel="Δ = gated - baseline (nats)",
+                        title="Δ val loss per size, 95 % t interval over seeds")
 
 
 def plot_basins(lab: dict, path) -> Path:

@@ -1,6 +1,6 @@
 """`gattn lab scaling`'s declaration: its options (each with its help, here only) and how the command runs the lab
-(scaling_lab.run_lab, or its --plan / --recipe-pilot); cli/lab.py builds the subcommand from STUDY without importing
-torch."""
+(scaling_lab.run_lab, or its --plan / --recipe-pilot / --report-only); cli/lab.py builds the subcommand from STUDY
+without importing torch."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +65,7 @@ def _options() -> list[Option]:
                "only if it halves the within-arm spread of the final loss (blind to Δ); writes "
                "OUT/recipe_pilot.json", {"default": None, "metavar": "SIZE"}),
         options.precision("fp32", "; fp32 by default: the same numbers on either CPU kind"),
+        options.report_only("train nothing: render report.md, report.html and plots/ again from OUT/lab.json"),
     ]
 
 
@@ -73,16 +74,13 @@ def _run(args: argparse.Namespace) -> int:
     from . import scaling_lab as sl
     from . import scaling_report
 
-    lab = sl.LabConfig(out=args.out, budget=args.budget, variants=tuple(args.variants), seeds=args.seeds,
-                       tuning_seeds=tuple(args.tuning_seeds), protocol=args.protocol,
-                       confirm_seeds=tuple(args.confirm_seeds) if args.confirm_seeds else None,
-                       pilot_pairs=args.pilot_pairs, max_pairs=args.max_pairs,
-                       accept_code_change=args.accept_code_change,
-                       tokens_per_param=args.tokens_per_param, lrs=tuple(args.lrs) if args.lrs else None,
-                       heldout=tuple(args.heldout), sets=tuple(args.sets), data_dir=args.data_dir,
-                       sizes=tuple(args.sizes) if args.sizes else None,
-                       precision=args.precision, recipe=args.recipe,
-                       jobs=args.jobs if args.jobs is not None else default_jobs()).validate()
+    if args.report_only:
+        res = sl.report_only(args.out)
+        print(scaling_report.text_table(res))
+        print(f"report: {Path(args.out) / 'report.html'}")
+        return 0
+    given = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k in sl.STORED}
+    lab = sl.LabConfig().changed(**{**given, "jobs": args.jobs if args.jobs is not None else default_jobs()}).validate()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.plan:
         print(sl.plan_text(lab))

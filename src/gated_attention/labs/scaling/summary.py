@@ -65,7 +65,7 @@ def summarize(lab, sizes: list[dict], tuning: dict, confirm: dict, best: dict, l
                          "val_loss": r.get("val_loss"), "val_loss_per_domain": r.get("val_loss_per_domain"),
                          "bits_per_byte": bits_per_byte(r, bpt, vocab), "heldout_loss": r.get("heldout_loss"),
                          "diverged": r.get("diverged"), "failed": failed(r), "spikes": r.get("spikes"),
-                         "cpu_s": r.get("cpu_s_this_process"), "curve": r.get("curve"),
+                         "cpu_s": r.get("cpu_s"), "curve": r.get("curve"),
                          "model_dir": str(Path("runs") / unit_name(v, s, lr, k, lab.recipe_name()) / "final")})
     conf = [r for r in runs if r["role"] == "confirm"]
     failures = [{k: r[k] for k in ("variant", "size", "lr", "seed", "val_loss", "diverged")} | {"counted_as": imputed}

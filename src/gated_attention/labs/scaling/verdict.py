@@ -3,7 +3,7 @@ t intervals over seeds, the verdict of a difference against the paper's equal-pa
 spread needs, the loss-vs-compute fit L = E + A * C^-alpha with bootstrap intervals over seeds, the trend of the
 difference with compute ("improves scaling properties"), and the LR basin.
 
-Both rules were fixed before the first `default` ladder ran (issue 41) and are never fitted to this project's runs:
+Both rules were fixed before the first `default` ladder ran and are never fitted to this project's runs:
 
   the gain at one size: Δ = G1 - baseline, mean over seeds of the paired per-seed differences of the validation
   loss (nats), with a two-sided 95 % Student-t interval. With δ = ln(7.499 / 7.404) = 0.0128 nats, the paper's
@@ -49,8 +49,8 @@ DELTA = Threshold(
     "the paper's Table 1-2 (dense 1.7B at equal parameters, 400B tokens: PPL 7.499 -> 7.404): ln(7.499/7.404)")
 BASIN = Threshold(
     "LR basin", 0.05, "nats", "chosen",
-    "issue 41's definition of the basin (the LRs within 0.05 nats of the best); ~4 δ, a loss change a run-to-run "
-    "comparison at these sizes resolves with one seed")
+    "the lab's definition of the basin, fixed before the first ladder ran (the LRs within 0.05 nats of the best); "
+    "~4 δ, a loss change a run-to-run comparison at these sizes resolves with one seed")
 K_PAPER = Threshold(
     "k, the paper's compute multiplier", 1.17, "x compute", "paper",
     "the compute-multiplier rule in docs/usage.md: Qiu et al. 2025 dense 1.7B at 400B tokens (0.0128 nats) over the loss slopes of Chinchilla's fit (Hoffmann et "

@@ -35,7 +35,7 @@ from pathlib import Path
 from .backcopy import BackcopyTask
 from ...experiment import cache
 from ...util.io import locks_output
-from ...experiment.study import Budget, Recorder, Units, finish_unit, stored_settings
+from ...experiment.study import Budget, Recorder, Units, finish_unit, save_lab, stored_settings, with_stored
 from ...experiment.study import with_changes as changes_over
 from ...experiment.stats import mean_std
 from ...gates import DEFAULT_VARIANTS
@@ -94,7 +94,7 @@ class SinkLabConfig:
     variants: list = field(default_factory=lambda: list(DEFAULT_VARIANTS))
     # BackcopyTask fields; T=64: a dormant query late in a long sequence can spread over many keys almost for free (the
     # copied values average out), so the full BOS sink pays only where few keys precede it: at T=128 the baseline's
-    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (results/sink_lab.md, issue 20)
+    # sink reached 0.15-0.5 in 800-1600 steps, at T=64 0.9-1.0 (results/sink_lab.md)
     task: dict = field(default_factory=lambda: BackcopyTask(seq_len=64).to_dict())
     seeds: int = 3  # seeds 0..n-1: model init and data order, identical across variants
     curve_every: int = 100  # learning-curve resolution in steps
@@ -135,11 +135,8 @@ class SinkLabConfig:
     def changed(self, **stored) -> "SinkLabConfig":
         """A copy with settings changed by their stored names (the options' names: steps=, layers=, eval_every=, ...);
         not validated."""
-        unknown = sorted(set(stored) - set(STORED))
-        if unknown:
-            raise ValueError(f"unknown sink-lab setting(s) {unknown}; valid: {', '.join(STORED)}")
-        return with_changes(self, {STORED[k]: ("true" if v else "false") if k == "compile" else v
-                                   for k, v in stored.items()})
+        return with_stored(self, {k: ("true" if v else "false") if k == "compile" else v for k, v in stored.items()},
+                           STORED, "sink-lab")
 
 
 # stored name (options, units' result.json keys, lab.json "config") -> the setting: a lab axis, a model-config field
@@ -557,9 +554,4 @@ def write_lab(cfg: SinkLabConfig, out: str | Path, results: list[dict], precisio
         "variants": variants,
         "wall_time_s": time.perf_counter() - t0,
     }
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in sink_report.make_plots(out / "plots", lab).items()}
-    from gated_attention.util.io import atomic_write_json
-
-    atomic_write_json(out / "lab.json", lab, indent=1)
-    sink_report.write(out, lab)
-    return lab
+    return save_lab(out, lab, lambda d: sink_report.make_plots(d, lab), lambda: sink_report.write(out, lab))

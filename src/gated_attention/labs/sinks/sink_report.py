@@ -125,6 +125,6 @@ def blocks(lab: dict, heading: str = "h2") -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    footer = ("p", f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused models cost nothing).")
-    pages.write(Path(out_dir), "gattn lab sinks: attention sinks on the Bigram-Backcopy task",
-               [*blocks(lab), *pages.figures(lab.get("plots", {}), _TITLES), footer])
+    pages.write_lab(out_dir, "gattn lab sinks: attention sinks on the Bigram-Backcopy task", blocks(lab),
+                    lab.get("plots", {}), _TITLES,
+                    f"Wall time of this invocation: {lab['wall_time_s']:.0f} s (reused models cost nothing).")

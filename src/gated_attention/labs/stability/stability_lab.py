@@ -29,12 +29,12 @@ from pathlib import Path
 
 from ...experiment import cache
 from ...experiment.runs import ensure_corpus, run_units
-from ...experiment.study import Budget, Recorder, finish_unit
+from ...experiment.study import Budget, Recorder, finish_unit, save_lab
 from ...gates import DEFAULT_VARIANTS, canonical_name, check_variants
 from . import stats as St
 from .stats import clip, lr_sensitivity  # noqa: F401 - the lab's API (tests, report)
 from .verdict import CONVERGED_MARGIN, FAILURE_GAP
-from ...util.io import atomic_write_json, locks_output, nonfinite_paths, read_jsonl, renamed, to_strict
+from ...util.io import locks_output, nonfinite_paths, read_jsonl, renamed, to_strict
 
 QK_SETTINGS = {"on": (True,), "off": (False,), "both": (False, True)}
 EDGE_MARGIN = 0.1  # nats above the best final loss that mark a run as past the edge of stability (--seed-lrs edge)
@@ -80,7 +80,7 @@ RECIPE = {
 
 _SHALLOW = {"model.hidden_size": 64, "model.intermediate_size": 192, "model.num_hidden_layers": 2,
             "model.num_attention_heads": 2, "model.num_key_value_heads": 2,
-            "model.head_dim": 32}  # issue 11's 2-layer d=64 model (~0.15M besides the embedding)
+            "model.head_dim": 32}  # the first stability grid's 2-layer d=64 model (~0.15M besides the embedding)
 _DEEP = {**_SHALLOW, "model.num_hidden_layers": 12}  # deep and narrow: depth is the paper's unstable case (48 layers)
 _DEFAULT = {"lrs": (3e-2, 1e-1, 3e-1), "steps": 600, "seeds": 3, "weight_decay": 0.1, **_DEEP}
 
@@ -101,7 +101,7 @@ BUDGETS: dict[str, Budget] = {
         "measured 94.7 core-minutes in bf16 on an AMD EPYC Zen 4, ~105 CPU-s per run, 100 minutes at --jobs 1 on "
         "one core: ~50 minutes at --jobs 2 on 2 quiet cores)", _DEFAULT),
     "shallow": Budget(
-        "issue 11's grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
+        "the first stability grid (no spike or divergence found there): 7 LRs from 1e-3 to 1, 2 seeds at the edge of "
         "stability, 150 steps of a 2-layer d=64 model (windows of 64, batch 16); ~10 core-minutes",
         {**_DEFAULT, **_SHALLOW, "lrs": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0), "steps": 150, "seeds": 2,
          "seed_lrs": "edge", "weight_decay": 0.0, "ckpt_every": 50}),
@@ -523,9 +523,7 @@ def run_lab(lab: LabConfig, log=print) -> dict:
     }
     lab_json["nonfinite"] = [f for f in nonfinite_paths(lab_json) if not f.startswith("curves.")]
     lab_json = to_strict(lab_json)  # strict JSON (io): non-finite values null, each dict naming its own
-    lab_json["plots"] = {k: str(p.relative_to(out)) for k, p in stability_report.make_plots(lab_json, out / "plots").items()}
     lab_json["wall_time_s"] = time.perf_counter() - t0
     lab_json["cpu_s_runs"] = sum(r.get("cpu_s") or 0.0 for r in rows)
-    atomic_write_json(out / "lab.json", lab_json, indent=1)
-    stability_report.write(lab_json, out)
-    return lab_json
+    return save_lab(out, lab_json, lambda d: stability_report.make_plots(lab_json, d),
+                    lambda: stability_report.write(lab_json, out))

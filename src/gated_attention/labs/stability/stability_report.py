@@ -67,11 +67,9 @@ def plot_loss_vs_lr(lab: dict, qk: bool, path) -> Path:
             ax.scatter([r["lr"] for r in dv], [r["c"] for r in dv], s=50, marker="x", color=line.get_color())
     if inits:
         ax.axhline(sum(inits) / len(inits), color="grey", ls=":", lw=1, label="loss at init")
-    ax.set_xscale("log")
-    ax.set(xlabel="peak learning rate", ylabel="final validation loss (nats)",
-           title=f"final loss vs LR, QK-norm {_qk(qk)} (x = diverged)")
-    ax.legend(fontsize=9)
-    return save_png(fig, path)
+    return pages.finish(fig, ax, path, legend=9, xscale="log", xlabel="peak learning rate",
+                        ylabel="final validation loss (nats)",
+                        title=f"final loss vs LR, QK-norm {_qk(qk)} (x = diverged)")
 
 
 def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
@@ -88,12 +86,8 @@ def plot_attn_logit_vs_lr(lab: dict, path) -> Path:
         line, = ax.plot(*zip(*pts), marker="o", ls="-" if not qk else "--", label=f"{_name(v)}, QK-norm {_qk(qk)}",
                         **kw)
         colors.setdefault(v, line.get_color())
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set(xlabel="peak learning rate", ylabel="max attention logit q.k/sqrt(d) over training",
-           title="attention-logit growth")
-    ax.legend(fontsize=8)
-    return save_png(fig, path)
+    return pages.finish(fig, ax, path, xscale="log", yscale="log", xlabel="peak learning rate",
+                        ylabel="max attention logit q.k/sqrt(d) over training", title="attention-logit growth")
 
 
 def plot_curves_at(lab: dict, lr: float, path) -> Path | None:

@@ -31,7 +31,7 @@ SPIKE_DELTA = Threshold(
     "exceeds it")
 THRESHOLDS = (INTERVAL_LEVEL, FAILURE_GAP, CONVERGED_MARGIN, SPIKE_DELTA)
 
-# what each resolved precision means for the residual stream, the paper's numerical argument (issue 28)
+# what each resolved precision means for the residual stream, the paper's numerical argument
 PRECISION_WORDS = {
     "fp32": "fp32",
     "bf16": "bf16 autocast (fp32 parameters and residual stream, bf16 matmuls)",

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ...experiment import cache
 from ...experiment.runs import unique_labels
+from ...experiment.study import begin, save_lab
 from ...util.io import locks_output
 
 DEFAULT_SINK_TOKENS = (0, 1, 4)
@@ -253,15 +254,10 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     """Measure every model, write lab.json, report.md, report.html and the per-position plot into out."""
     import torch
 
-    from gated_attention.util.io import atomic_write_text, json_dumps
-
     from . import streaming_report
     from .verdict import lab_verdicts
 
-    cfg.validate()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0, c0 = time.perf_counter(), time.process_time()
+    out, clock = begin(cfg, out)
     entries = resolve_models(cfg.models)
     for e in entries:
         _check_data(e, cfg)
@@ -291,8 +287,5 @@ def run_streaming(cfg: StreamingConfig, out: str | Path, log=print) -> dict:
     lab = {"config": {**asdict(cfg), "models": [str(m) for m in cfg.models]},
            "scored_positions": f"query positions t >= {cfg.window} (targets t + 1), the same for every setting",
            "models": models, "by_variant": streaming_report.by_variant(models), "verdicts": lab_verdicts(models),
-           "wall_time_s": time.perf_counter() - t0, "cpu_time_s": time.process_time() - c0}
-    lab["plots"] = {k: str(p.relative_to(out)) for k, p in streaming_report.make_plots(out / "plots", lab).items()}
-    atomic_write_text(out / "lab.json", json_dumps(lab, indent=1))
-    streaming_report.write(out, lab)
-    return lab
+           **clock.times()}
+    return save_lab(out, lab, lambda d: streaming_report.make_plots(d, lab), lambda: streaming_report.write(out, lab))

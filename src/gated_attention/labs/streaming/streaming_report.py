@@ -139,7 +139,6 @@ def blocks(lab: dict) -> list[tuple]:
 
 
 def write(out_dir, lab: dict) -> None:
-    plots = pages.figures(lab.get("plots", {}), "Loss per position: full attention vs the rolling window")
-    footer = ("p", f"CPU time {lab['cpu_time_s']:.0f} s, wall {lab['wall_time_s']:.0f} s.")
-    pages.write(Path(out_dir), "gattn lab streaming: sliding-window decoding with and without sink tokens",
-               [*blocks(lab), *plots, footer])
+    pages.write_lab(out_dir, "gattn lab streaming: sliding-window decoding with and without sink tokens", blocks(lab),
+                    lab.get("plots", {}), "Loss per position: full attention vs the rolling window",
+                    f"CPU time {lab['cpu_time_s']:.0f} s, wall {lab['wall_time_s']:.0f} s.")

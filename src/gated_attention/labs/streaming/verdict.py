@@ -27,18 +27,18 @@ from ...experiment.verdicts import GATED, NOT_AT_SCALE, NOT_RUN, PARTLY, REPRODU
 
 NOTICEABLE_NATS = Threshold(
     "noticeable cost", 0.05, "nats", "chosen",
-    "issue 28: a plain-window cost a user would notice (StreamingLLM's window attention loses far more: its "
+    "a plain-window cost a user would notice (StreamingLLM's window attention loses far more: its "
     "perplexity explodes once the first tokens leave the cache, Xiao et al. 2023 Fig. 3)")
 NOTICEABLE_PPL = Threshold(
     "noticeable cost, or in perplexity", 0.05, "relative perplexity", "chosen",
-    "issue 28: 5 % perplexity (exp(Δ) - 1), the same size said in perplexity (ln 1.05 = 0.0488 nats)")
+    "5 % perplexity (exp(Δ) - 1), the same size said in perplexity (ln 1.05 = 0.0488 nats)")
 REMOVED_SHARE = Threshold(
     "removes: baseline cost left with the first K tokens kept", 0.25, "of its plain-window cost", "published",
     "StreamingLLM (Xiao et al. 2023) Table 1 and Fig. 3: keeping the first four tokens brings window attention back "
     "to the dense model's perplexity; here at most a quarter of the cost may remain (the share G1_SHARE allows)")
 G1_SHARE = Threshold(
     "sink-free: a G1 model's plain-window cost", 0.25, "of the baseline's", "chosen",
-    "issue 28: every G1 model pays at most a quarter of the baseline's cost (the paper's G1 models keep 10 % and "
+    "every G1 model pays at most a quarter of the baseline's cost (the paper's G1 models keep 10 % and "
     "16 % of the baseline's first-token attention, the paper's Table 4)")
 FLOOR = Threshold(
     "consistent: each baseline model's cost at least", 0.005, "nats", "chosen",
