@@ -1,7 +1,7 @@
 """`gattn plan`'s machine model and `--recommend` (train/plan_comm.py, train/recommend.py, train/plan.py): each
 collective's α-β time inside and across nodes, HSDP's layout against FSDP's, the gradients and expert shards a rank
-holds under expert parallelism (placed as the trainer places them), the memory margin the `auto` policies and `fits` leave free, and the search picking
-the faster of two layouts — each against a hand computation."""
+holds under expert parallelism (placed as the trainer places them), the memory margin the `auto` policies and
+`fits` leave free, and the search picking the faster of two layouts — each against a hand computation."""
 from __future__ import annotations
 
 import io
