@@ -167,19 +167,21 @@ def test_bf16_params_under_fsdp_trains_like_one_process(tmp_path):
     assert losses(tmp_path / "two") == pytest.approx(losses(one), abs=2e-3)
 
 
-def test_fsdp_init_from_is_read_shard_by_shard(tmp_path):
+@pytest.mark.parametrize("model", [[], ["model=tiny-moe", "model.num_experts=3"]], ids=["dense", "moe-split"])
+def test_fsdp_init_from_is_read_shard_by_shard(tmp_path, model):
     """Continued training under dist=fsdp: gathered, the model equals the checkpoint (RoPE frequencies, in no
-    checkpoint, computed anew). That each rank reads only its rows is measured in
+    checkpoint, computed anew); also for an MoE whose 3 experts are split on dim 1 over the 2 ranks (each rank reads
+    its block of every expert). That each rank reads only its rows is measured in
     test_no_rank_ever_holds_the_whole_model."""
     from gated_attention.train.model_setup import build_model
 
-    cfg = apply_overrides(tiny(), ["gate=sdpa_elementwise", "model.vocab_size=301"])
+    cfg = apply_overrides(tiny(), ["gate=sdpa_elementwise", "model.vocab_size=301", *model])
     torch.manual_seed(5)
     saved = build_model(cfg, None)
     saved.save_pretrained(tmp_path / "ckpt")
     out = tmp_path / "gathered.pt"
-    cmd = torchrun_argv(out, "--set", "gate=sdpa_elementwise", "--set", f"init_from={tmp_path / 'ckpt'}",
-                        script=PROBES / "fsdp_birth.py")
+    cmd = torchrun_argv(out, *sum((["--set", s] for s in ["gate=sdpa_elementwise", *model]), []),
+                        "--set", f"init_from={tmp_path / 'ckpt'}", script=PROBES / "fsdp_birth.py")
     p = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = torch.load(out, weights_only=True)

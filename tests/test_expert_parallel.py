@@ -1,7 +1,8 @@
 """Expert parallelism (`expert_parallel=E`) and hybrid sharding (`dp_replicate=R`) at 2 ranks under torchrun on CPU
 (gloo, fp32), against one process: the same forward and gradients, the same training run (losses and final
-weights), each rank holding 1/E of the experts, DCP checkpoints that resume at another world size and another E,
-`gattn convert` of a checkpoint written under EP; and the layout errors."""
+weights), each rank holding 1/E of the experts, DCP checkpoints that resume at another world size and another E
+and under the experts' other FSDP2 placement (whole experts, or split on dim 1), `gattn convert` of a checkpoint
+written under EP; and the layout errors."""
 from __future__ import annotations
 
 import json
@@ -80,7 +81,10 @@ LAYOUTS = {  # name: (ranks, settings, elements of the experts a rank stores / g
     "ep2-selective": (2, ["expert_parallel=2", "activation_checkpointing=selective"], 2, 2),  # replays the all-to-all
     "hsdp2-ep2": (4, ["expert_parallel=2", "dp_replicate=2"], 2, 2),
     "hsdp2": (2, ["dp_replicate=2"], 1, 1),  # 2 replicas of a one-rank shard group: every rank holds the whole model
+    "fsdp2-3experts": (2, ["model.num_experts=3"], 2, 1),  # 3 experts over 2 ranks: split on dim 1 (Shard(1))
+    "ep2-efsdp2-1expert": (4, ["expert_parallel=2", "model.num_experts=2"], 4, 2),  # 1 local expert over 2: Shard(1)
 }
+SPLIT = {"fsdp2-3experts", "ep2-efsdp2-1expert"}  # the layouts whose experts' FSDP2 ranks do not divide them
 
 
 FOUR_RANKS = {name for name, (nproc, *_) in LAYOUTS.items() if nproc > 2}  # beyond the 2-rank contract: slow marker
@@ -93,15 +97,24 @@ def test_ep_forward_and_gradients_equal_one_process(tmp_path, layout):
     stores 1/(shard group) of the experts' elements and gathers only its 1/E for compute. Also with the loop path,
     with the experts' own FSDP2 over 2 ranks under activation checkpointing (the recompute replays the all-to-all;
     under `selective` too, which keeps the GEMM outputs but no collective's),
-    with 2 replicas of an EP=2 shard group (HSDP), and HSDP alone (2 replicas: whole on each rank)."""
+    with 2 replicas of an EP=2 shard group (HSDP), HSDP alone (2 replicas: whole on each rank), and with the experts
+    split on dim 1 where their FSDP2 ranks do not divide them (3 experts over 2 ranks; 1 local expert over an
+    expert-FSDP group of 2) - and only there. What a rank stores is what the plan assumes (plan.expert_share)."""
+    from gated_attention.train import plan as PL
+
     nproc, sets, at_rest, gathered = LAYOUTS[layout]
     ranks = probe(tmp_path, ["model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001", *sets], nproc)
     assert len(ranks) == nproc
+    cfg = apply_overrides(tiny(), ["model=tiny-moe", "dist=fsdp", *sets])
+    dims = cfg.check_world(nproc)
+    share = PL.expert_share(PL.sizes(PL.meta_model(cfg)), dims.shard, dims.expert_parallel)  # what the plan assumes
     for r in ranks:
         assert r["logits"] == 0.0
         assert max(r["grads"].values()) < 1e-5, sorted(r["grads"].items(), key=lambda kv: -kv[1])[:3]
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
         assert r["expert_local"] * at_rest == r["expert_gathered"] * gathered == r["expert_full"]
+        assert r["expert_local"] == share * r["expert_full"]
+        assert any("Shard(dim=1)" in p for p in r["expert_placements"]) == (layout in SPLIT), r["expert_placements"]
     print(f"{layout}: max relative gradient difference {max(max(r['grads'].values()) for r in ranks):.2e}, "
           f"expert elements {ranks[0]['expert_local']} at rest / {ranks[0]['expert_gathered']} gathered / "
           f"{ranks[0]['expert_full']}")
@@ -158,6 +171,37 @@ def test_ep_trains_like_one_process_and_resumes_across_layouts(tmp_path, referen
 
     conv = load_file(tmp_path / "conv" / "model.safetensors")
     assert set(conv) == set(ep_w) and all(torch.equal(conv[k], ep_w[k]) for k in ep_w)
+
+
+def split_dims(state: Path) -> set[int]:
+    """The dims a DCP checkpoint's routed-expert tensors are split on among its chunks (what each rank wrote)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(state)).read_metadata().state_dict_metadata
+    return {d for k, m in meta.items() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            for c in m.chunks for d, o in enumerate(c.offsets) if o}
+
+
+def test_checkpoints_resume_across_expert_placements(tmp_path):
+    """3 routed experts: at 3 ranks one whole expert each (Shard(0)), at 2 ranks each expert split on dim 1
+    (Shard(1)). Trained at 3 ranks (killed after step 2, checkpoint at 2), resumed at 2 ranks (killed after step 4),
+    resumed at 3 ranks to the end: each checkpoint is read under the other placement, and the losses and final
+    weights equal one process's."""
+    from gated_attention.train.checkpoint import latest_checkpoint
+
+    sets = SETS + ["model.num_experts=3", "batch_size=12"]  # 12 sequences: 4 per rank at 3 ranks, 6 at 2
+    ref = tmp_path / "one"
+    train(apply_overrides(tiny(), sets), ref)
+    out = tmp_path / "run"
+    for nproc, kill, resume, split in ((3, "2", False, 0), (2, "4", True, 1)):
+        p = torchrun(out, sets, {"GATTN_TEST_KILL_AT_STEP": kill}, resume=resume, nproc=nproc)
+        assert p.returncode != 0 and latest_checkpoint(out).name.endswith(kill), p.stderr[-3000:]
+        assert split_dims(latest_checkpoint(out) / "state") == {split}  # saved in the placement it trained in
+    p = torchrun(out, sets, resume=True, nproc=3)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(out) == pytest.approx(losses(ref), abs=1e-5)
+    assert max_weight_diff(weights(out), weights(ref)) < 1e-4
+    report("3 experts: Shard(0) at 3 ranks -> Shard(1) at 2 -> Shard(0) at 3", out, losses(ref), weights(ref))
 
 
 @pytest.mark.slow  # 25 s; HSDP 2x1's forward and gradients are compared by default (test_ep_forward_..._one_process)

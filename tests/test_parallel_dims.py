@@ -1,16 +1,19 @@
 """The ranks' layout (train/parallel_dims.py) is validated in one object: every bad combination of world size,
 dp_replicate, expert_parallel and the model's experts fails with one line naming the fix, a good one gives its
 shard and expert-FSDP group sizes, and each place that checks a layout (the config at a world size, a command's
-settings before launch, the plan, expert parallelism applied to a model) answers with the object's own line."""
+settings before launch, the plan, expert parallelism applied to a model) answers with the object's own line; the
+routed experts' FSDP2 placement rule (`expert_shard_dim`) keeps whole experts where they divide and pads nothing
+where any dim divides."""
 from __future__ import annotations
 
+import math
 from dataclasses import FrozenInstanceError
 
 import pytest
 
 from gated_attention.train import plan as PL
 from gated_attention.train.overrides import apply_overrides, config_from_args
-from gated_attention.train.parallel_dims import ParallelDims
+from gated_attention.train.parallel_dims import ParallelDims, expert_shard_dim
 from gated_attention.train.train_presets import tiny
 from gated_attention.util.errors import UserError
 
@@ -85,3 +88,23 @@ def test_expert_parallelism_refuses_a_model_it_cannot_split():
     with pytest.raises(ValueError, match="expert_parallel=3 does not divide the 8 routed experts"):
         apply_expert_parallel(moe, Mesh(3))
     assert all(v.equal(before[k]) for k, v in moe.state_dict().items())
+
+
+def test_expert_placement_keeps_whole_experts_where_they_divide_and_never_pads_where_it_can_split():
+    """The 15A2B MoE's fused tensors (gate_up (E_l, 2I, d) = (., 1536, 2048), down (., 2048, 768)) with
+    expert_parallel=8 (E_l = 16): whole experts over 8 or 16 expert-FSDP ranks (64 or 128 GPUs), dim 1 over 64 (512
+    GPUs: whole experts would pad 16 to 64, 4x); without EP (E_l = 128) whole experts up to 128 ranks. Dim 2 only
+    where dim 1 does not divide, dim 0 padded where nothing does. Over a grid of shapes and degrees, the rank's chunk
+    (FSDP2's: ceil(size / degree) along the dim) holds exactly 1/degree of the tensor whenever some dim divides."""
+    gate_up, down = (16, 1536, 2048), (16, 2048, 768)
+    assert [expert_shard_dim(s, g) for s in (gate_up, down) for g in (1, 8, 16, 64)] == [0, 0, 0, 1] * 2
+    assert expert_shard_dim((128, 1536, 2048), 128) == 0 and expert_shard_dim((128, 1536, 2048), 256) == 1
+    assert expert_shard_dim((3, 64, 32), 2) == 1  # the 2-rank test layout: 3 experts over 2 ranks
+    assert expert_shard_dim((1, 6, 8), 4) == 2 and expert_shard_dim((1, 6, 6), 4) == 0
+    for shape in [(e, a, b) for e in (1, 2, 3, 6, 16) for a in (6, 8, 12) for b in (4, 9, 10)]:
+        for g in (1, 2, 3, 4, 6, 8, 32):
+            dim = expert_shard_dim(shape, g)
+            chunk = math.prod(shape) // shape[dim] * math.ceil(shape[dim] / g)
+            if any(n % g == 0 for n in shape):
+                assert chunk * g == math.prod(shape), (shape, g, dim)  # no padding
+            assert dim == 0 or shape[0] % g != 0  # whole experts wherever they divide

@@ -1,7 +1,7 @@
 """`gattn plan`'s machine model and `--recommend` (train/plan_comm.py, train/recommend.py, train/plan.py): each
 collective's α-β time inside and across nodes, HSDP's layout against FSDP's, the gradients and expert shards a rank
-holds under expert parallelism, the memory margin the `auto` policies and `fits` leave free, and the search picking
-the faster of two layouts — each against a hand computation."""
+holds under expert parallelism (placed as the trainer places them), the memory margin the `auto` policies and
+`fits` leave free, and the search picking the faster of two layouts — each against a hand computation."""
 from __future__ import annotations
 
 import io
@@ -71,9 +71,10 @@ def test_one_node_uses_nvlink_and_hsdp_differs_from_fsdp():
 
 def test_expert_parallel_gradients_and_shards_equal_a_hand_computation():
     """Tiny MoE (8 experts of width 32, top-2, d 32, 2 layers, fp32). Whole gradients under EP are this rank's: the
-    dense parameters and its E_l experts. At 16 ranks with EP=4 the experts' FSDP2 group (4 ranks) outnumbers the
-    2 local experts: Shard(0), the trainer's placement, stores one whole expert per rank (1/8 of them), Shard(1)
-    1/16."""
+    dense parameters and its E_l experts. The experts are stored as the trainer places them: at 16 ranks with EP=4
+    the experts' FSDP2 group (4 ranks) outnumbers the 2 local experts, so they are split on dim 1 (Shard(1)): 1/16
+    of them per rank, as every other parameter; at 3 ranks without EP neither the 8 experts nor any dim (64, 32)
+    divides by 3: whole experts, padded (3 of 8 per rank)."""
     d, I, E, L = 32, 32, 8, 2
     experts = L * E * 3 * d * I
     cfg = tiny_cfg("model=tiny-moe", "dist=fsdp", "batch_size=8", "grad_accum=2", "accum_grads=auto",
@@ -82,15 +83,16 @@ def test_expert_parallel_gradients_and_shards_equal_a_hand_computation():
     total = p["params_total"]
     assert p["settings"]["grad_accumulation"] == "unsharded"
     assert p["memory_per_gpu_gb"]["grads"] * 1e9 == pytest.approx(4 * total / 4 + 4 * (total - experts * 3 / 4))
-    config = PL.meta_model(cfg).config
-    assert PL.expert_share(config, 16, 4, shard_dim=0) == 1 / 8 and PL.expert_share(config, 16, 4, shard_dim=1) == 1 / 16
-    wide = PL.plan(replace(cfg, batch_size=32, accum_grads="sharded"), gpus=16, device="cpu", gpu_memory_gb=1e3)
-    assert wide["memory_per_gpu_gb"]["params"] * 1e9 == pytest.approx(4 * ((total - experts) / 16 + experts / 8))
-    assert "padded: 1 whole expert(s) per rank, not 0.5" in wide["settings"]["expert_sharding"]
     sz = PL.sizes(PL.meta_model(cfg))
-    common = dict(world=16, dist="fsdp", precision="fp32", checkpointing="none", tokens=32, device="cpu", ep=4)
-    one = PL.memory(sz, config, expert_shard=1, **common)
-    assert one["params"] * 1e9 == pytest.approx(4 * total / 16)
+    assert PL.expert_share(sz, 16, 4) == 1 / 16 and PL.expert_share(sz, 4, 4) == 1 / 4
+    wide = PL.plan(replace(cfg, batch_size=32, accum_grads="sharded"), gpus=16, device="cpu", gpu_memory_gb=1e3)
+    assert wide["memory_per_gpu_gb"]["params"] * 1e9 == pytest.approx(4 * total / 16)
+    assert wide["settings"]["expert_sharding"].startswith("Shard(1): 2 expert(s) over 4 rank(s), each split 4 ways")
+    padded = PL.plan(replace(cfg, expert_parallel=1, batch_size=12, grad_accum=1, accum_grads="sharded"), gpus=3,
+                     device="cpu", gpu_memory_gb=1e3)
+    assert padded["memory_per_gpu_gb"]["params"] * 1e9 == pytest.approx(4 * ((total - experts) / 3 + experts * 3 / 8))
+    assert "Shard(0): 8 expert(s) over 3 rank(s), padded: 3 whole expert(s) per rank" in \
+        padded["settings"]["expert_sharding"]
     # the 15A2B MoE at 8 GPUs, EP=8: whole gradients are the dense part and 16 of 128 experts (~12 GB), so auto engages
     moe = apply_overrides(train_preset("paper-moe-15a2b"), ["expert_parallel=8", "accum_grads=auto"])
     big = PL.plan(moe, gpus=8)
@@ -98,6 +100,26 @@ def test_expert_parallel_gradients_and_shards_equal_a_hand_computation():
     whole = 4 * (s["trainable"] - s["experts_trainable"] * 7 / 8)
     assert big["settings"]["grad_accumulation"] == "unsharded" and whole < 13e9
     assert big["memory_per_gpu_gb"]["grads"] * 1e9 == pytest.approx(4 * s["trainable"] / 8 + whole)
+
+
+def test_15a2b_expert_shards_follow_the_trainers_placement():
+    """The 15A2B MoE (24 layers of 128 experts, gate_up (E, 1536, 2048), down (E, 2048, 768)) with expert_parallel=8,
+    16 local experts: at 64 GPUs the 8 expert-FSDP ranks hold 2 whole experts each (Shard(0)); at 512 GPUs 64 ranks
+    would pad a whole expert onto each (4x), so they split dim 1 (Shard(1)): 1/512 of the experts per GPU, by hand,
+    in the stored fp32 weights and in what a layer's experts' all-gather moves."""
+    moe = apply_overrides(train_preset("paper-moe-15a2b"), ["expert_parallel=8"])
+    config, sz = PL.model_shapes(moe)
+    per_layer = 128 * (1536 * 2048 + 2048 * 768)
+    experts = 24 * per_layer
+    assert sz["experts"] == experts
+    whole, split = "Shard(0): 16 expert(s) over 8 rank(s), 2 per rank", "Shard(1): 16 expert(s) over 64 rank(s)"
+    for gpus, placement, stored in ((64, whole, 24 * 2 * per_layer / 128), (512, split, experts / 512)):
+        p = PL.plan(moe, gpus=gpus, shapes=(config, sz))
+        assert p["settings"]["expert_sharding"].startswith(placement)
+        dense = sz["total"] - experts
+        assert p["memory_per_gpu_gb"]["params"] * 1e9 == pytest.approx(4 * (dense / gpus + stored))
+        gathered = PL.fsdp_groups(sz, config, shard=gpus, ep=8)["experts"]
+        assert gathered == [pytest.approx(per_layer / 8)] * 24  # each layer's 16 local experts, none padded
 
 
 def test_routed_rows_get_the_imbalance_allowance_under_expert_parallelism():

@@ -9,7 +9,7 @@ Every rank builds the model from the same seed (the one-process reference, fp32)
 the run's precision: fp32, or bf16-params as FSDP2's MixedPrecisionPolicy). Rank 0
 writes OUT.json: per rank the largest |difference| of its rows' logits, the largest relative difference of every
 gathered gradient from the reference's, the elements of the routed experts' weights it stores at rest, gathered for
-compute, and all of them, and the mean loss over ranks beside the reference's.
+compute, and all of them, their placements, and the mean loss over ranks beside the reference's.
 """
 from __future__ import annotations
 
@@ -65,6 +65,8 @@ def main() -> None:
         gfull = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         grads[name] = float((gfull - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30))
     local, full = local_expert_numel(model)  # at rest
+    placements = sorted({str(tuple(p.placements)) for n, p in model.named_parameters() if n.endswith("_proj")
+                         and ".experts." in n})  # the experts' FSDP2 (and EP) placements as sharded
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -76,7 +78,7 @@ def main() -> None:
     with torch.no_grad():
         logits = model(input_ids=x[rows], use_cache=False).logits
     mine = {"rank": info.rank, "logits": float((logits - ref_logits).abs().max()), "grads": grads,
-            "expert_local": local, "expert_gathered": gathered, "expert_full": full,
+            "expert_local": local, "expert_gathered": gathered, "expert_full": full, "expert_placements": placements,
             "loss": float(D.reduce_mean(loss.detach(), info)), "ref_loss": float(ref_loss)}
     ranks = D.gather_objects(mine, info)
     if info.is_main:

@@ -238,9 +238,10 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
     reduced in fp32 into the fp32 sharded master parameters the optimizer steps (the modules marked
     `keeps_fp32_params`, the MoE routers, in groups of their own gathered in fp32). `meshes` (device_meshes): HSDP on
     the (replicate, shard) mesh; under expert parallelism (experts already sharded over `meshes.ep`) the experts get
-    their own FSDP2 group over `meshes.expert_dp` first, which the decoder layers' groups then leave out. `gather`
-    (fsdp_policy.GatherPolicy): when the groups free their gathered parameters and what they prefetch; None: FSDP2's
-    own defaults."""
+    their own FSDP2 group over `meshes.expert_dp` first, which the decoder layers' groups then leave out; either way
+    the experts' fused tensors are placed by expert_parallel.expert_placements (whole experts, or split on dim 1
+    where the ranks would pad them). `gather` (fsdp_policy.GatherPolicy): when the groups free their gathered
+    parameters and what they prefetch; None: FSDP2's own defaults."""
     if not info.distributed:
         return model
     if info.mode == "ddp":
@@ -253,19 +254,22 @@ def wrap(model: nn.Module, info: DistInfo, layers: list[nn.Module], precision: s
         kw = {}
         if precision == "bf16-params":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if meshes is not None and meshes.ep is not None:
-            from .expert_parallel import shard_experts
+        from .expert_parallel import expert_placements, shard_experts
 
+        ep = meshes is not None and meshes.ep is not None
+        if ep:
             shard_experts(model, meshes.expert_dp, **kw)
         if meshes is not None:
             kw["mesh"] = meshes.dp
+        shard = meshes.dp.size(meshes.dp.ndim - 1) if meshes is not None else info.world_size  # the sharding dim
+        layer_kw = kw if ep else {**kw, "shard_placement_fn": expert_placements(model, shard)}  # experts in the layer
         if precision == "bf16-params":  # modules that compute from fp32 weights (the MoE routers): own fp32 groups
             fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
                                         cast_forward_inputs=False)  # their inputs keep the bf16 activations' dtype
             for module in fp32_modules(model):
                 fully_shard(module, **{**kw, "mp_policy": fp32})
         for layer in layers:
-            fully_shard(layer, **kw)
+            fully_shard(layer, **layer_kw)
         fully_shard(model, **kw)  # the root: tied embedding/head stay together in this group
         if gather is not None:
             from .fsdp_policy import apply

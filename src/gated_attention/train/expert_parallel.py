@@ -18,7 +18,11 @@ Applied to a built model (the model itself stays single-device code, moe.py):
     process, so outputs agree to the bit and weight gradients up to float summation order.
   * `shard_experts(model, mesh, **fsdp_kw)`: FSDP2 over the rest of each shard group (`efsdp` = shard group / E
     ranks, torchtitan's layout; with replicas, HSDP over (dp_replicate, efsdp)) on the experts only, before the
-    decoder layers are wrapped (which then leave the experts out).
+    decoder layers are wrapped (which then leave the experts out). Its placement (`expert_placements`, the rule
+    parallel_dims.expert_shard_dim): whole local experts (Shard(0)) where efsdp divides the E_l of them, else
+    Shard(1) (each expert's 2I rows of gate_up_proj, d rows of down_proj split over efsdp; dim 2 where dim 1 does
+    not divide), so a rank stores 1 / (shard group) of the experts with no padding. Without expert parallelism the
+    experts sit in their decoder layer's group (train/dist.py: wrap) under the same rule over the shard group.
   * the gradient's scale: each rank's loss is the mean over its own tokens and FSDP2 averages over the data-parallel
     ranks, but an expert's weight gradient already sums the rows of all E ranks of its group (the all-to-all's
     backward brings them) while its FSDP2 group averages over the other world / E ranks only; the local weights are
@@ -44,11 +48,9 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from ..moe import MoeExperts, expert_counts, grouped_matmul, moe_blocks, recorded
-from .parallel_dims import ParallelDims
+from .parallel_dims import ParallelDims, expert_shard_dim
 
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # MoeExperts' fused per-expert tensors, sharded on dim 0
-
-
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # MoeExperts' fused per-expert tensors, sharded on dim 0 over EP
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -147,16 +149,29 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> int:
     return len(blocks)
 
 
+def expert_placements(model: nn.Module, degree: int):
+    """fully_shard's `shard_placement_fn` for FSDP2 over `degree` ranks: each MoE block's fused expert tensors on
+    the dim parallel_dims.expert_shard_dim picks for their local shape (E_l, ., .); every other parameter None
+    (FSDP2's default, Shard(0))."""
+    from torch.distributed.tensor import Shard
+
+    dims = {id(p): expert_shard_dim(tuple(_local(p).shape), degree)
+            for _, block in moe_blocks(model) for p in (getattr(block.experts, n) for n in EXPERT_WEIGHTS)}
+    return lambda p: Shard(dims[id(p)]) if id(p) in dims else None
+
+
 def shard_experts(model: nn.Module, mesh, **fsdp_kw) -> None:
-    """FSDP2 on each expert-parallel experts module over `mesh` (the experts' data-parallel ranks), its two forwards
-    registered with FSDP2 (the MoE block calls them directly, not through __call__)."""
+    """FSDP2 on each expert-parallel experts module over `mesh` (the experts' data-parallel ranks; its last dim
+    shards, a first one replicates under HSDP) placed by `expert_placements`, its two forwards registered with FSDP2
+    (the MoE block calls them directly, not through __call__)."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
+    placement = expert_placements(model, mesh.size(mesh.ndim - 1))
     for _, block in moe_blocks(model):
         experts = block.experts
         if not isinstance(experts, ExpertParallelExperts):
             continue
-        fully_shard(experts, mesh=mesh, **fsdp_kw)
+        fully_shard(experts, mesh=mesh, shard_placement_fn=placement, **fsdp_kw)
         for method in ("forward_grouped", "forward_loop"):
             register_fsdp_forward_method(experts, method)
 

@@ -6,11 +6,11 @@ no rank ever holds the whole model there.
 The init stream is Hugging Face's own: `_init_weights` module by module in `PreTrainedModel.initialize_weights`'
 post-order, from `torch.manual_seed(cfg.seed)`. It is replayed on a *twin*, a second meta build of the unsharded
 model: one module at a time, the twin's own parameters and buffers get full-size temporaries, `_init_weights` fills
-them (the same draws, in the same order, whatever the mode), each rank copies its rows (FSDP2 shards dim 0 in
-`torch.chunk` pieces) into its local shard — in one process and under DDP, the whole tensor — and the temporaries
-go. The temporaries live on the device the rank trains on, so a GPU rank draws its init there (the device's own
-generator, seeded by the same `torch.manual_seed`) and copies its rows without a trip through host memory; no rank
-draws on the CPU for a GPU model.
+them (the same draws, in the same order, whatever the mode), each rank copies its block (FSDP2 shards dim 0 in
+`torch.chunk` pieces; the routed experts dim 1 where whole experts would pad) into its local shard — in one process
+and under DDP, the whole tensor — and the temporaries go. The temporaries live on the device the rank trains on, so
+a GPU rank draws its init there (the device's own generator, seeded by the same `torch.manual_seed`) and copies its
+block without a trip through host memory; no rank draws on the CPU for a GPU model.
 The largest temporary is one module's own parameters (the embedding, a layer's experts), never the model; RNG draws
 are identical on every rank, in every mode and at every world size, so a seed gives the same weights in one process,
 under DDP and under FSDP2 on one kind of device (tested on CPU: one process, DDP and FSDP2 at 2 ranks, gathered and
@@ -51,8 +51,9 @@ def _post_order(module: nn.Module, path: str = ""):
 def local_index(dst, shape) -> tuple[slice, ...]:
     """The slices of a global tensor of `shape` that the DTensor `dst` holds on this rank, from its own mesh and
     placements: FSDP2's dim-0 Shard over every rank (torch.chunk pieces of ceil(rows / N) rows: the last ranks may
-    hold fewer or none), HSDP's (Replicate, Shard(0)) over the (replicate, shard) mesh, or the routed experts'
-    expert-parallel Shard(0) under FSDP2's strided dim-0 shard (train/expert_parallel.py): each a block of rows."""
+    hold fewer or none), HSDP's (Replicate, Shard(0)) over the (replicate, shard) mesh, the routed experts'
+    expert-parallel Shard(0) under FSDP2's strided dim-0 shard, or their Shard(1) where whole experts would pad
+    (train/expert_parallel.py: expert_placements): each a block of the global tensor."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local, offset = compute_local_shape_and_global_offset(tuple(shape), dst.device_mesh, dst.placements)
@@ -148,7 +149,7 @@ def init_model(cfg, vocab_size: int | None, device: torch.device) -> nn.Module:
 
 def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
     """Allocate `model` (meta, sharded) on `device` and fill every parameter and persistent buffer from the HF
-    safetensors folder `folder`, each rank reading only its rows (safetensors' lazy slices)."""
+    safetensors folder `folder`, each rank reading only its block (safetensors' lazy slices)."""
     from safetensors import safe_open
 
     from ..util.io import hf_weight_files
@@ -158,7 +159,7 @@ def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
     state.update(model.named_buffers())
     filled, unexpected, names = set(), [], set(model.state_dict())
     with torch.no_grad():
-        for f in hf_weight_files(folder):  # each file opened once; each tensor read as this rank's rows only
+        for f in hf_weight_files(folder):  # each file opened once; each tensor read as this rank's block only
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
                     dst = state.get(k)
@@ -171,11 +172,8 @@ def load_sharded(model: nn.Module, folder: str, device: torch.device) -> None:
                     if tuple(shape) != tuple(dst.shape):
                         raise ValueError(f"init_from={folder}: {k} has shape {tuple(shape)}, the model "
                                          f"{tuple(dst.shape)}; model.* overrides must not change a weight's shape")
-                    if hasattr(dst, "to_local") and shape:
-                        index = local_index(dst, shape)
-                        if any(ix != slice(0, n) for ix, n in zip(index[1:], shape[1:])):
-                            raise RuntimeError(f"{k}: a shard {index} that is not a block of rows")
-                        dst.to_local().copy_(sl[index[0].start:index[0].stop].to(dst.dtype))
+                    if hasattr(dst, "to_local") and shape:  # this rank's block (rows, or a dim > 0's slice)
+                        dst.to_local().copy_(sl[local_index(dst, shape)].to(dst.dtype))
                     else:
                         dst.copy_(sl[:].to(dst.dtype))
                     filled.add(k)

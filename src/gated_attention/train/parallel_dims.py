@@ -4,6 +4,9 @@
     world = dp_replicate x shard          (shard: the ranks of one FSDP2 shard group)
     shard = efsdp x expert_parallel       (efsdp: the ranks of the routed experts' own FSDP2 group)
 
+The routed experts' FSDP2 placement over their efsdp ranks (the same rule without expert parallelism, where efsdp is
+the shard group) is `expert_shard_dim`, which the trainer (train/expert_parallel.py) and the plan both call.
+
 Every check of these degrees is a `ParallelDims` built where what it needs is known: `TrainConfig.check_world`
 (the world size: the mesh), `overrides.check_model` (the model's experts, before the world is known), the plan (both)
 and `expert_parallel.apply_expert_parallel` (the experts of the model being sharded). A layout that does not hold
@@ -83,3 +86,14 @@ class ParallelDims:
             valid = [e for e in range(1, n + 1) if n % e == 0]
             raise ValueError(f"expert_parallel={E} does not divide the {n} routed experts (each rank holds "
                              f"num_experts / E whole experts); use one of {valid}")
+
+
+def expert_shard_dim(shape: tuple[int, ...], degree: int) -> int:
+    """The dim FSDP2 shards a routed experts' fused tensor of local shape (E_l, a, b) on over its `degree` ranks
+    (`gate_up_proj` (E_l, 2I, d), `down_proj` (E_l, d, I)): 0, whole experts, where degree divides the E_l experts;
+    else the first of dims 1, 2 that degree divides, else 0 padded. Why: whole experts pad nothing there and FSDP2
+    gathers dim 0 in place, but where the ranks outnumber (or do not divide) the experts dim 0 pads up to a whole
+    expert per rank (4x at 512 GPUs with expert_parallel=8) and FSDP2 shards a dim > 0 only evenly."""
+    if shape[0] % degree == 0:  # degree <= E_l and no remainder: ceil(E_l / degree) whole experts, none padded
+        return 0
+    return next((dim for dim in (1, 2) if shape[dim] % degree == 0), 0)

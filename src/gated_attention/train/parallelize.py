@@ -18,7 +18,9 @@ filled later: train/meta_init.py) -> `parallelize` -> the optimizer. `paralleliz
      are sharded over the ep dim with all-to-all dispatch before data parallelism, so FSDP then shards only what is
      left (torchtitan's order: TP, EP, then FSDP);
   6. data parallelism (train/dist.py: wrap): DDP, or FSDP2 with one group per decoder layer plus the root
-     (MixedPrecisionPolicy under bf16-params); under EP the experts first get their own FSDP2 group over efsdp;
+     (MixedPrecisionPolicy under bf16-params); under EP the experts first get their own FSDP2 group over efsdp; the
+     routed experts are placed whole, or split on dim 1 where their FSDP2 ranks would pad them (one rule:
+     parallel_dims.expert_shard_dim, which the plan uses too);
      hybrid sharding (`dp_replicate=R`, HSDP): the 2-D (replicate, shard) mesh handed to fully_shard in place of the
      flat process group; the memory decision's gather policy (train/fsdp_policy.py: when each group frees its
      gathered parameters, what it prefetches, whether they stay gathered across the micro-batches) set on the groups;

@@ -12,11 +12,12 @@
       params      the stored weights: fp32 (4 B); bf16-params in one process adds the bf16 compute copy (2 B,
                   train/mixed_precision.py); FSDP2 shards them over the ranks (4 B / N: the fp32 masters); with
                   replicas (HSDP, dp_replicate=R) over the N / R ranks of a shard group, and so grads and optimizer;
-                  the routed experts' fused (E, ., .) tensors are sharded on their expert dimension (FSDP2's
-                  Shard(0), what the trainer applies, with expert parallelism too: E_l = E / expert_parallel local
-                  experts over the experts' own FSDP2 group of N / (R expert_parallel) ranks), so a rank stores
-                  ceil(E_l / group) whole experts - more than its 1 / group share where the group outnumbers the
-                  experts (`expert_share`: padding; Shard(1) would store 1 / group);
+                  the routed experts' fused (E, ., .) tensors (E_l = E / expert_parallel local experts over the
+                  experts' own FSDP2 group of N / (R expert_parallel) ranks, the shard group without expert
+                  parallelism) are placed as the trainer places them (parallel_dims.expert_shard_dim): whole
+                  experts (Shard(0)) where the group divides the E_l experts, else split on dim 1 (Shard(1), or 2
+                  where only that divides): 1 / group of them per rank either way; where neither divides, ceil(E_l /
+                  group) whole experts, padded (`expert_share`);
       grads       fp32 gradients of the trainable parameters by the accumulation policy
                   (train.memory_decision, which the trainer follows): FSDP2 reduce-scattering every
                   micro-batch holds the sharded fp32 output (4 B / N); keeping whole gradients until the last
@@ -105,7 +106,7 @@ from . import fsdp_policy as FP
 from .config import TrainConfig, accum_for
 from . import plan_hardware
 from .memory_decision import GB, MemoryDecision, decide
-from .parallel_dims import ParallelDims
+from .parallel_dims import ParallelDims, expert_shard_dim
 from .plan_activations import (  # noqa: F401 - the activation model, re-exported: plan.activation_bytes, ...
     activation_bytes, checkpointed_layers, layer_activation_bytes, layer_kept_bytes, recompute_share,
     selective_layer_bytes, GATE_COEF, LAYER_COEF, REST_COEF, ROUTED_ALLOWANCE)
@@ -187,6 +188,7 @@ def sizes(model: nn.Module) -> dict:
             "experts": sum(p.numel() for p in expert_ps),  # the routed experts' weights (expert parallelism's part)
             "experts_trainable": sum(p.numel() for p in expert_ps if p.requires_grad),
             "layer_experts_max": max((sum(p.numel() for p in m.parameters()) for m in experts), default=0),
+            "expert_shapes": {n: tuple(p.shape) for n, p in experts[0].named_parameters()} if experts else {},
             "layers": per_layer, "layer_experts": layer_experts,  # per decoder layer: FSDP2's groups (the gathers)
             "moe_layers": len(experts)}
 
@@ -209,34 +211,38 @@ def _resolved(precision: str, dist: str) -> str:
     return precision
 
 
-def expert_share(config, n: int, ep: int = 1, shard_dim: int = 0) -> float:
+def expert_share(sz: dict, n: int, ep: int = 1) -> float:
     """The share of the routed experts' weights one rank of a shard group of `n` ranks stores (module docstring:
-    params): with `ep`-way expert parallelism E_l = E / ep experts over the experts' own n / ep ranks; on the expert
-    dimension (shard_dim 0, FSDP2's Shard(0), what the trainer does) each rank holds ceil(E_l / (n / ep)) whole
-    experts - padding where the group outnumbers them; on dimension 1 (Shard(1)) 1 / n of them."""
-    E = config.num_experts or 0
-    if n <= 1 or not E:
+    params), padding included: with `ep`-way expert parallelism E_l = E / ep experts over the experts' own n / ep
+    ranks, each fused tensor (`sizes`' expert_shapes) on the dim parallel_dims.expert_shard_dim picks, as the
+    trainer shards it."""
+    shapes = list(sz["expert_shapes"].values())
+    if n <= 1 or not shapes:
         return 1.0 / max(n, 1)
-    if shard_dim == 1:
-        return 1.0 / n
-    return math.ceil((E // ep) / (n // ep)) / E
+    group = n // ep
+    stored = 0
+    for E, a, b in shapes:
+        local = (E // ep, a, b)
+        dim = expert_shard_dim(local, group)
+        stored += math.prod(local) // local[dim] * math.ceil(local[dim] / group)  # FSDP2 pads every rank's chunk
+    return stored / sum(math.prod(s) for s in shapes)
 
 
 def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpointing: str, tokens: int,
            fused_loss: bool = True, device: str = "cuda", unsharded_grads: bool = False, stats: bool = False,
-           eval_tokens: int = 0, replicate: int = 1, ep: int = 1, gathered_layers: int = 2, expert_shard: int = 0,
+           eval_tokens: int = 0, replicate: int = 1, ep: int = 1, gathered_layers: int = 2,
            gpu_memory_gb: float = 0.0) -> dict:
     """Bytes per rank by part (module docstring), in GB. unsharded_grads: FSDP2 keeps whole gradients across the
     micro-batches (train.memory_decision.decide said so); gathered_layers: decoder layers FSDP2 holds gathered at
     once (train.fsdp_policy.peak_gathered_layers). replicate (HSDP): the state is sharded over a shard
     group of world / replicate ranks; ep: the routed experts are sharded over ep ranks x the experts' own FSDP2 over
-    the rest of the shard group (`expert_share`, on dimension `expert_shard`), and a layer's gathered experts are
+    the rest of the shard group (`expert_share`, placed as the trainer places them), and a layer's gathered experts are
     1 / ep of them; gpu_memory_gb: the device's memory, of which a GPU keeps MARGIN_FRACTION free (`margin`)."""
     P, Pt, X, Xt = sz["total"], sz["trainable"], sz["experts"], sz["experts_trainable"]
     sharded = dist == "fsdp" and world > 1
     one_process = world == 1
     n = world // replicate if sharded else 1
-    share = expert_share(config, n, ep, expert_shard)
+    share = expert_share(sz, n, ep)
     held, held_t = (P - X) / n + X * share, (Pt - Xt) / n + Xt * share  # what this rank stores
     whole_t = Pt - Xt * (1 - 1 / ep)  # this rank's whole gradients: under EP its own experts' only
     pd = 2 if precision == "bf16-params" else 4  # the dtype forward/backward see the parameters in
@@ -320,14 +326,12 @@ def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpoint
 
 def fsdp_groups(sz: dict, config, *, shard: int, ep: int) -> dict:
     """The parameters each FSDP2 group all-gathers (plan_comm.comm_per_step): the root's, each decoder layer's own
-    and, under EP, each layer's routed experts as their group of shard / ep ranks gathers them (E_l experts padded
-    to whole rows per rank: Shard(0)); without EP the experts are in their layer's group, padded over the shard
-    group."""
-    E = config.num_experts or 0
-    per_expert = [e / E if E else 0 for e in sz["layer_experts"]]
+    and, under EP, each layer's routed experts as their group of shard / ep ranks gathers them (its E_l experts,
+    padding included: `expert_share` x the group); without EP the experts are in their layer's group, gathered over
+    the shard group the same way."""
     group = max(1, shard // ep)
-    rows = math.ceil((E // ep) / group) * group if E else 0  # the gathered expert rows, padding included
-    padded = [x * rows for x in per_expert]
+    gathered = expert_share(sz, shard, ep) * group  # of a layer's experts: 1 / ep, more where they pad
+    padded = [x * gathered for x in sz["layer_experts"]]
     dense = [p - e for p, e in zip(sz["layers"], sz["layer_experts"])]
     if ep > 1:
         return {"root": sz["root"], "layers": dense, "experts": padded}
@@ -409,22 +413,27 @@ def plan_and_decide(cfg: TrainConfig, *, gpus: int | None = None, gpu_memory_gb:
                          "gathered_layers": FP.peak_gathered_layers(gather) if mode == "fsdp" else 0,
                          "dp_replicate": replicate, "expert_parallel": ep,
                          "experts_per_rank": (config.num_experts or 0) // ep,
-                         "expert_sharding": _expert_sharding(config, mode, shard, ep),
+                         "expert_sharding": _expert_sharding(sz, mode, shard, ep),
                          "memory_margin_fraction": MARGIN_FRACTION if device == "cuda" else 0.0,
                          "routed_allowance": ROUTED_ALLOWANCE if ep > 1 else 1.0,
                          "steps": cfg.steps, "fast": cfg.fast, "vocab_size": config.vocab_size}}, decision
 
 
-def _expert_sharding(config, mode: str, shard: int, ep: int) -> str:
-    """How the plan stores the routed experts (module docstring: params), in words."""
-    E = config.num_experts or 0
-    if not E or mode != "fsdp" or shard <= 1:
-        return "none" if not E else "whole"
-    group, local = shard // ep, E // ep
+def _expert_sharding(sz: dict, mode: str, shard: int, ep: int) -> str:
+    """How the plan stores the routed experts (module docstring: params; the trainer's placement), in words."""
+    shapes = sz["expert_shapes"]
+    if not shapes or mode != "fsdp" or shard <= 1:
+        return "none" if not shapes else "whole"
+    group = shard // ep
+    dims = {n: expert_shard_dim((E // ep, a, b), group) for n, (E, a, b) in shapes.items()}
+    local = next(iter(shapes.values()))[0] // ep
+    same = set(dims.values())
+    placement = f"Shard({same.pop()})" if len(same) == 1 else ", ".join(f"{n} Shard({d})" for n, d in dims.items())
     rows = math.ceil(local / group)
-    padded = f"padded: {rows} whole expert(s) per rank, not {local / group:.3g}" if rows * group > local else \
+    whole = f"padded: {rows} whole expert(s) per rank, not {local / group:.3g}" if rows * group > local else \
         f"{rows} per rank"
-    return f"Shard(0): {local} expert(s) over {group} rank(s), {padded}"
+    how = [f"each split {group} ways, not padded"] * any(dims.values()) + [whole] * (0 in dims.values())
+    return f"{placement}: {local} expert(s) over {group} rank(s), {'; '.join(how)}"
 
 
 def _dims(cfg: TrainConfig, gpus: int, config) -> ParallelDims:
@@ -503,8 +512,8 @@ def format_plan(p: dict, preset: str) -> str:
                      f"{c['all_gathers']} all-gathers per step ({c['all_gather_gb']:.3g} GB), "
                      f"{s['gathered_layers']} layer(s) gathered at once")
         if s["expert_sharding"] not in ("none", "whole"):
-            lines.append(f"  experts         {s['expert_sharding']} (the trainer's FSDP2 placement; Shard(1) would "
-                         "not pad)")
+            lines.append(f"  experts         {s['expert_sharding']} (the trainer's FSDP2 placement: whole experts "
+                         "where the ranks divide them, else split on dim 1)")
     lines.append(f"  assumed bandwidth: {s['assumed_bandwidth']}")
     parts = ", ".join(f"{name} {c[key + '_seconds']:.3g}" for name, key in (
         ("all-gather", "all_gather"), ("reduce-scatter", "reduce"), ("all-reduce", "all_reduce"),
