@@ -163,10 +163,11 @@ def cpu_kind(isa: list[str]) -> str:
 
 
 def write_json(name: str, obj) -> Path:
-    """Atomic write of bench/results/<name>.json (a crash never leaves a half-written result)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    fd, tmp = tempfile.mkstemp(dir=RESULTS, prefix=f".{name}.", suffix=".tmp")
+    """Atomic write of bench/results/<name>.json, or of `name` itself when it is a path (holds a "/" or ends in
+    .json); a crash never leaves a half-written result."""
+    path = Path(name) if "/" in name or name.endswith(".json") else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(obj, f, indent=1)
     os.chmod(tmp, 0o644)  # mkstemp makes 0600; results are for everyone to read
