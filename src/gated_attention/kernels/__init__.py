@@ -4,3 +4,7 @@ triton_attention.py (launch, masks, autograd; imported only when that backend ru
 `@triton.jit` code, imported on first use: importing Triton costs seconds). Interpreter-tested on CPU
 (TRITON_INTERPRET=1); every kernel has a plain reference in the tests.
 """
+
+# The fused kernel's forward as a registered torch op (triton_attention.py registers it when the backend is first
+# used: registering imports Triton). Selective activation checkpointing keeps its outputs by this name.
+FLASH_ATTENTION_OP = "gated_attention::flash_attention"

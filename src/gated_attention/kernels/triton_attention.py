@@ -27,6 +27,8 @@ import weakref
 
 import torch
 
+from . import FLASH_ATTENTION_OP
+
 TRITON_PIN = "triton==3.7.1"  # the release torch==2.13.0's CUDA wheels pair with
 
 
@@ -245,7 +247,7 @@ def _gate_mode(gate_logits: torch.Tensor | None, d: int) -> int:
     return 0 if gate_logits is None else (2 if gate_logits.shape[-1] == 1 and d != 1 else 1)
 
 
-@torch.library.triton_op("gated_attention::flash_attention", mutates_args=())
+@torch.library.triton_op(FLASH_ATTENTION_OP, mutates_args=())
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor | None,
                     key_valid: torch.Tensor | None, dense: torch.Tensor | None, causal: bool, offset: int,
                     scaling: float, gate_scale: float, blocks: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,7 +271,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate_logi
     return out, lse
 
 
-@torch.library.triton_op("gated_attention::flash_attention_backward", mutates_args=())
+@torch.library.triton_op(f"{FLASH_ATTENTION_OP}_backward", mutates_args=())
 def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              gate_logits: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
                              key_valid: torch.Tensor | None, dense: torch.Tensor | None, causal: bool, offset: int,
