@@ -11,6 +11,10 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is first imported (see test_triton_attention.py)
 
 import copy  # noqa: E402
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -175,3 +179,29 @@ def test_selective_checkpointing_keeps_the_kernel_output(compiled, monkeypatch):
     for mode in ("selective", "full"):
         for name, g in grads["none"].items():
             torch.testing.assert_close(grads[mode][name], g, rtol=1e-6, atol=1e-7, msg=f"{mode} {name}")
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_aot_graphs_hold_the_kernel_launches_on_a_gpu_and_the_op_under_the_interpreter(interpret):
+    """AOT autograd's forward and backward graphs of the op (tests/probes/triton_op_trace.py, its own process, fake
+    tensors). Without the interpreter -- the GPU's path, traced here without a GPU -- the op is replaced by its kernel
+    launches (wrap_triton), each writing only its own outputs (torch's analysis of the Triton IR for sm_90): forward
+    the one forward kernel, backward the three backward kernels; the gate's gradient only when gated. Under the
+    interpreter the graphs hold the ops whole (its kernels cannot be traced into)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_INTERPRET"] = interpret
+    probe = Path(__file__).parent / "probes" / "triton_op_trace.py"
+    for gate in ("elementwise", "none"):
+        res = subprocess.run([sys.executable, str(probe), gate], capture_output=True, text=True, env=env, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        found = json.loads(res.stdout.splitlines()[-1])
+        assert found["interpreted"] == (interpret == "1")
+        forward, backward = found["graphs"]
+        if interpret == "1":
+            assert (forward, backward) == ({"launches": [], "ops": ["gated_attention.flash_attention.default"]},
+                                           {"launches": [], "ops": ["gated_attention.flash_attention_backward.default"]})
+            continue
+        assert forward == {"launches": [["_fwd_kernel", ["Lse", "Out"]]], "ops": []}
+        pre = ["DG", "DOE", "Delta"] if gate != "none" else ["Delta"]
+        assert backward == {"launches": [["_bwd_preprocess", pre], ["_bwd_dkdv", ["DK", "DV"]], ["_bwd_dq", ["DQ"]]],
+                            "ops": []}
