@@ -9,12 +9,15 @@ kernel's epilogue, so the ungated attention output never leaves registers: the o
 the gated output, which is also all the backward needs (see triton_jit.py). Causal, GQA (KV heads shared by
 H // KV query heads, no repeat_kv copy), key/left padding and arbitrary boolean masks; head_dim any size (padded to a
 power of two >= 16 inside the kernel); any sequence length (edge tiles are masked). Forward and backward are Triton
-kernels wrapped in one torch.autograd.Function; gradients flow to q, k, v and the gate logits.
+kernels behind two registered torch ops (`gated_attention::flash_attention` and its backward: torch.library.triton_op,
+with fake implementations and the forward's autograd), so torch.compile traces through them and dispatch modes
+(selective activation checkpointing) see one op; gradients flow to q, k, v and the gate logits.
 
 Masks follow the model's (transformers') conventions, as the sdpa kernel receives them: None = upper-left causal when
 T > 1 (no mask when T == 1); a 4-D boolean (or 0/-inf additive) (B|1, 1|H, T, S) mask otherwise. A mask that is
 "causal (upper-left or bottom-right) AND a per-sequence key mask" -- what padding and KV caches produce -- is reduced
-once per forward to a per-key byte vector, keeping the causal block skipping; any other mask is read tile by tile.
+once per forward to a per-key byte vector, keeping the causal block skipping; any other mask, and under torch.compile
+every mask tensor (that reduction depends on its values), is read tile by tile.
 
 It runs on a CUDA GPU, or on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before Triton compiles
 the kernels; slow, for tests). Anything else fails with one line saying what to do. The plain references are the
@@ -239,8 +242,8 @@ def _bwd_outputs(q: torch.Tensor, k: torch.Tensor, gate_logits: torch.Tensor | N
     return dq, dk, dv, dg
 
 
-def _plan(causal: bool, offset: int, key_valid: torch.Tensor | None, dense: torch.Tensor | None) -> MaskPlan:
-    return MaskPlan(causal, offset, key_valid=key_valid, dense=dense)
+def _blocks(blocks: list[int] | None) -> tuple[int, int] | None:
+    return None if blocks is None else (int(blocks[0]), int(blocks[1]))
 
 
 def _gate_mode(gate_logits: torch.Tensor | None, d: int) -> int:
@@ -258,7 +261,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate_logi
     cfg = launch_config(_d_pad(d), interpreted(), _blocks(blocks), q.element_size())
     out, lse = _fwd_outputs(q, k)
     out_v = out.transpose(1, 2)  # (B, H, T, D) view for the kernel's (b, h, m, d) strides
-    plan = _plan(causal, offset, key_valid, dense)
+    plan = MaskPlan(causal, offset, key_valid=key_valid, dense=dense)
     kv, kv_st, dmask, dense_st = _mask_args(plan, q.new_empty(1, dtype=torch.uint8))
     g = gate_logits if gate_logits is not None else q
     bm, bn, warps, stages = cfg["fwd"]
@@ -293,7 +296,7 @@ def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         out_v, dout_v, g, dg if gate_mode else g, doe, delta, *out_v.stride(), *dout_v.stride(),
         *_gate_strides(gate_logits), *_gate_strides(dg if gate_mode else None), *doe.stride(), h, t, gate_scale,
         HEAD_DIM=d, D_PAD=dpad, BLOCK_M=bm, GATE=gate_mode, num_warps=warps)
-    plan = _plan(causal, offset, key_valid, dense)
+    plan = MaskPlan(causal, offset, key_valid=key_valid, dense=dense)
     kv, kv_st, dmask, dense_st = _mask_args(plan, q.new_empty(1, dtype=torch.uint8))
     common = dict(HEAD_DIM=d, D_PAD=dpad, CAUSAL=causal, HAS_KV=key_valid is not None, HAS_DENSE=dense is not None,
                   PRECISION=_precision(q.dtype))
@@ -359,9 +362,6 @@ def _backward(ctx, dout, _dlse):
 flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _blocks(blocks: list[int] | None) -> tuple[int, int] | None:
-    return None if blocks is None else (int(blocks[0]), int(blocks[1]))
-
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -423,5 +423,5 @@ def triton_gated_kernel(module, q, k, v, mask, scaling, dropout=0.0, gate_logits
     return gated_flash_attention(q, k, v, mask, scaling, gate_logits, gate_scale), None
 
 
-__all__ = ["gated_flash_attention", "triton_gated_kernel", "plan_mask", "launch_config", "interpreted",
+__all__ = ["gated_flash_attention", "flash_attention", "triton_gated_kernel", "plan_mask", "launch_config", "interpreted",
            "check_device", "compile_for_gpu", "TRITON_PIN"]
