@@ -30,9 +30,7 @@ import weakref
 
 import torch
 
-from . import FLASH_ATTENTION_OP
-
-TRITON_PIN = "triton==3.7.1"  # the release torch==2.13.0's CUDA wheels pair with
+from . import FLASH_ATTENTION_OP, TRITON_PIN
 
 
 def _kernels():
