@@ -9,12 +9,15 @@ kernel's epilogue, so the ungated attention output never leaves registers: the o
 the gated output, which is also all the backward needs (see triton_jit.py). Causal, GQA (KV heads shared by
 H // KV query heads, no repeat_kv copy), key/left padding and arbitrary boolean masks; head_dim any size (padded to a
 power of two >= 16 inside the kernel); any sequence length (edge tiles are masked). Forward and backward are Triton
-kernels wrapped in one torch.autograd.Function; gradients flow to q, k, v and the gate logits.
+kernels behind two registered torch ops (`gated_attention::flash_attention` and its backward: torch.library.triton_op,
+with fake implementations and the forward's autograd), so torch.compile traces through them and dispatch modes
+(selective activation checkpointing) see one op; gradients flow to q, k, v and the gate logits.
 
 Masks follow the model's (transformers') conventions, as the sdpa kernel receives them: None = upper-left causal when
 T > 1 (no mask when T == 1); a 4-D boolean (or 0/-inf additive) (B|1, 1|H, T, S) mask otherwise. A mask that is
 "causal (upper-left or bottom-right) AND a per-sequence key mask" -- what padding and KV caches produce -- is reduced
-once per forward to a per-key byte vector, keeping the causal block skipping; any other mask is read tile by tile.
+once per forward to a per-key byte vector, keeping the causal block skipping; any other mask, and under torch.compile
+every mask tensor (that reduction depends on its values), is read tile by tile.
 
 It runs on a CUDA GPU, or on CPU tensors under Triton's interpreter (`TRITON_INTERPRET=1` set before Triton compiles
 the kernels; slow, for tests). Anything else fails with one line saying what to do. The plain references are the
@@ -27,7 +30,7 @@ import weakref
 
 import torch
 
-TRITON_PIN = "triton==3.7.1"  # the release torch==2.13.0's CUDA wheels pair with
+from . import FLASH_ATTENTION_OP, TRITON_PIN
 
 
 def _kernels():
@@ -78,6 +81,10 @@ _last_plan: list = [None]  # (weakref to the mask, its version, shape key, plan)
 def plan_mask(mask: torch.Tensor | None, b: int, h: int, t: int, s: int) -> MaskPlan:
     if mask is None:
         return MaskPlan(causal=t > 1)  # transformers' convention, as the sdpa kernel: upper-left causal
+    if torch.compiler.is_compiling():
+        # traced: choosing a plan from the mask's values would break the graph (a data-dependent branch per check),
+        # so the mask is read as it is, tile by tile (correct for any mask, without causal block skipping)
+        return MaskPlan(False, dense=_bool_mask(mask, b, h, t, s, traced=True).to(torch.uint8))
     key = (mask._version, b, h, t, s)
     cached = _last_plan[0]
     if cached is not None and cached[0]() is mask and cached[1] == key:
@@ -87,16 +94,28 @@ def plan_mask(mask: torch.Tensor | None, b: int, h: int, t: int, s: int) -> Mask
     return plan
 
 
-def _plan_mask(mask: torch.Tensor, b: int, h: int, t: int, s: int) -> MaskPlan:
+_ALIBI = ("triton_gated: the additive attention mask has values other than 0 and -inf/min (a bias such as ALiBi); "
+          "the kernel supports masks only: use attn_implementation='sdpa'")
+
+
+def _bool_mask(mask: torch.Tensor, b: int, h: int, t: int, s: int, traced: bool = False) -> torch.Tensor:
+    """The mask checked against (B, H, T, S) and as booleans (True = attend)."""
     if mask.dim() != 4 or mask.shape[-2:] != (t, s) or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, h):
         raise ValueError(f"triton_gated: attention mask of shape {tuple(mask.shape)} does not broadcast to "
                          f"(B={b}, H={h}, T={t}, S={s}); pass a 4-D (B|1, 1|H, T, S) mask or None")
-    if mask.dtype != torch.bool:
-        neg = torch.finfo(mask.dtype).min / 2
-        if not bool(((mask == 0) | (mask <= neg)).all()):
-            raise ValueError("triton_gated: the additive attention mask has values other than 0 and -inf/min "
-                             "(a bias such as ALiBi); the kernel supports masks only: use attn_implementation='sdpa'")
-        mask = mask == 0
+    if mask.dtype == torch.bool:
+        return mask
+    neg = torch.finfo(mask.dtype).min / 2
+    only_mask = ((mask == 0) | (mask <= neg)).all()
+    if traced:
+        torch._assert_async(only_mask, _ALIBI)  # checked when the graph runs, not while it is traced
+    elif not bool(only_mask):
+        raise ValueError(_ALIBI)
+    return mask == 0
+
+
+def _plan_mask(mask: torch.Tensor, b: int, h: int, t: int, s: int) -> MaskPlan:
+    mask = _bool_mask(mask, b, h, t, s)
     if mask.shape[1] == 1:
         m = mask[:, 0]  # (B|1, T, S)
         key_valid = m.any(dim=1)  # (B|1, S): keys some query sees; empty cache slots and padding are False
@@ -198,70 +217,147 @@ def compile_for_gpu(arch: int = 90, head_dim: int = 128, dtype: torch.dtype = to
     return out
 
 
-# --------------------------------------------------------------------------------------------------- autograd
-class _GatedFlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, gate_logits, plan: MaskPlan, scaling: float, gate_scale: float, blocks):
-        kern = _kernels()
-        bsz, h, t, d = q.shape
-        kvh, s = k.shape[1], k.shape[2]
-        gate_mode = 0 if gate_logits is None else (2 if gate_logits.shape[-1] == 1 and d != 1 else 1)
-        cfg = launch_config(_d_pad(d), interpreted(), blocks, q.element_size())
-        out = torch.empty(bsz, t, h, d, device=q.device, dtype=q.dtype)  # (B, T, H, D): o_proj's layout, no copy
-        out_v = out.transpose(1, 2)  # (B, H, T, D) view for the kernel's (b, h, m, d) strides
-        lse = torch.empty(bsz * h, t, device=q.device, dtype=torch.float32)
-        dummy = q.new_empty(1, dtype=torch.uint8)
-        kv, kv_st, dense, dense_st = _mask_args(plan, dummy)
-        g = gate_logits if gate_logits is not None else q
-        g_st = _gate_strides(gate_logits)
-        bm, bn, warps, stages = cfg["fwd"]
-        grid = (triton_cdiv(t, bm), bsz * h)
-        kern._fwd_kernel[grid](
-            q, k, v, g, out_v, lse, kv, dense, *q.stride(), *k.stride(), *v.stride(), *g_st, *out_v.stride(),
-            *kv_st, *dense_st, h, h // kvh, t, s, plan.offset, scaling, gate_scale,
-            HEAD_DIM=d, D_PAD=_d_pad(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=plan.causal,
-            HAS_KV=plan.key_valid is not None, HAS_DENSE=plan.dense is not None, GATE=gate_mode,
-            PRECISION=_precision(q.dtype), num_warps=warps, num_stages=stages)
-        ctx.save_for_backward(q, k, v, gate_logits, out, lse)
-        ctx.plan, ctx.scaling, ctx.gate_scale, ctx.cfg, ctx.gate_mode = plan, scaling, gate_scale, cfg, gate_mode
-        return out
+# --------------------------------------------------------------------------------------------------- the ops
+# The kernels are registered torch ops (torch.library.triton_op): torch.compile traces through them (no graph break),
+# dispatch modes see them as one op -- selective activation checkpointing keeps `flash_attention`'s outputs by name
+# (train/activation_checkpoint.py) -- and on a GPU AOT autograd sees the kernel launches themselves (wrap_triton).
+# The mask arrives as its plan's parts (MaskPlan: causal, offset, key_valid, dense), the block override as a list.
+def _fwd_outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    bsz, h, t, d = q.shape
+    out = torch.empty(bsz, t, h, d, device=q.device, dtype=q.dtype)  # (B, T, H, D): o_proj's layout, no copy
+    return out, torch.empty(bsz * h, t, device=q.device, dtype=torch.float32)  # lse (B*H, T)
 
-    @staticmethod
-    def backward(ctx, dout):
-        kern = _kernels()
-        q, k, v, gate_logits, out, lse = ctx.saved_tensors
-        plan, cfg, gate_mode = ctx.plan, ctx.cfg, ctx.gate_mode
-        bsz, h, t, d = q.shape
-        kvh, s = k.shape[1], k.shape[2]
-        dpad = _d_pad(d)
-        out_v, dout_v = out.transpose(1, 2), dout.transpose(1, 2)  # (B, H, T, D) views
-        delta = torch.empty_like(lse)
-        g = gate_logits if gate_logits is not None else q
-        dg = torch.empty(g.shape, device=g.device, dtype=g.dtype) if gate_mode else None
-        doe = torch.empty(bsz, t, h, d, device=q.device, dtype=q.dtype).transpose(1, 2) if gate_mode else dout_v
-        bm, warps = cfg["pre"]
-        kern._bwd_preprocess[(triton_cdiv(t, bm), bsz * h)](
-            out_v, dout_v, g, dg if dg is not None else g, doe, delta, *out_v.stride(), *dout_v.stride(),
-            *_gate_strides(gate_logits), *_gate_strides(dg), *doe.stride(), h, t, ctx.gate_scale,
-            HEAD_DIM=d, D_PAD=dpad, BLOCK_M=bm, GATE=gate_mode, num_warps=warps)
-        dummy = q.new_empty(1, dtype=torch.uint8)
-        kv, kv_st, dense, dense_st = _mask_args(plan, dummy)
-        common = dict(HEAD_DIM=d, D_PAD=dpad, CAUSAL=plan.causal, HAS_KV=plan.key_valid is not None,
-                      HAS_DENSE=plan.dense is not None, PRECISION=_precision(q.dtype))
-        dq = torch.empty(bsz, t, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)  # (B, H, T, D) view
-        dk = torch.empty(bsz, s, kvh, d, device=k.device, dtype=k.dtype).transpose(1, 2)  # (B, KV, S, D) view
-        dv = torch.empty(bsz, s, kvh, d, device=v.device, dtype=v.dtype).transpose(1, 2)
-        bm, bn, warps, stages = cfg["dkdv"]
-        kern._bwd_dkdv[(triton_cdiv(s, bn), bsz * kvh)](
-            q, k, v, doe, lse, delta, dk, dv, kv, dense, *q.stride(), *k.stride(), *v.stride(), *doe.stride(),
-            *dk.stride(), *dv.stride(), *kv_st, *dense_st, h, kvh, h // kvh, t, s, plan.offset, ctx.scaling,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-        bm, bn, warps, stages = cfg["dq"]
-        kern._bwd_dq[(triton_cdiv(t, bm), bsz * h)](
-            q, k, v, doe, lse, delta, dq, kv, dense, *q.stride(), *k.stride(), *v.stride(), *doe.stride(),
-            *dq.stride(), *kv_st, *dense_st, h, h // kvh, t, s, plan.offset, ctx.scaling,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-        return dq, dk, dv, dg, None, None, None, None
+
+def _bwd_outputs(q: torch.Tensor, k: torch.Tensor, gate_logits: torch.Tensor | None):
+    bsz, h, t, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    dq = torch.empty(bsz, t, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)  # (B, H, T, D) view
+    dk = torch.empty(bsz, s, kvh, d, device=k.device, dtype=k.dtype).transpose(1, 2)  # (B, KV, S, D) view
+    dv = torch.empty(bsz, s, kvh, d, device=k.device, dtype=k.dtype).transpose(1, 2)
+    # the op returns tensors only: an ungated call's gate gradient is an empty tensor
+    dg = q.new_empty(0) if gate_logits is None else torch.empty(gate_logits.shape, device=q.device,
+                                                                dtype=gate_logits.dtype)
+    return dq, dk, dv, dg
+
+
+def _blocks(blocks: list[int] | None) -> tuple[int, int] | None:
+    return None if blocks is None else (int(blocks[0]), int(blocks[1]))
+
+
+def _gate_mode(gate_logits: torch.Tensor | None, d: int) -> int:
+    return 0 if gate_logits is None else (2 if gate_logits.shape[-1] == 1 and d != 1 else 1)
+
+
+@torch.library.triton_op(FLASH_ATTENTION_OP, mutates_args=())
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate_logits: torch.Tensor | None,
+                    key_valid: torch.Tensor | None, dense: torch.Tensor | None, causal: bool, offset: int,
+                    scaling: float, gate_scale: float, blocks: list[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel: (out (B, T, H, D), lse (B*H, T) fp32). Use gated_flash_attention, which checks inputs."""
+    kern = _kernels()
+    bsz, h, t, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    cfg = launch_config(_d_pad(d), interpreted(), _blocks(blocks), q.element_size())
+    out, lse = _fwd_outputs(q, k)
+    out_v = out.transpose(1, 2)  # (B, H, T, D) view for the kernel's (b, h, m, d) strides
+    plan = MaskPlan(causal, offset, key_valid=key_valid, dense=dense)
+    kv, kv_st, dmask, dense_st = _mask_args(plan, q.new_empty(1, dtype=torch.uint8))
+    g = gate_logits if gate_logits is not None else q
+    bm, bn, warps, stages = cfg["fwd"]
+    torch.library.wrap_triton(kern._fwd_kernel)[(triton_cdiv(t, bm), bsz * h)](
+        q, k, v, g, out_v, lse, kv, dmask, *q.stride(), *k.stride(), *v.stride(), *_gate_strides(gate_logits),
+        *out_v.stride(), *kv_st, *dense_st, h, h // kvh, t, s, offset, scaling, gate_scale,
+        HEAD_DIM=d, D_PAD=_d_pad(d), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, HAS_KV=key_valid is not None,
+        HAS_DENSE=dense is not None, GATE=_gate_mode(gate_logits, d), PRECISION=_precision(q.dtype),
+        num_warps=warps, num_stages=stages)
+    return out, lse
+
+
+@torch.library.triton_op(f"{FLASH_ATTENTION_OP}_backward", mutates_args=())
+def flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             gate_logits: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor,
+                             key_valid: torch.Tensor | None, dense: torch.Tensor | None, causal: bool, offset: int,
+                             scaling: float, gate_scale: float, blocks: list[int] | None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward kernels: (dq, dk, dv, d gate logits (empty when ungated)) from dout (B, T, H, D)."""
+    kern = _kernels()
+    bsz, h, t, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    dpad, gate_mode = _d_pad(d), _gate_mode(gate_logits, d)
+    cfg = launch_config(dpad, interpreted(), _blocks(blocks), q.element_size())
+    out_v, dout_v = out.transpose(1, 2), dout.transpose(1, 2)  # (B, H, T, D) views
+    delta = torch.empty_like(lse)
+    g = gate_logits if gate_logits is not None else q
+    dq, dk, dv, dg = _bwd_outputs(q, k, gate_logits)
+    doe = torch.empty(bsz, t, h, d, device=q.device, dtype=q.dtype).transpose(1, 2) if gate_mode else dout_v
+    bm, warps = cfg["pre"]
+    torch.library.wrap_triton(kern._bwd_preprocess)[(triton_cdiv(t, bm), bsz * h)](
+        out_v, dout_v, g, dg if gate_mode else g, doe, delta, *out_v.stride(), *dout_v.stride(),
+        *_gate_strides(gate_logits), *_gate_strides(dg if gate_mode else None), *doe.stride(), h, t, gate_scale,
+        HEAD_DIM=d, D_PAD=dpad, BLOCK_M=bm, GATE=gate_mode, num_warps=warps)
+    plan = MaskPlan(causal, offset, key_valid=key_valid, dense=dense)
+    kv, kv_st, dmask, dense_st = _mask_args(plan, q.new_empty(1, dtype=torch.uint8))
+    common = dict(HEAD_DIM=d, D_PAD=dpad, CAUSAL=causal, HAS_KV=key_valid is not None, HAS_DENSE=dense is not None,
+                  PRECISION=_precision(q.dtype))
+    bm, bn, warps, stages = cfg["dkdv"]
+    torch.library.wrap_triton(kern._bwd_dkdv)[(triton_cdiv(s, bn), bsz * kvh)](
+        q, k, v, doe, lse, delta, dk, dv, kv, dmask, *q.stride(), *k.stride(), *v.stride(), *doe.stride(),
+        *dk.stride(), *dv.stride(), *kv_st, *dense_st, h, kvh, h // kvh, t, s, offset, scaling,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    bm, bn, warps, stages = cfg["dq"]
+    torch.library.wrap_triton(kern._bwd_dq)[(triton_cdiv(t, bm), bsz * h)](
+        q, k, v, doe, lse, delta, dq, kv, dmask, *q.stride(), *k.stride(), *v.stride(), *doe.stride(),
+        *dq.stride(), *kv_st, *dense_st, h, h // kvh, t, s, offset, scaling,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    return dq, dk, dv, dg
+
+
+# Fake implementations: the outputs' shapes, dtypes and strides without running a kernel. (triton_op's default fake is
+# the op itself, which launches through wrap_triton: that traces on a GPU, but the interpreter needs real memory.)
+@flash_attention.register_fake
+def _flash_attention_fake(q, k, v, gate_logits, key_valid, dense, causal, offset, scaling, gate_scale, blocks):
+    return _fwd_outputs(q, k)
+
+
+@flash_attention_backward.register_fake
+def _flash_attention_backward_fake(dout, q, k, v, gate_logits, out, lse, key_valid, dense, causal, offset, scaling,
+                                   gate_scale, blocks):
+    return _bwd_outputs(q, k, gate_logits)
+
+
+def _keep_whole_under_interpreter(op) -> None:
+    """AOT autograd replaces a triton_op by its kernel launches (wrap_triton), which the interpreter cannot be traced
+    into (its kernels are plain Python): there the op stays one node of the compiled graph and runs as in eager."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    decompose = op._torch_dispatch_fns[FunctionalTensorMode]  # triton_op's own rule (torch is pinned)
+
+    @op.register_torch_dispatch(FunctionalTensorMode)
+    def _rule(mode, func, types, args, kwargs):
+        if interpreted():
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        return decompose(mode, func, types, args, kwargs)
+
+
+_keep_whole_under_interpreter(flash_attention)
+_keep_whole_under_interpreter(flash_attention_backward)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, gate_logits, key_valid, dense, causal, offset, scaling, gate_scale, blocks = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, gate_logits, out, lse, key_valid, dense)
+    ctx.causal, ctx.offset, ctx.scaling, ctx.gate_scale, ctx.blocks = causal, offset, scaling, gate_scale, blocks
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, gate_logits, out, lse, key_valid, dense = ctx.saved_tensors
+    dq, dk, dv, dg = flash_attention_backward(dout, q, k, v, gate_logits, out, lse, key_valid, dense, ctx.causal,
+                                              ctx.offset, ctx.scaling, ctx.gate_scale, ctx.blocks)
+    return dq, dk, dv, (dg if gate_logits is not None else None), None, None, None, None, None, None, None
+
+
+flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -276,7 +372,6 @@ def _gate_strides(g: torch.Tensor | None):
 
 
 # --------------------------------------------------------------------------------------------------- public API
-@torch.compiler.disable  # under torch.compile the kernel is one opaque call (a graph break), not traced
 def gated_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                           scaling: float | None = None, gate_logits: torch.Tensor | None = None,
                           gate_scale: float = 1.0, blocks: tuple[int, int] | None = None) -> torch.Tensor:
@@ -308,9 +403,14 @@ def gated_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
         # Triton's CPU interpreter computes bf16 tl.dot wrongly (triton-lang/triton#11584): there the kernel runs in
         # fp32 on the bf16 values and rounds its output to bf16, as sdpa_attention does on a CPU; a GPU runs bf16.
         g32 = None if gate_logits is None else gate_logits.float()
-        out = _GatedFlashAttention.apply(q.float(), k.float(), v.float(), g32, plan, scaling, float(gate_scale), blocks)
-        return out.to(torch.bfloat16)
-    return _GatedFlashAttention.apply(q, k, v, gate_logits, plan, scaling, float(gate_scale), blocks)
+        return _apply(q.float(), k.float(), v.float(), g32, plan, scaling, gate_scale, blocks).to(torch.bfloat16)
+    return _apply(q, k, v, gate_logits, plan, scaling, gate_scale, blocks)
+
+
+def _apply(q, k, v, gate_logits, plan: MaskPlan, scaling: float, gate_scale: float, blocks) -> torch.Tensor:
+    out, _ = flash_attention(q, k, v, gate_logits, plan.key_valid, plan.dense, plan.causal, plan.offset, scaling,
+                             float(gate_scale), None if blocks is None else list(blocks))
+    return out
 
 
 def triton_gated_kernel(module, q, k, v, mask, scaling, dropout=0.0, gate_logits=None, gate_scale=1.0, **kwargs):
@@ -321,5 +421,5 @@ def triton_gated_kernel(module, q, k, v, mask, scaling, dropout=0.0, gate_logits
     return gated_flash_attention(q, k, v, mask, scaling, gate_logits, gate_scale), None
 
 
-__all__ = ["gated_flash_attention", "triton_gated_kernel", "plan_mask", "launch_config", "interpreted",
+__all__ = ["gated_flash_attention", "flash_attention", "triton_gated_kernel", "plan_mask", "launch_config", "interpreted",
            "check_device", "compile_for_gpu", "TRITON_PIN"]

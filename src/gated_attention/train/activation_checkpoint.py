@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, _CachedTorchDispatchMode, checkpoint,
                                     create_selective_checkpoint_contexts)
 
+from ..kernels import FLASH_ATTENTION_OP
 from ..modeling import set_exact_checkpointing
 from .config import checkpointing_mode
 
@@ -25,17 +26,25 @@ def _aten_ops(*names: str) -> frozenset:
 
 
 # What `selective` keeps: the outputs of the GEMMs (the fused q/k/v/gate projection, o_proj, the SwiGLU's and the
-# experts' projections, the router) and of the attention kernel (its output and log-sum-exp). Everything between them
+# experts' projections, the router) and of the attention kernel (its output and log-sum-exp; for `triton_gated` the
+# gated output). Everything between them
 # (RMSNorm, QK-norm, RoPE, the gate's sigmoid and product, SiLU and the SwiGLU product, reshapes, casts, the MoE
 # sort/gather) is recomputed in backward from these: cheap elementwise work, ~half the bytes `none` keeps per layer.
 SELECTIVE_SAVES = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm",
                             "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+# ...and, by name, the `triton_gated` kernel's op, which exists only once that backend has run (kernels/__init__.py)
+SELECTIVE_SAVE_NAMES = frozenset({FLASH_ATTENTION_OP})
+
+
+def keeps(op) -> bool:
+    """True for the ops whose outputs `selective` keeps."""
+    return op in SELECTIVE_SAVES or (isinstance(op, torch._ops.OpOverload) and op.name() in SELECTIVE_SAVE_NAMES)
 
 
 def selective_policy(ctx, op, *args, **kwargs):
-    """torch.utils.checkpoint's per-op policy of `selective` (SELECTIVE_SAVES kept, the rest recomputed)."""
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVES else CheckpointPolicy.PREFER_RECOMPUTE
+    """torch.utils.checkpoint's per-op policy of `selective` (the ops `keeps` names kept, the rest recomputed)."""
+    return CheckpointPolicy.MUST_SAVE if keeps(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _RecomputeUnsaved(_CachedTorchDispatchMode):
@@ -47,7 +56,7 @@ class _RecomputeUnsaved(_CachedTorchDispatchMode):
     ep2-selective). torch's private class, as xformers subclasses it; torch is pinned."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func not in SELECTIVE_SAVES:
+        if not keeps(func):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -64,8 +73,8 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
     """Checkpoint the decoder layers in `layers` by `mode` (config.checkpointing_mode): "full" every layer keeps only
     its inputs in forward and recomputes itself in backward (torch.utils.checkpoint, non-reentrant); "every:N" the
     same for layers 0, N, 2N, ... only; "selective" every layer keeps its GEMM and attention outputs too
-    (SELECTIVE_SAVES, torch.utils.checkpoint's selective contexts) and recomputes the rest; "none" leaves them as they
-    are. Returns how many layers now checkpoint.
+    (`keeps`, torch.utils.checkpoint's selective contexts) and recomputes the rest; "none" leaves them as they are.
+    Returns how many layers now checkpoint.
 
     The hook is the decoder layer's own (transformers' GradientCheckpointingLayer, documented there: a
     `gradient_checkpointing` flag and the checkpoint function `_gradient_checkpointing_func`): it checkpoints the

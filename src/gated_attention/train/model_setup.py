@@ -34,7 +34,7 @@ def check_attn_implementation(name: str, device: torch.device) -> None:
     try:
         import triton  # noqa: F401
     except ImportError:
-        from gated_attention.kernels.triton_attention import TRITON_PIN
+        from gated_attention.kernels import TRITON_PIN  # not triton_attention: registering its ops imports Triton
 
         raise UserError(f"attn_implementation=triton_gated needs Triton: pip install '{TRITON_PIN}' (the 'kernel' "
                         "extra), or use --set attn_implementation=sdpa") from None
