@@ -139,7 +139,22 @@ def machine() -> dict:
     return {"cpu": cpu, "isa": isa, "cpu_kind": cpu_kind(isa), "bf16_gemm_speedup": P.bf16_speedup("cpu"),
             "arch": platform.machine(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "load_avg": os.getloadavg(), "clock": os.environ.get("BENCH_CLOCK", "wall"), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+            "load_avg": os.getloadavg(), "clock": os.environ.get("BENCH_CLOCK", "wall"), "utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "commit": _commit()}
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with "+dirty" when it has uncommitted changes), so a result names the code it timed."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
 
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")  # /proc/cpuinfo names
