@@ -66,7 +66,9 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (differentiable), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ExpertParallelExperts(MoeExperts):
@@ -84,7 +86,6 @@ class ExpertParallelExperts(MoeExperts):
         return _dispatch_compute_combine(self, h, top_i, top_w, False)
 
 
-@torch.compiler.disable  # host-read split sizes: compiled layers break their graph here
 def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, top_i: torch.Tensor,
                               top_w: torch.Tensor, use_grouped_mm) -> torch.Tensor:
     """h (N, d), top_i / top_w (N, k) -> (N, d): this rank's tokens through experts held across the group."""
@@ -102,9 +103,14 @@ def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, t
         return (got, *torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist())  # sizes (2, ep)
 
     got, send, recv = recorded(exchange)  # a checkpoint's recompute reuses its forward's: no second sync
+    # under torch.compile the sizes are unbacked symbols (train/fastpath.py's dynamo options): tell it what they are
+    for size in (*send, *recv):
+        torch._check(size >= 0)
+    torch._check(sum(send) == xs.shape[0])
     xr = funcol.all_to_all_single_autograd(xs, recv, send, group)  # (R, d) source-rank-major, expert-sorted inside
     # regroup by local expert, sources in rank order inside each (so an expert's rows are the global batch's order)
-    local_e = torch.repeat_interleave(torch.arange(n_local, device=got.device).repeat(ep), got.reshape(-1))  # (R,)
+    local_e = torch.repeat_interleave(torch.arange(n_local, device=got.device).repeat(ep), got.reshape(-1),
+                                      output_size=sum(recv))  # (R,)
     perm = torch.argsort(local_e, stable=True)  # (R,) expert-major position -> received row
     xe = xr[perm]  # (R, d)
     per_expert = got.sum(0)  # (E_l,)

@@ -48,6 +48,11 @@ COMPILE_COST_STEPS = 70.0  # cold compile of the layer graph (fwd + bwd) in eage
 COMPILE_COST_MIN_S = 30.0  # ...and never less than this (a tiny model's steps are fast, its compile is not)
 COMPILE_SAVING = 0.15  # share of the eager fast-path step compiling saves (measured 0.15-0.20, fp32 and bf16)
 AUTO_PROBE_STEPS = 2  # eager steps timed before auto decides (after one untimed warm-up step)
+# torch._dynamo settings the compiled layers are traced under (set while they run, not at import):
+# capture_scalar_outputs turns a host read of a device tensor (.tolist(): expert parallelism's all-to-all split sizes,
+# the per-expert matmul's group sizes) into unbacked symbolic sizes inside the graph instead of a graph break, as
+# torchtitan's compile does for token-choice MoE dispatch.
+DYNAMO_OPTIONS = {"capture_scalar_outputs": True}
 
 
 def compile_choice(value) -> str:
@@ -72,6 +77,11 @@ def compiler_missing(device: torch.device) -> str | None:
     except Exception as exc:  # no compiler found, or inductor unusable
         return f"no C++ compiler for inductor ({exc})"
     return None if shutil.which(cxx) or shutil.which(cxx.split()[0]) else f"no C++ compiler {cxx!r} on PATH"
+
+
+def dynamo_options():
+    """Context under which the compiled layers are traced (DYNAMO_OPTIONS)."""
+    return torch._dynamo.config.patch(**DYNAMO_OPTIONS)
 
 
 def compile_cost_s(eager_step_s: float) -> float:
@@ -132,7 +142,8 @@ class SpeedPlan:
         for layer in self.layers:  # an instance attribute shadows the class's forward; hooks stay outside the graph
             layer.forward = functools.partial(self.compiled_fn, layer)
         try:
-            yield
+            with dynamo_options():
+                yield
         finally:
             for layer in self.layers:
                 del layer.forward
