@@ -124,6 +124,22 @@ def test_ep_compiles_without_graph_breaks_and_equals_one_process(tmp_path):
           f"{max(max(r['grads'].values()) for r in ranks):.2e}")
 
 
+def test_selective_checkpoint_recompute_sends_no_all_to_all_again(tmp_path):
+    """The all-to-alls an EP=2 model's forward and backward dispatch (a counting dispatch mode; two MoE layers, each
+    three in forward: counts, rows out, rows back, and two in backward): under `selective` as many as without
+    checkpointing (its recompute is handed the forward's collective outputs), under `full` more (its recompute sends
+    the rows again: the positive control), with the same gradients in all three."""
+    calls = {}
+    for mode in ("none", "selective", "full"):
+        (tmp_path / mode).mkdir()
+        ranks = probe(tmp_path / mode, ["expert_parallel=2", f"activation_checkpointing={mode}"])
+        assert all(max(r["grads"].values()) < 1e-5 and r["logits"] == 0.0 for r in ranks)
+        assert len({r["all_to_all"] for r in ranks}) == 1
+        calls[mode] = ranks[0]["all_to_all"]
+    assert calls["selective"] == calls["none"] > 0 and calls["full"] > calls["none"], calls
+    print(f"all-to-alls in forward + backward at EP=2: {calls}")
+
+
 def test_fsdp_alone_gathers_every_expert(tmp_path):
     """The contrast: FSDP2 without EP stores half of the experts per rank but gathers all of them for compute."""
     ranks = probe(tmp_path, [])

@@ -111,11 +111,14 @@ def _in_backward() -> bool:
 
 class RoutingRecord(list):
     """One checkpointed call's record: an entry (top_i, global counts, global tokens) per MoE block call, in call
-    order, and in `exchanges` what each expert-parallel dispatch exchanged before its all-to-all (`recorded`)."""
+    order, and in `exchanges` what each expert-parallel dispatch exchanged before its all-to-all (`recorded`).
+    `keeps_collectives`: the checkpoint keeps collectives' outputs itself (`selective`), so only host reads are kept
+    here (a skipped collective would shift the recompute's place in the checkpoint's own record of op outputs)."""
 
-    def __init__(self):
+    def __init__(self, keeps_collectives: bool = False):
         super().__init__()
         self.exchanges: list = []
+        self.keeps_collectives = keeps_collectives
 
 
 class _Routing(threading.local):
@@ -140,10 +143,15 @@ def _routing(mode: str, entries: list):
         _ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange = saved
 
 
-def recorded(compute):
-    """`compute()` (an expert-parallel dispatch's exchange of counts and its host read of the split sizes), kept in a
-    recorded forward's RoutingRecord and taken from it in the recompute, which so exchanges and reads nothing again."""
-    mode, exchanges = _ROUTING.mode, getattr(_ROUTING.entries, "exchanges", None)
+def recorded(compute, collective: bool = False):
+    """`compute()` (an expert-parallel dispatch's exchange of counts, `collective`, or its host read of the split
+    sizes), kept in a recorded forward's RoutingRecord and taken from it in the recompute, which so exchanges and
+    reads nothing again. A collective under a checkpoint that keeps collectives' outputs itself runs in the recompute
+    too: it is handed the forward's output there, without communicating."""
+    mode, entries = _ROUTING.mode, _ROUTING.entries
+    exchanges = getattr(entries, "exchanges", None)
+    if collective and getattr(entries, "keeps_collectives", False):
+        exchanges = None
     if mode == "replay" and exchanges is not None:
         _ROUTING.next_exchange += 1
         return exchanges[_ROUTING.next_exchange - 1]

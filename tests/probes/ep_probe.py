@@ -9,7 +9,8 @@ Every rank builds the model from the same seed (the one-process reference, fp32)
 the run's precision: fp32, or bf16-params as FSDP2's MixedPrecisionPolicy). Rank 0
 writes OUT.json: per rank the largest |difference| of its rows' logits, the largest relative difference of every
 gathered gradient from the reference's, the elements of the routed experts' weights it stores at rest, gathered for
-compute, and all of them, and the mean loss over ranks beside the reference's.
+compute, and all of them, the mean loss over ranks beside the reference's, and (eager) how many all-to-alls its
+forward and backward dispatched.
 
 --compile: the wrapped model's training forward runs its decoder layers compiled as the trainer compiles them
 (train/fastpath.py's SpeedPlan, aot_eager backend: the same tracing, no C++ build); also written per rank:
@@ -24,6 +25,7 @@ import json
 import sys
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def main() -> None:
@@ -62,17 +64,21 @@ def main() -> None:
     ref_loss.backward()
     with torch.no_grad():
         ref_logits = ref(input_ids=x[rows], use_cache=False).logits  # (B/N, T, V)
-    mine, speed = {}, contextlib.nullcontext()
+    mine, count = {}, _CountAllToAll()
     if compiled:
         from gated_attention.train.fastpath import SpeedPlan
 
         mine = explain_moe_block(ref, meshes.ep, x[rows])
         plan = SpeedPlan(True, "false", 0, True, decoder_layers(model), info.device, backend="aot_eager")
         plan._enable("probe: compiled layers")
-        speed = plan.training_forward()
-    with speed:
-        loss = loss_of(model, x[rows], y[rows])
-    loss.backward()
+        with plan.training_forward():
+            loss = loss_of(model, x[rows], y[rows])
+        loss.backward()
+    else:
+        with count:  # forward and backward, the recompute of checkpointed layers included
+            loss = loss_of(model, x[rows], y[rows])
+            loss.backward()
+        mine["all_to_all"] = count.calls
     grads = {}
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if p.grad is None:
@@ -99,6 +105,19 @@ def main() -> None:
         with open(out, "w") as fh:
             json.dump({"ranks": ranks}, fh)
     D.teardown()
+
+
+class _CountAllToAll(TorchDispatchMode):
+    """Counts the all-to-all collectives dispatched while it is on (an op a checkpoint's recompute is handed from
+    the forward's saved outputs is not dispatched again, so not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops._c10d_functional.all_to_all_single.default
+        return func(*args, **(kwargs or {}))
 
 
 def explain_moe_block(ref, ep_mesh, input_ids) -> dict:

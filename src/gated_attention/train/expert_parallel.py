@@ -96,13 +96,12 @@ def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, t
     counts = expert_counts(flat_e, experts.num_experts)  # (E,)
     xs = h[order // k]  # (N*k, d)
 
-    def exchange():
-        with torch.no_grad():  # got[s * E_l + j] = rows rank s sends to local expert j
-            got = funcol.all_to_all_single(counts, None, None, group).view(ep, n_local)  # (ep, E_l)
-        # rows to each rank and from each: the split sizes, read on the host together (one sync per layer)
-        return (got, *torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist())  # sizes (2, ep)
-
-    got, send, recv = recorded(exchange)  # a checkpoint's recompute reuses its forward's: no second sync
+    # a checkpoint's recompute reuses its forward's exchange and sizes: no second all-to-all, no second sync
+    with torch.no_grad():  # got[s, j] = rows rank s sends to local expert j
+        got = recorded(lambda: funcol.all_to_all_single(counts, None, None, group), collective=True)
+    got = got.view(ep, n_local)  # (ep, E_l)
+    # rows to each rank and from each: the split sizes, read on the host together (one sync per layer)
+    send, recv = recorded(lambda: torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist())  # (2, ep)
     # under torch.compile the sizes are unbacked symbols (train/fastpath.py's dynamo options): tell it what they are
     for size in (*send, *recv):
         torch._check(size >= 0)
