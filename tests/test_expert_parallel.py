@@ -109,9 +109,10 @@ def test_ep_forward_and_gradients_equal_one_process(tmp_path, layout):
 
 def test_ep_compiles_without_graph_breaks_and_equals_one_process(tmp_path):
     """The expert-parallel dispatch, grouped experts and combine trace as one graph: torch._dynamo.explain counts no
-    graph break in an EP=2 MoE block's training forward under the trainer's dynamo options (the split sizes' host
-    read becomes unbacked sizes), and breaks there without them (the counter's positive control). The compiled
-    layers' forward and gradients (the trainer's compiled function, aot_eager) equal one process as eagerly."""
+    graph break in an EP=2 MoE block's training forward under bf16 autocast (the grouped kernel) and the trainer's
+    dynamo options (the split sizes' host read becomes unbacked sizes), and breaks there without them (the counter's
+    positive control). The compiled layers' forward and gradients (the trainer's compiled function, aot_eager, fp32)
+    equal one process as eagerly."""
     ranks = probe(tmp_path, ["model.router_aux_loss_coef=0.01", "model.router_z_loss_coef=0.001",
                              "expert_parallel=2"], compiled=True)
     for r in ranks:
@@ -232,8 +233,8 @@ def test_ep_under_bf16_params_gradients_as_close_as_fsdp_alone(tmp_path):
 
 @pytest.mark.slow
 def test_ep_under_compile_trains_like_one_process(tmp_path, reference):
-    """compile=true under EP=2 (the decoder layers compiled before sharding; the graph breaks around the exchange's
-    host-read split sizes) trains like the one-process eager run: the EP contract's 1e-4 on the final weights."""
+    """compile=true under EP=2 (the decoder layers compiled before sharding, the exchange traced at unbacked split
+    sizes, inductor) trains like the one-process eager run: the EP contract's 1e-4 on the final weights."""
     out = tmp_path / "ep_compiled"
     p = torchrun(out, SETS + ["expert_parallel=2", "compile=true"])
     assert p.returncode == 0, p.stderr[-3000:]

@@ -244,6 +244,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_g
     if use_grouped_mm:
         offs = counts.cumsum(0).to(torch.int32)  # (G,) end row of each group
         return _GroupedMM.apply(x.contiguous(), w, offs)
+    return _per_group_mm(x, w, counts)
+
+
+@torch.compiler.disable  # inductor cannot lower the split at unbacked sizes (its backward guards on them): eager
+def _per_group_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """grouped_matmul's fallback: one mm per contiguous group of rows."""
     segments = x.split(counts.tolist())  # one host sync; each segment is a contiguous view
     return torch.cat([seg @ w[g] for g, seg in enumerate(segments)], dim=0)  # (N, M)
 

@@ -122,8 +122,10 @@ class _CountAllToAll(TorchDispatchMode):
 
 def explain_moe_block(ref, ep_mesh, input_ids) -> dict:
     """torch._dynamo.explain of the expert-parallel path: the first MoE block of a copy of `ref` with its experts
-    sharded over `ep_mesh` (apply_expert_parallel; no FSDP2), in training mode on that block's real input, under the
-    trainer's dynamo options and without them: {"graph_breaks": n, "graph_breaks_without_options": n}."""
+    sharded over `ep_mesh` (apply_expert_parallel; no FSDP2), in training mode on that block's real input under bf16
+    autocast (the grouped kernel: fp32 under compile takes the per-expert fallback, a break of its own with or
+    without expert parallelism, moe.grouped_matmul), under the trainer's dynamo options and without them:
+    {"graph_breaks": n, "graph_breaks_without_options": n}."""
     from gated_attention.moe import moe_blocks
     from gated_attention.train.expert_parallel import apply_expert_parallel
     from gated_attention.train.fastpath import dynamo_options
@@ -139,7 +141,7 @@ def explain_moe_block(ref, ep_mesh, input_ids) -> dict:
     counts = {}
     for key, options in (("graph_breaks", dynamo_options), ("graph_breaks_without_options", contextlib.nullcontext)):
         torch._dynamo.reset()
-        with options():
+        with options(), torch.autocast("cpu", dtype=torch.bfloat16):
             counts[key] = torch._dynamo.explain(block)(seen["h"]).graph_break_count
     torch._dynamo.reset()
     return counts
