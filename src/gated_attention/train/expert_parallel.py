@@ -10,7 +10,8 @@ Applied to a built model (the model itself stays single-device code, moe.py):
     before; the (token, slot) rows are sorted by expert once (as the grouped path does; sorted by expert is sorted by
     destination rank), the per-expert counts are exchanged (one small all-to-all, then one host read of both split
     sizes together, as every all-to-all dispatcher needs; an activation checkpoint's recompute reuses the forward's,
-    moe.recorded), the rows go to their experts' ranks (torch's functional,
+    moe.recorded, and under `selective` is handed the all-to-alls' outputs, train/activation_checkpoint.py), the rows
+    go to their experts' ranks (torch's functional,
     autograd-aware all-to-all, whose backward sends the gradients back), are regrouped from
     source-rank-major to local-expert-major, and run through the same grouped matmuls (moe.grouped_matmul: one
     torch._grouped_mm or one mm per expert) on the local experts; the outputs return by the reverse all-to-all and are
@@ -34,8 +35,13 @@ Layout rules (one error each, before anything is built; train/parallel_dims.py):
 and the number of routed experts (every rank holds E_l >= 1 whole experts; E larger than the experts is refused,
 naming the valid E); a model without MoE layers is refused; dist=fsdp only. Routing is not capped (no
 capacity factor, as in one process): an unbalanced batch sends more rows to the busy experts' ranks, which is what
-max_load_over_mean in the log shows. torch.compile does not trace the exchange (its split sizes are read on the host):
-the compiled layer breaks its graph around it.
+max_load_over_mean in the log shows.
+
+torch.compile traces the whole path, exchange included, into the layer's graph: under the trainer's dynamo options
+(train/fastpath.py: capture_scalar_outputs, set while the compiled layers run) the host read of the split sizes
+becomes unbacked sizes in the graph (torch._check'd below) instead of a graph break. The experts' own FSDP2 group
+(shard_experts) still runs its hooks outside the graph, and in fp32 the per-expert matmul fallback stays eager
+(moe.grouped_matmul), as without expert parallelism.
 """
 from __future__ import annotations
 
