@@ -19,7 +19,9 @@ each block, then shard); FSDP2's hooks stay outside, in `__call__`. Under `activ
 checkpoint's per-op policy is traced with it (the graph's partitioner keeps the outputs the policy names); under
 `every:N` checkpointed and plain layers are two graphs (the graph guards on the layer's checkpointing flag).
 evaluation, the stats probe and analysis run the same layers eagerly, so their hooks and no_grad never trigger a
-recompile. Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
+recompile. While the compiled layers run, torch._dynamo's settings are DYNAMO_OPTIONS (scoped, not set at import):
+a host read such as expert parallelism's split sizes is traced as data-dependent sizes instead of breaking the graph.
+Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
 
 auto: a run shorter than its compile time does not compile. The first steps run eagerly; after AUTO_PROBE_STEPS
 timed steps (the process's first step is warm-up and not timed) the trainer compiles iff
