@@ -509,3 +509,20 @@ def test_recorded_exchange_is_computed_once_and_replayed_in_order():
     recorded(compute("c"))
     recorded(compute("c"))
     assert calls == ["a", "b", "c", "c"] and len(record.exchanges) == 2
+
+
+def test_recorded_collective_runs_again_under_a_checkpoint_that_keeps_collectives():
+    """Under a checkpoint that keeps collectives' outputs itself (`selective`: RoutingRecord(keeps_collectives)), a
+    recorded collective is neither kept nor replayed (its recompute dispatches it, to be handed the checkpoint's
+    saved output), while the host read after it still is; under `full` both are replayed."""
+    from gated_attention.moe import RoutingRecord, recorded, routing_record, routing_replay
+
+    for keeps, replayed_calls in ((True, ["all_to_all", "tolist", "all_to_all"]), (False, ["all_to_all", "tolist"])):
+        calls, record = [], RoutingRecord(keeps_collectives=keeps)
+        with routing_record(record):
+            got = recorded(lambda: calls.append("all_to_all") or "got", collective=True)
+            sizes = recorded(lambda: calls.append("tolist") or [1, 2])
+        with routing_replay(record):
+            assert recorded(lambda: calls.append("all_to_all") or "got", collective=True) == got
+            assert recorded(lambda: calls.append("tolist") or [9, 9]) == sizes == [1, 2]
+        assert calls == replayed_calls and len(record.exchanges) == (1 if keeps else 2), (keeps, calls)

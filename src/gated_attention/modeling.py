@@ -90,14 +90,14 @@ class _ExactRecompute:
     (a Python mode: torch.utils.checkpoint restores autocast and RNG, not modes; the backward runs outside it) and
     replays the MoE blocks' routing the forward recorded (moe.py) instead of deciding again."""
 
-    def __init__(self, function):
+    def __init__(self, function, keeps_collectives: bool = False):
         from .util.bf16_emulation import emulating
 
         self.function = function
         self.emulated = emulating()  # the numerics the forward runs in (checked when the layer is called)
         from .moe import RoutingRecord
 
-        self.routing = RoutingRecord()
+        self.routing = RoutingRecord(keeps_collectives)
         self.calls = 0
 
     def __call__(self, *args, **kwargs):
@@ -112,30 +112,32 @@ class _ExactRecompute:
             return self.function(*args, **kwargs)
 
 
-def exact_checkpoint(checkpoint_fn=None, traceable: bool = True):
+def exact_checkpoint(checkpoint_fn=None, traceable: bool = True, keeps_collectives: bool = False):
     """A decoder layer's checkpoint function (`checkpoint_fn(function, *args, **kwargs)`, torch.utils.checkpoint
     non-reentrant by default) whose recompute is identical to the forward (_ExactRecompute). `traceable` (a layer
     without MoE blocks): under torch.compile the plain checkpoint is traced into the layer's graph, whose recompute is
     the compiled graph's own. An MoE layer always records and replays its routing (its Python-side statistics keep
-    the checkpoint out of the compiled graph anyway, so the checkpoint runs eagerly around the compiled parts)."""
+    the checkpoint out of the compiled graph anyway, so the checkpoint runs eagerly around the compiled parts).
+    `keeps_collectives`: checkpoint_fn's recompute is handed the collectives' forward outputs (moe.RoutingRecord)."""
     checkpoint_fn = checkpoint_fn or functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
 
     @functools.wraps(checkpoint_fn)
     def checkpoint(function, *args, **kwargs):
         if traceable and torch.compiler.is_compiling():
             return checkpoint_fn(function, *args, **kwargs)
-        return checkpoint_fn(_ExactRecompute(function), *args, **kwargs)
+        return checkpoint_fn(_ExactRecompute(function, keeps_collectives), *args, **kwargs)
 
     return checkpoint
 
 
-def set_exact_checkpointing(layers, checkpoint_fn=None, enable: bool = True) -> None:
+def set_exact_checkpointing(layers, checkpoint_fn=None, enable: bool = True, keeps_collectives: bool = False) -> None:
     """Checkpoint each decoder layer in `layers` with exact_checkpoint(checkpoint_fn) (or stop, enable=False)."""
     from .moe import SparseMoeBlock
 
     for layer in layers:
         moe = any(isinstance(m, SparseMoeBlock) for m in layer.modules())
-        layer._gradient_checkpointing_func = exact_checkpoint(checkpoint_fn, traceable=not moe)
+        layer._gradient_checkpointing_func = exact_checkpoint(checkpoint_fn, traceable=not moe,
+                                                              keeps_collectives=keeps_collectives)
         layer.gradient_checkpointing = enable
 
 

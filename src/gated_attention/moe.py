@@ -111,11 +111,14 @@ def _in_backward() -> bool:
 
 class RoutingRecord(list):
     """One checkpointed call's record: an entry (top_i, global counts, global tokens) per MoE block call, in call
-    order, and in `exchanges` what each expert-parallel dispatch exchanged before its all-to-all (`recorded`)."""
+    order, and in `exchanges` what each expert-parallel dispatch exchanged before its all-to-all (`recorded`).
+    `keeps_collectives`: the checkpoint keeps collectives' outputs itself (`selective`), so only host reads are kept
+    here (a skipped collective would shift the recompute's place in the checkpoint's own record of op outputs)."""
 
-    def __init__(self):
+    def __init__(self, keeps_collectives: bool = False):
         super().__init__()
         self.exchanges: list = []
+        self.keeps_collectives = keeps_collectives
 
 
 class _Routing(threading.local):
@@ -140,10 +143,15 @@ def _routing(mode: str, entries: list):
         _ROUTING.mode, _ROUTING.entries, _ROUTING.next, _ROUTING.next_exchange = saved
 
 
-def recorded(compute):
-    """`compute()` (an expert-parallel dispatch's exchange of counts and its host read of the split sizes), kept in a
-    recorded forward's RoutingRecord and taken from it in the recompute, which so exchanges and reads nothing again."""
-    mode, exchanges = _ROUTING.mode, getattr(_ROUTING.entries, "exchanges", None)
+def recorded(compute, collective: bool = False):
+    """`compute()` (an expert-parallel dispatch's exchange of counts, `collective`, or its host read of the split
+    sizes), kept in a recorded forward's RoutingRecord and taken from it in the recompute, which so exchanges and
+    reads nothing again. A collective under a checkpoint that keeps collectives' outputs itself runs in the recompute
+    too: it is handed the forward's output there, without communicating."""
+    mode, entries = _ROUTING.mode, _ROUTING.entries
+    exchanges = getattr(entries, "exchanges", None)
+    if collective and getattr(entries, "keeps_collectives", False):
+        exchanges = None
     if mode == "replay" and exchanges is not None:
         _ROUTING.next_exchange += 1
         return exchanges[_ROUTING.next_exchange - 1]
@@ -236,6 +244,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_g
     if use_grouped_mm:
         offs = counts.cumsum(0).to(torch.int32)  # (G,) end row of each group
         return _GroupedMM.apply(x.contiguous(), w, offs)
+    return _per_group_mm(x, w, counts)
+
+
+@torch.compiler.disable  # inductor cannot lower the split at unbacked sizes (its backward guards on them): eager
+def _per_group_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """grouped_matmul's fallback: one mm per contiguous group of rows."""
     segments = x.split(counts.tolist())  # one host sync; each segment is a contiguous view
     return torch.cat([seg @ w[g] for g, seg in enumerate(segments)], dim=0)  # (N, M)
 

@@ -20,9 +20,9 @@ from ..modeling import set_exact_checkpointing
 from .config import checkpointing_mode
 
 
-def _aten_ops(*names: str) -> frozenset:
-    """The default overloads of the aten ops named that this torch build has (the attention kernels differ by build)."""
-    return frozenset(getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n))
+def _ops(namespace, *names: str) -> frozenset:
+    """The default overloads of the ops named that this torch build has (the attention kernels differ by build)."""
+    return frozenset(getattr(namespace, n).default for n in names if hasattr(namespace, n))
 
 
 # What `selective` keeps: the outputs of the GEMMs (the fused q/k/v/gate projection, o_proj, the SwiGLU's and the
@@ -30,9 +30,14 @@ def _aten_ops(*names: str) -> frozenset:
 # gated output). Everything between them
 # (RMSNorm, QK-norm, RoPE, the gate's sigmoid and product, SiLU and the SwiGLU product, reshapes, casts, the MoE
 # sort/gather) is recomputed in backward from these: cheap elementwise work, ~half the bytes `none` keeps per layer.
-SELECTIVE_SAVES = _aten_ops("mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm",
-                            "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-                            "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+# And the outputs of the functional collectives (expert parallelism's all-to-alls; reduce-scatter and all-gather as
+# torchtitan's list has the first two), so a recompute never communicates again. Not wait_tensor (nor in
+# torchtitan's list): it returns its input, here a kept output already, so waiting again communicates nothing.
+SELECTIVE_SAVES = _ops(torch.ops.aten, "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm",
+                       "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"
+                       ) | _ops(torch.ops._c10d_functional, "all_to_all_single", "reduce_scatter_tensor",
+                                "all_gather_into_tensor")
 # ...and, by name, the `triton_gated` kernel's op, which exists only once that backend has run (kernels/__init__.py)
 SELECTIVE_SAVE_NAMES = frozenset({FLASH_ATTENTION_OP})
 
@@ -94,5 +99,6 @@ def apply_activation_checkpointing(layers: list[nn.Module], mode: str) -> int:
                          "or any transformers GradientCheckpointingLayer); use --set activation_checkpointing=none")
     extra = {"context_fn": selective_contexts} if kind == "selective" else {}
     chosen = layers[::every]
-    set_exact_checkpointing(chosen, functools.partial(checkpoint, use_reentrant=False, **extra))
+    set_exact_checkpointing(chosen, functools.partial(checkpoint, use_reentrant=False, **extra),
+                            keeps_collectives=kind == "selective")
     return len(chosen)

@@ -10,7 +10,8 @@ Applied to a built model (the model itself stays single-device code, moe.py):
     before; the (token, slot) rows are sorted by expert once (as the grouped path does; sorted by expert is sorted by
     destination rank), the per-expert counts are exchanged (one small all-to-all, then one host read of both split
     sizes together, as every all-to-all dispatcher needs; an activation checkpoint's recompute reuses the forward's,
-    moe.recorded), the rows go to their experts' ranks (torch's functional,
+    moe.recorded, and under `selective` is handed the all-to-alls' outputs, train/activation_checkpoint.py), the rows
+    go to their experts' ranks (torch's functional,
     autograd-aware all-to-all, whose backward sends the gradients back), are regrouped from
     source-rank-major to local-expert-major, and run through the same grouped matmuls (moe.grouped_matmul: one
     torch._grouped_mm or one mm per expert) on the local experts; the outputs return by the reverse all-to-all and are
@@ -38,8 +39,13 @@ Layout rules (one error each, before anything is built; train/parallel_dims.py):
 and the number of routed experts (every rank holds E_l >= 1 whole experts; E larger than the experts is refused,
 naming the valid E); a model without MoE layers is refused; dist=fsdp only. Routing is not capped (no
 capacity factor, as in one process): an unbalanced batch sends more rows to the busy experts' ranks, which is what
-max_load_over_mean in the log shows. torch.compile does not trace the exchange (its split sizes are read on the host):
-the compiled layer breaks its graph around it.
+max_load_over_mean in the log shows.
+
+torch.compile traces the whole path, exchange included, into the layer's graph: under the trainer's dynamo options
+(train/fastpath.py: capture_scalar_outputs, set while the compiled layers run) the host read of the split sizes
+becomes unbacked sizes in the graph (torch._check'd below) instead of a graph break. The experts' own FSDP2 group
+(shard_experts) still runs its hooks outside the graph, and in fp32 the per-expert matmul fallback stays eager
+(moe.grouped_matmul), as without expert parallelism.
 """
 from __future__ import annotations
 
@@ -68,7 +74,9 @@ class _ScaleGrad(torch.autograd.Function):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (differentiable), or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ExpertParallelExperts(MoeExperts):
@@ -86,7 +94,6 @@ class ExpertParallelExperts(MoeExperts):
         return _dispatch_compute_combine(self, h, top_i, top_w, False)
 
 
-@torch.compiler.disable  # host-read split sizes: compiled layers break their graph here
 def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, top_i: torch.Tensor,
                               top_w: torch.Tensor, use_grouped_mm) -> torch.Tensor:
     """h (N, d), top_i / top_w (N, k) -> (N, d): this rank's tokens through experts held across the group."""
@@ -97,16 +104,20 @@ def _dispatch_compute_combine(experts: ExpertParallelExperts, h: torch.Tensor, t
     counts = expert_counts(flat_e, experts.num_experts)  # (E,)
     xs = h[order // k]  # (N*k, d)
 
-    def exchange():
-        with torch.no_grad():  # got[s * E_l + j] = rows rank s sends to local expert j
-            got = funcol.all_to_all_single(counts, None, None, group).view(ep, n_local)  # (ep, E_l)
-        # rows to each rank and from each: the split sizes, read on the host together (one sync per layer)
-        return (got, *torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist())  # sizes (2, ep)
-
-    got, send, recv = recorded(exchange)  # a checkpoint's recompute reuses its forward's: no second sync
+    # a checkpoint's recompute reuses its forward's exchange and sizes: no second all-to-all, no second sync
+    with torch.no_grad():  # got[s, j] = rows rank s sends to local expert j
+        got = recorded(lambda: funcol.all_to_all_single(counts, None, None, group), collective=True)
+    got = got.view(ep, n_local)  # (ep, E_l)
+    # rows to each rank and from each: the split sizes, read on the host together (one sync per layer)
+    send, recv = recorded(lambda: torch.stack([counts.view(ep, n_local).sum(1), got.sum(1)]).tolist())  # (2, ep)
+    # under torch.compile the sizes are unbacked symbols (train/fastpath.py's dynamo options): tell it what they are
+    for size in (*send, *recv):
+        torch._check(size >= 0)
+    torch._check(sum(send) == xs.shape[0])
     xr = funcol.all_to_all_single_autograd(xs, recv, send, group)  # (R, d) source-rank-major, expert-sorted inside
     # regroup by local expert, sources in rank order inside each (so an expert's rows are the global batch's order)
-    local_e = torch.repeat_interleave(torch.arange(n_local, device=got.device).repeat(ep), got.reshape(-1))  # (R,)
+    local_e = torch.repeat_interleave(torch.arange(n_local, device=got.device).repeat(ep), got.reshape(-1),
+                                      output_size=sum(recv))  # (R,)
     perm = torch.argsort(local_e, stable=True)  # (R,) expert-major position -> received row
     xe = xr[perm]  # (R, d)
     per_expert = got.sum(0)  # (E_l,)

@@ -19,7 +19,9 @@ each block, then shard); FSDP2's hooks stay outside, in `__call__`. Under `activ
 checkpoint's per-op policy is traced with it (the graph's partitioner keeps the outputs the policy names); under
 `every:N` checkpointed and plain layers are two graphs (the graph guards on the layer's checkpointing flag).
 evaluation, the stats probe and analysis run the same layers eagerly, so their hooks and no_grad never trigger a
-recompile. Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
+recompile. While the compiled layers run, torch._dynamo's settings are DYNAMO_OPTIONS (scoped, not set at import):
+a host read such as expert parallelism's split sizes is traced as data-dependent sizes instead of breaking the graph.
+Compiling the whole model instead cost ~4x longer before its first step for the same steady step time.
 With the layers, the chunked loss's math after each lm_head GEMM is compiled too (`fused.use_compiled_math`): the
 fp32 log-sum-exp and the softmax gradient become fused passes over each chunk's logits, with no fp32 (c, V) copy
 (the eager path's separate passes and casts were what made our step slower than a whole-model compile).
@@ -51,6 +53,11 @@ COMPILE_COST_STEPS = 70.0  # cold compile of the layer graph (fwd + bwd) in eage
 COMPILE_COST_MIN_S = 30.0  # ...and never less than this (a tiny model's steps are fast, its compile is not)
 COMPILE_SAVING = 0.15  # share of the eager fast-path step compiling saves (measured 0.15-0.20, fp32 and bf16)
 AUTO_PROBE_STEPS = 2  # eager steps timed before auto decides (after one untimed warm-up step)
+# torch._dynamo settings the compiled layers are traced under (set while they run, not at import):
+# capture_scalar_outputs turns a host read of a device tensor (.tolist(): expert parallelism's all-to-all split sizes,
+# the per-expert matmul's group sizes) into unbacked symbolic sizes inside the graph instead of a graph break, as
+# torchtitan's compile does for token-choice MoE dispatch.
+DYNAMO_OPTIONS = {"capture_scalar_outputs": True}
 
 
 def compile_choice(value) -> str:
@@ -75,6 +82,11 @@ def compiler_missing(device: torch.device) -> str | None:
     except Exception as exc:  # no compiler found, or inductor unusable
         return f"no C++ compiler for inductor ({exc})"
     return None if shutil.which(cxx) or shutil.which(cxx.split()[0]) else f"no C++ compiler {cxx!r} on PATH"
+
+
+def dynamo_options():
+    """Context under which the compiled layers are traced (DYNAMO_OPTIONS)."""
+    return torch._dynamo.config.patch(**DYNAMO_OPTIONS)
 
 
 def compile_cost_s(eager_step_s: float) -> float:
@@ -142,7 +154,7 @@ class SpeedPlan:
         for layer in self.layers:  # an instance attribute shadows the class's forward; hooks stay outside the graph
             layer.forward = functools.partial(self.compiled_fn, layer)
         try:
-            with use_compiled_math(self.loss_math):
+            with dynamo_options(), use_compiled_math(self.loss_math):
                 yield
         finally:
             for layer in self.layers:

@@ -103,7 +103,7 @@ import torch
 from torch import nn
 
 from . import fsdp_policy as FP
-from .config import TrainConfig, accum_for
+from .config import TrainConfig, accum_for, checkpointing_mode
 from . import plan_hardware
 from .memory_decision import GB, MemoryDecision, decide
 from .parallel_dims import ParallelDims, expert_shard_dim
@@ -260,7 +260,7 @@ def memory(sz: dict, config, *, world: int, dist: str, precision: str, checkpoin
     else:
         buffers = 0.0
     routed = ROUTED_ALLOWANCE if ep > 1 else 1.0  # a rank computes the rows routed to its experts: not balanced
-    act = activation_bytes(config, tokens, precision, checkpointing, fused_loss, routed)["total"]
+    act = activation_bytes(config, tokens, precision, checkpointing, fused_loss, routed, ep)["total"]
     overhead = (GPU_OVERHEAD_GB if device == "cuda" else CPU_OVERHEAD_GB) * GB
     parts = {"params": params, "grads": grads, "optimizer": optimizer, "activations": act,
              "loss": loss_temporaries(config, tokens, precision, fused_loss),
@@ -313,12 +313,13 @@ def all_to_all_bytes(config, *, tokens: int, precision: str, ep: int, checkpoint
     """(bytes one rank sends in one all-to-all, such exchanges per micro-batch of `tokens` tokens) under expert
     parallelism (module docstring: comm): in every MoE layer each token's k rows of d activations go out to their
     experts' ranks and come back (dispatch + combine), again for their gradients in backward, and once more where
-    activation checkpointing recomputes the forward; (ep - 1) / ep of the rows leave the rank under balanced
-    routing."""
+    activation checkpointing recomputes the forward (not under "selective": it keeps the all-to-alls' outputs);
+    (ep - 1) / ep of the rows leave the rank under balanced routing."""
     if ep <= 1 or not config.num_experts:
         return 0.0, 0
     moe = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-    replayed = set(checkpointed_layers(config, checkpointing))  # "selective" too: it keeps no collective's output
+    replayed = set() if checkpointing_mode(checkpointing)[0] == "selective" else set(
+        checkpointed_layers(config, checkpointing))
     ab = 4 if precision == "fp32" else 2  # the activations' dtype (bf16 under autocast and bf16-params)
     passes = sum(4 + (2 if i in replayed else 0) for i in moe)
     return tokens * config.num_experts_per_tok * config.hidden_size * ab, passes

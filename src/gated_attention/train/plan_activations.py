@@ -66,12 +66,15 @@ def layer_activation_bytes(config, layer_idx: int, tokens: int, precision: str, 
     return {"per_token": per_token, "tokens": tokens, "weights": weights, "total": per_token * tokens + weights}
 
 
-def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str, routed: float = 1.0) -> int:
+def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str, routed: float = 1.0,
+                          ep: int = 1) -> int:
     """What decoder layer `layer_idx` keeps under `activation_checkpointing=selective` (activation_checkpoint.SELECTIVE_SAVES)
     over `tokens` tokens: its input (the residual stream's dtype) and the outputs of its GEMMs and attention kernel,
     per token: the fused q/k/v(/G1 gate) projection q + 2kv + g, o_proj d, the attention output q and its fp32
     log-sum-exp H, then the SwiGLU's gate, up and down projections 2f + d, or an MoE layer's fp32 router logits E and
-    per routed slot the experts' gate/up and down projections k (2I + d) (a shared expert: 2s + d + 1 more). GEMM and
+    per routed slot the experts' gate/up and down projections k (2I + d) (a shared expert: 2s + d + 1 more), and under
+    expert parallelism (`ep` > 1) the all-to-alls' outputs, the rows received for the local experts and the rows
+    returned, k (d + d) (the routed ones scaled by `routed`). GEMM and
     attention outputs are in the compute dtype (fp32, or bf16 as a GPU writes them; the bf16 GEMM emulation of
     AVX2-only CPUs keeps its fp32 GEMM outputs instead, twice that)."""
     d, H, KV, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -84,6 +87,8 @@ def selective_layer_bytes(config, layer_idx: int, tokens: int, precision: str, r
         k, I = config.num_experts_per_tok, config.moe_intermediate_size
         s = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
         elements += round(routed * k * (2 * I + d)) + (2 * s + d + 1 if s else 0)
+        if ep > 1:
+            elements += round(routed * k * d) + k * d
         per_token += 4 * config.num_experts  # the router GEMM runs in fp32
     else:
         elements += 2 * config.intermediate_size + d
@@ -98,17 +103,18 @@ def checkpointed_layers(config, checkpointing: str) -> list[int]:
 
 
 def activation_bytes(config, tokens: int, precision: str, checkpointing: str, fused_loss: bool = True,
-                     routed: float = 1.0) -> dict:
+                     routed: float = 1.0, ep: int = 1) -> dict:
     """Saved activations of a micro-batch of `tokens` tokens: `saved_layers` (what every layer keeps through the
     forward, `layer_kept_bytes`, plus, under checkpointing, the largest checkpointed layer's activations: one layer
     is recomputed at a time), `rest` (the final norm and the loss: the fused loss computes its gradients in the
     forward and keeps its fp32 (V, d) head gradient; the plain loss keeps fp32 logits), and `working`: the backward's
     own memory, estimated as one layer's activations and two gradients of the residual stream. `routed`: the MoE
-    layers' routed rows per token slot (layer_activation_bytes)."""
+    layers' routed rows per token slot (layer_activation_bytes); `ep`: the expert-parallel degree."""
     L, d, V, D = config.num_hidden_layers, config.hidden_size, config.vocab_size, config.head_dim
     layers = [layer_activation_bytes(config, i, tokens, precision, fused_loss, routed)["total"] for i in range(L)]
     recomputed = checkpointed_layers(config, checkpointing)
-    saved = sum(layer_kept_bytes(config, i, tokens, precision, checkpointing, fused_loss, routed) for i in range(L))
+    saved = sum(layer_kept_bytes(config, i, tokens, precision, checkpointing, fused_loss, routed, ep)
+                for i in range(L))
     saved += max((layers[i] for i in recomputed), default=0)
     cd, cD = REST_COEF[precision]
     rest = tokens * (cd * d + cD * D + 12)
@@ -118,14 +124,14 @@ def activation_bytes(config, tokens: int, precision: str, checkpointing: str, fu
 
 
 def layer_kept_bytes(config, layer_idx: int, tokens: int, precision: str, checkpointing: str,
-                     fused_loss: bool = True, routed: float = 1.0) -> int:
+                     fused_loss: bool = True, routed: float = 1.0, ep: int = 1) -> int:
     """What decoder layer `layer_idx` keeps from its forward until its backward under `checkpointing`: everything
     it saves (`layer_activation_bytes`) when it is not checkpointed, its input alone (the residual stream's dtype)
     under full checkpointing, its input and GEMM / attention outputs under "selective" (`selective_layer_bytes`)."""
     if layer_idx not in checkpointed_layers(config, checkpointing):
         return layer_activation_bytes(config, layer_idx, tokens, precision, fused_loss, routed)["total"]
     if checkpointing_mode(checkpointing)[0] == "selective":
-        return selective_layer_bytes(config, layer_idx, tokens, precision, routed)
+        return selective_layer_bytes(config, layer_idx, tokens, precision, routed, ep)
     return tokens * config.hidden_size * (2 if precision == "bf16-params" else 4)
 
 
