@@ -103,7 +103,9 @@ def tiny_corpus(tmp_path_factory) -> Path:
 # --- Scheduling over xdist workers (pyproject's addopts: -n auto --dist loadgroup --no-loadscope-reorder) ----------
 # Each test is its own unit of work, except the files whose module fixtures cost seconds to build (a lab run, a
 # prepared corpus): those carry `pytestmark = pytest.mark.xdist_group(...)` and run whole in one worker, their
-# fixtures built once. Units are sent to the workers longest first (the LPT rule: the last unit to finish is then a
+# fixtures built once. The other files' shared fixtures are session-scoped, built at most once per worker: a
+# module-scoped one would be torn down and built again whenever the worker turns to another file's test, which the
+# order below does all the time. Units are sent to the workers longest first (the LPT rule: the last unit to finish is then a
 # short one), by the per-test seconds of the last profiled run in tests/durations.json (refreshed with
 # scripts/refresh_test_durations.py); a test not in it counts as DEFAULT_SECONDS. Only the ORDER depends on those
 # timings: what runs, and every result, does not.

@@ -19,7 +19,7 @@ SETS = ["steps=6", "precision=fp32", "stats_every=3", "ckpt_every=2", "keep_chec
 ASYNC = SETS + ["async_checkpoint=true"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def blocking(tmp_path_factory) -> Path:
     """The same run with blocking saves: checkpoints at steps 2, 4 and 6, all kept."""
     out = tmp_path_factory.mktemp("blocking") / "run"

@@ -26,7 +26,7 @@ def _fake_text(seed: int, paragraphs: int) -> str:
     return "\n\n".join(" ".join(rng.choice(WORDS) for _ in range(rng.randint(8, 40))) for _ in range(paragraphs)) + "\n"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def small(tmp_path_factory):
     """A corpus from a folder of text files and a JSONL file (no built-in sources): fast to build."""
     root = tmp_path_factory.mktemp("src")

@@ -27,7 +27,7 @@ from harness import run_gattn, torchrun_argv
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def sharded(tmp_path_factory):
     """A two-domain corpus cut into shards of 5 chunks (so windows cross shard boundaries)."""
     root = tmp_path_factory.mktemp("src")
@@ -56,7 +56,7 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(l)["loss"] for l in (run / "log.jsonl").read_text().splitlines() if "loss" in json.loads(l)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def reference(sharded, tmp_path_factory) -> list[float]:
     out = tmp_path_factory.mktemp("single")
     train(apply_overrides(tiny(), _sets(sharded)), out)

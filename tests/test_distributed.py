@@ -40,19 +40,19 @@ def bounded(cmd: list[str], env: dict, limit: float) -> tuple[int | None, str]:
             return None, out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("single")
     train(apply_overrides(tiny(), SETS), out)
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def reference(reference_dir) -> list[float]:
     return losses(reference_dir)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def reference_fsdp(tmp_path_factory) -> list[float]:
     """dist=fsdp in one process: the meta-device build filled at once, the init stream N ranks fill shard by shard."""
     out = tmp_path_factory.mktemp("single_fsdp")

@@ -58,7 +58,7 @@ def torchrun(out: Path, sets: list[str], env_extra: dict | None = None, resume: 
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def reference(tmp_path_factory) -> Path:
     """One process, dist=fsdp: the meta-device build filled with the init stream every world size fills."""
     out = tmp_path_factory.mktemp("one")
@@ -216,6 +216,7 @@ def split_dims(state: Path) -> set[int]:
             for c in m.chunks for d, o in enumerate(c.offsets) if o}
 
 
+@pytest.mark.slow  # three ranks on two cores (~50 s): `pytest -m slow`
 def test_checkpoints_resume_across_expert_placements(tmp_path):
     """3 routed experts: at 3 ranks one whole expert each (Shard(0)), at 2 ranks each expert split on dim 1
     (Shard(1)). Trained at 3 ranks (killed after step 2, checkpoint at 2), resumed at 2 ranks (killed after step 4),

@@ -29,12 +29,12 @@ TEXT = ("It is a truth universally acknowledged, that a single man in possession
 GATES = ("sdpa_elementwise", "sdpa_headwise")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def tok_json(tiny_corpus):
     return tiny_corpus / "tokenizer" / "tokenizer.json"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def text_ids(tok_json):
     from tokenizers import Tokenizer
 

@@ -46,7 +46,7 @@ def config(sets: str):
                                     *(s.replace(":", "=", 1) for s in sets.split(",") if s)])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def measured(tmp_path_factory) -> list[dict]:
     """Each rank's record of the RUNS, trained one after another in one torchrun job (tests/probes/fsdp_gathers.py)."""
     tmp = tmp_path_factory.mktemp("gathers")

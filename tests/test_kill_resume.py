@@ -93,7 +93,7 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def sink_start(tmp_path_factory):
     """A trained sink-lab baseline (the small budget), the retrofit case's starting model."""
     from harness import run_gattn

@@ -12,7 +12,7 @@ import torch
 from harness import tiny_lm
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def sink_units(tmp_path_factory):
     """A sink-lab OUT with two tiny finished units (baseline, G1 elementwise), trained for a few steps."""
     from gated_attention.labs.sinks import sink_lab
@@ -24,7 +24,7 @@ def sink_units(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def compare_like(tmp_path_factory, tiny_corpus):
     """A compare-shaped OUT: runs/<variant>/final (a tiny LM over the corpus vocabulary) + train_config.json."""
     out = tmp_path_factory.mktemp("cmp")

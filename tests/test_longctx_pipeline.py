@@ -38,7 +38,7 @@ def _text(seed: int, paragraphs: int) -> str:
     return "\n\n".join(paras) + "\n"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def corpus_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
     return prepare_text_corpus(out, {"prose": [_text(i, 60) for i in range(8)]}, vocab_size=600,
@@ -103,7 +103,7 @@ def test_bos_tokenizer_prompt_lengths(corpus_dir):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # gattn extend --finetune-steps
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def trained(corpus_dir, tmp_path_factory):
     from gated_attention.train.trainer import train
 

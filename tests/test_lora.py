@@ -30,7 +30,7 @@ def _batches(tiny_corpus, n, seed=0):
     return [sample_batch(corpus, "train", 4, 32, seed=seed, step=step) for step in range(n)]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def trained(tiny_corpus):
     """A perturbed tiny elementwise-gated model with LoRA on q and the gate, trained 8 steps, and its losses."""
     from gated_attention.data import Corpus

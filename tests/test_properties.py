@@ -173,7 +173,7 @@ def _tiny_corpus(root: Path) -> Path:
     return data
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def world(tmp_path_factory):
     """A tiny corpus, a finished tiny run on it (final/ with tokenizer) and an ungated one, some files/folders."""
     root = tmp_path_factory.mktemp("fuzz")

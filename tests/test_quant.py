@@ -77,7 +77,7 @@ def test_awq_search_never_loses_to_plain_int4_and_wins_on_outlier_channels():
     assert alpha > 0 and err_awq < 0.8 * err_plain
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def gated():
     m = perturb(tiny_lm("sdpa_elementwise", vocab_size=128, hidden_size=64, head_dim=16), std=0.1)
     with torch.no_grad():  # a gate with large weights, the fused-projection failure the issues report

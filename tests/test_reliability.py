@@ -44,7 +44,7 @@ def one_line_error(capsys, cmd: str, *needles: str) -> str:
     return errs[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def run_dir(tmp_path_factory) -> Path:
     """A finished tiny run (synthetic data): final/, checkpoints at steps 2 and 4, log.jsonl, summary.json."""
     out = tmp_path_factory.mktemp("run")

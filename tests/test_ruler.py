@@ -33,7 +33,7 @@ def make_tokenizer(vocab_size: int = 600) -> PreTrainedTokenizerFast:
                                    pad_token="</s>")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def tok():
     return make_tokenizer()
 

@@ -29,7 +29,7 @@ STRAYS = ("checkpoints/step_00000099", "checkpoints/step_00000003.txt", "checkpo
           "checkpoints/.tmp-step_00000006", "checkpoints/corrupt-step_00000004", "checkpoints/step_00000006")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # built once per worker (tests/conftest.py: scheduling)
 def finished(tmp_path_factory) -> tuple[Path, dict]:
     """A finished tiny run (checkpoints at steps 2 and 4, final/, summary.json, log.jsonl) and its losses by step."""
     out = tmp_path_factory.mktemp("fuzz") / "run"
