@@ -4,6 +4,8 @@ export to GGUF with the merged model's logits (the numpy reference of llama.cpp'
 `serve` extra is installed). The fused-layout adapter equals the two native adapters row for row."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -79,7 +81,7 @@ def test_merge_convert_to_qwen3_next_and_export_keep_the_logits(trained, tiny_co
     ids = torch.tensor([_batches(tiny_corpus, 1, seed=1)[0][0].tolist()])
     with torch.no_grad():
         adapted = peft_model(input_ids=ids).logits[0]
-    merged = peft_model.merge_and_unload().eval()
+    merged = copy.deepcopy(peft_model).merge_and_unload().eval()  # the shared fixture keeps its adapters
     with torch.no_grad():
         logits = merged(ids).logits[0]
     torch.testing.assert_close(logits, adapted, rtol=0, atol=1e-5)
