@@ -263,12 +263,17 @@ def _accumulate_weight_grad(grad_w: torch.Tensor, g: torch.Tensor, hc: torch.Ten
         grad_w += g.t() @ hc
 
 
+def _valid_targets(tc: torch.Tensor, ignore_index: int):
+    """(which targets count (c,), the targets with ignored ones set to 0 so they can index a row)."""
+    valid = tc != ignore_index
+    return valid, torch.where(valid, tc, torch.zeros_like(tc))
+
+
 def _chunk_ce(hc: torch.Tensor, w: torch.Tensor, tc: torch.Tensor, ignore_index: int):
     """One chunk's cross-entropy per token (0 where ignored), and what its gradient reuses: (ce (c,), exp(logit -
     max) (c, V) fp32, its row sums z (c,), the valid mask (c,), the targets with ignored ones set to 0 (c,))."""
     logits = (hc @ w.t()).float()  # (c, V): fp32 only for the log-sum-exp, as transformers does
-    valid = tc != ignore_index
-    safe = torch.where(valid, tc, torch.zeros_like(tc))
+    valid, safe = _valid_targets(tc, ignore_index)
     picked = logits.gather(1, safe[:, None]).squeeze(1)  # (c,)
     top = logits.amax(dim=-1)  # (c,)
     # one exp pass serves both the loss (log of its row sum) and the gradient (the softmax itself)
@@ -321,24 +326,21 @@ class _ChunkedLinearCE(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(h) if want_grad else None  # (N, d)
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_grad else None
-            math = _COMPILED_MATH if want_grad else None
+            math = _COMPILED_MATH if want_grad else None  # the compiled step's fused passes, or the eager ones
             for s in range(0, n, chunk):
                 hc, tc = h[s:s + chunk], targets[s:s + chunk]  # (c, d), (c,)
                 if math is not None:
-                    valid = tc != ignore_index
-                    safe = torch.where(valid, tc, torch.zeros_like(tc))
+                    valid, safe = _valid_targets(tc, ignore_index)
                     ce, g = math(hc @ w.t(), safe, valid, valid.to(torch.float32) / denom)  # (c,), (c, V)
-                    total = total + ce.sum()
-                    grad_h[s:s + chunk] = g @ w
-                    _accumulate_weight_grad(grad_w, g, hc)
-                    continue
-                ce, e, z, valid, safe = _chunk_ce(hc, w, tc, ignore_index)
+                else:
+                    ce, e, z, valid, safe = _chunk_ce(hc, w, tc, ignore_index)
+                    if want_grad:
+                        w_tok = valid.to(e.dtype) / denom  # (c,) per-token weight; ignored tokens contribute nothing
+                        e.mul_((w_tok / z)[:, None])  # softmax * weight, one pass
+                        e.scatter_add_(1, safe[:, None], -w_tok[:, None])  # (softmax - onehot) * weight
+                        g = e.to(compute_dtype)  # (c, V)
                 total = total + ce.sum()
                 if want_grad:
-                    w_tok = valid.to(e.dtype) / denom  # (c,) per-token weight; ignored tokens contribute nothing
-                    e.mul_((w_tok / z)[:, None])  # softmax * weight, one pass
-                    e.scatter_add_(1, safe[:, None], -w_tok[:, None])  # (softmax - onehot) * weight
-                    g = e.to(compute_dtype)  # (c, V)
                     grad_h[s:s + chunk] = g @ w
                     _accumulate_weight_grad(grad_w, g, hc)  # (V, d), accumulated in fp32 across chunks
             loss = total / denom
